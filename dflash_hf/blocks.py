@@ -1,0 +1,257 @@
+"""Anchors, block layout, attention masks and positions (DESIGN 3.3-3.5), for padded and packed rows.
+
+Coordinates: every tensor here is in *row* coordinates after leading padding was moved to the end
+(`move_leading_padding`), so real tokens of a row occupy `[0, len)` and padding never precedes them.
+
+A row's documents are described by `doc_ids[b, S]` (document index, -1 on padding) and
+`positions[b, S]` (RoPE position of each token, restarting at 0 per document).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask
+except ImportError:  # pragma: no cover
+    create_block_mask = None
+
+
+# --------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------
+def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Number of leading padding positions per row: `[b]`."""
+    real = attention_mask.bool()
+    first = torch.where(real.any(-1), real.int().argmax(-1), torch.zeros_like(real[:, 0], dtype=torch.long))
+    return first.long()
+
+
+def move_leading_padding(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Roll each row of `x` (`[b, S, ...]`) left by `shifts[b]`: leading padding goes to the end."""
+    if not bool(shifts.any()):
+        return x
+    b, s = x.shape[:2]
+    idx = (torch.arange(s, device=x.device)[None] + shifts.to(x.device)[:, None]) % s  # [b, S]
+    idx = idx.view(b, s, *([1] * (x.dim() - 2))).expand_as(x)
+    return torch.gather(x, 1, idx)
+
+
+def doc_ids_from(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Document index per token (`-1` on padding). Packed rows start a new document wherever
+    `position_ids` restarts at 0; a padded row is one document."""
+    real = attention_mask.bool()
+    if position_ids is None:
+        return torch.where(real, 0, -1)
+    starts = (position_ids == 0) & real
+    docs = torch.cumsum(starts.long(), dim=-1) - 1
+    return torch.where(real, docs, -1)
+
+
+def row_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE positions of the draft context: `position_ids` for packed rows, else 0..len-1 per row
+    (rows are already left-aligned)."""
+    if position_ids is not None:
+        return position_ids.long()
+    s = attention_mask.shape[-1]
+    return torch.arange(s, device=attention_mask.device)[None].expand_as(attention_mask).long()
+
+
+# --------------------------------------------------------------------------------------------
+# Anchors
+# --------------------------------------------------------------------------------------------
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """`[b, S]` bool: a is supervised and a+1 is a supervised token of the same document."""
+    lm = loss_mask.bool() & (doc_ids >= 0)
+    ok = torch.zeros_like(lm)
+    ok[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:])
+    return ok
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    per_document: bool = False,
+    budget: int | None = None,
+    pad_multiple: int = 1,
+) -> torch.Tensor:
+    """Draw anchors uniformly without replacement and sort them.
+
+    Per row (or per document when `per_document`, as for packed rows) take
+    `min(num_anchors, #valid)`; `budget` caps the total per row (dropping uniformly at random).
+    Returns `[b, N]` with `-1` for unused entries; N is the largest count, rounded up to
+    `pad_multiple` (fewer distinct shapes for compiled kernels).
+    """
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    device = loss_mask.device
+    loss_mask, doc_ids = loss_mask.cpu(), doc_ids.cpu()
+    valid = valid_anchor_mask(loss_mask, doc_ids)
+    rows: list[torch.Tensor] = []
+    for r in range(valid.shape[0]):
+        cand = valid[r].nonzero().flatten()
+        groups = [cand[doc_ids[r, cand] == d] for d in doc_ids[r, cand].unique()] if per_document else [cand]
+        picked = []
+        for g in groups:
+            if len(g) == 0:
+                continue
+            k = min(num_anchors, len(g))
+            picked.append(g[torch.randperm(len(g), generator=generator)[:k]])
+        chosen = torch.cat(picked) if picked else cand[:0]
+        if budget is not None and len(chosen) > budget:
+            chosen = chosen[torch.randperm(len(chosen), generator=generator)[:budget]]
+        rows.append(chosen.sort().values)
+    n = max([len(r) for r in rows] + [1])
+    n = int(math.ceil(n / pad_multiple) * pad_multiple)
+    out = torch.full((valid.shape[0], n), -1, dtype=torch.long)
+    for r, chosen in enumerate(rows):
+        out[r, : len(chosen)] = chosen
+    return out.to(device)
+
+
+def slot_decay(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """`w_k = exp(-(k-1)/gamma)` for slots k = 1..B-1: `[B-1]`."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Blocks:
+    """One block per anchor. Shapes: `[b, N, B]` for ids/positions, `[b, N, B-1]` for labels/weights."""
+
+    anchors: torch.Tensor  # [b, N], -1 = unused
+    ids: torch.Tensor  # [b, N, B]: anchor token then mask tokens
+    positions: torch.Tensor  # [b, N, B]: pos[a] + k
+    labels: torch.Tensor  # [b, N, B-1]: token at a+k (0 where invalid)
+    valid: torch.Tensor  # [b, N, B-1] bool: a+k inside the row, same document, supervised
+    weights: torch.Tensor  # [b, N, B-1]: decay * valid
+
+    @property
+    def block_size(self) -> int:
+        return self.ids.shape[-1]
+
+    @property
+    def anchor_valid(self) -> torch.Tensor:
+        return self.anchors >= 0
+
+
+def build_blocks(
+    input_ids: torch.Tensor,  # [b, S] draft-side ids (anchor tokens are read here)
+    labels: torch.Tensor,  # [b, S] label per position (ground truth or target argmax)
+    loss_mask: torch.Tensor,  # [b, S]
+    doc_ids: torch.Tensor,  # [b, S]
+    positions: torch.Tensor,  # [b, S]
+    anchors: torch.Tensor,  # [b, N]
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+) -> Blocks:
+    b, s = input_ids.shape
+    dev = input_ids.device
+    anchors = anchors.to(dev)
+    has = anchors >= 0
+    a = anchors.clamp(min=0)  # [b, N]
+    k = torch.arange(block_size, device=dev)
+    tgt = a[..., None] + k  # [b, N, B] absolute index of each slot
+    inside = tgt < s
+    tgt_c = tgt.clamp(max=s - 1)
+
+    def take(x: torch.Tensor) -> torch.Tensor:
+        return torch.gather(x, 1, tgt_c.flatten(1)).view_as(tgt)
+
+    ids = torch.full_like(tgt, mask_token_id)
+    ids[..., 0] = torch.gather(input_ids, 1, a)
+    pos0 = torch.gather(positions, 1, a)
+    block_pos = pos0[..., None] + k
+    doc_a = torch.gather(doc_ids, 1, a)
+    valid = (
+        has[..., None]
+        & inside
+        & (take(doc_ids) == doc_a[..., None])
+        & take(loss_mask.bool())
+    )[..., 1:]
+    lab = torch.where(valid, take(labels)[..., 1:], 0)
+    weights = slot_decay(block_size, gamma, dev) * valid
+    return Blocks(anchors=anchors, ids=ids, positions=block_pos, labels=lab, valid=valid, weights=weights)
+
+
+def loss_weight_sum(
+    loss_mask: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, gamma: float
+) -> torch.Tensor:
+    """Sum of slot weights a batch contributes (the global-normalization denominator), computable
+    before any forward: it depends only on anchors, documents and the loss mask."""
+    s = loss_mask.shape[1]
+    a = anchors.clamp(min=0)
+    tgt = a[..., None] + torch.arange(1, block_size, device=a.device)
+    inside = tgt < s
+    tgt_c = tgt.clamp(max=s - 1).flatten(1)
+    same = torch.gather(doc_ids, 1, tgt_c).view_as(tgt) == torch.gather(doc_ids, 1, a)[..., None]
+    sup = torch.gather(loss_mask.bool(), 1, tgt_c).view_as(tgt)
+    valid = (anchors >= 0)[..., None] & inside & same & sup
+    return (slot_decay(block_size, gamma, a.device) * valid).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Attention masks: queries are the N*B block slots, keys are [context (S) ; block slots (N*B)]
+# --------------------------------------------------------------------------------------------
+def _anchor_docs(anchors: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    # Document of each anchor; -2 for unused anchors (matches no context token, padding is -1).
+    return torch.where(anchors >= 0, torch.gather(doc_ids, 1, anchors.clamp(min=0)), -2)
+
+
+def dense_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Boolean SDPA mask `[b, 1, N*B, S + N*B]` (True = may attend).
+
+    Slot queries see context keys `j < a` of the anchor's document and every slot of their own block.
+    """
+    b, n = anchors.shape
+    s = doc_ids.shape[1]
+    j = torch.arange(s, device=doc_ids.device)
+    ctx = (j[None, None] < anchors[..., None]) & (doc_ids[:, None, :] == _anchor_docs(anchors, doc_ids)[..., None])
+    ctx = ctx.repeat_interleave(block_size, dim=1)  # [b, N*B, S]
+    blk_id = torch.arange(n * block_size, device=doc_ids.device) // block_size
+    own = (blk_id[:, None] == blk_id[None, :]).expand(b, -1, -1)  # [b, N*B, N*B]
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, block_size_kernel: int = 128):
+    """FlexAttention `BlockMask` with exactly the semantics of `dense_block_mask`."""
+    if create_block_mask is None:
+        raise RuntimeError("FlexAttention needs torch >= 2.5; use attention_backend='sdpa'")
+    b, n = anchors.shape
+    s = doc_ids.shape[1]
+    adoc = _anchor_docs(anchors, doc_ids)
+
+    def mask_mod(bi, hi, q_idx, kv_idx):
+        blk = q_idx // block_size
+        is_ctx = kv_idx < s
+        kv_c = torch.clamp(kv_idx, max=s - 1)
+        ctx_ok = is_ctx & (kv_idx < anchors[bi, blk]) & (doc_ids[bi, kv_c] == adoc[bi, blk])
+        own = (~is_ctx) & ((kv_idx - s) // block_size == blk)
+        return ctx_ok | own
+
+    return create_block_mask(
+        mask_mod,
+        B=b,
+        H=None,
+        Q_LEN=n * block_size,
+        KV_LEN=s + n * block_size,
+        device=anchors.device,
+        BLOCK_SIZE=block_size_kernel,
+    )
+
+
+def attention_mask_for(backend: str, anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int):
+    if backend == "flex":
+        return flex_block_mask(anchors, doc_ids, block_size)
+    if backend == "sdpa":
+        return dense_block_mask(anchors, doc_ids, block_size)
+    raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {backend!r}")

@@ -1,0 +1,179 @@
+"""Configuration of DFlash / DFlash2 drafts.
+
+Remote-code safe: imports only torch/transformers. The serialized `config.json` follows the
+published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"`, top-level
+`block_size` and `num_target_layers`, and a `dflash_config` block holding the draft-specific fields.
+"""
+
+from __future__ import annotations
+
+from transformers import Qwen3Config
+
+DFLASH_VARIANTS = ("dflash", "dflash2")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Decay constant gamma of the slot weights w_k = exp(-(k-1)/gamma) used by the published recipes.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default taps: `[L // 2]` for one draft layer, else spread evenly from layer 1 to layer L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"target has {num_target_layers} decoder layers; the default tap formula needs >= 4. "
+            "Set `target_layer_ids` explicitly."
+        )
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay gamma: the recipe value for B=8/10/16, otherwise B/2 (about the same curve)."""
+    return DEFAULT_GAMMA.get(block_size, max(block_size / 2.0, 1.0))
+
+
+class DFlashConfig(Qwen3Config):
+    """Config of a DFlash (v1) or DFlash2 draft.
+
+    Besides the Qwen3 fields describing the draft decoder, it holds:
+
+    Args:
+        block_size (`int`): draft slots per anchor (the anchor token plus `block_size - 1` predictions).
+        num_target_layers (`int`): decoder layers of the target the taps index into.
+        dflash_config (`dict`): `block_size`, `mask_token_id`, `target_layer_ids` and, for DFlash2,
+            `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
+        variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel`.
+    """
+
+    model_type = "qwen3"
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        num_target_layers: int | None = None,
+        dflash_config: dict | None = None,
+        **kwargs,
+    ):
+        dflash_config = dict(dflash_config or {})
+        # The top-level block_size is what serving engines read; keep both in sync.
+        dflash_config["block_size"] = block_size
+        dflash_config.setdefault("mask_token_id", None)
+        dflash_config.setdefault("target_layer_ids", None)
+        self.block_size = block_size
+        self.num_target_layers = num_target_layers
+        self.dflash_config = dflash_config
+        super().__init__(**kwargs)
+
+    # --- convenience accessors -------------------------------------------------------------
+    @property
+    def variant(self) -> str:
+        archs = getattr(self, "architectures", None) or []
+        return "dflash2" if "DFlash2DraftModel" in archs else "dflash"
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.dflash_config.get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.dflash_config["target_layer_ids"])
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.dflash_config["target_layer_ids"])
+
+    def set_block_size(self, block_size: int) -> None:
+        """Change the block size (weights do not depend on it), keeping both copies in sync."""
+        if block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        self.block_size = block_size
+        self.dflash_config["block_size"] = block_size
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_text_config,
+        *,
+        mask_token_id: int,
+        variant: str = "dflash",
+        num_hidden_layers: int = 5,
+        block_size: int = 16,
+        target_layer_ids: list[int] | None = None,
+        conv_kernel_size: int = 2,
+        conv_group_size: int = 16,
+        selector_rank: int = 256,
+        selector_top_k: int = 16,
+        **overrides,
+    ) -> DFlashConfig:
+        """Draft config whose dimensions default from the target's text (decoder) config."""
+        if variant not in DFLASH_VARIANTS:
+            raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {variant!r}")
+        t = target_text_config
+        num_target_layers = t.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+        dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+        if variant == "dflash2":
+            dflash_config.update(
+                conv_kernel_size=conv_kernel_size,
+                conv_group_size=conv_group_size,
+                selector_rank=selector_rank,
+                selector_top_k=selector_top_k,
+            )
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
+        fields = dict(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            rope_parameters=dict(rope),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
+            vocab_size=t.vocab_size,
+            hidden_act=getattr(t, "hidden_act", "silu"),
+            tie_word_embeddings=False,
+        )
+        fields.update(overrides)
+        config = cls(
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config=dflash_config,
+            num_hidden_layers=num_hidden_layers,
+            architectures=[ARCHITECTURES[variant]],
+            **fields,
+        )
+        config.validate_dflash()
+        return config
+
+    def validate_dflash(self) -> None:
+        """Check the DFlash-specific fields; raise a ValueError naming the field and the fix."""
+        dc = self.dflash_config
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one prediction), got {self.block_size}")
+        ids = dc.get("target_layer_ids")
+        if not ids:
+            raise ValueError("dflash_config.target_layer_ids is empty: give at least one target layer to tap")
+        if self.num_target_layers is not None:
+            bad = [i for i in ids if not 0 <= i < self.num_target_layers]
+            if bad:
+                raise ValueError(
+                    f"target_layer_ids {bad} out of range for a target with {self.num_target_layers} "
+                    f"decoder layers (valid: 0..{self.num_target_layers - 1})"
+                )
+        if dc.get("mask_token_id") is None:
+            raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
+        if self.variant == "dflash2":
+            missing = [k for k in DFLASH2_FIELDS if k not in dc]
+            if missing:
+                raise ValueError(f"DFlash2 config lacks dflash_config fields {missing}")
+            if self.hidden_size % dc["conv_group_size"]:
+                raise ValueError(
+                    f"hidden_size {self.hidden_size} is not divisible by conv_group_size {dc['conv_group_size']}"
+                )
+
+
+__all__ = ["DFlashConfig", "default_target_layer_ids", "default_gamma"]

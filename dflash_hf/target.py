@@ -1,0 +1,225 @@
+"""The frozen target: loading, validation, tap hooks and `target_argmax` labels (DESIGN 2, 3.1-3.2)."""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import transformers
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# Batch keys that belong to dflash_hf, never to the target's forward.
+NON_TARGET_KEYS = frozenset(
+    {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "dflash_prep", "num_docs"}
+)
+
+
+def resolve_dtype(precision: str) -> torch.dtype:
+    try:
+        return DTYPES[precision]
+    except KeyError:
+        raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}") from None
+
+
+def load_target(
+    name_or_path: str,
+    precision: str = "fp32",
+    strict: bool = True,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """Load a target from a local directory (or hub id already in the local cache).
+
+    The class is the one named in the checkpoint's `config.architectures`. Loading is strict: every
+    parameter must come from the checkpoint (`strict=False` allows intentional partial init).
+    """
+    config = transformers.AutoConfig.from_pretrained(name_or_path)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM
+    kwargs = {"dtype": resolve_dtype(precision)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    missing = list(info.get("missing_keys", []))
+    if missing and strict:
+        raise ValueError(
+            f"target checkpoint {name_or_path!r} lacks {len(missing)} parameters, e.g. {missing[:8]}. "
+            "Point --target_name_or_path at a complete checkpoint, or set --target_strict_load false "
+            "for an intentional partial initialization."
+        )
+    return model
+
+
+def _decoder_of(model: nn.Module) -> nn.Module:
+    """The text decoder: the module holding `layers` and the final `norm`."""
+    candidates = [model]
+    if hasattr(model, "get_decoder"):
+        candidates.insert(0, model.get_decoder())
+    for name in ("model", "language_model"):
+        sub = getattr(model, name, None)
+        if isinstance(sub, nn.Module):
+            candidates.append(sub)
+            if hasattr(sub, "get_decoder"):
+                candidates.append(sub.get_decoder())
+    for c in candidates:
+        if isinstance(getattr(c, "layers", None), nn.ModuleList) and isinstance(getattr(c, "norm", None), nn.Module):
+            return c
+    raise ValueError(
+        f"cannot find the text decoder (a module with `.layers` and `.norm`) in {type(model).__name__}; "
+        "add a row for this model family in dflash_hf/families.py"
+    )
+
+
+@dataclass
+class TargetFeatures:
+    taps: torch.Tensor  # [b, S, n_taps*H] raw outputs of the tapped layers (pre final norm)
+    final_hidden: torch.Tensor | None  # [b, S, H] final-normed last layer (for target_argmax)
+
+
+class FrozenTarget:
+    """Wraps the frozen target. Never trained: eval mode, no grad, its own parameter dtype, no autocast."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model.eval().requires_grad_(False)
+        self.decoder = _decoder_of(model)
+        self.layers = self.decoder.layers
+        self.final_norm = self.decoder.norm
+        self.embed_tokens = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+        if self.lm_head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); DFlash needs one")
+        self._forward_params = set(inspect.signature(model.forward).parameters)
+
+    # --- facts ---------------------------------------------------------------------------
+    @property
+    def text_config(self):
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed_tokens.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.embed_tokens.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def special_ids(self) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for cfg in (self.model.config, self.text_config, getattr(self.model, "generation_config", None)):
+            for name in ("pad_token_id", "eos_token_id"):
+                v = getattr(cfg, name, None) if cfg is not None else None
+                if v is None:
+                    continue
+                out.setdefault(name, set()).update(v if isinstance(v, (list, tuple)) else [v])
+        return out
+
+    # --- validation (before the draft is built) -------------------------------------------
+    def validate(self, *, mask_token_id: int | None, target_layer_ids: list[int] | None, hidden_size: int | None = None):
+        if target_layer_ids is not None:
+            bad = [i for i in target_layer_ids if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(
+                    f"target_layer_ids {bad} out of range: the target has {self.num_layers} decoder layers "
+                    f"(valid 0..{self.num_layers - 1})"
+                )
+        if hidden_size is not None and hidden_size != self.hidden_size:
+            raise ValueError(
+                f"draft hidden_size {hidden_size} != target hidden size {self.hidden_size}; the draft reads "
+                "the target's embeddings and lm_head, so they must match"
+            )
+        if mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is required: choose a token id the target's embedding has and your data never "
+                "uses (e.g. an unused reserved special token)"
+            )
+        if not 0 <= mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {mask_token_id} has no row in the target's input embedding "
+                f"(size {self.vocab_size}); pick an existing unused id (the embedding is never resized)"
+            )
+        for name, ids in self.special_ids().items():
+            if mask_token_id in ids:
+                raise ValueError(
+                    f"mask_token_id {mask_token_id} equals the target's {name}; this silently hurts acceptance. "
+                    "Pick a reserved token the data never uses"
+                )
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"target dtype {self.dtype} is not supported; use precision fp32 or bf16")
+
+    # --- forward ---------------------------------------------------------------------------
+    @contextmanager
+    def _hooks(self, layer_ids: list[int], store: dict, keep_final: bool):
+        handles = []
+
+        def tap(idx):
+            def hook(_module, _args, output):
+                store[idx] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        for i in sorted(set(layer_ids)):
+            handles.append(self.layers[i].register_forward_hook(tap(i)))
+        if keep_final:
+            handles.append(self.final_norm.register_forward_hook(tap("final")))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def target_inputs(self, batch: dict) -> dict:
+        return {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+
+    @torch.no_grad()
+    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:
+        """Run the target on its batch (its own padding and mask) and return the tapped features."""
+        store: dict = {}
+        kwargs = self.target_inputs(batch)
+        kwargs["use_cache"] = False
+        if "logits_to_keep" in self._forward_params:
+            kwargs["logits_to_keep"] = 1  # no [S, vocab] logits
+        with self._hooks(layer_ids, store, keep_final):
+            self.model(**kwargs)
+        taps = torch.cat([store[i] for i in layer_ids], dim=-1)
+        return TargetFeatures(taps=taps, final_hidden=store.get("final"))
+
+    @torch.no_grad()
+    def argmax_labels(
+        self,
+        final_hidden: torch.Tensor,  # [b, S, H] final-normed states
+        input_ids: torch.Tensor,  # [b, S]
+        loss_mask: torch.Tensor,  # [b, S]
+        doc_ids: torch.Tensor,  # [b, S], -1 on padding
+        chunk_size: int = 128,
+    ) -> torch.Tensor:
+        """`label[t] = argmax(lm_head(final_hidden[t-1]))` for supervised t whose predecessor is a real
+        token of the same document; other positions keep their id. Projects only those positions,
+        `chunk_size` at a time, so `[S, vocab]` logits never exist."""
+        if chunk_size <= 0:
+            raise ValueError(f"target_argmax_chunk_size must be > 0, got {chunk_size}")
+        labels = input_ids.clone()
+        need = torch.zeros_like(loss_mask, dtype=torch.bool)
+        need[:, 1:] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        rows, cols = need.nonzero(as_tuple=True)
+        for start in range(0, rows.numel(), chunk_size):
+            r, c = rows[start : start + chunk_size], cols[start : start + chunk_size]
+            logits = self.lm_head(final_hidden[r, c - 1])  # [chunk, V]
+            labels[r, c] = logits.argmax(-1)
+        return labels
