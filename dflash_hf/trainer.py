@@ -1,0 +1,275 @@
+"""`DFlashTrainer`: a `transformers.Trainer` whose model is the draft; the frozen target lives beside it.
+
+Per micro-batch (DESIGN 3): target forward with tap hooks -> labels -> leading padding moved to the
+end -> anchors -> blocks and attention mask -> draft forward -> decayed CE. The loss is normalized by
+the weight sum of the *global* batch (every gradient-accumulation micro-batch and every rank), which
+`get_batch_samples` computes before any forward because it depends only on anchors and masks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import Trainer
+
+from .blocks import (
+    Blocks,
+    attention_mask_for,
+    build_blocks,
+    doc_ids_from,
+    leading_padding,
+    loss_weight_sum,
+    move_leading_padding,
+    row_positions,
+    sample_anchors,
+)
+from .configuration_dflash import DFlashConfig, default_gamma
+from .losses import BlockLoss, MetricSums, block_loss
+from .modeling_dflash import DFlashDraftModel
+from .target import FrozenTarget, resolve_dtype
+from .training_args import DFlashTrainingArguments
+
+
+@dataclass
+class BlockPlan:
+    """What a micro-batch needs beyond the collator's tensors: rows in left-aligned coordinates and
+    the anchors drawn for them. Built before the forward (it fixes the loss denominator)."""
+
+    shifts: torch.Tensor  # [b] leading padding moved to the end
+    loss_mask: torch.Tensor  # [b, S] (left-aligned)
+    doc_ids: torch.Tensor  # [b, S]
+    positions: torch.Tensor  # [b, S]
+    anchors: torch.Tensor  # [b, N]
+    weight_sum: torch.Tensor  # scalar
+
+
+def _seed(*parts: int) -> int:
+    """A generator seed from integers (stable across processes, unlike hashing strings)."""
+    seed = 0
+    for p in parts:
+        seed = (seed * 1_000_003 + int(p) + 7) % (2**61 - 1)
+    return seed
+
+
+def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDraftModel:
+    """A fresh draft sized from the target, or a strict warm start from `init_from_pretrained`."""
+    if args.init_from_pretrained:
+        from .hub import load_draft_strict
+
+        draft = load_draft_strict(args.init_from_pretrained, block_size=args.block_size)
+    else:
+        target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
+        config = DFlashConfig.from_target_config(
+            target.text_config,
+            mask_token_id=args.mask_token_id,
+            variant=args.variant,
+            num_hidden_layers=args.num_draft_layers,
+            block_size=args.block_size,
+            target_layer_ids=args.target_layer_ids,
+        )
+        config.vocab_size = target.vocab_size
+        draft = draft_class(config)(config)
+    cfg = draft.config
+    target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
+    return draft.to(resolve_dtype(args.precision))
+
+
+def draft_class(config: DFlashConfig):
+    if config.variant == "dflash2":
+        from .modeling_dflash import DFlash2DraftModel
+
+        return DFlash2DraftModel
+    return DFlashDraftModel
+
+
+class DFlashTrainer(Trainer):
+    loss_is_scaled_for_ga = True  # compute_loss divides by the global-batch denominator itself
+
+    def __init__(self, model=None, args: DFlashTrainingArguments = None, *, target, **kwargs):
+        if not isinstance(target, FrozenTarget):
+            target = FrozenTarget(target)
+        target.model.to(resolve_dtype(args.precision))
+        self.target = target
+        if model is None:
+            model = build_draft(args, target)
+        else:
+            cfg = model.config
+            target.validate(
+                mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
+            )
+        super().__init__(model=model, args=args, **kwargs)
+        self.target.model.to(self.args.device)
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.gamma = args.gamma or default_gamma(self.block_size)
+        self.train_sums = MetricSums()
+        self._last_log_time = time.time()
+
+    # ------------------------------------------------------------------------------------------
+    # Planning: anchors and the global denominator, before any forward
+    # ------------------------------------------------------------------------------------------
+    @property
+    def draft_config(self) -> DFlashConfig:
+        return self.accelerator.unwrap_model(self.model).config
+
+    def plan_blocks(self, batch: dict, seed: int) -> BlockPlan:
+        am = batch["attention_mask"]
+        pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
+        self._check_mask_token(batch)
+        shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
+        am_rows = move_leading_padding(am, shifts)
+        loss_mask = move_leading_padding(batch["loss_mask"].bool(), shifts) & am_rows.bool()
+        doc_ids = doc_ids_from(am_rows, pos_ids)
+        positions = row_positions(am_rows, pos_ids)
+        gen = torch.Generator().manual_seed(seed)
+        anchors = sample_anchors(
+            loss_mask,
+            doc_ids,
+            self.args.num_anchors,
+            generator=gen,
+            per_document=pos_ids is not None,
+            pad_multiple=self.args.anchor_pad_multiple,
+        )
+        weight_sum = loss_weight_sum(loss_mask, doc_ids, anchors, self.block_size, self.gamma)
+        return BlockPlan(shifts, loss_mask, doc_ids, positions, anchors, weight_sum)
+
+    def _check_mask_token(self, batch: dict) -> None:
+        mask_id = self.draft_config.mask_token_id
+        hits = (batch["input_ids"] == mask_id).nonzero()
+        if len(hits):
+            raise ValueError(
+                f"mask_token_id {mask_id} occurs in the data (batch rows {sorted(set(hits[:, 0].tolist()))}); "
+                "choose a reserved id that the tokenizer never emits for your data"
+            )
+
+    def _anchor_seed(self, micro_step: int) -> int:
+        # Deterministic per (seed, optimizer step, micro-batch, rank): resumable without RNG state.
+        return _seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        total = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(batch_samples):
+            batch["dflash_prep"] = self.plan_blocks(batch, self._anchor_seed(i))
+            total += batch["dflash_prep"].weight_sum.double().cpu()
+        total = total.to(device)
+        if self.args.world_size > 1:
+            total = self.accelerator.reduce(total, reduction="sum")
+        return batch_samples, total
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+    def _backend(self, device: torch.device) -> str:
+        backend = self.args.attention_backend
+        if backend == "auto":
+            return "flex" if device.type == "cuda" else "sdpa"
+        return backend
+
+    def draft_forward(self, model, batch: dict, plan: BlockPlan) -> BlockLoss:
+        """Target taps -> labels -> blocks -> draft -> decayed CE sums (one micro-batch)."""
+        args = self.args
+        cfg = self.draft_config
+        argmax = args.label_source == "target_argmax"
+        feats = self.target.capture(batch, cfg.target_layer_ids, keep_final=argmax)
+        dev = feats.taps.device
+        shifts = plan.shifts.to(dev)
+        am = move_leading_padding(batch["attention_mask"], shifts).bool()
+        ids = move_leading_padding(batch["input_ids"], shifts)
+        loss_mask, doc_ids = plan.loss_mask.to(dev), plan.doc_ids.to(dev)
+        taps = move_leading_padding(feats.taps, shifts)
+        taps = torch.where(am[..., None], taps, torch.zeros((), dtype=taps.dtype, device=dev))
+        if argmax:
+            final = move_leading_padding(feats.final_hidden, shifts)
+            labels = self.target.argmax_labels(final, ids, loss_mask, doc_ids, args.target_argmax_chunk_size)
+        else:
+            labels = ids
+        blocks = build_blocks(
+            ids, labels, loss_mask, doc_ids, plan.positions.to(dev), plan.anchors.to(dev),
+            self.block_size, cfg.mask_token_id, self.gamma,
+        )
+        hidden = self.run_draft(model, taps, plan.positions.to(dev), doc_ids, blocks)
+        return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size)
+
+    def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks) -> torch.Tensor:
+        """Draft hidden of every slot: `[b, N, B, H]`."""
+        b, n, bs = blocks.ids.shape
+        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs)
+        with torch.no_grad():
+            noise = self.target.embed_tokens(blocks.ids.view(b, n * bs))
+        pos = torch.cat([positions, blocks.positions.view(b, n * bs)], dim=1)
+        hidden = model(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps)
+        return hidden.view(b, n, bs, -1)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        plan = inputs.pop("dflash_prep", None) or self.plan_blocks(inputs, self._anchor_seed(0))
+        out = self.draft_forward(model, inputs, plan)
+        denom = num_items_in_batch if num_items_in_batch is not None else out.weight_sum
+        denom = torch.as_tensor(denom, device=out.loss_sum.device, dtype=torch.float32)
+        skipped = bool(denom <= 0)
+        loss = out.loss_sum / denom.clamp(min=1e-12)
+        if model.training and num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.args.world_size  # DDP averages gradients over ranks
+        if model.training:
+            self.train_sums.add_block_loss(out)
+            self.train_sums.add("anchors", plan.anchors.ge(0).sum())
+            self.train_sums.add("skipped", float(skipped))
+            self.train_sums.add("micro_batches", 1)
+        return (loss, out) if return_outputs else loss
+
+    # ------------------------------------------------------------------------------------------
+    # Logging and evaluation
+    # ------------------------------------------------------------------------------------------
+    def _all_reduce_sums(self, sums: MetricSums) -> MetricSums:
+        if self.args.world_size > 1:
+            names, vec = sums.as_tensor(self.args.device)
+            sums.load_tensor(names, self.accelerator.reduce(vec, reduction="sum"))
+        return sums
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.train_sums.values:
+            sums = self._all_reduce_sums(self.train_sums)
+            steps = max(sums.values.get("micro_batches", 1.0) / self.args.gradient_accumulation_steps, 1.0)
+            metrics = sums.reduce()
+            logs["loss"] = round(metrics.pop("loss"), 6)
+            logs.update({k: round(v, 5) for k, v in metrics.items()})
+            logs["anchors_per_step"] = sums.values.get("anchors", 0.0) / steps
+            logs["skipped_steps"] = sums.values.get("skipped", 0.0) / self.args.gradient_accumulation_steps
+            self.train_sums = MetricSums()
+        super().log(logs, start_time)
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source.
+        Anchors are seeded by batch index, so the same draft and data always give the same metrics."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        start = time.time()
+        model = self.model
+        model.eval()
+        sums = MetricSums(prefix=f"{metric_key_prefix}_")
+        dataloader = self.get_eval_dataloader(dataset)
+        for step, batch in enumerate(dataloader):
+            batch = self._prepare_inputs(batch)
+            plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))
+            out = self.draft_forward(model, batch, plan)
+            sums.add_block_loss(out)
+        metrics = self._all_reduce_sums(sums).reduce()
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
+        if not math.isfinite(metrics.get(f"{metric_key_prefix}_loss", 0.0)):
+            raise FloatingPointError(f"non-finite {metric_key_prefix}_loss")
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics

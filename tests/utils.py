@@ -1,0 +1,46 @@
+"""Shared helpers for tests: tiny targets and hand-built batches (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_hf import tiny
+
+
+def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
+    """Padded batch from (prompt ids, response ids) pairs; the response is supervised."""
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    lm = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (p, r) in enumerate(rows):
+        seq = torch.tensor(p + r)
+        n = len(seq)
+        sl = slice(width - n, width) if padding_side == "left" else slice(0, n)
+        ids[i, sl] = seq
+        am[i, sl] = 1
+        m = torch.zeros(n, dtype=torch.bool)
+        m[len(p) :] = True
+        lm[i, sl] = m
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+
+
+def random_rows(n: int, vocab: int, prompt_len=(6, 12), resp_len=(10, 24), seed=0, low=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        p = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=g))
+        r = int(torch.randint(resp_len[0], resp_len[1] + 1, (1,), generator=g))
+        rows.append(
+            (
+                torch.randint(low, vocab, (p,), generator=g).tolist(),
+                torch.randint(low, vocab, (r,), generator=g).tolist(),
+            )
+        )
+    return rows
+
+
+def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
+    tok = tiny.build_tokenizer()
+    model = tiny.build_text_target(tok, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
+    return model, tok
