@@ -1,0 +1,190 @@
+"""Draft checkpoints in and out: strict warm start, model card, push to the Hub.
+
+- :func:`load_draft_strict`: weights-only warm start from a draft export (DESIGN 5). Every missing,
+  unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .configuration_dflash import ARCHITECTURES, DFlashConfig
+from .modeling_dflash import DFlashDraftModel
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Files a draft export may hold besides its weights; anything else is noted and ignored on load.
+EXPORT_FILES = ("config.json", "configuration_dflash.py", "modeling_dflash.py", "README.md", "generation_config.json")
+# safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
+QUANT_FILES = ("hf_quant_config.json", "quant_config.json", "quantize_config.json")
+
+
+def _quantized_error(path: Path, reason: str) -> ValueError:
+    return ValueError(
+        f"{path} is a quantized draft export ({reason}); warm start needs a BF16 or FP32 export of the "
+        "draft (save the unquantized draft with save_pretrained, or dequantize it first)"
+    )
+
+
+def resolve_draft_dir(path: str | Path) -> Path:
+    """A local export directory, or a Hub repo id already in the local cache (no download)."""
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise NotADirectoryError(f"init_from_pretrained={str(path)!r} is a file; give the draft export directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
+        raise FileNotFoundError(
+            f"init_from_pretrained={str(path)!r} is neither a local directory nor a Hub repo in the local cache; "
+            f"download it first (`hf download {path}`) or pass the export directory"
+        ) from err
+
+
+def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
+    raw = json.loads(config_file.read_text())
+    for key in QUANT_CONFIG_KEYS:
+        if raw.get(key):
+            method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
+            raise _quantized_error(directory, f"config.json has `{key}` (quant_method={method})")
+    for name in QUANT_FILES:
+        if (directory / name).is_file():
+            raise _quantized_error(directory, f"it ships {name}")
+    archs = raw.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES.values()]
+    if len(known) != 1:
+        raise ValueError(
+            f"{config_file}: `architectures` is {archs}; a draft export names exactly one of "
+            f"{sorted(ARCHITECTURES.values())}"
+        )
+    dflash_config = raw.get("dflash_config")
+    if not isinstance(dflash_config, dict):
+        raise ValueError(f"{config_file} has no `dflash_config` object; it is not a DFlash draft export")
+    saved_block = raw.get("block_size", dflash_config.get("block_size"))
+    if saved_block is None:
+        raise ValueError(
+            f"{config_file} has neither top-level `block_size` nor `dflash_config.block_size`; "
+            "pass block_size explicitly"
+        )
+    config = DFlashConfig.from_dict({**raw, "block_size": int(saved_block)})
+    if block_size is not None and block_size != config.block_size:
+        logger.info("Warm start: block_size %d (saved) -> %d (weights do not depend on it)", saved_block, block_size)
+        config.set_block_size(block_size)
+    config.validate_dflash()
+    return config
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no `weight_map`; the sharded export is incomplete")
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if not (directory / s).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not in {directory}: {absent}")
+        return [directory / s for s in shards]
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    hint = f" (found {others}: re-export with save_pretrained(safe_serialization=True))" if others else ""
+    raise FileNotFoundError(f"{directory} has no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}{hint}")
+
+
+def _note_extra_files(directory: Path, weight_files: list[Path]) -> None:
+    known = set(EXPORT_FILES) | {WEIGHTS_INDEX_NAME} | {p.name for p in weight_files}
+    extra = sorted(p.name for p in directory.iterdir() if p.name not in known and not p.name.startswith("."))
+    if extra:
+        logger.warning("Warm start from %s: ignoring non-weight files %s", directory, extra)
+
+
+def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded."""
+    shapes: dict[str, tuple[str, Path]] = {}
+    packed = []
+    for file in weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    packed.append(f"{name} ({dtype})")
+                if name in shapes:
+                    raise ValueError(f"tensor {name!r} appears in both {shapes[name][1].name} and {file.name}")
+                shapes[name] = (dtype, file)
+    if packed:
+        more = f" and {len(packed) - 5} more" if len(packed) > 5 else ""
+        raise _quantized_error(directory, f"tensors in packed/quantized dtypes: {', '.join(packed[:5])}{more}")
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
+    """`DFlashDraftModel` or `DFlash2DraftModel`, from `config.architectures`."""
+    if config.variant == "dflash2":
+        from . import modeling_dflash
+
+        cls = getattr(modeling_dflash, "DFlash2DraftModel", None)
+        if cls is None:
+            raise ImportError("this dflash_hf build has no DFlash2DraftModel; cannot load a DFlash2 draft")
+        return cls
+    return DFlashDraftModel
+
+
+def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
+    """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
+
+    Strict: every missing, unexpected or wrongly shaped tensor is named in one error. Quantized exports
+    (a `quantization_config`, or tensors in packed/quantized dtypes) are refused. `block_size`, when
+    given, replaces the saved block size (no weight depends on it) and is what a later export writes.
+    Returns the draft in float32 (or the saved float dtype's values cast to float32), in train mode.
+    """
+    directory = resolve_draft_dir(path)
+    config = _read_draft_config(directory, block_size)
+    weight_files = _weight_files(directory)
+    _note_extra_files(directory, weight_files)
+    state = _read_state_dict(directory, weight_files)
+    model = draft_class_for(config)(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs draft {tuple(expected[k].shape)}"
+        for k in set(expected) & set(state)
+        if state[k].shape != expected[k].shape
+    )
+    if missing or unexpected or wrong:
+        parts = [f"{label} ({len(names)}): {names}" for label, names in (
+            ("missing tensors", missing), ("unexpected tensors", unexpected), ("wrongly shaped tensors", wrong)
+        ) if names]
+        raise ValueError(
+            f"strict warm start from {directory} failed for {config.architectures[0]} "
+            f"(hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_taps} taps); "
+            + "; ".join(parts)
+        )
+    model.load_state_dict(state, strict=True)
+    return model.train()
+
+
+__all__ = ["load_draft_strict", "resolve_draft_dir", "draft_class_for"]
