@@ -1,0 +1,65 @@
+"""Speech data for DFlash training: sources -> lhotse cuts -> conversations -> padded batches.
+
+Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
+
+    build_train_dataloader(
+        sources,                 # DataSource | path | CutSet, or a list of DataSource/paths (mixed by weight)
+        processor,               # the target's processor (AutoProcessor) or tokenizer for text targets
+        target_config,           # the target's config (picks the family row, audio token id, frame counts)
+        *,
+        max_tokens: int,         # padded-batch budget: batch_size * longest (audio positions + text tokens)
+        family=None,             # TargetFamily | name | None (resolved from target_config.model_type)
+        max_batch_size=None,     # optional cap on samples per batch
+        conversation=None,       # ConversationConfig(system_prompt=None, prompt=None, ...)
+        padding_side=None,       # None: the processor's own padding side
+        shuffle=True, seed=0,    # deterministic under (seed, epoch)
+        world_size=1, rank=0,    # each rank gets its own batches (lhotse sharding), no DistributedSampler
+        num_buckets=10, drop_last=False, num_workers=0,
+        skip_bad_samples=False,  # False: a bad sample raises BadSampleError; True: counted skip + warning
+        resample_audio=True,     # False: a sample-rate mismatch is a bad sample
+        duration_tolerance=0.05, buffer_size=10000, num_cuts_for_bins_estimate=10000,
+    ) -> CutDataLoader
+
+Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,
+``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU.
+
+The loader is already sharded by rank: hand it to the Trainer as is (do not let ``accelerator.prepare`` re-shard
+it). It has no ``len``: train with ``max_steps``. ``loader.set_epoch(epoch)`` reshuffles;
+``loader.state_dict()`` / ``loader.load_state_dict(state)`` resume mid-epoch (batches handed out so far, not
+the ones prefetched by workers); accelerate's ``skip_first_batches`` also works since iteration is
+deterministic. ``loader.bad_samples.num_skipped`` / ``.summary()`` report skipped samples (log it at the end).
+"""
+
+from dflash_hf.data.bad_samples import BadSampleError, BadSamples
+from dflash_hf.data.collator import PaddedCollator, load_cut_audio, supervision_mask
+from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, RenderedSample, cut_to_messages
+from dflash_hf.data.loader import (
+    CutDataLoader,
+    TokenBudgetConstraint,
+    build_train_dataloader,
+    default_padding_side,
+)
+from dflash_hf.data.sources import DataSource, NemoManifest, mix_sources, nemo_line_to_cut, open_source
+from dflash_hf.data.validation import SampleValidator
+
+__all__ = [
+    "BadSampleError",
+    "BadSamples",
+    "ConversationConfig",
+    "ConversationRenderer",
+    "CutDataLoader",
+    "DataSource",
+    "NemoManifest",
+    "PaddedCollator",
+    "RenderedSample",
+    "SampleValidator",
+    "TokenBudgetConstraint",
+    "build_train_dataloader",
+    "cut_to_messages",
+    "default_padding_side",
+    "load_cut_audio",
+    "mix_sources",
+    "nemo_line_to_cut",
+    "open_source",
+    "supervision_mask",
+]

@@ -1,0 +1,65 @@
+"""Padded (BSHD) collator: cuts -> the batch contract of docs/ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from lhotse.augmentation.resample import Resample
+
+from dflash_hf.data.bad_samples import BadSampleError
+from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
+from dflash_hf.families import TargetFamily, encode_batch
+
+
+def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
+    """Mono float32 samples of the cut at ``sampling_rate`` (resampled with a windowed-sinc filter if needed)."""
+    try:
+        audio = cut.load_audio()
+    except Exception as e:  # noqa: BLE001 - re-raised with the cut id and the fix
+        raise BadSampleError(f"bad sample {cut.id!r}: field 'audio_filepath': decoding failed "
+                             f"({type(e).__name__}: {e}). Fix: re-encode the audio as wav or flac") from e
+    audio = np.asarray(audio, dtype=np.float32)[0]
+    if cut.sampling_rate != sampling_rate:
+        resampler = Resample(orig_freq=cut.sampling_rate, new_freq=sampling_rate)
+        audio = resampler(torch.from_numpy(audio)[None]).numpy()[0]
+    return audio
+
+
+def supervision_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     samples: Sequence[RenderedSample]) -> torch.Tensor:
+    """``loss_mask [b, S]``: each row's rendered suffix sits at the end of its real tokens; mark its
+    supervised tokens. Raises if the row's trailing ids differ from the separately tokenized suffix."""
+    loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        real = attention_mask[row].nonzero().flatten()
+        n = len(sample.suffix_ids)
+        tail = real[-n:]
+        if len(tail) != n or input_ids[row, tail].tolist() != sample.suffix_ids:
+            raise ValueError(
+                f"cut {sample.cut_id!r}: the assistant turn tokenizes differently inside the conversation than "
+                "on its own (a token merges across the generation prompt); the loss mask would be misplaced. "
+                "Use a chat template whose generation prompt ends on a token boundary (e.g. a newline)"
+            )
+        loss_mask[row, tail] = torch.tensor(sample.suffix_supervised, dtype=torch.bool)
+    return loss_mask
+
+
+class PaddedCollator:
+    """``__call__(cuts) -> dict``: ``input_ids``, ``attention_mask``, ``loss_mask`` and the family's audio
+    kwargs, exactly as the target's processor returns them, padded on ``padding_side``."""
+
+    def __init__(self, processor, target_config, family: TargetFamily, renderer: ConversationRenderer,
+                 padding_side: str):
+        self.processor, self.target_config, self.family = processor, target_config, family
+        self.renderer, self.padding_side = renderer, padding_side
+
+    def __call__(self, cuts) -> dict:
+        cuts = list(cuts)
+        samples = [self.renderer.render(cut) for cut in cuts]
+        audios = [load_cut_audio(c, self.family.sampling_rate) for c in cuts] if self.family.has_audio else []
+        batch = encode_batch(self.family, self.processor, self.target_config, [s.text for s in samples], audios,
+                             self.padding_side)
+        batch["loss_mask"] = supervision_mask(batch["input_ids"], batch["attention_mask"], samples)
+        return batch

@@ -1,0 +1,114 @@
+"""Cut -> conversation -> rendered text and supervision pattern (NeMo ``lhotse_as_conversation``).
+
+A cut becomes: optional system turn (the cut's ``system_prompt`` custom field, else the configured one);
+a user turn with the cut's ``context`` custom field (else the configured default prompt; omitted when empty)
+followed by the audio; an assistant turn with ``cut.supervisions[0].text``. The target's own chat template
+renders it (the processor's, or the tokenizer's for families whose ``render_with == "tokenizer"``).
+
+Supervision: the assistant response tokens and the assistant turn's closing end-of-turn token. It is
+computed on the rendered *suffix* after the generation prompt (the part of the text that comes after all
+audio), so it does not depend on audio expansion and is reusable by packed (THD) collators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_hf.families import TargetFamily, get_tokenizer
+
+
+@dataclass
+class ConversationConfig:
+    """How a cut becomes a conversation. ``prompt`` is the default user text (a cut's ``context`` field
+    overrides it); ``system_prompt`` likewise (a cut's ``system_prompt`` field overrides it)."""
+
+    system_prompt: str | None = None
+    prompt: str | None = None
+    context_key: str = "context"
+    system_prompt_key: str = "system_prompt"
+
+
+@dataclass
+class RenderedSample:
+    """One rendered conversation. ``text`` has the audio placeholder(s) unexpanded, as the chat template
+    writes them; ``suffix_ids`` are the tokens after the generation prompt and ``suffix_supervised`` says which
+    of them are labels (response tokens + closing end-of-turn token)."""
+
+    cut_id: str
+    text: str
+    suffix_ids: list[int]
+    suffix_supervised: list[bool]
+
+
+def _custom(cut, key):
+    return (cut.custom or {}).get(key)
+
+
+def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None = None) -> list[dict]:
+    """The conversation of one cut (see the module docstring)."""
+    config = config or ConversationConfig()
+    response = cut.supervisions[0].text
+    system = _custom(cut, config.system_prompt_key) or config.system_prompt
+    context = _custom(cut, config.context_key)
+    context = config.prompt if context is None else context
+    messages = []
+    if not family.has_audio:
+        if system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": context or ""})
+        messages.append({"role": "assistant", "content": response})
+        return messages
+    if system:
+        messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
+    user = [{"type": "text", "text": context}] if context else []
+    user.append({"type": "audio"})
+    messages.append({"role": "user", "content": user})
+    messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
+    return messages
+
+
+class ConversationRenderer:
+    """Renders cuts with the target's chat template and finds the supervised suffix tokens."""
+
+    def __init__(self, processor, family: TargetFamily, config: ConversationConfig | None = None):
+        self.family = family
+        self.config = config or ConversationConfig()
+        self.tokenizer = get_tokenizer(processor)
+        owner = processor if family.render_with == "processor" else self.tokenizer
+        if not getattr(owner, "chat_template", None):
+            raise ValueError(
+                f"the target's {'processor' if owner is processor else 'tokenizer'} has no chat template; "
+                "set one (processor.chat_template / tokenizer.chat_template) before training"
+            )
+        self._apply = owner.apply_chat_template
+        self._special_ids = set(self.tokenizer.all_special_ids)
+
+    def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render(self, cut) -> RenderedSample:
+        messages = cut_to_messages(cut, self.family, self.config)
+        response = cut.supervisions[0].text
+        full = self.render_text(messages)
+        prompt = self.render_text(messages[:-1], add_generation_prompt=True)
+        if not full.startswith(prompt):
+            raise ValueError(
+                f"cut {cut.id!r}: the chat template's generation prompt {prompt[-40:]!r} is not a prefix of the "
+                "rendered conversation, so the assistant turn cannot be located; use a template whose "
+                "add_generation_prompt output prefixes the full conversation"
+            )
+        suffix = full[len(prompt):]
+        start = suffix.find(response)
+        if start < 0:
+            raise ValueError(f"cut {cut.id!r}: the chat template changed the response text; the rendered "
+                             f"assistant turn is {suffix!r}")
+        end = start + len(response)
+        enc = self.tokenizer(suffix, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        supervised = [s < end and e > start and e > s for s, e in offsets]
+        last = max((i for i, flag in enumerate(supervised) if flag), default=-1)
+        if last < 0:
+            raise ValueError(f"cut {cut.id!r}: no token covers the response {response!r}")
+        if last + 1 < len(ids) and ids[last + 1] in self._special_ids:
+            supervised[last + 1] = True  # the assistant turn's closing end-of-turn token
+        return RenderedSample(cut.id, full, ids, supervised)

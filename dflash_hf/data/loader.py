@@ -1,0 +1,152 @@
+"""Token-budget bucketing sampler and the resumable training DataLoader."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lhotse import CutSet
+from lhotse.dataset import DynamicBucketingSampler
+from lhotse.dataset.sampling.base import TokenConstraint
+from torch.utils.data import DataLoader, Dataset
+
+from dflash_hf.data.bad_samples import BadSamples
+from dflash_hf.data.collator import PaddedCollator
+from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.sources import DataSource, mix_sources
+from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, validated_cutset
+from dflash_hf.families import TargetFamily, get_tokenizer, resolve_family
+
+
+@dataclass
+class TokenBudgetConstraint(TokenConstraint):
+    """Padded-batch token budget: ``batch_size * longest sample`` (audio positions + text tokens) stays within
+    ``max_tokens``; ``max_examples`` optionally caps the batch size."""
+
+    def measure_length(self, example) -> float:
+        return example.custom[NUM_TOKENS_KEY]
+
+
+class CutBatchDataset(Dataset):
+    """Identity dataset: the batch sampler yields CutSets, the collator does the work."""
+
+    def __getitem__(self, cut):
+        return cut
+
+    def __getitems__(self, cuts):
+        return list(cuts)
+
+
+class ResumableBatchSampler:
+    """Wraps a lhotse sampler; skips the first ``skip`` batches of the next iteration (metadata only)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for index, cuts in enumerate(self.sampler):
+            if index >= skip:
+                yield cuts
+
+
+class CutDataLoader(DataLoader):
+    """DataLoader over lhotse batches with a resumable position: ``state_dict()`` records the epoch and the
+    number of batches handed out (not prefetched) in it; ``load_state_dict()`` makes the next iteration resume
+    right after them. ``bad_samples`` counts skipped samples."""
+
+    def __init__(self, batch_sampler: ResumableBatchSampler, collate_fn, bad_samples: BadSamples,
+                 num_workers: int = 0, **kwargs):
+        super().__init__(CutBatchDataset(), batch_sampler=batch_sampler, collate_fn=collate_fn,
+                         num_workers=num_workers, **kwargs)
+        self.bad_samples = bad_samples
+        self._consumed = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.batch_sampler.epoch:
+            self.batch_sampler.set_epoch(epoch)
+            self.batch_sampler.skip = 0
+            self._consumed = 0
+
+    def __iter__(self):
+        self._consumed = self.batch_sampler.skip
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.batch_sampler.epoch, "batches_consumed": self._consumed,
+                "skipped": dict(self.bad_samples.skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.set_epoch(state["epoch"])
+        self.batch_sampler.skip = state["batches_consumed"]
+        self._consumed = state["batches_consumed"]
+        self.bad_samples.skipped.update(state.get("skipped", {}))
+
+
+def default_padding_side(processor) -> str:
+    """The processor's own padding side (its ``text_kwargs`` default, else the tokenizer's)."""
+    side = (getattr(processor, "text_kwargs", None) or {}).get("padding_side")
+    return side or get_tokenizer(processor).padding_side
+
+
+def build_train_dataloader(
+    sources: Sequence[DataSource | str | Path] | DataSource | str | Path | CutSet,
+    processor,
+    target_config,
+    *,
+    max_tokens: int,
+    family: TargetFamily | str | None = None,
+    max_batch_size: int | None = None,
+    conversation: ConversationConfig | None = None,
+    padding_side: str | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    world_size: int = 1,
+    rank: int = 0,
+    num_buckets: int = 10,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    skip_bad_samples: bool = False,
+    resample_audio: bool = True,
+    duration_tolerance: float = 0.05,
+    buffer_size: int = 10000,
+    num_cuts_for_bins_estimate: int = 10000,
+) -> CutDataLoader:
+    """The training DataLoader (see :mod:`dflash_hf.data` for the contract)."""
+    if isinstance(family, str) or family is None:
+        family = resolve_family(target_config, family)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    padding_side = padding_side or default_padding_side(processor)
+    bad = BadSamples(skip=skip_bad_samples)
+    if isinstance(sources, CutSet):
+        cuts = sources
+    else:
+        if isinstance(sources, (DataSource, str, Path)):
+            sources = [sources]
+        cuts = mix_sources(sources, seed=seed, bad=bad)
+    renderer = ConversationRenderer(processor, family, conversation)
+    validator = SampleValidator(renderer, family, target_config, max_tokens=max_tokens, bad=bad,
+                                resample_audio=resample_audio, duration_tolerance=duration_tolerance)
+    sampler = DynamicBucketingSampler(
+        validated_cutset(cuts, validator),
+        constraint=TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size),
+        num_buckets=num_buckets, shuffle=shuffle, drop_last=drop_last, seed=seed,
+        world_size=world_size, rank=rank, buffer_size=buffer_size,
+        num_cuts_for_bins_estimate=num_cuts_for_bins_estimate,
+    )
+    collator = PaddedCollator(processor, target_config, family, renderer, padding_side)
+    return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)
