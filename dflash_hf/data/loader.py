@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from lhotse import CutSet
 from lhotse.dataset import DynamicBucketingSampler
 from lhotse.dataset.sampling.base import TokenConstraint
+from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_hf.data.bad_samples import BadSamples
@@ -100,6 +102,18 @@ def default_padding_side(processor) -> str:
     return side or get_tokenizer(processor).padding_side
 
 
+def _bucket_bins(cuts, constraint, num_buckets: int, num_cuts: int) -> list[float]:
+    """Bucket boundaries (in tokens) from the first ``num_cuts`` cuts; validates them before training starts.
+    Fewer cuts than buckets (small data) gives fewer buckets."""
+    estimate = list(islice(cuts, num_cuts))
+    if not estimate:
+        raise ValueError("no usable samples in the data sources (all were skipped or the sources are empty)")
+    k = min(num_buckets, len(estimate))
+    if k < 2:
+        return [constraint.measure_length(estimate[0]) + 1]
+    return estimate_duration_buckets(estimate, num_buckets=k, constraint=constraint)
+
+
 def build_train_dataloader(
     sources: Sequence[DataSource | str | Path] | DataSource | str | Path | CutSet,
     processor,
@@ -141,12 +155,12 @@ def build_train_dataloader(
     renderer = ConversationRenderer(processor, family, conversation)
     validator = SampleValidator(renderer, family, target_config, max_tokens=max_tokens, bad=bad,
                                 resample_audio=resample_audio, duration_tolerance=duration_tolerance)
+    cuts = validated_cutset(cuts, validator)
+    constraint = TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size)
     sampler = DynamicBucketingSampler(
-        validated_cutset(cuts, validator),
-        constraint=TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size),
-        num_buckets=num_buckets, shuffle=shuffle, drop_last=drop_last, seed=seed,
+        cuts, constraint=constraint, shuffle=shuffle, drop_last=drop_last, seed=seed,
         world_size=world_size, rank=rank, buffer_size=buffer_size,
-        num_cuts_for_bins_estimate=num_cuts_for_bins_estimate,
+        duration_bins=_bucket_bins(cuts, constraint, num_buckets, num_cuts_for_bins_estimate),
     )
     collator = PaddedCollator(processor, target_config, family, renderer, padding_side)
     return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)

@@ -46,19 +46,22 @@ class DataSource:
 
 
 def detect_kind(path: str | Path) -> str:
-    """``"nemo"`` if the first JSON line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut."""
+    """``"nemo"`` if the first JSON line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
+    (lines that are not JSON are skipped here and reported by the reader)."""
     opener = gzip.open if str(path).endswith(".gz") else open
+    record = None
     try:
         with opener(path, "rt") as f:
-            first = next((line for line in f if line.strip()), None)
+            for line in f:
+                try:
+                    record = json.loads(line)
+                    break
+                except json.JSONDecodeError:
+                    continue
     except FileNotFoundError:
         raise FileNotFoundError(f"data source {str(path)!r} does not exist; fix the path") from None
-    if first is None:
-        raise ValueError(f"data source {str(path)!r} is empty")
-    try:
-        record = json.loads(first)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"data source {str(path)!r}: first line is not JSON ({e}); expected JSON lines") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"data source {str(path)!r} has no JSON object line; expected JSON lines")
     if "audio_filepath" in record:
         return "nemo"
     if "type" in record and ("recording" in record or "supervisions" in record):

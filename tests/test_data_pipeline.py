@@ -1,0 +1,196 @@
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from dflash_hf import tiny
+from dflash_hf.data import (
+    BadSampleError,
+    ConversationConfig,
+    DataSource,
+    build_train_dataloader,
+    open_source,
+)
+from dflash_hf.families import resolve_family
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return {fmt: tiny.synthesize_speech(root / fmt, 10, seed=i, fmt=fmt) for i, fmt in enumerate(("wav", "flac"))}
+
+
+def _all_batches(loader):
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+def _ids(tok, s):
+    return tok(s, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, target, fmt):
+    model, processor = target
+    tok = processor.tokenizer
+    audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
+    sf.write(tmp_path / f"a.{fmt}", audio, 16000)
+    line = {"audio_filepath": f"a.{fmt}", "duration": 1.0, "offset": 0.25, "text": "yes no",
+            "lang": "en", "context": "Say it:", "speaker": "s1"}
+    (tmp_path / "m.json").write_text(json.dumps(line) + "\n")
+    cut = next(iter(open_source(tmp_path / "m.json")))
+    assert cut.id == "m-00000000" and cut.start == 0.25 and cut.duration == 1.0
+    assert cut.supervisions[0].language == "en" and cut.custom == {"context": "Say it:", "speaker": "s1"}
+
+    loader = build_train_dataloader(tmp_path / "m.json", processor, model.config, max_tokens=500, shuffle=False,
+                                    conversation=ConversationConfig(system_prompt="SYS"))
+    (batch,) = list(loader)
+    assert set(batch) == {"input_ids", "attention_mask", "loss_mask", "input_features", "input_features_mask"}
+    n_audio = int(processor._get_audio_token_length(torch.tensor([100]))[0])  # 1.0 s = 100 mel frames
+    sp = {t: tok.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
+    expected = (
+        [sp[tiny.IM_START]] + _ids(tok, "system\nSYS") + [sp[tiny.IM_END]] + _ids(tok, "\n")
+        + [sp[tiny.IM_START]] + _ids(tok, "user\nSay it:") + [sp[tiny.AUDIO_START]]
+        + [sp[tiny.AUDIO_PAD]] * n_audio + [sp[tiny.AUDIO_END], sp[tiny.IM_END]] + _ids(tok, "\n")
+        + [sp[tiny.IM_START]] + _ids(tok, "assistant\n") + _ids(tok, "yes no") + [sp[tiny.IM_END]] + _ids(tok, "\n")
+    )
+    assert batch["input_ids"][0].tolist() == expected
+    supervised = batch["input_ids"][0][batch["loss_mask"][0]].tolist()
+    assert supervised == _ids(tok, "yes no") + [sp[tiny.IM_END]]
+    # the supervised span is contiguous and ends right before the trailing newline
+    pos = batch["loss_mask"][0].nonzero().flatten().tolist()
+    assert pos == list(range(len(expected) - 8, len(expected) - 1))
+    # the audio window honours offset/duration: 1.0 s of mel frames valid
+    assert int(batch["input_features_mask"][0].sum()) == 100
+    with torch.no_grad():
+        model(**{k: v for k, v in batch.items() if k != "loss_mask"})
+
+
+def test_batches_follow_token_budget_padding_side_and_target_forward(target, corpus):
+    model, processor = target
+    loader = build_train_dataloader([corpus["wav"], corpus["flac"]], processor, model.config, max_tokens=160,
+                                    seed=3)
+    batches = _all_batches(loader)
+    assert sum(len(b["input_ids"]) for b in batches) == 20  # every cut of both sources, once
+    for b in batches:
+        assert b["input_ids"].numel() <= 160
+        assert (b["attention_mask"][:, -1] == 1).all()  # Qwen3-ASR pads on the left
+        assert not b["loss_mask"][b["attention_mask"] == 0].any()
+        audio = b["input_ids"] == model.config.audio_token_id
+        assert not (b["loss_mask"] & audio).any()
+        assert (b["loss_mask"].sum(-1) > 0).all()
+    right = build_train_dataloader(corpus["wav"], processor, model.config, max_tokens=160, padding_side="right")
+    b = next(iter(right))
+    assert (b["attention_mask"][:, 0] == 1).all()
+    sup = b["input_ids"][b["loss_mask"]]
+    assert (sup == processor.tokenizer.eos_token_id).sum() == len(b["input_ids"])  # one closing token per row
+
+
+def test_deterministic_seed_and_rank_sharding(target, corpus):
+    model, processor = target
+
+    def ids(**kw):
+        loader = build_train_dataloader(corpus["wav"], processor, model.config, max_tokens=160, **kw)
+        return [b["input_ids"].tolist() for b in loader]
+
+    assert ids(seed=1) == ids(seed=1)
+    assert ids(seed=1) != ids(seed=2)
+    r0, r1 = ids(seed=1, world_size=2, rank=0), ids(seed=1, world_size=2, rank=1)
+    assert r0 and r1 and r0 != r1
+    with pytest.raises(ValueError, match="rank"):
+        ids(world_size=2, rank=2)
+
+
+def test_resume_mid_epoch_restores_position(target, corpus):
+    model, processor = target
+    kw = dict(max_tokens=120, seed=5)
+    reference = _all_batches(build_train_dataloader(corpus["flac"], processor, model.config, **kw))
+    assert len(reference) >= 4
+    loader = build_train_dataloader(corpus["flac"], processor, model.config, **kw)
+    it = iter(loader)
+    seen = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    assert state["batches_consumed"] == 2 and state["epoch"] == 0
+    resumed = build_train_dataloader(corpus["flac"], processor, model.config, num_workers=1, **kw)
+    resumed.load_state_dict(state)
+    rest = _all_batches(resumed)
+    assert len(seen) + len(rest) == len(reference)
+    for got, want in zip(seen + rest, reference):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    # a new epoch reshuffles
+    resumed.set_epoch(1)
+    epoch1 = _all_batches(resumed)
+    assert [b["input_ids"].tolist() for b in epoch1] != [b["input_ids"].tolist() for b in reference]
+
+
+def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, target, corpus):
+    from datasets import Dataset
+
+    model, processor = target
+    lines = [json.loads(x) for x in corpus["wav"].read_text().splitlines()][:3]
+    paths = [str(corpus["wav"].parent / x["audio_filepath"]) for x in lines]
+    ds_paths = Dataset.from_dict({"audio": paths, "text": [x["text"] for x in lines]})
+    arrays = [{"array": sf.read(p, dtype="float32")[0], "sampling_rate": 16000} for p in paths]
+    ds_arrays = Dataset.from_dict({"audio": arrays, "text": [x["text"] for x in lines],
+                                   "context": ["Ctx"] * 3})
+    loaders = [
+        build_train_dataloader(DataSource(hf_dataset=ds, path=name), processor, model.config, max_tokens=10_000,
+                               shuffle=False)
+        for ds, name in ((ds_paths, "p"), (ds_arrays, "a"))
+    ]
+    (bp,), (ba,) = (list(loader) for loader in loaders)
+    assert torch.allclose(bp["input_features"], ba["input_features"], atol=1e-3)
+    tok = processor.tokenizer
+    assert "Ctx" in tok.decode(ba["input_ids"][0]) and "Ctx" not in tok.decode(bp["input_ids"][0])
+    mixed = build_train_dataloader(
+        [DataSource(path=str(corpus["wav"]), weight=3.0), DataSource(hf_dataset=ds_arrays, path="a")],
+        processor, model.config, max_tokens=10_000, shuffle=False, max_batch_size=1)
+    texts = [tok.decode(b["input_ids"][0]) for b in mixed]
+    assert len(texts) == 13 and sum("Ctx" in t for t in texts) == 3
+
+
+def test_lhotse_cutset_file_is_read_lazily(tmp_path, target, corpus):
+    model, processor = target
+    cuts = open_source(corpus["wav"]).to_eager()
+    cuts.to_file(tmp_path / "cuts.jsonl.gz")
+    lazy = open_source(tmp_path / "cuts.jsonl.gz")
+    assert lazy.is_lazy and [c.id for c in lazy] == [c.id for c in cuts]
+    loader = build_train_dataloader(tmp_path / "cuts.jsonl.gz", processor, model.config, max_tokens=10_000)
+    assert sum(len(b["input_ids"]) for b in loader) == 10
+
+
+def test_text_family_loader(tmp_path):
+    from datasets import Dataset
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_text_target(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    assert resolve_family(model.config).name == "text"
+    ds = Dataset.from_dict({"text": ["four", "six"], "context": ["2+2?", "3+3?"]})
+    loader = build_train_dataloader(DataSource(hf_dataset=ds, audio_column=None, path="t"), tok, model.config,
+                                    max_tokens=1000, shuffle=False, padding_side="right")
+    (b,) = list(loader)
+    assert set(b) == {"input_ids", "attention_mask", "loss_mask"}
+    assert tok.decode(b["input_ids"][0][b["loss_mask"][0]]) == "four<|im_end|>"
+    assert tok.decode(b["input_ids"][1][b["loss_mask"][1]]) == "six<|im_end|>"
+
+
+def test_skip_summary_and_num_workers(tmp_path, target, corpus):
+    model, processor = target
+    lines = corpus["wav"].read_text().splitlines()
+    bad = json.loads(lines[0])
+    bad["text"] = "  "
+    manifest = corpus["wav"].parent / "with_bad.json"
+    manifest.write_text("\n".join([json.dumps(bad)] + lines[1:]) + "\n")
+    with pytest.raises(BadSampleError, match=r"with_bad-00000000.*'text'.*empty"):
+        list(build_train_dataloader(manifest, processor, model.config, max_tokens=160))
+    loader = build_train_dataloader(manifest, processor, model.config, max_tokens=160, skip_bad_samples=True,
+                                    num_workers=2)
+    assert sum(len(b["input_ids"]) for b in loader) == 9
+    assert loader.bad_samples.num_skipped == 1
+    assert "with_bad-00000000" in loader.bad_samples.summary()
