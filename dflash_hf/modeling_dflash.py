@@ -13,13 +13,16 @@ boolean tensor (True = may attend) or `None` (every slot sees everything given) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DFLASH2_FIELDS, DFlashConfig
 
 try:  # FlexAttention is optional (torch >= 2.5)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -229,7 +232,194 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         return self.norm(hidden)
 
 
+# --------------------------------------------------------------------------------------------
+# DFlash2: two-tap grouped dynamic convolutions around both sublayers and a top-k path selector
+# --------------------------------------------------------------------------------------------
+class DFlash2DynamicConv(nn.Module):
+    """Grouped dynamic convolution over the slots of each block, wrapped around one sublayer.
+
+    With `s = 0` before and `s = 1` after the sublayer, K = `conv_kernel_size`, G = `conv_group_size`:
+    `out[t, c] = sum_o (base_kernel[s, o, c] + delta[t, s, o, c // G]) * x[t - o, c]`, where tap `o` reads
+    slot `t - o` of the SAME block (zeros before slot 0) and `delta = kernel_projection(sublayer input)`
+    viewed as `[2, K, H // G]`. Slots are laid out as contiguous blocks of `config.block_size`
+    (N*B slots in training, B at inference), so block boundaries follow from the slot index.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        dc = config.dflash_config
+        self.config = config
+        self.kernel_size = dc["conv_kernel_size"]
+        self.group_size = dc["conv_group_size"]
+        self.num_groups = config.hidden_size // self.group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.kernel_size, config.hidden_size))
+        self.kernel_projection = nn.Linear(config.hidden_size, 2 * self.kernel_size * self.num_groups, bias=False)
+
+    def _convolve(self, x: torch.Tensor, side: int, delta: torch.Tensor) -> torch.Tensor:
+        # x: [b, Q, H]; delta: [b, Q, K, groups] dynamic coefficients of this side -> [b, Q, H]
+        b, q, h = x.shape
+        bs = self.config.block_size
+        if q % bs:
+            raise ValueError(
+                f"DFlash2 convolution got {q} slots, not a multiple of block_size {bs}: pass whole blocks"
+            )
+        xb = x.view(b, q // bs, bs, h)  # [b, n, B, H]
+        db = delta.view(b, q // bs, bs, self.kernel_size, self.num_groups, 1)
+        terms = []
+        for o in range(min(self.kernel_size, bs)):  # taps at or past the block start read only zeros
+            tap = F.pad(xb[:, :, : bs - o], (0, 0, o, 0))  # [b, n, B, H]: slot t holds x[t - o], zeros for t < o
+            dyn = (tap.view(b, q // bs, bs, self.num_groups, self.group_size) * db[..., o, :, :]).view_as(tap)
+            terms.append(tap * self.base_kernel[side, o] + dyn)
+        return sum(terms).view(b, q, h)
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`post(sublayer(pre(x)))` for the normed sublayer input `x` `[b, Q, H]`."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        y = sublayer(self._convolve(x, 0, delta[..., 0, :, :]))
+        return self._convolve(y, 1, delta[..., 1, :, :])
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """`x -> input_norm -> conv.pre -> self_attn -> conv.post -> +residual`, the same around the MLP."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.attention_conv = DFlash2DynamicConv(config)
+        self.mlp_conv = DFlash2DynamicConv(config)
+
+    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None):
+        x = self.input_layernorm(hidden)
+        hidden = hidden + self.attention_conv(
+            x, lambda y: self.self_attn(y, ctx, cos, sin, attention_mask, past_key_values)
+        )
+        return hidden + self.mlp_conv(self.post_attention_layernorm(hidden), self.mlp)
+
+
+class DFlash2CandidateSelector(nn.Module):
+    """Rank-r path selector over the top-k candidates of each slot.
+
+    `S_t(a, b) = U_t(b) + <A[a] * H(h_t), B[b]>`: U the draft logit of candidate b, a the token at the
+    previous slot (the anchor for slot 1), A / B the predecessor / successor codebooks `[V, r]`,
+    H = `hidden_projection`.
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        rank = config.dflash_config["selector_rank"]
+        self.top_k = config.dflash_config["selector_top_k"]
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [..., H] final-normed draft hidden of the slots
+        unary: torch.Tensor,  # [..., k] draft logits of the candidates
+        candidates: torch.LongTensor,  # [..., k] candidate token ids
+        predecessors: torch.LongTensor,  # [...] token at the previous slot
+    ) -> torch.Tensor:
+        """Pair scores `[..., k]` in float32."""
+        dtype = self.predecessor_codebook.dtype
+        query = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden.to(dtype))  # [..., r]
+        pair = torch.einsum("...r,...kr->...k", query, self.successor_codebook[candidates])
+        return unary.float() + pair.float()
+
+
+def _check_dflash2_config(config: DFlashConfig) -> None:
+    """Shape preconditions of the DFlash2 modules (raised before any weight is allocated)."""
+    dc = config.dflash_config
+    missing = [k for k in DFLASH2_FIELDS if k not in dc]
+    if missing:
+        raise ValueError(f"DFlash2 config lacks dflash_config fields {missing}; build it with variant='dflash2'")
+    for key in DFLASH2_FIELDS:
+        if int(dc[key]) < 1:
+            raise ValueError(f"dflash_config.{key} must be >= 1, got {dc[key]}")
+    if config.hidden_size % dc["conv_group_size"]:
+        raise ValueError(
+            f"dflash_config.conv_group_size {dc['conv_group_size']} must divide hidden_size {config.hidden_size}"
+        )
+    if dc["selector_top_k"] > config.vocab_size:
+        raise ValueError(
+            f"dflash_config.selector_top_k {dc['selector_top_k']} exceeds vocab_size {config.vocab_size}; "
+            "lower selector_top_k or set vocab_size to the target's vocabulary"
+        )
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 draft: DFlash plus per-layer dynamic convolutions (`attention_conv`, `mlp_conv`) and a
+    `candidate_selector`. Fresh weights are the identity convolution and a zero successor codebook, so
+    a fresh DFlash2 draft computes exactly the hidden states (and greedy proposals) of DFlash."""
+
+    layer_class = DFlash2DecoderLayer
+    _no_split_modules = ["DFlash2DecoderLayer"]
+
+    def __init__(self, config: DFlashConfig):
+        _check_dflash2_config(config)
+        super().__init__(config)  # builds (and initializes) the DFlash2 layers
+        self.candidate_selector = DFlash2CandidateSelector(config)
+        self.post_init()  # initializes only the selector: modules already initialized are skipped
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # `transformers.initialization` functions skip tensors loaded by from_pretrained.
+        if isinstance(module, DFlash2DynamicConv):
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            init.copy_(module.base_kernel, identity)
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, DFlash2CandidateSelector):
+            init.normal_(module.predecessor_codebook, mean=0.0, std=0.02)
+            init.zeros_(module.successor_codebook)
+        else:
+            super()._init_weights(module)
+
+    @torch.no_grad()
+    def propose_block(
+        self,
+        hidden: torch.Tensor,  # [B, H] final-normed draft hidden of one block
+        lm_head: nn.Module,  # the target's frozen lm_head
+        anchor_token: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Selector walk over the top-k candidates of slots 1..B-1.
+
+        Greedy (`temperature <= 0`): each slot takes the best-scoring candidate given the token chosen
+        at the previous slot; returns `(tokens [B-1], None)`. Sampling: each slot samples from
+        `softmax(S / temperature)` over its candidates given the sampled predecessor, and returns that
+        conditional proposal as a full-vocabulary distribution `q [B-1, V]` (zero outside the
+        candidates), so rejection sampling against the target stays lossless.
+        """
+        selector = self.candidate_selector
+        logits = lm_head(hidden[1:]).float()  # [B-1, V]
+        unary, candidates = logits.topk(selector.top_k, dim=-1)  # [B-1, k]
+        q = logits.new_zeros(logits.shape) if temperature > 0 else None
+        prev = torch.tensor(anchor_token, device=hidden.device)
+        tokens = []
+        for slot in range(logits.shape[0]):
+            scores = selector(hidden[1 + slot], unary[slot], candidates[slot], prev)  # [k]
+            if q is None:
+                choice = scores.argmax()
+            else:
+                probs = torch.softmax(scores / temperature, dim=-1)
+                choice = torch.multinomial(probs, 1, generator=generator)[0]
+                q[slot, candidates[slot]] = probs
+            prev = candidates[slot, choice]
+            tokens.append(prev)
+        return torch.stack(tokens), q
+
+
 DFlashDraftModel.register_for_auto_class("AutoModel")
+DFlash2DraftModel.register_for_auto_class("AutoModel")
 DFlashConfig.register_for_auto_class()
 
-__all__ = ["DFlashDraftModel", "DFlashPreTrainedModel", "DFlashDecoderLayer", "DFlashAttention"]
+__all__ = [
+    "DFlashDraftModel",
+    "DFlash2DraftModel",
+    "DFlashPreTrainedModel",
+    "DFlashDecoderLayer",
+    "DFlash2DecoderLayer",
+    "DFlash2DynamicConv",
+    "DFlash2CandidateSelector",
+    "DFlashAttention",
+]
