@@ -1,0 +1,223 @@
+"""`label_source=target_argmax` (DESIGN 3.2): labels equal a brute-force full-logit reference, for left
+and right padding and packed documents, independent of the chunk size, without `[S, vocab]` logits."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from utils import random_rows, text_batch, tiny_text_target
+
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
+from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding
+from dflash_hf.target import FrozenTarget
+
+MASK_ID = 262
+
+
+@pytest.fixture(scope="module")
+def target():
+    model, tok = tiny_text_target(num_layers=4, hidden_size=64, seed=3)
+    return model, tok
+
+
+def _batch(tok, padding_side: str) -> dict:
+    rows = random_rows(3, 256, prompt_len=(4, 9), resp_len=(8, 20), seed=11)
+    rows.append(([], rows[0][1][:12]))  # first real token supervised: its predecessor is padding or nothing
+    return text_batch(rows, tok.pad_token_id, padding_side)
+
+
+def _packed_batch(pad_id: int) -> tuple[dict, list[int]]:
+    """One row: three documents back to back, then padding. Every token of the 2nd document is
+    supervised, including its first (whose previous row token belongs to document 1)."""
+    g = torch.Generator().manual_seed(5)
+    lengths, ids, pos, lm, docs = [9, 11, 7], [], [], [], []
+    for d, n in enumerate(lengths):
+        ids += torch.randint(3, 256, (n,), generator=g).tolist()
+        pos += list(range(n))
+        lm += [True] * n if d == 1 else [False] * 3 + [True] * (n - 3)
+        docs += [d] * n
+    pad = 5
+    ids += [pad_id] * pad
+    pos += [0] * pad
+    lm += [True] * pad  # supervised padding must never be labelled from a predecessor
+    docs += [-1] * pad
+    cu = torch.tensor([0, 9, 20, 27], dtype=torch.int32)
+    batch = {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.tensor([[1] * (len(ids) - pad) + [0] * pad]),
+        "loss_mask": torch.tensor([lm]),
+        "position_ids": torch.tensor([pos]),
+        "cu_seqlens": cu,
+    }
+    return batch, docs
+
+
+def _row_docs(batch: dict) -> list[list[int]]:
+    """Brute-force document index per token (-1 padding), by walking each row."""
+    out = []
+    for r in range(batch["input_ids"].shape[0]):
+        docs, d = [], -1
+        for t in range(batch["input_ids"].shape[1]):
+            if not batch["attention_mask"][r, t]:
+                docs.append(-1)
+                continue
+            if "position_ids" in batch:
+                d += int(batch["position_ids"][r, t]) == 0
+            else:
+                d = 0
+            docs.append(d)
+        out.append(docs)
+    return out
+
+
+def reference_labels(model, batch: dict) -> torch.Tensor:
+    """label[t] = argmax of the target's full logits at t-1, where t is supervised and t-1 is a real token
+    of the same document; else the input id. Padded rows run with their own padding and mask; packed
+    documents run one at a time."""
+    ids, lm, docs = batch["input_ids"], batch["loss_mask"], _row_docs(batch)
+    with torch.no_grad():
+        if "cu_seqlens" in batch:  # packed: every document on its own
+            cu = batch["cu_seqlens"].tolist()
+            pred = torch.zeros_like(ids)
+            for s, e in zip(cu[:-1], cu[1:]):
+                pred[:, s:e] = model(input_ids=ids[:, s:e]).logits.argmax(-1)
+        else:
+            pred = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    ref = ids.clone()
+    for r in range(ids.shape[0]):
+        for t in range(1, ids.shape[1]):
+            if lm[r, t] and docs[r][t] >= 0 and docs[r][t - 1] == docs[r][t]:
+                ref[r, t] = pred[r, t - 1]
+    return ref
+
+
+def _row_inputs(ft: FrozenTarget, batch: dict):
+    """Final-normed states and row-coordinate ids / loss mask / doc ids, as `DFlashTrainer.draft_forward`
+    prepares them (leading padding moved to the end)."""
+    feats = ft.capture(batch, [1], keep_final=True)
+    packed = "cu_seqlens" in batch
+    am = batch["attention_mask"]
+    shifts = torch.zeros(am.shape[0], dtype=torch.long) if packed else leading_padding(am)
+    am_rows = move_leading_padding(am, shifts)
+    final = move_leading_padding(feats.final_hidden, shifts)
+    ids = move_leading_padding(batch["input_ids"], shifts)
+    loss_mask = move_leading_padding(batch["loss_mask"].bool(), shifts) & am_rows.bool()
+    doc_ids = doc_ids_from(am_rows, batch.get("position_ids") if packed else None)
+    return final, ids, loss_mask, doc_ids, shifts
+
+
+@pytest.mark.parametrize("layout", ["left", "right", "packed"])
+def test_argmax_labels_match_full_logit_reference(target, layout):
+    model, tok = target
+    if layout == "packed":
+        batch, docs = _packed_batch(tok.pad_token_id)
+        assert _row_docs(batch)[0] == docs
+    else:
+        batch = _batch(tok, layout)
+    ft = FrozenTarget(model)
+    ref = reference_labels(model, batch)
+    final, ids, loss_mask, doc_ids, shifts = _row_inputs(ft, batch)
+    assert bool(shifts.any()) == (layout == "left")
+    ref_rows = move_leading_padding(ref, shifts)
+    outs = [ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=c) for c in (1, 7, 128)]
+    for out in outs:
+        assert torch.equal(out, ref_rows)
+    # the labels really come from the target (not the data) on most supervised positions
+    changed = (ref_rows != ids) & loss_mask
+    assert int(changed.sum()) > 0.5 * int(loss_mask.sum())
+    if layout == "packed":
+        first_of_doc2 = 9
+        assert loss_mask[0, first_of_doc2] and outs[0][0, first_of_doc2] == ids[0, first_of_doc2]
+        assert torch.equal(outs[0][0, -5:], ids[0, -5:])  # padding keeps its id
+    else:
+        # row 3 starts with a supervised token: no real predecessor, keeps its id
+        assert loss_mask[3, 0] and outs[0][3, 0] == ids[3, 0]
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest freshly allocated tensor (in elements) produced by any op; views of existing
+    storage do not count."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 128])
+def test_argmax_labels_never_allocate_sequence_logits(target, chunk):
+    model, tok = target
+    batch = _batch(tok, "left")
+    ft = FrozenTarget(model)
+    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, batch)
+    vocab = ft.vocab_size
+    with LargestAllocation() as probe:
+        ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=chunk)
+    n_sup = int(loss_mask[:, 1:].sum())
+    assert 0 < probe.largest <= min(chunk, n_sup) * vocab
+    assert ids.shape[1] * vocab > 7 * vocab  # one row's logits would already break the bound for chunk 1 and 7
+    with LargestAllocation() as control:  # the probe does see a full projection
+        ft.lm_head(final)
+    assert control.largest == final.shape[0] * final.shape[1] * vocab
+
+
+def test_capture_does_not_compute_sequence_logits(target):
+    """The target forward itself keeps only the last position's logits (`logits_to_keep=1`)."""
+    model, tok = target
+    batch = _batch(tok, "right")
+    ft = FrozenTarget(model)
+    shapes = []
+    handle = ft.lm_head.register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.shape)))
+    try:
+        ft.capture(batch, [1, 2], keep_final=True)
+    finally:
+        handle.remove()
+    assert shapes == [(batch["input_ids"].shape[0], 1, ft.vocab_size)]
+
+
+def test_chunk_size_zero_is_refused(target, tmp_path):
+    model, tok = target
+    ft = FrozenTarget(model)
+    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, _batch(tok, "right"))
+    with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
+        ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=0)
+    with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
+        DFlashTrainingArguments(output_dir=str(tmp_path), target_argmax_chunk_size=0, report_to="none")
+    with pytest.raises(ValueError, match="label_source"):
+        DFlashTrainingArguments(output_dir=str(tmp_path), label_source="argmax", report_to="none")
+
+
+@pytest.mark.parametrize("layout", ["left", "packed"])
+def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
+    """End to end through `DFlashTrainer.draft_forward` (target forward, row handling, labels)."""
+    model, tok = target
+    batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else _batch(tok, "left")
+    args = DFlashTrainingArguments(
+        output_dir=str(tmp_path), block_size=4, num_draft_layers=1, mask_token_id=MASK_ID, num_anchors=4,
+        attention_backend="sdpa", target_argmax_chunk_size=5, report_to="none", use_cpu=True,
+    )
+    trainer = DFlashTrainer(args=args, target=model)
+    seen = []
+    original = trainer.target.argmax_labels
+
+    def spy(*a, **kw):
+        seen.append(original(*a, **kw))
+        return seen[-1]
+
+    trainer.target.argmax_labels = spy
+    plan = trainer.plan_blocks(batch, seed=0)
+    out = trainer.draft_forward(trainer.model, batch, plan)
+    ref = move_leading_padding(reference_labels(model, batch), plan.shifts)
+    assert len(seen) == 1 and torch.equal(seen[0], ref)
+    # block labels are the reference labels at a+k
+    blocks = out.blocks
+    for r, n, k in blocks.valid.nonzero().tolist():
+        assert blocks.labels[r, n, k] == ref[r, blocks.anchors[r, n] + k + 1]
+    assert tiny.MASK_TOKEN == tok.convert_ids_to_tokens(MASK_ID)
