@@ -133,6 +133,9 @@ class Blocks:
     labels: torch.Tensor  # [b, N, B-1]: token at a+k (0 where invalid)
     valid: torch.Tensor  # [b, N, B-1] bool: a+k inside the row, same document, supervised
     weights: torch.Tensor  # [b, N, B-1]: decay * valid
+    # [b, N, B-1]: teacher-forced token before each slot (anchor token for slot 1, else the label at a+k-1;
+    # 0 where invalid), the predecessor of the DFlash2 path selector
+    predecessors: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -179,8 +182,11 @@ def build_blocks(
         & take(loss_mask.bool())
     )[..., 1:]
     lab = torch.where(valid, take(labels)[..., 1:], 0)
+    prev = torch.where(valid, torch.cat([ids[..., :1], take(labels)[..., 1:-1]], dim=-1), 0)
     weights = slot_decay(block_size, gamma, dev) * valid
-    return Blocks(anchors=anchors, ids=ids, positions=block_pos, labels=lab, valid=valid, weights=weights)
+    return Blocks(
+        anchors=anchors, ids=ids, positions=block_pos, labels=lab, valid=valid, weights=weights, predecessors=prev
+    )
 
 
 def loss_weight_sum(

@@ -7,18 +7,35 @@ a batch is split.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import Blocks
 
 
-def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+def _chunk_ce(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor):
     logits = F.linear(hidden, weight).float()  # [m, V]
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+
+
+def map_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], rows: Sequence[torch.Tensor], chunk_size: int):
+    """`fn` over row chunks of `rows` (each `[M, ...]`), outputs concatenated. A chunk whose first input
+    needs grad is recomputed in backward (activation checkpointing), so peak memory holds one chunk of
+    logits. `M == 0` runs `fn` once on the empty rows (outputs keep their dtypes, the graph stays connected)."""
+    outs = []
+    for start in range(0, max(rows[0].shape[0], 1), chunk_size):
+        part = [r[start : start + chunk_size] for r in rows]
+        if torch.is_grad_enabled() and part[0].requires_grad:
+            outs.append(checkpoint(fn, *part, use_reentrant=False))
+        else:
+            outs.append(fn(*part))
+    return tuple(torch.cat(o) for o in zip(*outs))
 
 
 def chunked_lm_head_ce(
@@ -27,20 +44,8 @@ def chunked_lm_head_ce(
     labels: torch.Tensor,  # [M]
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token CE and argmax of `lm_head(hidden)` without keeping `[M, V]` logits alive: each chunk
-    is recomputed in backward (activation checkpointing), so peak memory holds one chunk of logits."""
-    ces, preds = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
-        if torch.is_grad_enabled() and h.requires_grad:
-            ce, pred = checkpoint(_chunk_ce, h, lm_head_weight, y, use_reentrant=False)
-        else:
-            ce, pred = _chunk_ce(h, lm_head_weight, y)
-        ces.append(ce)
-        preds.append(pred)
-    if not ces:
-        return hidden.new_zeros(0, dtype=torch.float32), labels.new_zeros(0)
-    return torch.cat(ces), torch.cat(preds)
+    """Per-token CE and argmax of `lm_head(hidden)` without keeping `[M, V]` logits alive."""
+    return map_chunks(partial(_chunk_ce, weight=lm_head_weight), (hidden, labels), chunk_size)
 
 
 @dataclass
@@ -69,6 +74,78 @@ def block_loss(
     correct = torch.zeros_like(sel)
     correct[sel] = pred == blocks.labels[sel]
     return BlockLoss(loss_sum=loss_sum, weight_sum=w.sum().detach(), correct=correct, blocks=blocks)
+
+
+def _chunk_dflash2(
+    hidden: torch.Tensor,  # [m, H]
+    labels: torch.Tensor,  # [m]
+    predecessors: torch.Tensor,  # [m] teacher-forced previous token
+    weight: torch.Tensor,  # [V, H]
+    selector: nn.Module,  # DFlash2CandidateSelector
+):
+    """Base CE and argmax, plus the selector CE over the top-k candidates of the same dense logits."""
+    logits = F.linear(hidden, weight).float()  # [m, V]
+    ce = F.cross_entropy(logits, labels, reduction="none")  # [m]
+    unary, candidates = logits.topk(selector.top_k, dim=-1)  # [m, k]
+    scores = selector(hidden, unary, candidates, predecessors)  # [m, k]
+    is_label = candidates == labels[:, None]  # [m, k], at most one True per row
+    hit = is_label.any(-1)  # [m] true token among the candidates
+    sel_ce = torch.where(hit, torch.logsumexp(scores, -1) - (scores * is_label).sum(-1), 0.0)
+    sel_pred = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+    return ce, logits.argmax(-1), sel_ce, sel_pred, hit
+
+
+@dataclass
+class DFlash2BlockLoss(BlockLoss):
+    """Base sums (the inherited fields) plus the selector's, each with its own denominator."""
+
+    selector: BlockLoss  # Σ w·selector CE; weight_sum = Σ w over slots whose label is a candidate;
+    # correct = selector path's argmax (teacher-forced predecessor) equals the label
+    candidate_hits: torch.Tensor  # [b, N, B-1] bool: label among the top-k candidates (valid slots)
+
+
+def dflash2_block_loss(
+    hidden: torch.Tensor,  # [b, N, B, H] final-normed draft hidden of every slot
+    blocks: Blocks,
+    lm_head_weight: torch.Tensor,  # [V, H] frozen
+    selector: nn.Module,  # the draft's DFlash2CandidateSelector
+    chunk_size: int = 1024,
+) -> DFlash2BlockLoss:
+    """DESIGN 4 losses, chunk-wise (one chunk of `[m, V]` logits alive, recomputed in backward):
+    base = decayed CE of the dense logits (exactly `block_loss`); selector = k-way CE over
+    `S(a, b) = U(b) + <A[a] * H(h), B[b]>` for the top-k candidates b with the teacher-forced
+    predecessor a, only on slots whose label is a candidate, with the same decay weights."""
+    if blocks.predecessors is None:
+        raise ValueError("DFlash2 loss needs Blocks.predecessors; build the blocks with blocks.build_blocks")
+    slots = hidden[:, :, 1:]  # [b, N, B-1, H]
+    sel = blocks.valid
+    labels = blocks.labels[sel]
+    ce, pred, sel_ce, sel_pred, hit = map_chunks(
+        partial(_chunk_dflash2, weight=lm_head_weight, selector=selector),
+        (slots[sel], labels, blocks.predecessors[sel]),
+        chunk_size,
+    )
+    w = blocks.weights[sel]
+    zero = hidden.sum() * 0.0  # keeps the graph connected when no slot is valid
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(sel)
+        out[sel] = values
+        return out
+
+    return DFlash2BlockLoss(
+        loss_sum=(w * ce).sum() + zero,
+        weight_sum=w.sum().detach(),
+        correct=scatter(pred == labels),
+        blocks=blocks,
+        selector=BlockLoss(
+            loss_sum=(w * sel_ce).sum() + zero,
+            weight_sum=(w * hit).sum().detach(),
+            correct=scatter(sel_pred == labels),
+            blocks=blocks,
+        ),
+        candidate_hits=scatter(hit),
+    )
 
 
 def acceptance_sum(correct: torch.Tensor, anchor_valid: torch.Tensor) -> torch.Tensor:
@@ -109,6 +186,14 @@ class MetricSums:
         self.add(f"{tag}blocks", out.blocks.anchor_valid.sum())
         if not tag:
             self.add_slots(out.correct, out.blocks.valid)
+        if isinstance(out, DFlash2BlockLoss):
+            # selector_loss, selector_tau_est; selector_accuracy and candidate_recall per valid slot
+            self.add_block_loss(out.selector, tag=f"{tag}selector_")
+            valid = out.blocks.valid.sum()
+            self.add(f"num_{tag}selector_accuracy", (out.selector.correct & out.blocks.valid).sum())
+            self.add(f"den_{tag}selector_accuracy", valid)
+            self.add(f"num_{tag}candidate_recall", out.candidate_hits.sum())
+            self.add(f"den_{tag}candidate_recall", valid)
 
     def as_tensor(self, device) -> tuple[list[str], torch.Tensor]:
         """Flatten for one all-reduce: names and a float64 vector (slot stats appended)."""
@@ -147,4 +232,7 @@ class MetricSums:
                 out[f"{p}{name[len('count_'):]}"] = value
             elif name.startswith("mean_") and v.get("steps", 0) > 0:
                 out[f"{p}{name[len('mean_'):]}"] = value / v["steps"]
+            elif name.startswith("num_"):  # ratio num_X / den_X
+                den = v.get(f"den_{name[len('num_'):]}", 0.0)
+                out[f"{p}{name[len('num_'):]}"] = value / den if den > 0 else 0.0
         return out
