@@ -15,6 +15,11 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 NON_TARGET_KEYS = frozenset(
     {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "dflash_prep", "num_docs"}
 )
+# Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
+# (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
+PACKED_ATTN_IMPLEMENTATIONS = (
+    "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"
+)
 
 
 def resolve_dtype(precision: str) -> torch.dtype:
@@ -185,7 +190,26 @@ class FrozenTarget:
                 h.remove()
 
     def target_inputs(self, batch: dict) -> dict:
-        return {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+        """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without `attention_mask` and with
+        `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
+        given, and keeps attention inside each document (trailing padding forms its own segment)."""
+        kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+        if "cu_seqlens" in batch:
+            if "position_ids" not in batch:
+                raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "
+                                 "must emit position_ids restarting at 0 per document")
+            kwargs.pop("attention_mask", None)
+        return kwargs
+
+    def check_packing(self) -> None:
+        """Refuse packed batches when the decoder's attention implementation cannot isolate documents."""
+        impl = getattr(self.decoder.config, "_attn_implementation", None)
+        if impl not in PACKED_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"packing=True needs a target attn_implementation that keeps packed documents apart via "
+                f"position_ids; the target's decoder uses {impl!r}. Load the target with attn_implementation in "
+                f"{list(PACKED_ATTN_IMPLEMENTATIONS)} (CPU: 'sdpa'), or set packing=False"
+            )
 
     @torch.no_grad()
     def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:
