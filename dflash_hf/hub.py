@@ -2,6 +2,7 @@
 
 - :func:`load_draft_strict`: weights-only warm start from a draft export (DESIGN 5). Every missing,
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
+- :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from .adaptation import merged_draft
 from .configuration_dflash import ARCHITECTURES, DFlashConfig
 from .modeling_dflash import DFlashDraftModel
 
@@ -152,6 +155,32 @@ def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
     return DFlashDraftModel
 
 
+def check_warm_start(
+    config: DFlashConfig,
+    *,
+    variant: str,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    source: str = "init_from_pretrained",
+) -> None:
+    """The warm-started draft keeps its architecture, taps and mask id: explicit settings must agree."""
+    if config.variant != variant:
+        raise ValueError(
+            f"{source} is a {ARCHITECTURES[config.variant]} but variant={variant!r}; set variant: {config.variant} "
+            "(a warm start keeps the saved architecture)"
+        )
+    if target_layer_ids is not None and list(target_layer_ids) != config.target_layer_ids:
+        raise ValueError(
+            f"target_layer_ids={list(target_layer_ids)} differs from the warm-started draft's taps "
+            f"{config.target_layer_ids}; drop target_layer_ids (fc.weight is tied to the saved taps)"
+        )
+    if mask_token_id is not None and mask_token_id != config.mask_token_id:
+        raise ValueError(
+            f"mask_token_id={mask_token_id} differs from the warm-started draft's {config.mask_token_id}; "
+            "drop mask_token_id or use the saved one"
+        )
+
+
 def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
     """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
 
@@ -187,4 +216,15 @@ def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlash
     return model.train()
 
 
-__all__ = ["load_draft_strict", "resolve_draft_dir", "draft_class_for"]
+def export_draft(model: nn.Module, export_dir: str | Path) -> Path:
+    """Write the draft in the checkpoint contract (DESIGN 5): config.json, model.safetensors and the
+    remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft."""
+    draft = merged_draft(model)
+    if not isinstance(draft, DFlashDraftModel):
+        raise TypeError(f"export_draft needs a DFlash draft (or its PeftModel), got {type(draft).__name__}")
+    export_dir = Path(export_dir)
+    draft.save_pretrained(export_dir, safe_serialization=True)
+    return export_dir
+
+
+__all__ = ["load_draft_strict", "check_warm_start", "export_draft", "resolve_draft_dir", "draft_class_for"]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
 
+from .adaptation import apply_adaptation, check_resume_selection, save_selection
 from .blocks import (
     Blocks,
     attention_mask_for,
@@ -27,6 +29,7 @@ from .blocks import (
     sample_anchors,
 )
 from .configuration_dflash import DFlashConfig, default_gamma
+from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
 from .losses import BlockLoss, MetricSums, block_loss
 from .modeling_dflash import DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
@@ -57,9 +60,10 @@ def _seed(*parts: int) -> int:
 def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDraftModel:
     """A fresh draft sized from the target, or a strict warm start from `init_from_pretrained`."""
     if args.init_from_pretrained:
-        from .hub import load_draft_strict
-
         draft = load_draft_strict(args.init_from_pretrained, block_size=args.block_size)
+        check_warm_start(
+            draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id
+        )
     else:
         target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
         config = DFlashConfig.from_target_config(
@@ -71,18 +75,10 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             target_layer_ids=args.target_layer_ids,
         )
         config.vocab_size = target.vocab_size
-        draft = draft_class(config)(config)
+        draft = draft_class_for(config)(config)
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     return draft.to(resolve_dtype(args.precision))
-
-
-def draft_class(config: DFlashConfig):
-    if config.variant == "dflash2":
-        from .modeling_dflash import DFlash2DraftModel
-
-        return DFlash2DraftModel
-    return DFlashDraftModel
 
 
 class DFlashTrainer(Trainer):
@@ -100,6 +96,7 @@ class DFlashTrainer(Trainer):
             target.validate(
                 mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
             )
+        model = apply_adaptation(model, args)  # projection_only filter or peft LoRA
         super().__init__(model=model, args=args, **kwargs)
         self.target.model.to(self.args.device)
         cfg = model.config
@@ -107,6 +104,30 @@ class DFlashTrainer(Trainer):
         self.gamma = args.gamma or default_gamma(self.block_size)
         self.train_sums = MetricSums()
         self._last_log_time = time.time()
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and export (the trainable selection is recorded so resumes can be checked)
+    # ------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        if checkpoint:
+            check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            save_selection(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir)
+
+    def export_draft(self, export_dir: str | None = None) -> str:
+        """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
+        export_dir = export_dir or self.args.resolved_export_dir
+        if self.args.should_save:
+            export_draft(self.accelerator.unwrap_model(self.model), export_dir)
+        self.accelerator.wait_for_everyone()
+        return export_dir
 
     # ------------------------------------------------------------------------------------------
     # Planning: anchors and the global denominator, before any forward

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .configuration_dflash import DFLASH_VARIANTS
 
 
@@ -78,6 +79,19 @@ class DFlashTrainingArguments(TrainingArguments):
     )
     validate_only: bool = field(default=False, metadata={"help": "Only evaluate the draft; no training."})
 
+    # --- adaptation (docs/ADAPTATION.md) ----------------------------------------------------------
+    projection_only: bool = field(
+        default=False,
+        metadata={"help": "Train only fc.weight (tap projection) of a warm-started draft; needs init_from_pretrained."},
+    )
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank on the draft (peft); 0 = off. Merged on export."})
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        metadata={"help": f"Draft linear layers that get LoRA adapters; any of {', '.join(LORA_TARGETS)}."},
+    )
+
     def __post_init__(self):
         if self.bf16 or self.fp16:
             raise ValueError(
@@ -99,6 +113,45 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        self._check_adaptation()
+
+    def _check_adaptation(self) -> None:
+        if self.projection_only and not self.init_from_pretrained:
+            raise ValueError(
+                "projection_only=true trains only fc.weight of a pretrained draft: set init_from_pretrained to "
+                "the draft export to adapt (or set projection_only=false to train a new draft)"
+            )
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0 (0 = LoRA off), got {self.lora_r}")
+        if self.lora_r > 0:
+            if not self.init_from_pretrained:
+                raise ValueError(
+                    "lora_r > 0 adapts a pretrained draft: set init_from_pretrained to the draft export "
+                    "(a new draft is trained in full; set lora_r=0)"
+                )
+            if self.projection_only:
+                raise ValueError("projection_only and lora_r > 0 are exclusive: pick one adaptation mode")
+            if self.lora_alpha <= 0:
+                raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+            bad = [m for m in self.lora_target_modules if m not in LORA_TARGETS]
+            if bad or not self.lora_target_modules:
+                raise ValueError(
+                    f"lora_target_modules {list(self.lora_target_modules)}: {bad or 'empty'} are not draft linear "
+                    f"layers; choose from {list(LORA_TARGETS)}"
+                )
+        if self.activation_checkpointing:
+            # Block inputs come from the frozen target embedding, so reentrant checkpointing would drop the
+            # gradients of everything inside a checkpointed layer (nothing entering it requires grad).
+            kwargs = dict(self.activation_checkpointing_kwargs or {})
+            if kwargs.get("use_reentrant", False):
+                raise ValueError(
+                    "gradient_checkpointing_kwargs.use_reentrant=True drops draft gradients (the draft's block "
+                    "inputs come from the frozen embedding); use use_reentrant=False (the default here)"
+                )
+            kwargs["use_reentrant"] = False
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
 
     @property
     def resolved_export_dir(self) -> str:
