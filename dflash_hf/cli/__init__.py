@@ -1,0 +1,1 @@
+"""Console scripts (thin: parse, call, print): `dflash-train`, `dflash-eval`, `dflash-generate-labels`."""
