@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -227,4 +228,51 @@ def export_draft(model: nn.Module, export_dir: str | Path) -> Path:
     return export_dir
 
 
-__all__ = ["load_draft_strict", "check_warm_start", "export_draft", "resolve_draft_dir", "draft_class_for"]
+def convert_dflash_to_dflash2(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    conv_kernel_size: int = 2,
+    conv_group_size: int = 16,
+    selector_rank: int = 256,
+    selector_top_k: int = 16,
+    seed: int = 0,
+) -> Path:
+    """Bootstrap a DFlash2 draft from a DFlash export (DESIGN 4 init): every DFlash tensor copied
+    unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor codebook.
+    The result computes exactly the source's hidden states and greedy proposals, is written in the
+    source's float dtype, and loads strictly. Returns `out_dir`."""
+    source_model = load_draft_strict(source)
+    config = copy.deepcopy(source_model.config)
+    if config.variant != "dflash":
+        raise ValueError(f"{source} is already a {ARCHITECTURES[config.variant]}; conversion needs a DFlash export")
+    config.architectures = [ARCHITECTURES["dflash2"]]
+    config.dflash_config.update(
+        conv_kernel_size=conv_kernel_size,
+        conv_group_size=conv_group_size,
+        selector_rank=selector_rank,
+        selector_top_k=selector_top_k,
+    )
+    config.validate_dflash()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = draft_class_for(config)(config)
+    missing, unexpected = model.load_state_dict(source_model.state_dict(), strict=False)
+    new_only = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+    foreign = [k for k in missing if not any(part in k for part in new_only)]
+    if unexpected or foreign:
+        raise ValueError(f"{source}: tensors do not map onto DFlash2 (unexpected {unexpected}, unfilled {foreign})")
+    dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out_dir = Path(out_dir)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+__all__ = [
+    "load_draft_strict",
+    "check_warm_start",
+    "export_draft",
+    "resolve_draft_dir",
+    "draft_class_for",
+    "convert_dflash_to_dflash2",
+]

@@ -1,0 +1,46 @@
+"""Bootstrap a DFlash2 draft from a DFlash export.
+
+The DFlash weights are copied unchanged; the DFlash2 additions start at their identity init (identity
+convolutions, zero successor codebook, N(0, 0.02) predecessor codebook), so the converted draft proposes
+exactly what the DFlash draft proposed until it is trained with `variant: dflash2`.
+
+    python scripts/convert_dflash_to_dflash2.py /path/to/dflash-draft /path/to/dflash2-draft
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dflash_hf.hub import convert_dflash_to_dflash2
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="DFlash draft export directory (or a Hub id in the local cache)")
+    parser.add_argument("out_dir", help="where the DFlash2 export is written")
+    parser.add_argument("--conv_kernel_size", type=int, default=2, help="taps of the dynamic convolutions")
+    parser.add_argument("--conv_group_size", type=int, default=16, help="channels per dynamic coefficient")
+    parser.add_argument("--selector_rank", type=int, default=256, help="rank of the selector codebooks")
+    parser.add_argument("--selector_top_k", type=int, default=16, help="candidates per slot")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the predecessor codebook init")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    out = convert_dflash_to_dflash2(
+        args.source,
+        args.out_dir,
+        conv_kernel_size=args.conv_kernel_size,
+        conv_group_size=args.conv_group_size,
+        selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k,
+        seed=args.seed,
+    )
+    print(f"wrote DFlash2 draft to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
