@@ -110,9 +110,11 @@ def _select(out, keys: Sequence[str]) -> dict:
 def _encode_processor(family, processor, config, texts, audios, padding_side):
     """Processor-side expansion: the processor returns ids with one placeholder per encoder frame."""
     tokenizer = get_tokenizer(processor)
-    kwargs = dict(padding=True, padding_side=padding_side, return_tensors="pt",
-                  add_special_tokens=_add_special_tokens(tokenizer, texts))
-    out = processor(text=list(texts), audio=list(audios), sampling_rate=family.sampling_rate, **kwargs)
+    # text-only kwargs: a top-level `padding` would also change the audio padding of some processors
+    text_kwargs = dict(padding=True, padding_side=padding_side,
+                       add_special_tokens=_add_special_tokens(tokenizer, texts))
+    out = processor(text=list(texts), audio=list(audios), sampling_rate=family.sampling_rate,
+                    return_tensors="pt", text_kwargs=text_kwargs)
     return _select(out, ("input_ids", "attention_mask", *family.audio_kwargs))
 
 

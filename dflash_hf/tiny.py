@@ -166,6 +166,9 @@ def build_qwen3_asr_target(
         n_window_infer=100,
         downsample_hidden_size=8,
         max_position_embeddings=13,
+        # 0.02 (the default) makes the tiny encoder's output almost independent of its input (positional
+        # embeddings dominate after ln_post); 0.2 keeps the audio informative
+        initializer_range=0.2,
     )
     config = Qwen3ASRConfig(
         audio_config=audio_config,
@@ -176,6 +179,7 @@ def build_qwen3_asr_target(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=True,
+        initializer_range=0.2,
     )
     torch.manual_seed(seed)
     model = Qwen3ASRForConditionalGeneration(config).to(torch.float32).eval()
