@@ -89,8 +89,8 @@ def check_resume_selection(model: nn.Module, checkpoint_dir: str | Path) -> None
     raise ValueError(
         f"cannot resume from {checkpoint_dir}: it was trained with a different trainable-parameter selection "
         f"({describe(saved)}) than this run ({describe(now)}), so its optimizer state does not fit. Resume with "
-        "the same projection_only / lora_* settings, or start a new run from its weights with "
-        f"init_from_pretrained={checkpoint_dir} (weights only, fresh optimizer)"
+        "the same projection_only / lora_* settings, or start a new run from its weights (weights only, fresh "
+        f"optimizer): init_from_pretrained={checkpoint_dir}, or for a LoRA checkpoint its merged export_draft"
     )
 
 
