@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from transformers import Trainer
+from transformers import ProgressCallback, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
@@ -28,12 +29,13 @@ from .blocks import (
     row_positions,
     sample_anchors,
 )
+from .callbacks import DFlashProgressCallback, RealTauCallback
 from .configuration_dflash import DFlashConfig, default_gamma
 from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
-from .losses import BlockLoss, MetricSums, block_loss
+from .losses import BlockLoss, DFlash2BlockLoss, MetricSums, block_loss, dflash2_block_loss
 from .modeling_dflash import DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
-from .training_args import DFlashTrainingArguments
+from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
 @dataclass
@@ -47,6 +49,15 @@ class BlockPlan:
     positions: torch.Tensor  # [b, S]
     anchors: torch.Tensor  # [b, N]
     weight_sum: torch.Tensor  # scalar
+
+
+def is_speech_source(dataset) -> bool:
+    """Speech sources (paths, `dflash_hf.data.DataSource`s, lhotse `CutSet`s) are batched by the lhotse
+    loader, not by the Trainer's sampler. Checked by module so lhotse is imported only when used."""
+    items = dataset if isinstance(dataset, (list, tuple)) else [dataset]
+    return bool(items) and all(
+        isinstance(x, (str, Path)) or type(x).__module__.startswith(("lhotse.", "dflash_hf.data.")) for x in items
+    )
 
 
 def _seed(*parts: int) -> int:
@@ -73,6 +84,10 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             num_hidden_layers=args.num_draft_layers,
             block_size=args.block_size,
             target_layer_ids=args.target_layer_ids,
+            conv_kernel_size=args.conv_kernel_size,
+            conv_group_size=args.conv_group_size,
+            selector_rank=args.selector_rank,
+            selector_top_k=args.selector_top_k,
         )
         config.vocab_size = target.vocab_size
         draft = draft_class_for(config)(config)
@@ -84,11 +99,28 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
 class DFlashTrainer(Trainer):
     loss_is_scaled_for_ga = True  # compute_loss divides by the global-batch denominator itself
 
-    def __init__(self, model=None, args: DFlashTrainingArguments = None, *, target, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args: DFlashTrainingArguments = None,
+        *,
+        target,
+        processor=None,
+        data_args: DFlashDataArguments | None = None,
+        **kwargs,
+    ):
+        """`target`: the frozen HF model (or a `FrozenTarget`). `train_dataset` / `eval_dataset` may be
+        speech sources (`DataSource`, paths, a lhotse `CutSet`, or a dict of named ones for eval): they are
+        batched by the lhotse token-budget loader with `processor` and `data_args`; any other dataset goes
+        through the standard Trainer path with `data_collator`."""
+        self.processor = processor
+        self.data_args = data_args or DFlashDataArguments()
         if not isinstance(target, FrozenTarget):
             target = FrozenTarget(target)
         target.model.to(resolve_dtype(args.precision))
         self.target = target
+        if args.packing:
+            target.check_packing()  # before the draft is built
         if model is None:
             model = build_draft(args, target)
         else:
@@ -104,6 +136,54 @@ class DFlashTrainer(Trainer):
         self.gamma = args.gamma or default_gamma(self.block_size)
         self.train_sums = MetricSums()
         self._last_log_time = time.time()
+        for cb in list(self.callback_handler.callbacks):  # concise bar: loss / tau_est as postfix
+            if type(cb) is ProgressCallback:
+                self.callback_handler.remove_callback(cb)
+                self.add_callback(DFlashProgressCallback(cb.max_str_len))
+        if args.real_tau_steps > 0:
+            self.add_callback(RealTauCallback(self))
+
+    # ------------------------------------------------------------------------------------------
+    # Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
+    # ------------------------------------------------------------------------------------------
+    def _speech_loader(self, source, shuffle: bool):
+        from .data import build_train_dataloader
+
+        if self.processor is None:
+            raise ValueError("speech data needs the target's processor: pass DFlashTrainer(processor=...)")
+        da = self.data_args
+        return build_train_dataloader(
+            source,
+            self.processor,
+            self.target.model.config,
+            max_tokens=da.max_tokens,
+            max_batch_size=da.max_batch_size,
+            conversation=da.conversation(),
+            padding_side=da.padding_side,
+            shuffle=shuffle,
+            seed=self.args.seed,
+            world_size=self.args.world_size,
+            rank=self.args.process_index,
+            num_buckets=da.num_buckets,
+            num_workers=self.args.dataloader_num_workers,
+            skip_bad_samples=da.skip_bad_samples,
+            resample_audio=da.resample_audio,
+            packing=self.args.packing,
+        )
+
+    def get_train_dataloader(self):
+        if not is_speech_source(self.train_dataset):
+            return super().get_train_dataloader()
+        if self.args.max_steps <= 0:
+            raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
+        self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
+        return self.speech_train_loader
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if is_speech_source(dataset):
+            return self._speech_loader(dataset, shuffle=False)
+        return super().get_eval_dataloader(eval_dataset)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints and export (the trainable selection is recorded so resumes can be checked)
@@ -139,6 +219,7 @@ class DFlashTrainer(Trainer):
     def plan_blocks(self, batch: dict, seed: int) -> BlockPlan:
         am = batch["attention_mask"]
         pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
+        self._check_layout(batch)
         self._check_mask_token(batch)
         shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
         am_rows = move_leading_padding(am, shifts)
@@ -152,10 +233,22 @@ class DFlashTrainer(Trainer):
             self.args.num_anchors,
             generator=gen,
             per_document=pos_ids is not None,
+            budget=self.args.anchor_budget,
             pad_multiple=self.args.anchor_pad_multiple,
         )
         weight_sum = loss_weight_sum(loss_mask, doc_ids, anchors, self.block_size, self.gamma)
         return BlockPlan(shifts, loss_mask, doc_ids, positions, anchors, weight_sum)
+
+    def _check_layout(self, batch: dict) -> None:
+        """Packed batches (with `cu_seqlens`) need `packing=True`, whose target check ran at construction."""
+        packed = "cu_seqlens" in batch
+        if packed != self.args.packing:
+            kind = "a packed batch (it has cu_seqlens)" if packed else "a padded batch (no cu_seqlens)"
+            raise ValueError(f"the data collator produced {kind} but packing={self.args.packing}; set packing="
+                             f"{packed} (and packing_max_tokens) so the target and the anchor budget are checked")
+        if packed and ("position_ids" not in batch or batch["input_ids"].shape[0] != 1):
+            raise ValueError("a packed batch needs one row (input_ids [1, T]) and position_ids restarting at 0 per "
+                             f"document; got input_ids {tuple(batch['input_ids'].shape)}, keys {sorted(batch)}")
 
     def _check_mask_token(self, batch: dict) -> None:
         mask_id = self.draft_config.mask_token_id
@@ -218,6 +311,9 @@ class DFlashTrainer(Trainer):
             self.block_size, cfg.mask_token_id, self.gamma,
         )
         hidden = self.run_draft(model, taps, plan.positions.to(dev), doc_ids, blocks)
+        if cfg.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
+            selector = self.accelerator.unwrap_model(model).candidate_selector
+            return dflash2_block_loss(hidden, blocks, self.target.lm_head.weight, selector, args.ce_chunk_size)
         return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size)
 
     def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks) -> torch.Tensor:
@@ -237,6 +333,9 @@ class DFlashTrainer(Trainer):
         denom = torch.as_tensor(denom, device=out.loss_sum.device, dtype=torch.float32)
         skipped = bool(denom <= 0)
         loss = out.loss_sum / denom.clamp(min=1e-12)
+        if isinstance(out, DFlash2BlockLoss):
+            in_step = model.training and num_items_in_batch is not None
+            loss = loss + self.args.selector_loss_weight * self.selector_loss(out, in_step)
         if model.training and num_items_in_batch is not None and self.args.world_size > 1:
             loss = loss * self.args.world_size  # DDP averages gradients over ranks
         if model.training:
@@ -245,6 +344,25 @@ class DFlashTrainer(Trainer):
             self.train_sums.add("skipped", float(skipped))
             self.train_sums.add("micro_batches", 1)
         return (loss, out) if return_outputs else loss
+
+    def selector_loss(self, out: DFlash2BlockLoss, in_training_step: bool) -> torch.Tensor:
+        """DFlash2 selector term with its own denominator `D` (the decay weight of slots whose label is
+        among the top-k candidates). `D` depends on the draft logits, so unlike the base denominator it is
+        unknown before the first micro-batch's backward.
+
+        In a training step, micro-batch i of G (gradient accumulation) contributes `S_i / (D_i * G)`, where
+        `S_i` is its selector CE sum and `D_i` its denominator all-reduced over the data-parallel ranks
+        (exact across ranks; every rank joins the all-reduce, also one without valid anchors). The step
+        optimizes the mean over micro-batches of the DP-global selector loss, which equals DESIGN's
+        global `sum S / sum D` when G == 1 or the `D_i` are equal (a deviation otherwise). Logged
+        `selector_loss` is the exact global ratio. Outside a training step: `S / D` of this batch."""
+        sel = out.selector
+        denom = sel.weight_sum.to(device=sel.loss_sum.device, dtype=torch.float32)
+        if not in_training_step:
+            return sel.loss_sum / denom.clamp(min=1e-12)
+        if self.args.world_size > 1:
+            denom = self.accelerator.reduce(denom, reduction="sum")
+        return sel.loss_sum / denom.clamp(min=1e-12) / self.current_gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------------------
     # Logging and evaluation
@@ -258,12 +376,19 @@ class DFlashTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.train_sums.values:
             sums = self._all_reduce_sums(self.train_sums)
-            steps = max(sums.values.get("micro_batches", 1.0) / self.args.gradient_accumulation_steps, 1.0)
+            # sums cover every rank: micro-batches / (GA * ranks) = optimizer steps in this logging window
+            steps = max(
+                sums.values.get("micro_batches", 1.0) / (self.args.gradient_accumulation_steps * self.args.world_size),
+                1.0,
+            )
             metrics = sums.reduce()
             logs["loss"] = round(metrics.pop("loss"), 6)
             logs.update({k: round(v, 5) for k, v in metrics.items()})
             logs["anchors_per_step"] = sums.values.get("anchors", 0.0) / steps
-            logs["skipped_steps"] = sums.values.get("skipped", 0.0) / self.args.gradient_accumulation_steps
+            # every micro-batch of a skipped step (global denominator 0) on every rank counted one
+            logs["skipped_steps"] = sums.values.get("skipped", 0.0) / (
+                self.args.gradient_accumulation_steps * self.args.world_size
+            )
             self.train_sums = MetricSums()
         super().log(logs, start_time)
 
@@ -282,8 +407,10 @@ class DFlashTrainer(Trainer):
         model.eval()
         sums = MetricSums(prefix=f"{metric_key_prefix}_")
         dataloader = self.get_eval_dataloader(dataset)
+        self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
             batch = self._prepare_inputs(batch)
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))
             out = self.draft_forward(model, batch, plan)
             sums.add_block_loss(out)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .configuration_dflash import DFLASH_VARIANTS
+
+if TYPE_CHECKING:  # lhotse is imported only when speech data is used
+    from .data import ConversationConfig, DataSource
 
 
 @dataclass
@@ -77,7 +82,44 @@ class DFlashTrainingArguments(TrainingArguments):
     ce_chunk_size: int = field(
         default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}
     )
-    validate_only: bool = field(default=False, metadata={"help": "Only evaluate the draft; no training."})
+    validate_only: bool = field(
+        default=False,
+        metadata={"help": "Only evaluate the init_from_pretrained draft on the validation sets; no training."},
+    )
+    real_tau_steps: int = field(
+        default=0,
+        metadata={"help": "Every N steps decode validation prompts speculatively and log the real tau; 0 = off."},
+    )
+    real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
+    real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
+
+    # --- packed (THD) batches (docs/PACKING.md) -------------------------------------------------
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack several conversations into one row per rank (b=1) with per-document positions."},
+    )
+    packing_max_tokens: int | None = field(
+        default=None, metadata={"help": "Token budget of one packed row (audio positions + text); needs packing."}
+    )
+    anchor_budget: int | None = field(
+        default=None,
+        metadata={"help": "Packed batches: cap on anchors per micro-batch (num_anchors apply per document)."},
+    )
+
+    # --- DFlash2 (DESIGN 4) -----------------------------------------------------------------------
+    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
+    conv_group_size: int = field(
+        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
+    )
+    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
+    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
+    selector_loss_weight: float = field(
+        default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
+    )
+    use_fused_linear_ce: bool = field(
+        default=False,
+        metadata={"help": "Fused linear+CE loss. Not available: the chunked CE (ce_chunk_size) bounds memory instead."},
+    )
 
     # --- adaptation (docs/ADAPTATION.md) ----------------------------------------------------------
     projection_only: bool = field(
@@ -113,7 +155,42 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
+        for name, low in (("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        self._check_packing()
+        self._check_dflash2()
         self._check_adaptation()
+
+    def _check_packing(self) -> None:
+        if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):
+            raise ValueError(f"packing=true needs packing_max_tokens >= 1 (the token budget of one packed row), "
+                             f"got {self.packing_max_tokens}")
+        if not self.packing and self.packing_max_tokens is not None:
+            raise ValueError("packing_max_tokens is set but packing=false; set packing=true or drop packing_max_tokens")
+        if self.anchor_budget is not None:
+            if self.anchor_budget < 1:
+                raise ValueError(f"anchor_budget must be >= 1 (or unset for no cap), got {self.anchor_budget}")
+            if not self.packing:
+                raise ValueError("anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
+                                 "bound padded batches with num_anchors (up to batch * num_anchors blocks)")
+
+    def _check_dflash2(self) -> None:
+        if self.use_fused_linear_ce:
+            if self.variant == "dflash2":
+                raise ValueError(
+                    "use_fused_linear_ce=true with variant=dflash2: DFlash2 needs the dense draft logits (its path "
+                    "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
+                )
+            raise ValueError(
+                "use_fused_linear_ce=true: dflash_hf has no fused linear-CE kernel; the loss is computed chunk-wise "
+                "(ce_chunk_size slots at a time), which already bounds logits memory. Set use_fused_linear_ce=false"
+            )
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def _check_adaptation(self) -> None:
         if self.projection_only and not self.init_from_pretrained:
@@ -156,3 +233,76 @@ class DFlashTrainingArguments(TrainingArguments):
     @property
     def resolved_export_dir(self) -> str:
         return self.export_dir or f"{self.output_dir}/draft"
+
+
+@dataclass
+class DFlashDataArguments:
+    """Where the speech data comes from and how it is batched (parsed beside `DFlashTrainingArguments`)."""
+
+    train_data: list[str] | None = field(
+        default=None, metadata={"help": "NeMo manifests (.json/.jsonl[.gz]) or lhotse cut files to train on."}
+    )
+    train_data_weights: list[float] | None = field(
+        default=None, metadata={"help": "Sampling weight per train_data entry (default: all 1)."}
+    )
+    eval_data: list[str] | None = field(
+        default=None,
+        metadata={"help": "Validation sets as NAME=PATH (or PATH; the name is the file stem). Each is reported "
+                          "as eval_NAME_loss, eval_NAME_tau_est, ..."},
+    )
+    max_tokens: int = field(
+        default=4096, metadata={"help": "Token budget of one batch per rank: batch size x longest (audio + text)."}
+    )
+    max_batch_size: int | None = field(default=None, metadata={"help": "Optional cap on samples per batch."})
+    system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
+    prompt: str | None = field(
+        default=None, metadata={"help": "User text beside the audio when a cut has no `context` field."}
+    )
+    padding_side: str | None = field(
+        default=None, metadata={"help": "left or right; default: the processor's own padding side."}
+    )
+    skip_bad_samples: bool = field(
+        default=False, metadata={"help": "False: a bad sample is an error. True: skip it, warn with its id, count it."}
+    )
+    resample_audio: bool = field(
+        default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
+    )
+    num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
+
+    def __post_init__(self):
+        if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
+            raise ValueError(
+                f"train_data_weights has {len(self.train_data_weights)} entries for "
+                f"{len(self.train_data or [])} train_data paths; give one weight per path"
+            )
+        if self.padding_side not in (None, "left", "right"):
+            raise ValueError(f"padding_side must be left or right, got {self.padding_side!r}")
+        for path in (self.train_data or []) + [p.split("=", 1)[-1] for p in self.eval_data or []]:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"data file {path!r} does not exist (from train_data / eval_data)")
+
+    def train_sources(self) -> list[DataSource] | None:
+        from .data import DataSource
+
+        if not self.train_data:
+            return None
+        weights = self.train_data_weights or [1.0] * len(self.train_data)
+        return [DataSource(path=p, weight=w) for p, w in zip(self.train_data, weights)]
+
+    def eval_sources(self) -> dict[str, DataSource] | None:
+        from .data import DataSource
+
+        if not self.eval_data:
+            return None
+        out: dict[str, DataSource] = {}
+        for item in self.eval_data:
+            name, path = item.split("=", 1) if "=" in item else (Path(item).name.split(".")[0], item)
+            if name in out:
+                raise ValueError(f"two eval_data sets are named {name!r}; name them explicitly as NAME=PATH")
+            out[name] = DataSource(path=path)
+        return out
+
+    def conversation(self) -> ConversationConfig:
+        from .data import ConversationConfig
+
+        return ConversationConfig(system_prompt=self.system_prompt, prompt=self.prompt)

@@ -1,0 +1,221 @@
+"""Validation and decoding evaluation (docs/EVALUATION.md).
+
+- :func:`validate`: `DFlashTrainer.evaluate` of a draft on named validation sets, no training; prints a
+  table and writes `<output_dir>/validation_metrics.json` (the `--validate_only true` path).
+- :func:`prompt_inputs`: the prompt of a one-row batch (every real token before the first supervised one),
+  i.e. what a user sends at inference.
+- :func:`decode_benchmark`: speculative decoding against the target's own greedy `generate` on the same
+  prompts: real tau, tokens/s of both, and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .speculative import speculative_generate
+from .target import NON_TARGET_KEYS, FrozenTarget, load_target
+
+VALIDATION_METRICS_FILE = "validation_metrics.json"
+
+
+# ------------------------------------------------------------------------------------------------
+# Validate-only
+# ------------------------------------------------------------------------------------------------
+def validate(
+    args,
+    eval_datasets: Mapping[str, object],
+    *,
+    target=None,
+    data_collator=None,
+    draft=None,
+    **trainer_kwargs,
+) -> dict[str, float]:
+    """Evaluate a draft on each named validation set with the training label source and anchors seeded by
+    batch index, so the metrics equal those of an evaluation inside a training run on the same draft and data.
+
+    `args` is a `DFlashTrainingArguments`; the draft is `draft` or else the export at
+    `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
+    `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`. Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
+    from .trainer import DFlashTrainer  # evaluation <- trainer <- callbacks <- evaluation
+
+    if not eval_datasets:
+        raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
+    if draft is None and not args.init_from_pretrained:
+        raise ValueError(
+            "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
+        )
+    if target is None:
+        if not args.target_name_or_path:
+            raise ValueError("validate needs the frozen target: set target_name_or_path to its directory")
+        target = load_target(args.target_name_or_path, args.precision, args.target_strict_load)
+    trainer = DFlashTrainer(
+        model=draft,
+        args=args,
+        target=target,
+        eval_dataset=dict(eval_datasets),
+        data_collator=data_collator,
+        **trainer_kwargs,
+    )
+    metrics = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / VALIDATION_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        print(metrics_table(metrics, list(eval_datasets)))
+    return metrics
+
+
+def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = "eval") -> str:
+    """One line per validation set: loss, tau_est, accuracy and the per-slot accuracies."""
+    lines = [f"{'set':<16} {'loss':>9} {'tau_est':>8} {'accuracy':>8}  acc_slot1..k"]
+    for name in names:
+        p = f"{prefix}_{name}_"
+        slots, k = [], 1
+        while f"{p}acc_slot{k}" in metrics:
+            slots.append(f"{metrics[f'{p}acc_slot{k}']:.3f}")
+            k += 1
+        loss, tau_est, acc = (metrics.get(p + k, float("nan")) for k in ("loss", "tau_est", "accuracy"))
+        lines.append(f"{name:<16} {loss:>9.4f} {tau_est:>8.3f} {acc:>8.4f}  {' '.join(slots)}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompts and decoding
+# ------------------------------------------------------------------------------------------------
+def prompt_inputs(batch: Mapping[str, torch.Tensor]) -> dict | None:
+    """Target inputs of the prompt of a one-row batch: the real tokens before the first supervised token,
+    with the family's audio kwargs unchanged. None when the row has no supervised token."""
+    ids = batch["input_ids"]
+    if ids.shape[0] != 1:
+        raise ValueError(f"prompt_inputs takes a one-row batch, got {ids.shape[0]} rows")
+    real = batch["attention_mask"][0].bool()
+    supervised = (batch["loss_mask"][0].bool() & real).nonzero().flatten()
+    if supervised.numel() == 0:
+        return None
+    keep = real.clone()
+    keep[int(supervised[0]) :] = False
+    out = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS and k not in ("input_ids", "attention_mask")}
+    out.pop("position_ids", None)  # one document: default positions
+    out["input_ids"] = ids[:, keep]
+    out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
+def prompts_from(dataset, data_collator, limit: int) -> list[dict]:
+    """Up to `limit` prompts (see `prompt_inputs`) from the first rows of a dataset, one row at a time."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=data_collator)
+    prompts: list[dict] = []
+    for batch in loader:
+        p = prompt_inputs(batch)
+        if p is not None:
+            prompts.append(p)
+        if len(prompts) >= limit:
+            break
+    return prompts
+
+
+@dataclass
+class DecodeStats:
+    """Totals over prompts. tau is the mean over all draft/verify cycles of accepted tokens + 1."""
+
+    prompts: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    spec_tokens: int = 0
+    spec_seconds: float = 0.0
+    greedy_tokens: int = 0
+    greedy_seconds: float = 0.0
+    mismatches: list[int] = field(default_factory=list)  # indices of prompts whose outputs differ
+    compared: bool = False
+
+    @property
+    def tau(self) -> float:
+        """NaN when no cycle ran (every prompt ended at its first token)."""
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else float("nan")
+
+    def as_dict(self) -> dict:
+        out = {
+            "prompts": self.prompts,
+            "cycles": len(self.acceptance_lengths),
+            "tau": self.tau,
+            "spec_tokens": self.spec_tokens,
+            "spec_tokens_per_s": self.spec_tokens / max(self.spec_seconds, 1e-9),
+        }
+        if self.compared:
+            greedy_tps = self.greedy_tokens / max(self.greedy_seconds, 1e-9)
+            out.update(
+                greedy_tokens=self.greedy_tokens,
+                greedy_tokens_per_s=greedy_tps,
+                speedup=out["spec_tokens_per_s"] / max(greedy_tps, 1e-9),
+                outputs_identical=not self.mismatches,
+                mismatched_prompts=list(self.mismatches),
+            )
+        return out
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def decode_benchmark(
+    draft,
+    target,
+    prompts: Iterable[dict],
+    max_new_tokens: int,
+    *,
+    compare_greedy: bool = True,
+    warmup: bool = True,
+    progress: bool = False,
+    total: int | None = None,
+) -> DecodeStats:
+    """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
+    `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
+    outputs must be token-identical (a mismatch is recorded, not raised). `warmup` decodes the first prompt
+    once untimed (kernel and allocator start-up)."""
+    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    device = ft.device
+    stats = DecodeStats(compared=compare_greedy)
+    for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
+        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        n_prompt = inputs["input_ids"].shape[1]
+        if warmup and i == 0:
+            speculative_generate(draft, ft, max_new_tokens, **inputs)
+            if compare_greedy:
+                ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        start = _clock(device)
+        spec = speculative_generate(draft, ft, max_new_tokens, **inputs)
+        stats.spec_seconds += _clock(device) - start
+        spec_new = spec.sequences[0, n_prompt:].tolist()
+        stats.spec_tokens += len(spec_new)
+        stats.acceptance_lengths += spec.acceptance_lengths
+        stats.prompts += 1
+        if compare_greedy:
+            start = _clock(device)
+            greedy = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            stats.greedy_seconds += _clock(device) - start
+            greedy_new = greedy[0, n_prompt:].tolist()
+            stats.greedy_tokens += len(greedy_new)
+            if greedy_new != spec_new:
+                stats.mismatches.append(i)
+    return stats
+
+
+__all__ = [
+    "VALIDATION_METRICS_FILE",
+    "DecodeStats",
+    "decode_benchmark",
+    "metrics_table",
+    "prompt_inputs",
+    "prompts_from",
+    "validate",
+]
