@@ -1,0 +1,151 @@
+"""``dflash-generate-labels``: run the frozen target greedily over a NeMo manifest and write a new manifest
+whose ``text`` is the target's own response (the original kept under ``reference_key``).
+
+Same audio path / offset / duration / context and every other key; each output line also carries the cut
+``id`` so the run is resumable: lines already in the output are skipped, new ones appended.
+See docs/GENERATED_LABELS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer, HfArgumentParser
+
+from dflash_hf.cli.config import parse_with_config
+from dflash_hf.data.bad_samples import BadSamples
+from dflash_hf.data.collator import load_cut_audio
+from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
+from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
+from dflash_hf.families import encode_batch, resolve_family
+
+logger = logging.getLogger("dflash_hf.generate_labels")
+
+
+@dataclass
+class GenerateLabelsArguments:
+    model: str = field(metadata={"help": "target model directory (or hub id already in the local cache)"})
+    manifest: str = field(metadata={"help": "input NeMo manifest (JSON lines)"})
+    output: str = field(metadata={"help": "output manifest; appended to and resumed if it exists"})
+    family: str | None = field(default=None, metadata={"help": "target family override (see docs/DATA.md)"})
+    batch_size: int = field(default=8, metadata={"help": "utterances per generate() call"})
+    max_new_tokens: int = field(default=256)
+    system_prompt: str | None = field(default=None)
+    prompt: str | None = field(default=None, metadata={"help": "default user text (a line's context wins)"})
+    reference_key: str = field(default="reference_text", metadata={"help": "where the original text is kept"})
+    skip_bad_samples: bool = field(default=False)
+    device: str = field(default="cpu")
+    dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+
+
+def make_parser() -> HfArgumentParser:
+    return HfArgumentParser(GenerateLabelsArguments)
+
+
+def _load_target(args: GenerateLabelsArguments):
+    config = AutoConfig.from_pretrained(args.model)
+    family = resolve_family(config, args.family)
+    dtype = getattr(torch, args.dtype)
+    if family.has_audio:
+        processor = AutoProcessor.from_pretrained(args.model)
+        arch = (config.architectures or [None])[0]
+        if arch is None or not hasattr(transformers, arch):
+            raise ValueError(f"{args.model}: config.architectures={config.architectures} names no transformers class")
+        model = getattr(transformers, arch).from_pretrained(args.model, dtype=dtype)
+    else:
+        processor = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    return model.to(args.device).eval(), processor, family
+
+
+def _done_ids(output: Path) -> set[str]:
+    """Ids already written; a torn last line (interrupted write) is cut off so appending stays valid."""
+    if not output.exists():
+        return set()
+    raw = output.read_text()
+    if raw and not raw.endswith("\n"):
+        raw = raw[: raw.rfind("\n") + 1]
+        output.write_text(raw)
+    return {json.loads(line)["id"] for line in raw.splitlines() if line.strip()}
+
+
+def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
+    """A relative audio path, re-expressed relative to the output manifest (absolute paths unchanged)."""
+    path = Path(audio_filepath)
+    if path.is_absolute():
+        return audio_filepath
+    return os.path.relpath(manifest_dir.resolve() / path, output_dir.resolve())
+
+
+def generate_labels(args: GenerateLabelsArguments) -> int:
+    """Write the generated-label manifest; returns the number of new lines written."""
+    model, processor, family = _load_target(args)
+    renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
+    tokenizer = renderer.tokenizer
+    manifest, output = Path(args.manifest), Path(args.output)
+    bad = BadSamples(skip=args.skip_bad_samples)
+    records = []
+    for index, line in enumerate(manifest.read_text().splitlines()):
+        if line.strip():
+            record = json.loads(line)
+            records.append((str(record.get("id", f"{manifest.stem}-{index:08d}")), record))
+    done = _done_ids(output)
+    todo = [(i, r) for i, r in records if i not in done]
+    logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
+    written = 0
+    with open(output, "a") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
+        for start in range(0, len(todo), args.batch_size):
+            chunk = todo[start : start + args.batch_size]
+            cuts = []
+            for cut_id, record in chunk:
+                if family.has_audio:
+                    cut = nemo_line_to_cut(record, cut_id, manifest.parent, bad)
+                else:
+                    extras = {k: v for k, v in record.items() if k not in ("text", "lang")}
+                    cut = _make_cut(cut_id, None, 0.0, 0.0, record.get("text", ""), record.get("lang"), extras)
+                if cut is not None:
+                    cuts.append((cut, record))
+            if cuts:
+                texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
+                                              add_generation_prompt=True) for c, _ in cuts]
+                audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
+                inputs = encode_batch(family, processor, model.config, texts, audios, padding_side="left")
+                inputs = {k: v.to(args.device) for k, v in inputs.items()}
+                if "input_features" in inputs:
+                    inputs["input_features"] = inputs["input_features"].to(model.dtype)
+                with torch.no_grad():
+                    sequences = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+                new_tokens = sequences[:, inputs["input_ids"].shape[1]:]
+                for (cut, record), ids in zip(cuts, new_tokens):
+                    line = dict(record)
+                    line[args.reference_key] = record.get("text")
+                    line["text"] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                    line["id"] = cut.id
+                    if "audio_filepath" in record:
+                        line["audio_filepath"] = _relocate(record["audio_filepath"], manifest.parent, output.parent)
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    written += 1
+                out.flush()
+            bar.update(len(chunk))
+    if bad.num_skipped:
+        logger.warning(bad.summary())
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    (args,) = parse_with_config(make_parser(), argv)
+    written = generate_labels(args)
+    print(f"wrote {written} generated labels to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+import json
+
+import torch
+import yaml
+
+from dflash_hf import tiny
+from dflash_hf.cli.generate_labels import main, make_parser
+from dflash_hf.data import open_source
+
+
+def _greedy_one(model, processor, line, root, max_new_tokens):
+    """The target's own greedy output for one utterance, unbatched."""
+    import soundfile as sf
+
+    audio, sr = sf.read(root / line["audio_filepath"], dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "audio"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], audio=[audio], sampling_rate=sr)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
+    kw = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
+    model_dir = tiny.save_tiny_target(tmp_path / "target", "qwen3_asr", **kw)
+    manifest = tiny.synthesize_speech(tmp_path / "data", 4, seed=2, min_dur=0.5, max_dur=1.5)
+    lines = [json.loads(x) for x in manifest.read_text().splitlines()]
+    lines[1]["offset"] = 0.1
+    lines[1]["duration"] = round(lines[1]["duration"] - 0.2, 2)
+    lines[2]["speaker"] = "spk7"
+    manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "labels.json"
+    config = tmp_path / "gen.yaml"
+    config.write_text(yaml.safe_dump({"model": str(model_dir), "manifest": str(manifest), "batch_size": 2,
+                                      "max_new_tokens": 4}))
+    assert main(["--config", str(config), "--output", str(out)]) == 0
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [g["id"] for g in got] == [f"manifest-{i:08d}" for i in range(4)]
+
+    model, processor = tiny.build_qwen3_asr_target(**kw)
+    for line, g in zip(lines, got):
+        assert g["reference_text"] == line["text"]
+        same = [k for k in line if k not in ("text", "audio_filepath")]
+        assert {k: g[k] for k in same} == {k: line[k] for k in same}
+        # relative audio paths are re-expressed relative to the output manifest and point at the same file
+        assert (out.parent / g["audio_filepath"]).resolve() == (manifest.parent / line["audio_filepath"]).resolve()
+        if "offset" not in line:
+            assert g["text"] == _greedy_one(model, processor, line, manifest.parent, 4)
+    assert any(g["text"] != line["text"] for g, line in zip(got, lines))
+    # the new manifest reads back as cuts whose supervision is the generated text (same audio window)
+    cuts = list(open_source(out))
+    assert [c.supervisions[0].text for c in cuts] == [g["text"] for g in got]
+    assert cuts[1].start == 0.1 and cuts[2].custom["speaker"] == "spk7"
+
+    # resume: keep two finished lines plus a torn one; only the rest is generated again
+    kept = [dict(g, text=f"KEPT{i}") for i, g in enumerate(got[:2])]
+    out.write_text("".join(json.dumps(k) + "\n" for k in kept) + '{"audio_filepath": "tor')
+    assert main(["--config", str(config), "--output", str(out), "--reference_key", "orig"]) == 0
+    resumed = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["text"] for r in resumed[:2]] == ["KEPT0", "KEPT1"]
+    assert [r["text"] for r in resumed[2:]] == [g["text"] for g in got[2:]]
+    assert [r["orig"] for r in resumed[2:]] == [x["text"] for x in lines[2:]]
+
+
+def test_parser_fields():
+    (args,) = make_parser().parse_args_into_dataclasses(["--model", "m", "--manifest", "a", "--output", "b"])
+    assert args.reference_key == "reference_text" and args.batch_size == 8 and args.dtype == "float32"
