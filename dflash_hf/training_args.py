@@ -10,6 +10,7 @@ from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .configuration_dflash import DFLASH_VARIANTS
+from .hub import resolve_draft_dir
 
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
@@ -229,6 +230,8 @@ class DFlashTrainingArguments(TrainingArguments):
                 )
             kwargs["use_reentrant"] = False
             self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
+        if self.init_from_pretrained:
+            resolve_draft_dir(self.init_from_pretrained)  # a missing draft export fails before the target loads
 
     @property
     def resolved_export_dir(self) -> str:
