@@ -156,7 +156,7 @@ class DFlashTrainer(Trainer):
             source,
             self.processor,
             self.target.model.config,
-            max_tokens=da.max_tokens,
+            max_tokens=self.args.packing_max_tokens if self.args.packing else da.max_tokens,
             max_batch_size=da.max_batch_size,
             conversation=da.conversation(),
             padding_side=da.padding_side,

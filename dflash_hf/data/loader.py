@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sources import DataSource, mix_sources
 from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.families import TargetFamily, get_tokenizer, resolve_family
@@ -136,8 +137,14 @@ def build_train_dataloader(
     duration_tolerance: float = 0.05,
     buffer_size: int = 10000,
     num_cuts_for_bins_estimate: int = 10000,
+    packing: bool = False,
 ) -> CutDataLoader:
-    """The training DataLoader (see :mod:`dflash_hf.data` for the contract)."""
+    """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
+    batches of one row holding documents whose token counts sum to at most ``max_tokens``
+    (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused)."""
+    if packing and max_batch_size is not None:
+        raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "
+                         "leave it unset")
     if isinstance(family, str) or family is None:
         family = resolve_family(target_config, family)
     if not 0 <= rank < world_size:
@@ -156,11 +163,17 @@ def build_train_dataloader(
     validator = SampleValidator(renderer, family, target_config, max_tokens=max_tokens, bad=bad,
                                 resample_audio=resample_audio, duration_tolerance=duration_tolerance)
     cuts = validated_cutset(cuts, validator)
+    collator = PaddedCollator(processor, target_config, family, renderer, padding_side)
+    if packing:
+        check_family_packable(family)
+        sampler = PackingSampler(cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank,
+                                 buffer_size=buffer_size)
+        collator = PackingCollator(collator, max_tokens, pad_token_id=get_tokenizer(processor).pad_token_id or 0)
+        return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)
     constraint = TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size)
     sampler = DynamicBucketingSampler(
         cuts, constraint=constraint, shuffle=shuffle, drop_last=drop_last, seed=seed,
         world_size=world_size, rank=rank, buffer_size=buffer_size,
         duration_bins=_bucket_bins(cuts, constraint, num_buckets, num_cuts_for_bins_estimate),
     )
-    collator = PaddedCollator(processor, target_config, family, renderer, padding_side)
     return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)
