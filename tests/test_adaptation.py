@@ -14,7 +14,7 @@ from utils import random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.adaptation import SELECTION_FILE
-from dflash_hf.hub import check_warm_start, load_draft_strict
+from dflash_hf.hub import check_warm_start, convert_dflash_to_dflash2, load_draft_strict
 
 HIDDEN = 32
 
@@ -30,6 +30,14 @@ def setup(tmp_path_factory):
     DFlashDraftModel(config).save_pretrained(base)
     rows = random_rows(8, model.config.vocab_size - 8, seed=3)
     return model, tok, base, rows
+
+
+@pytest.fixture(scope="module")
+def setup_dflash2(setup, tmp_path_factory):
+    """The same draft bootstrapped to DFlash2, still block 8 (the shipped adapt_block8_to_block16 scenario)."""
+    model, tok, base, rows = setup
+    out = convert_dflash_to_dflash2(base, tmp_path_factory.mktemp("base2") / "draft", selector_rank=16)
+    return model, tok, out, rows
 
 
 def _trainer(setup, out: Path, **overrides) -> DFlashTrainer:
@@ -63,10 +71,13 @@ def _optimizer_params(trainer: DFlashTrainer) -> set[int]:
     return {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_projection_only_trains_only_fc_and_exports_block16(setup, tmp_path, checkpointing):
-    trainer = _trainer(setup, tmp_path, projection_only=True, gradient_checkpointing=checkpointing)
+@pytest.mark.parametrize(("variant", "checkpointing"), [("dflash", False), ("dflash2", True)])
+def test_projection_only_trains_only_fc_and_exports_block16(request, tmp_path, variant, checkpointing):
+    setup = request.getfixturevalue("setup" if variant == "dflash" else "setup_dflash2")
+    assert load_draft_strict(setup[2]).config.block_size == 8
+    trainer = _trainer(setup, tmp_path, variant=variant, projection_only=True, gradient_checkpointing=checkpointing)
     draft = trainer.model
+    assert draft.config.variant == variant
     assert draft.config.block_size == 16 and trainer.block_size == 16
     before = _snapshot(draft)
     trainer.train()
@@ -83,6 +94,7 @@ def test_projection_only_trains_only_fc_and_exports_block16(setup, tmp_path, che
     export = Path(trainer.export_draft(str(tmp_path / "export")))
     saved = json.loads((export / "config.json").read_text())
     assert saved["block_size"] == 16 and saved["dflash_config"]["block_size"] == 16
+    assert saved["architectures"] == [type(draft).__name__]
     reloaded = load_draft_strict(export)
     assert {n: torch.equal(p, after[n]) for n, p in reloaded.named_parameters()} == dict.fromkeys(after, True)
 
