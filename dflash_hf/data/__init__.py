@@ -18,10 +18,12 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
         skip_bad_samples=False,  # False: a bad sample raises BadSampleError; True: counted skip + warning
         resample_audio=True,     # False: a sample-rate mismatch is a bad sample
         duration_tolerance=0.05, buffer_size=10000, num_cuts_for_bins_estimate=10000,
+        packing=False,           # True: packed (THD) rows of documents summing to <= max_tokens (docs/PACKING.md)
     ) -> CutDataLoader
 
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,
-``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU.
+``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU. With ``packing=True`` it is the
+packed (THD) contract instead: one row plus ``position_ids``, ``cu_seqlens``, ``max_seqlen``.
 
 The loader is already sharded by rank: hand it to the Trainer as is (do not let ``accelerator.prepare`` re-shard
 it). It has no ``len``: train with ``max_steps``. ``loader.set_epoch(epoch)`` reshuffles;
@@ -39,6 +41,7 @@ from dflash_hf.data.loader import (
     build_train_dataloader,
     default_padding_side,
 )
+from dflash_hf.data.packing import PackingCollator, PackingSampler, pack_padded_batch
 from dflash_hf.data.sources import DataSource, NemoManifest, mix_sources, nemo_line_to_cut, open_source
 from dflash_hf.data.validation import SampleValidator
 
@@ -50,6 +53,8 @@ __all__ = [
     "CutDataLoader",
     "DataSource",
     "NemoManifest",
+    "PackingCollator",
+    "PackingSampler",
     "PaddedCollator",
     "RenderedSample",
     "SampleValidator",
@@ -61,5 +66,6 @@ __all__ = [
     "mix_sources",
     "nemo_line_to_cut",
     "open_source",
+    "pack_padded_batch",
     "supervision_mask",
 ]
