@@ -1,0 +1,98 @@
+"""Trainer callbacks: real acceptance length during training and a concise progress bar (docs/EVALUATION.md)."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import ProgressCallback, TrainerCallback
+
+from .evaluation import decode_benchmark, prompts_from
+
+
+class RealTauCallback(TrainerCallback):
+    """Every `real_tau_steps` optimizer steps, decode `real_tau_samples` prompts of each validation set
+    (the part of a row before its first supervised token) with `speculative_generate` and log the real
+    acceptance length through `Trainer.log` (so every `report_to` logger gets it): `eval_tau` for a single
+    validation set, `eval_{name}_tau` for named sets, beside `eval_*_tau_est`."""
+
+    def __init__(self, trainer):
+        args = trainer.args
+        if trainer.eval_dataset is None:
+            raise ValueError(
+                f"real_tau_steps={args.real_tau_steps} decodes validation prompts: pass eval_dataset to the "
+                "trainer, or set real_tau_steps=0"
+            )
+        self.trainer = trainer
+        self._prompts: dict[str, list[dict]] | None = None
+
+    def prompts(self) -> dict[str, list[dict]]:
+        """Metric prefix -> prompts, collected once with the trainer's collator."""
+        if self._prompts is None:
+            tr = self.trainer
+            sets = tr.eval_dataset.items() if isinstance(tr.eval_dataset, dict) else [(None, tr.eval_dataset)]
+            self._prompts = {}
+            for name, dataset in sets:
+                prompts = prompts_from(dataset, tr.data_collator, tr.args.real_tau_samples)
+                if not prompts:
+                    raise ValueError(
+                        f"validation set {name or 'eval_dataset'!r} has no row with a supervised token, so it "
+                        "has no prompt to decode for the real tau; fix the data or set real_tau_steps=0"
+                    )
+                self._prompts["eval_" if name is None else f"eval_{name}_"] = prompts
+        return self._prompts
+
+    def measure(self) -> dict[str, float]:
+        """`{prefix}tau` per validation set (mean accepted tokens + 1 over all draft/verify cycles)."""
+        tr = self.trainer
+        draft = tr.accelerator.unwrap_model(tr.model)
+        was_training = draft.training
+        draft.eval()
+        try:
+            taus = {
+                f"{prefix}tau": decode_benchmark(
+                    draft, tr.target, prompts, tr.args.real_tau_max_new_tokens, compare_greedy=False, warmup=False
+                ).tau
+                for prefix, prompts in self.prompts().items()
+            }
+        finally:
+            draft.train(was_training)
+        return {k: v for k, v in taus.items() if math.isfinite(v)}  # no cycle ran: nothing to report
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.real_tau_steps > 0 and state.global_step % args.real_tau_steps == 0:
+            metrics = self.measure()
+            if metrics:
+                should_log = control.should_log  # Trainer.log clears it; keep this step's training log
+                self.trainer.log(metrics)
+                control.should_log = should_log
+        return control
+
+
+class DFlashProgressCallback(ProgressCallback):
+    """The Trainer's progress bar with `loss`, `tau_est` (and the real `tau` when measured) as its postfix,
+    instead of printing the whole log dict at every logging step; evaluation results print as one line."""
+
+    def __init__(self, max_str_len: int = 100):
+        super().__init__(max_str_len)
+        self.postfix: dict[str, str] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        if "loss" in logs:
+            self.postfix.update({k: f"{logs[k]:.4g}" for k in ("loss", "tau_est") if k in logs})
+        # real tau: eval_tau -> tau, eval_{name}_tau -> {name}_tau
+        self.postfix.update(
+            {k[len("eval_") :]: f"{v:.3g}" for k, v in logs.items() if k.startswith("eval_") and k.endswith("_tau")}
+        )
+        self.training_bar.set_postfix(self.postfix, refresh=False)
+        evals = {k: v for k, v in logs.items() if k.startswith("eval_") and k.endswith(("_loss", "_tau_est"))}
+        if evals:
+            self.training_bar.write(
+                f"step {state.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(evals.items()))
+            )
+        elif "train_runtime" in logs:
+            self.training_bar.write(", ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)))
+
+
+__all__ = ["DFlashProgressCallback", "RealTauCallback"]

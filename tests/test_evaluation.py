@@ -1,0 +1,173 @@
+"""Validate-only, real tau during training, TensorBoard logging, the concise progress bar and the plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tqdm.auto import tqdm
+from transformers import ProgressCallback, TrainerControl, TrainerState
+from utils import random_rows, text_batch, tiny_text_target
+
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
+from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
+from dflash_hf.evaluation import VALIDATION_METRICS_FILE, prompt_inputs, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 4
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_text_target(num_layers=4, hidden_size=64, seed=1)
+
+
+def _args(out: Path, tok, **kw) -> DFlashTrainingArguments:
+    base = dict(
+        output_dir=str(out), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), block_size=BLOCK,
+        num_draft_layers=1, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=3,
+        num_anchors=8, save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True,
+        attention_backend="sdpa", label_source="target_argmax", target_argmax_chunk_size=16, seed=0,
+        learning_rate=3e-3,
+    )
+    base.update(kw)
+    return DFlashTrainingArguments(**base)
+
+
+def _data(tok):
+    rows = random_rows(12, 256, seed=0)
+    collate = lambda items: text_batch(items, tok.pad_token_id, "left")  # noqa: E731
+    evals = {"dev": ListDataset(random_rows(5, 256, seed=1)), "test": ListDataset(random_rows(4, 256, seed=2))}
+    return ListDataset(rows), evals, collate
+
+
+def test_validate_only_equals_evaluation_inside_training(target, tmp_path, capsys):
+    model, tok = target
+    train, evals, collate = _data(tok)
+    args = _args(tmp_path / "run", tok, eval_strategy="steps", eval_steps=3)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
+    trainer.train()
+    in_training = next(e for e in trainer.state.log_history if "eval_dev_loss" in e)
+    in_training.update(next(e for e in trainer.state.log_history if "eval_test_loss" in e))
+    assert in_training["step"] == 3
+    export = tmp_path / "export"
+    trainer.save_model(str(export))
+
+    val_args = _args(tmp_path / "val", tok, validate_only=True, init_from_pretrained=str(export))
+    metrics = validate(val_args, evals, target=model, data_collator=collate)
+    keys = sorted(k for k in metrics if k.startswith("eval_") and not k.endswith("_runtime"))
+    for name in ("dev", "test"):
+        for m in ("loss", "tau_est", "accuracy", *(f"acc_slot{k}" for k in range(1, BLOCK))):
+            assert f"eval_{name}_{m}" in keys
+    assert {k: metrics[k] for k in keys} == {k: in_training[k] for k in keys}
+    assert 1.0 <= metrics["eval_dev_tau_est"] <= BLOCK
+    saved = json.loads((tmp_path / "val" / VALIDATION_METRICS_FILE).read_text())
+    assert saved == pytest.approx(metrics)
+    table = capsys.readouterr().out
+    assert "dev" in table and "test" in table and f"{metrics['eval_dev_loss']:.4f}" in table
+    # a different draft gives different metrics (the comparison above can fail)
+    other = validate(_args(tmp_path / "val2", tok), evals, target=model, data_collator=collate,
+                     draft=trainer.model.__class__(trainer.model.config))
+    assert other["eval_dev_loss"] != metrics["eval_dev_loss"]
+
+
+def test_validate_refuses_missing_draft_and_sets(target, tmp_path):
+    model, tok = target
+    _, evals, collate = _data(tok)
+    with pytest.raises(ValueError, match="init_from_pretrained"):
+        validate(_args(tmp_path, tok), evals, target=model, data_collator=collate)
+    with pytest.raises(ValueError, match="eval_datasets"):
+        validate(_args(tmp_path, tok), {}, target=model)
+
+
+def test_prompt_inputs_cut_before_first_supervised_token(target):
+    _, tok = target
+    rows = [([5, 6, 7], [8, 9]), ([1, 2, 3, 4, 5, 6], [7])]
+    batch = text_batch(rows, tok.pad_token_id, "left")
+    first = prompt_inputs({k: v[:1] for k, v in batch.items()})
+    assert first["input_ids"].tolist() == [[5, 6, 7]] and first["attention_mask"].tolist() == [[1, 1, 1]]
+    assert "loss_mask" not in first
+    no_sup = {k: v[:1] for k, v in batch.items()}
+    no_sup["loss_mask"] = torch.zeros_like(no_sup["loss_mask"])
+    assert prompt_inputs(no_sup) is None
+    with pytest.raises(ValueError, match="one-row"):
+        prompt_inputs(batch)
+
+
+def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
+    """One short run: real tau every 2 steps, report_to=tensorboard; then plot_training on both sources."""
+    model, tok = target
+    train, evals, collate = _data(tok)
+    logdir = tmp_path / "run" / "runs"  # TensorBoardCallback's default: <output_dir>/runs/<date_host>
+    args = _args(tmp_path / "run", tok, max_steps=4, logging_steps=1, report_to="tensorboard", real_tau_steps=2,
+                 real_tau_samples=2, real_tau_max_new_tokens=8, eval_strategy="steps", eval_steps=4, disable_tqdm=False)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals["dev"],
+                            data_collator=collate)
+    callbacks = trainer.callback_handler.callbacks
+    assert any(isinstance(c, DFlashProgressCallback) for c in callbacks)
+    assert not any(type(c) is ProgressCallback for c in callbacks)
+    real = next(c for c in callbacks if isinstance(c, RealTauCallback))
+    prompts = real.prompts()["eval_"]
+    assert [p["input_ids"][0].tolist() for p in prompts] == [r[0] for r in evals["dev"].rows[:2]]
+    trainer.train()
+    taus = [(e["step"], e["eval_tau"]) for e in trainer.state.log_history if "eval_tau" in e]
+    assert [s for s, _ in taus] == [2, 4]
+    assert all(1.0 <= t <= BLOCK for _, t in taus), taus
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = sorted(logdir.rglob("events.out.tfevents.*"))
+    assert events
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/tau_est", "train/acc_slot1", "eval/loss", "eval/tau_est", "eval/tau"):
+        assert tag in tags, sorted(tags)
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(logged, rel=1e-5)
+
+    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "scripts" / "plot_training.py")
+    plot_training = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_training)
+    assert plot_training.main([str(logdir), "--out_dir", str(tmp_path / "tb_plots")]) == 0
+    trainer.save_state()
+    assert plot_training.main([str(tmp_path / "run"), "--source", "trainer_state"]) == 0
+    for out in (tmp_path / "tb_plots", tmp_path / "run" / "plots"):
+        for name in ("loss", "accuracy", "tau_est", "tau"):
+            png = out / f"{name}.png"
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        plot_training.main([str(logdir), "--source", "trainer_state"])
+
+
+def test_progress_bar_postfix_is_concise(capsys):
+    cb = DFlashProgressCallback()
+    cb.training_bar = tqdm(total=10, file=io.StringIO())
+    state, control = TrainerState(), TrainerControl()
+    cb.on_log(None, state, control, logs={"loss": 1.234567, "tau_est": 2.5, "acc_slot1": 0.5, "learning_rate": 1e-3})
+    assert cb.postfix == {"loss": "1.235", "tau_est": "2.5"}
+    cb.on_log(None, state, control, logs={"eval_dev_tau": 3.25})
+    assert cb.postfix["dev_tau"] == "3.25"
+    assert capsys.readouterr().out == ""  # training logs only update the postfix
+    cb.on_log(None, state, control, logs={"eval_dev_loss": 2.0, "eval_dev_tau_est": 1.5, "eval_dev_acc_slot1": 0.1})
+    line = capsys.readouterr().out
+    assert "eval_dev_loss=2" in line and "eval_dev_tau_est=1.5" in line and "acc_slot1" not in line
+    cb.training_bar.close()
