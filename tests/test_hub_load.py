@@ -158,3 +158,18 @@ def test_bad_directory_and_architecture(export, tmp_path):
     _edit_config(path, lambda cfg: cfg.update(architectures=["Qwen3ForCausalLM"]))
     with pytest.raises(ValueError, match="architectures"):
         load_draft_strict(path)
+
+
+def test_published_style_config_loads(export):
+    """Configs written by the reference DFlash code (transformers 4 keys: rope_theta, rope_scaling, torch_dtype)."""
+    draft, path = export
+
+    def v4_style(cfg):
+        cfg.pop("rope_parameters")
+        cfg.pop("dtype", None)
+        cfg.update(rope_theta=10000.0, rope_scaling=None, torch_dtype="bfloat16", transformers_version="4.57.1")
+
+    _edit_config(path, v4_style)
+    loaded = load_draft_strict(path)
+    _assert_same_weights(draft, loaded)
+    assert loaded.rotary_emb.rope_theta == 10000.0 and loaded.config.target_layer_ids == [1, 2]
