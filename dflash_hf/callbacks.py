@@ -6,7 +6,7 @@ import math
 
 from transformers import ProgressCallback, TrainerCallback
 
-from .evaluation import decode_benchmark, prompts_from
+from .evaluation import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
 
 
 class RealTauCallback(TrainerCallback):
@@ -32,7 +32,7 @@ class RealTauCallback(TrainerCallback):
             sets = tr.eval_dataset.items() if isinstance(tr.eval_dataset, dict) else [(None, tr.eval_dataset)]
             self._prompts = {}
             for name, dataset in sets:
-                prompts = prompts_from(dataset, tr.data_collator, tr.args.real_tau_samples)
+                prompts = prompts_from(*self._rows_and_collator(dataset), tr.args.real_tau_samples)
                 if not prompts:
                     raise ValueError(
                         f"validation set {name or 'eval_dataset'!r} has no row with a supervised token, so it "
@@ -40,6 +40,16 @@ class RealTauCallback(TrainerCallback):
                     )
                 self._prompts["eval_" if name is None else f"eval_{name}_"] = prompts
         return self._prompts
+
+    def _rows_and_collator(self, dataset):
+        from .trainer import is_speech_source  # trainer imports this module
+
+        tr = self.trainer
+        if not is_speech_source(dataset):
+            return dataset_rows(dataset), tr.data_collator
+        return speech_rows_and_collator(
+            dataset, tr.processor, tr.target.model.config, conversation=tr.data_args.conversation()
+        )
 
     def measure(self) -> dict[str, float]:
         """`{prefix}tau` per validation set (mean accepted tokens + 1 over all draft/verify cycles)."""

@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,8 @@ def validate(
 
     `args` is a `DFlashTrainingArguments`; the draft is `draft` or else the export at
     `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
-    `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`. Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
+    `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`.
+    Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
     from .trainer import DFlashTrainer  # evaluation <- trainer <- callbacks <- evaluation
 
     if not eval_datasets:
@@ -108,17 +110,37 @@ def prompt_inputs(batch: Mapping[str, torch.Tensor]) -> dict | None:
     return out
 
 
-def prompts_from(dataset, data_collator, limit: int) -> list[dict]:
-    """Up to `limit` prompts (see `prompt_inputs`) from the first rows of a dataset, one row at a time."""
-    loader = torch.utils.data.DataLoader(dataset, batch_size=1, collate_fn=data_collator)
-    prompts: list[dict] = []
-    for batch in loader:
-        p = prompt_inputs(batch)
+def iter_prompts(rows: Iterable, collate: Callable[[list], dict]) -> Iterator[dict]:
+    """Prompts (see `prompt_inputs`) of the rows that have a supervised token, each row collated on its own."""
+    for row in rows:
+        p = prompt_inputs(collate([row]))
         if p is not None:
-            prompts.append(p)
-        if len(prompts) >= limit:
-            break
-    return prompts
+            yield p
+
+
+def prompts_from(rows: Iterable, collate: Callable[[list], dict], limit: int) -> list[dict]:
+    """The first `limit` prompts of `iter_prompts`."""
+    return list(itertools.islice(iter_prompts(rows, collate), limit))
+
+
+def dataset_rows(dataset) -> Iterable:
+    """Rows in order: by index for a sized map-style dataset, else by iteration (IterableDataset, CutSet)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return iter(dataset)
+    return (dataset[i] for i in range(len(dataset)))
+
+
+def speech_rows_and_collator(source, processor, target_config, *, family: str | None = None, conversation=None):
+    """Cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and the
+    padded collator that renders one cut as the target's processor would (dflash_hf.data)."""
+    from .data import ConversationRenderer, PaddedCollator, open_source
+    from .families import resolve_family
+
+    fam = resolve_family(target_config, family)
+    renderer = ConversationRenderer(processor, fam, conversation)
+    sources = source if isinstance(source, (list, tuple)) else [source]
+    rows = itertools.chain.from_iterable(open_source(s) for s in sources)
+    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side="left")
 
 
 @dataclass
@@ -216,6 +238,9 @@ __all__ = [
     "decode_benchmark",
     "metrics_table",
     "prompt_inputs",
+    "dataset_rows",
+    "iter_prompts",
     "prompts_from",
+    "speech_rows_and_collator",
     "validate",
 ]

@@ -1,0 +1,157 @@
+"""`dflash-eval`: real acceptance length (tau) and tokens/s of speculative decoding against the target's own
+greedy decoding (`generate`) on the same prompts; greedy outputs must be identical.
+
+    dflash-eval --draft runs/x/draft --target /models/qwen3-asr --data dev.jsonl --max_new_tokens 128
+    dflash-eval --config eval.yaml --num_samples 50
+
+`--data` is a NeMo manifest (or lhotse cuts file): each prompt is the conversation up to the assistant turn,
+rendered and processed exactly as in training; or, for text targets, JSON lines of prompts:
+`{"prompt": "raw text"}` (tokenized as is) or `{"messages": [...]}` (chat template + generation prompt).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import HfArgumentParser
+
+from ..data import ConversationConfig
+from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
+from ..families import get_tokenizer, resolve_family
+from ..hub import load_draft_strict
+from ..target import FrozenTarget, load_target, resolve_dtype
+from .config import parse_with_config
+from .train import load_processor
+
+
+@dataclass
+class EvalArguments:
+    draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
+    target: str = field(metadata={"help": "Directory of the frozen target (model + processor or tokenizer)."})
+    data: str = field(
+        metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
+    )
+    output_json: str = field(default="dflash_eval.json", metadata={"help": "Where the results JSON is written."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
+    num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
+    precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
+    family: str | None = field(default=None, metadata={"help": "Target family row override (dflash_hf.families)."})
+    prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
+    allow_mismatch: bool = field(
+        default=False,
+        metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
+    )
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
+        resolve_dtype(self.precision)
+        for name in ("draft", "target", "data"):
+            if not Path(getattr(self, name)).exists():
+                raise FileNotFoundError(f"--{name} {getattr(self, name)!r} does not exist")
+
+
+def make_parser() -> HfArgumentParser:
+    return HfArgumentParser(EvalArguments)
+
+
+def _first_record(path: str) -> dict:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--data {path!r}: first line is not JSON ({e}); expected JSON lines") from e
+    raise ValueError(f"--data {path!r} is empty")
+
+
+def text_prompts(path: str, tokenizer) -> Iterator[dict]:
+    """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "messages" in record:
+                text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+                enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            elif "prompt" in record:
+                enc = tokenizer(record["prompt"], return_tensors="pt")
+            else:
+                raise ValueError(f"--data {path!r} line {lineno}: needs a 'prompt' (text) or 'messages' (chat) key")
+            yield {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:
+    record = _first_record(args.data)
+    family = resolve_family(config, args.family)
+    if "prompt" in record or "messages" in record:
+        if family.has_audio:
+            raise ValueError(
+                f"--data {args.data!r} holds text prompts but the target is a speech model ({family.name}); "
+                "give a NeMo manifest with audio_filepath lines"
+            )
+        return text_prompts(args.data, get_tokenizer(processor))
+    conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt)
+    rows, collate = speech_rows_and_collator(
+        args.data, processor, config, family=args.family, conversation=conversation
+    )
+    return iter_prompts(rows, collate)
+
+
+def evaluate(args: EvalArguments) -> dict:
+    """Decode the prompts both ways; returns the results written to `args.output_json`."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = resolve_dtype(args.precision)
+    target = FrozenTarget(load_target(args.target, args.precision).to(device))
+    draft = load_draft_strict(args.draft).to(device=device, dtype=dtype).eval()
+    cfg = draft.config
+    target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
+    prompts = load_prompts(args, load_processor(args.target), target.model.config)
+    if args.num_samples:
+        prompts = itertools.islice(prompts, args.num_samples)
+    stats = decode_benchmark(
+        draft, target, prompts, args.max_new_tokens, progress=True, total=args.num_samples or None
+    )
+    if stats.prompts == 0:
+        raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
+    return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), **asdict(args)}
+
+
+def results_table(results: dict) -> str:
+    rows = [
+        f"{'decoder':<16} {'tokens':>8} {'tokens/s':>10}",
+        f"{'speculative':<16} {results['spec_tokens']:>8} {results['spec_tokens_per_s']:>10.1f}",
+        f"{'target greedy':<16} {results['greedy_tokens']:>8} {results['greedy_tokens_per_s']:>10.1f}",
+        f"prompts {results['prompts']}, block size {results['block_size']}, tau {results['tau']:.3f} "
+        f"(mean acceptance length over {results['cycles']} cycles), speedup {results['speedup']:.2f}x, "
+        f"outputs identical: {'yes' if results['outputs_identical'] else 'NO'}",
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    (args,) = parse_with_config(make_parser(), argv)
+    results = evaluate(args)
+    out = Path(args.output_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(results_table(results))
+    print(f"results written to {out}")
+    if not results["outputs_identical"] and not args.allow_mismatch:
+        print(
+            f"speculative output differs from target greedy on prompts {results['mismatched_prompts']}: greedy "
+            "speculative decoding must be lossless (pass --allow_mismatch true to accept bf16 noise)"
+        )
+        return 1
+    return 0

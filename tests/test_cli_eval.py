@@ -1,0 +1,95 @@
+"""`dflash-eval`: tau and tokens/s of speculative vs target greedy decoding on tiny text and speech targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, tiny
+from dflash_hf.cli import eval as cli_eval
+from dflash_hf.target import FrozenTarget, load_target
+
+BLOCK = 4
+
+
+def _save_draft(target_dir, out_dir):
+    ft = FrozenTarget(load_target(str(target_dir)))
+    mask_id = tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=mask_id, num_hidden_layers=1, block_size=BLOCK)
+    torch.manual_seed(0)
+    DFlashDraftModel(cfg).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def text_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    target = tiny.save_tiny_target(root / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2,
+                                   num_kv_heads=1)
+    draft = _save_draft(target, root / "draft")
+    prompts = root / "prompts.jsonl"
+    lines = [{"prompt": "hello world"}, {"messages": [{"role": "user", "content": "count to ten"}]},
+             {"prompt": "the quick brown fox"}]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root, target, draft, prompts
+
+
+def test_text_prompts_config_and_overrides(text_setup, capsys):
+    root, target, draft, prompts = text_setup
+    config = root / "eval.yaml"
+    config.write_text(yaml.safe_dump({"draft": str(draft), "target": str(target), "data": str(prompts),
+                                      "max_new_tokens": 20, "output_json": str(root / "out.json")}))
+    assert cli_eval.main(["--config", str(config), "--max_new_tokens", "10"]) == 0
+    res = json.loads((root / "out.json").read_text())
+    assert res["max_new_tokens"] == 10  # the command line overrides the YAML
+    assert res["prompts"] == 3 and res["outputs_identical"] and res["mismatched_prompts"] == []
+    assert res["cycles"] > 0 and 1.0 <= res["tau"] <= BLOCK
+    assert res["spec_tokens"] == res["greedy_tokens"] == 30  # no eos from the random target within 10 tokens
+    assert res["spec_tokens_per_s"] > 0 and res["greedy_tokens_per_s"] > 0
+    out = capsys.readouterr().out
+    assert "speculative" in out and "target greedy" in out and "outputs identical: yes" in out
+
+
+def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
+    root, target, draft, prompts = text_setup
+    real = evaluation.speculative_generate
+
+    def corrupted(*a, **kw):
+        out = real(*a, **kw)
+        out.sequences[0, -1] = (out.sequences[0, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(evaluation, "speculative_generate", corrupted)
+    argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--max_new_tokens", "4",
+            "--num_samples", "2", "--output_json", str(root / "bad.json")]
+    assert cli_eval.main(argv) == 1
+    res = json.loads((root / "bad.json").read_text())
+    assert res["prompts"] == 2 and not res["outputs_identical"] and res["mismatched_prompts"] == [0, 1]
+    assert cli_eval.main(argv + ["--allow_mismatch", "true"]) == 0
+    monkeypatch.undo()
+    with pytest.raises(FileNotFoundError, match="--data"):
+        cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(root / "missing.jsonl")])
+    bad = root / "bad_prompts.jsonl"
+    bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no key"}) + "\n")
+    with pytest.raises(ValueError, match="line 2: needs a 'prompt'"):
+        cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(bad), "--max_new_tokens", "2",
+                       "--output_json", str(root / "x.json")])
+
+
+def test_speech_manifest(tmp_path):
+    target = tiny.save_tiny_target(tmp_path / "asr", kind="qwen3_asr", hidden_size=32, num_layers=4, num_heads=2,
+                                   num_kv_heads=1)
+    draft = _save_draft(target, tmp_path / "draft")
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    out = tmp_path / "res.json"
+    assert cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(manifest),
+                          "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
+    text_prompts = tmp_path / "p.jsonl"
+    text_prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="speech model"):
+        cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(text_prompts)])
