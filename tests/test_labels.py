@@ -202,6 +202,7 @@ def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
     args = DFlashTrainingArguments(
         output_dir=str(tmp_path), block_size=4, num_draft_layers=1, mask_token_id=MASK_ID, num_anchors=4,
         attention_backend="sdpa", target_argmax_chunk_size=5, report_to="none", use_cpu=True,
+        **({"packing": True, "packing_max_tokens": 32} if layout == "packed" else {}),
     )
     trainer = DFlashTrainer(args=args, target=model)
     seen = []
