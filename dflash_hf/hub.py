@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from .adaptation import merged_draft
+from .adaptation import is_peft_model, merged_draft
 from .configuration_dflash import ARCHITECTURES, DFlashConfig
 from .modeling_dflash import DFlashDraftModel
 
@@ -222,10 +222,27 @@ def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlash
     return model.train()
 
 
-def export_draft(model: nn.Module, export_dir: str | Path) -> Path:
+def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
+    so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    config = copy.deepcopy(base.config)
+    fresh = draft_class_for(config)(config)
+    if peft:
+        from peft import get_peft_model
+
+        fresh = get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+    dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
+    fresh.to(dtype).load_state_dict(state_dict, strict=True)
+    return fresh
+
+
+def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the draft in the checkpoint contract (DESIGN 5): config.json, model.safetensors and the
-    remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft."""
-    draft = merged_draft(model)
+    remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft.
+    `state_dict`: the model's full state dict gathered elsewhere (FSDP), exported instead of its own tensors."""
+    draft = merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))
     if not isinstance(draft, DFlashDraftModel):
         raise TypeError(f"export_draft needs a DFlash draft (or its PeftModel), got {type(draft).__name__}")
     export_dir = Path(export_dir)

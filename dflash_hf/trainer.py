@@ -204,8 +204,10 @@ class DFlashTrainer(Trainer):
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
         export_dir = export_dir or self.args.resolved_export_dir
+        # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
+        state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
-            export_draft(self.accelerator.unwrap_model(self.model), export_dir)
+            export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         return export_dir
 

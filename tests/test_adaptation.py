@@ -14,7 +14,7 @@ from utils import random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.adaptation import SELECTION_FILE
-from dflash_hf.hub import check_warm_start, convert_dflash_to_dflash2, load_draft_strict
+from dflash_hf.hub import check_warm_start, convert_dflash_to_dflash2, export_draft, load_draft_strict
 
 HIDDEN = 32
 
@@ -149,6 +149,11 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
     torch.testing.assert_close(out_plain, out_peft, atol=1e-5, rtol=1e-5)
     # the model under training was not merged by the export
     assert any("lora_A" in n for n, _ in peft_model.named_parameters())
+
+    # the FSDP path: export from a gathered full state dict (rebuilt on CPU) writes the same tensors
+    gathered = export_draft(peft_model, tmp_path / "gathered", state_dict=peft_model.state_dict())
+    from_state = load_draft_strict(gathered)
+    assert all(torch.equal(p, plain.state_dict()[n]) for n, p in from_state.state_dict().items())
 
 
 @pytest.mark.parametrize(
