@@ -3,6 +3,7 @@
 - :func:`load_draft_strict`: weights-only warm start from a draft export (DESIGN 5). Every missing,
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
 - :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
+- :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
 - :func:`push_draft_to_hub`: upload exactly the serving files plus a generated model card
   (:func:`build_model_card`); `dry_run_dir` writes that folder instead, offline.
 """
@@ -23,7 +24,7 @@ from torch import nn
 
 from .adaptation import is_peft_model, merged_draft
 from .configuration_dflash import ARCHITECTURES, DFlashConfig
-from .modeling_dflash import DFlashDraftModel
+from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 QUANT_FILES = ("hf_quant_config.json", "quant_config.json", "quantize_config.json")
 
 
+# ------------------------------------------------------------------------------------------------
+# Warm start: strict weights-only loading
+# ------------------------------------------------------------------------------------------------
 def _quantized_error(path: Path, reason: str) -> ValueError:
     return ValueError(
         f"{path} is a quantized draft export ({reason}); warm start needs a BF16 or FP32 export of the "
@@ -151,14 +155,7 @@ def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, tor
 
 def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
     """`DFlashDraftModel` or `DFlash2DraftModel`, from `config.architectures`."""
-    if config.variant == "dflash2":
-        from . import modeling_dflash
-
-        cls = getattr(modeling_dflash, "DFlash2DraftModel", None)
-        if cls is None:
-            raise ImportError("this dflash_hf build has no DFlash2DraftModel; cannot load a DFlash2 draft")
-        return cls
-    return DFlashDraftModel
+    return DFlash2DraftModel if config.variant == "dflash2" else DFlashDraftModel
 
 
 def check_warm_start(
@@ -222,6 +219,9 @@ def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlash
     return model.train()
 
 
+# ------------------------------------------------------------------------------------------------
+# Export and conversion
+# ------------------------------------------------------------------------------------------------
 def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
     so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
