@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import Dataset
-from utils import random_rows, sharpen, text_batch, tiny_text_target
+from utils import random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
 from dflash_hf.target import FrozenTarget
+from dflash_hf.tiny import sharpen
 
 
 class ListDataset(Dataset):

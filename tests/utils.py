@@ -45,14 +45,3 @@ def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
     model = tiny.build_text_target(tok, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
     return model, tok
 
-
-def sharpen(model, seed: int = 0, embed_std: float = 0.3, layer_std: float = 0.15):
-    """Re-initialize a tiny random target with larger weights so its greedy continuations are varied
-    (a default-init tiny model repeats one token, which would make decoding tests trivial)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                std = embed_std if ("embed" in name or "lm_head" in name) else layer_std
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model

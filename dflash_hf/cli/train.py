@@ -31,9 +31,8 @@ def load_processor(path: str):
         return AutoTokenizer.from_pretrained(path)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
-    args, data_args = parse_with_config(make_parser(), argv)
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
     if args.validate_only:
@@ -70,6 +69,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return metrics
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Parse `argv` (`--config file.yaml` plus overrides) and `train`."""
+    return train(*parse_with_config(make_parser(), argv))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv)
 
 
 if __name__ == "__main__":
