@@ -19,11 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from .blocks import Blocks
 
 
-def _chunk_ce(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor):
-    logits = F.linear(hidden, weight).float()  # [m, V]
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
-
-
 def map_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], rows: Sequence[torch.Tensor], chunk_size: int):
     """`fn` over row chunks of `rows` (each `[M, ...]`), outputs concatenated. A chunk whose first input
     needs grad is recomputed in backward (activation checkpointing), so peak memory holds one chunk of
@@ -38,14 +33,71 @@ def map_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], rows: Sequence[torch
     return tuple(torch.cat(o) for o in zip(*outs))
 
 
-def chunked_lm_head_ce(
+def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool):
+    """Per-row CE and argmax of one chunk of logits (float32 math), and `d(Σ w·CE)/d logits` when asked."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    pred = logits.argmax(-1)
+    if not need_grad:
+        return ce, pred, None
+    grad = torch.exp(logits - lse[:, None])
+    grad[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
+    return ce, pred, grad * weights[:, None]
+
+
+_compiled_ce_grad = None
+
+
+def _ce_grad(logits, labels, weights, need_grad):
+    """`_ce_and_logit_grad`, compiled on accelerators (one fused pass over each chunk's logits)."""
+    global _compiled_ce_grad
+    if logits.device.type == "cpu":
+        return _ce_and_logit_grad(logits, labels, weights, need_grad)
+    if _compiled_ce_grad is None:
+        _compiled_ce_grad = torch.compile(_ce_and_logit_grad, dynamic=True)
+    return _compiled_ce_grad(logits, labels, weights, need_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """`Σ w·CE(hidden @ Wᵀ, labels)` chunk-wise, with `d/d hidden` computed in the forward pass: each chunk's
+    logits are made once (checkpointed chunks would make them twice) and never outlive their chunk; backward
+    only scales the stored `[M, H]` gradient. W (the frozen lm_head) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_size):
+        need_grad = ctx.needs_input_grad[0]
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        pred = torch.empty_like(labels)
+        grad = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = F.linear(hidden[rows], weight)
+            ce, pred[rows], g = _ce_grad(logits, labels[rows], weights[rows], need_grad)
+            loss = loss + (weights[rows] * ce).sum()
+            if need_grad:
+                grad[rows] = g.to(hidden.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def fused_lm_head_ce(
     hidden: torch.Tensor,  # [M, H]
     lm_head_weight: torch.Tensor,  # [V, H] frozen
     labels: torch.Tensor,  # [M]
+    weights: torch.Tensor,  # [M] slot weights (no grad)
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token CE and argmax of `lm_head(hidden)` without keeping `[M, V]` logits alive."""
-    return map_chunks(partial(_chunk_ce, weight=lm_head_weight), (hidden, labels), chunk_size)
+    """`(Σ w·CE, argmax)` of `lm_head(hidden)`, `chunk_size` rows of `[M, V]` logits at a time."""
+    if chunk_size <= 0:
+        raise ValueError(f"ce_chunk_size must be > 0, got {chunk_size}")
+    return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size)
 
 
 @dataclass
@@ -67,10 +119,10 @@ def block_loss(
     """Decayed CE over slots 1..B-1 of every block; only valid slots are projected to the vocabulary."""
     slots = hidden[:, :, 1:]  # [b, N, B-1, H]
     sel = blocks.valid
-    ce, pred = chunked_lm_head_ce(slots[sel], lm_head_weight, blocks.labels[sel], chunk_size)
     w = blocks.weights[sel]
+    ce_sum, pred = fused_lm_head_ce(slots[sel], lm_head_weight, blocks.labels[sel], w, chunk_size)
     # `hidden.sum() * 0` keeps the graph connected when no slot is valid (a differentiable zero).
-    loss_sum = (w * ce).sum() + hidden.sum() * 0.0
+    loss_sum = ce_sum + hidden.sum() * 0.0
     correct = torch.zeros_like(sel)
     correct[sel] = pred == blocks.labels[sel]
     return BlockLoss(loss_sum=loss_sum, weight_sum=w.sum().detach(), correct=correct, blocks=blocks)

@@ -31,9 +31,10 @@ from .blocks import (
 )
 from .callbacks import DFlashProgressCallback, RealTauCallback
 from .configuration_dflash import DFlashConfig, default_gamma
+from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
 from .losses import BlockLoss, DFlash2BlockLoss, MetricSums, block_loss, dflash2_block_loss
-from .modeling_dflash import DFlashDraftModel
+from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
@@ -131,6 +132,12 @@ class DFlashTrainer(Trainer):
         model = apply_adaptation(model, args)  # projection_only filter or peft LoRA
         super().__init__(model=model, args=args, **kwargs)
         self.target.model.to(self.args.device)
+        if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
+            shard_frozen_target_layers(self.target)
+        if args.compile_draft_layers and self.args.device.type == "cuda":
+            for module in self.model.modules():
+                if isinstance(module, DFlashDecoderLayer):
+                    module.compile()
         cfg = model.config
         self.block_size = cfg.block_size
         self.gamma = args.gamma or default_gamma(self.block_size)

@@ -83,6 +83,13 @@ class DFlashTrainingArguments(TrainingArguments):
     ce_chunk_size: int = field(
         default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}
     )
+    compile_draft_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each draft decoder layer on CUDA (flex attention fused in; docs/PERFORMANCE.md: "
+            "8B-shape draft step 180 -> 151 ms). A new batch shape recompiles once (then shapes become dynamic)."
+        },
+    )
     validate_only: bool = field(
         default=False,
         metadata={"help": "Only evaluate the init_from_pretrained draft on the validation sets; no training."},

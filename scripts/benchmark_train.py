@@ -1,0 +1,375 @@
+"""Training-step benchmark of DFlash drafts at realistic shapes (random weights), through the product path.
+
+Every timed step is `DFlashTrainer.compute_loss` -> `backward` -> AdamW step, exactly what `Trainer.train`
+runs per micro-batch. Two modes:
+
+- `draft`: the draft side alone. The target's forward is replaced by fixed random taps (`FixedTapsTarget`),
+  labels are the data tokens; blocks, mask, draft forward/backward, chunked lm_head + CE and AdamW are timed.
+- `full`: the whole step, the frozen target's forward with tap hooks and `target_argmax` labels included.
+
+Anchors are drawn on the CPU by `DFlashTrainer.plan_blocks` before the step (the trainer does it in
+`get_batch_samples`, before any forward); that time is reported separately as `plan_ms`.
+
+FLOP counting (model FLOPs, what the math needs; recomputation is not counted):
+
+- draft layers on the block tokens `Q = b*N*B`: q/k/v/o projections and the SwiGLU MLP, `2*m*n*k` per matmul;
+- context tokens `S`: `fc` (`n_taps*H -> H`) once, K/V projections of every layer;
+- attention: `4 * d * heads` per visible (query, key) pair (QK^T and PV), pairs counted from the mask;
+- trained matmuls x3 (forward, input grad, weight grad); `fc` x2 (its input, the taps, needs no grad);
+  attention x3 (forward, and dQ/dK + dV/dP in backward);
+- frozen lm_head on the valid slots x2 (forward + input grad);
+- `full` adds the target forward (x1): projections, MLP and causal attention of every layer, and the
+  `target_argmax` label projection of the supervised positions.
+
+MFU = model FLOP/s over the bf16 matmul rate measured in the same run (an `n^3` matmul, median of timed runs).
+
+    python scripts/benchmark_train.py --shape qwen3-8b --out results.json
+    python scripts/benchmark_train.py --tiny --out tiny.json   # CPU regression run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_hf.blocks import build_blocks, dense_block_mask  # noqa: E402
+from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
+from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
+from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
+from dflash_hf.trainer import DFlashTrainer  # noqa: E402
+from dflash_hf.training_args import DFlashTrainingArguments  # noqa: E402
+
+SHAPES = {
+    "qwen3-1.7b": dict(
+        hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        intermediate_size=6144, vocab_size=151936, seq_len=1024, num_anchors=256,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        intermediate_size=12288, vocab_size=151936, seq_len=3072, num_anchors=512,
+    ),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=512, seq_len=96, num_anchors=16,
+    ),
+}
+GPU_CONFIGS = (
+    "attn=flex,ce=2048",
+    "attn=sdpa,ce=2048",
+    "attn=flex,ce=1024",
+    "attn=flex,ce=4096",
+    "attn=flex,ce=2048,ckpt=1",
+    "attn=flex,ce=2048,compile=layers",
+)
+CPU_CONFIGS = ("attn=sdpa,ce=64", "attn=sdpa,ce=64,ckpt=1")
+CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none"}
+
+
+def parse_config(spec: str) -> dict:
+    """`attn=flex,ce=2048,ckpt=0,compile=none` -> dict (missing keys take CONFIG_DEFAULTS)."""
+    cfg = dict(CONFIG_DEFAULTS)
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in CONFIG_DEFAULTS:
+            raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
+        cfg[key] = value
+    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers"):
+        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers")
+    return cfg
+
+
+class FixedTapsTarget(FrozenTarget):
+    """The frozen target with its forward replaced by fixed random taps: times the draft side alone."""
+
+    def __init__(self, model, taps: torch.Tensor):
+        super().__init__(model)
+        self.taps = taps
+
+    def capture(self, batch, layer_ids, keep_final=False) -> TargetFeatures:
+        return TargetFeatures(taps=self.taps, final_hidden=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing helpers
+# ------------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Per-call milliseconds (CUDA events on GPU, perf_counter on CPU) after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, warmup: int = 3, steps: int = 10) -> float:
+    """Measured matmul ceiling: median TFLOP/s of an n^3 product on random data."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = statistics.median(_time_ms(lambda: a @ b, device, warmup, steps))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs
+# ------------------------------------------------------------------------------------------------
+def draft_flops(cfg: DFlashConfig, seq_len: int, batch: int, n_blocks: int, visible_pairs: int, valid_slots: int):
+    """Model FLOPs of one draft training step (forward + backward), broken down."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nh, nkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
+    q_tok, s_tok = n_blocks * cfg.block_size, batch * seq_len
+    per_layer_block = 2 * q_tok * h * (2 * nh * d + 2 * nkv * d) + 2 * q_tok * 3 * h * i
+    per_layer_ctx = 2 * s_tok * h * 2 * nkv * d
+    out = {
+        "draft_block_matmuls": 3 * layers * per_layer_block,
+        "draft_context_kv": 3 * layers * per_layer_ctx,
+        "fc": 2 * 2 * s_tok * cfg.num_taps * h * h,
+        "attention": 3 * layers * 4 * d * nh * visible_pairs,
+        "lm_head": 2 * 2 * valid_slots * h * cfg.vocab_size,
+    }
+    return out
+
+
+def target_flops(tcfg: Qwen3Config, seq_len: int, batch: int, supervised: int) -> dict:
+    """Model FLOPs of the frozen target's forward (causal attention) and of the target_argmax labels."""
+    h, d, i = tcfg.hidden_size, tcfg.head_dim, tcfg.intermediate_size
+    nh, nkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
+    tok = batch * seq_len
+    per_layer = 2 * tok * h * (2 * nh * d + 2 * nkv * d) + 2 * tok * 3 * h * i
+    causal_pairs = batch * seq_len * (seq_len + 1) // 2
+    per_layer += 4 * d * nh * causal_pairs
+    return {
+        "target_forward": tcfg.num_hidden_layers * per_layer,
+        "target_argmax_labels": 2 * supervised * h * tcfg.vocab_size,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Setup
+# ------------------------------------------------------------------------------------------------
+def build_target(shape: dict, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
+    tcfg = Qwen3Config(
+        hidden_size=shape["hidden_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["intermediate_size"],
+        vocab_size=shape["vocab_size"],
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(tcfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def make_batch(shape: dict, seq_len: int, batch: int, mask_token_id: int, seed: int) -> dict:
+    """Random ids (never the mask, pad or eos ids); the first eighth of each row is the unsupervised prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, mask_token_id, (batch, seq_len), generator=g)
+    loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    loss_mask[:, seq_len // 8 :] = True
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+
+def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str) -> DFlashTrainer:
+    args = DFlashTrainingArguments(
+        output_dir=out_dir,
+        precision="bf16" if target.dtype == torch.bfloat16 else "fp32",
+        attention_backend=config["attn"],
+        ce_chunk_size=int(config["ce"]),
+        compile_draft_layers=config["compile"] == "layers",
+        num_anchors=num_anchors,
+        label_source="target_argmax" if mode == "full" else "ground_truth",
+        use_cpu=target.device.type == "cpu",
+        per_device_train_batch_size=1,
+        report_to="none",
+    )
+    return DFlashTrainer(model=draft, args=args, target=target)
+
+
+def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflops) -> dict:
+    config = parse_config(spec)
+    seq_len, batch, num_anchors = args.seq_len or shape["seq_len"], args.batch_size, args.num_anchors
+    num_anchors = num_anchors or shape["num_anchors"]
+    tcfg = tmodel.config
+    dcfg = DFlashConfig.from_target_config(
+        tcfg, mask_token_id=tcfg.vocab_size - 1, num_hidden_layers=args.draft_layers, block_size=args.block_size
+    )
+    torch._dynamo.reset()  # each case compiles from scratch (static shapes), not on top of the previous ones
+    torch.manual_seed(0)
+    with torch.device(device):
+        draft = DFlashDraftModel(dcfg).to(dtype)
+    draft.train()
+    if config["ckpt"] == "1":
+        draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "draft":
+        taps = torch.randn(batch, seq_len, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
+        target = FixedTapsTarget(tmodel, taps)
+    else:
+        target = FrozenTarget(tmodel)
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir)
+    cpu_batch = make_batch(shape, seq_len, batch, dcfg.mask_token_id, seed=1)
+    t0 = time.perf_counter()
+    plan = trainer.plan_blocks(cpu_batch, seed=0)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    dev_batch = {k: v.to(device) for k, v in cpu_batch.items()}
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
+
+    def step():
+        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=plan.weight_sum)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # FLOPs from the exact blocks and mask of this plan.
+    blocks = build_blocks(
+        cpu_batch["input_ids"], cpu_batch["input_ids"], plan.loss_mask, plan.doc_ids, plan.positions, plan.anchors,
+        dcfg.block_size, dcfg.mask_token_id, trainer.gamma,
+    )
+    visible = int(dense_block_mask(plan.anchors, plan.doc_ids, dcfg.block_size).sum())
+    n_blocks = plan.anchors.numel()
+    flops = draft_flops(dcfg, seq_len, batch, n_blocks, visible, int(blocks.valid.sum()))
+    if mode == "full":
+        flops.update(target_flops(tcfg, seq_len, batch, int(plan.loss_mask[:, 1:].sum())))
+    total = sum(flops.values())
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    times = _time_ms(step, device, args.warmup, args.steps)
+    ms = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    tflops = total / (ms * 1e-3) / 1e12
+    return {
+        "shape": name,
+        "mode": mode,
+        "config": spec,
+        "seq_len": seq_len,
+        "batch_size": batch,
+        "num_anchors": num_anchors,
+        "block_size": args.block_size,
+        "draft_layers": args.draft_layers,
+        "blocks": n_blocks,
+        "visible_pairs": visible,
+        "ms_per_step": round(ms, 3),
+        "ms_min": round(min(times), 3),
+        "ms_max": round(max(times), 3),
+        "plan_ms": round(plan_ms, 3),
+        "tokens_per_s": round(batch * seq_len / (ms * 1e-3), 1),
+        "block_tokens_per_s": round(n_blocks * args.block_size / (ms * 1e-3), 1),
+        "model_tflop_per_step": round(total / 1e12, 6),
+        "flops": flops,
+        "tflops": round(tflops, 4),
+        "mfu": round(tflops / ceiling_tflops, 4),
+        "static_gib": round(static / 2**30, 3),
+        "peak_gib": round(peak / 2**30, 3),
+    }
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["qwen3-1.7b", "qwen3-8b"], choices=sorted(SHAPES))
+    p.add_argument("--tiny", action="store_true", help="CPU regression run: tiny shape, fp32, sdpa configs.")
+    p.add_argument("--modes", nargs="+", default=["draft", "full"], choices=["draft", "full"])
+    p.add_argument("--configs", nargs="+", default=None, help="e.g. attn=flex,ce=2048,ckpt=0,compile=none")
+    p.add_argument("--full-configs", nargs="+", default=None, help="configs for mode full (default: the first)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: per shape (1024 for 1.7B, 3072 for 8B)")
+    p.add_argument("--num-anchors", type=int, default=None, help="default: per shape (256 for 1.7B, 512 for 8B)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--draft-layers", type=int, default=5)
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 ceiling matmul (8192 on CUDA)")
+    p.add_argument("--out", default=None, help="write the results JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if args.tiny:
+        args.shape = ["tiny"]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    configs = args.configs or list(GPU_CONFIGS if device.type == "cuda" else CPU_CONFIGS)
+    full_configs = args.full_configs or configs[:1]
+    n = args.matmul_size or (8192 if device.type == "cuda" else 256)
+    ceiling = matmul_tflops(n, dtype, device)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "matmul_size": n,
+        "matmul_tflops": round(ceiling, 2),
+        "results": [],
+    }
+    print(f"matmul {n}^3 {report['dtype']}: {ceiling:.1f} TFLOP/s", flush=True)
+    for name in args.shape:
+        shape = SHAPES[name]
+        tmodel = build_target(shape, dtype, device)
+        for mode in args.modes:
+            for spec in configs if mode == "draft" else full_configs:
+                try:
+                    row = run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling)
+                except Exception as exc:  # one failing variant (e.g. a compile error) must not lose the others
+                    row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}"}
+                report["results"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "flops"}), flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(report, indent=1))
+        del tmodel
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{'shape':<11} {'mode':<5} {'config':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['shape']:<11} {r['mode']:<5} {r['config']:<36} ERROR {r['error'][:80]}")
+        else:
+            print(
+                f"{r['shape']:<11} {r['mode']:<5} {r['config']:<36} {r['ms_per_step']:>8.2f} {r['tflops']:>8.1f} "
+                f"{r['mfu']:>6.1%} {r['peak_gib']:>8.2f}"
+            )
+    return report
+
+
+if __name__ == "__main__":
+    main()

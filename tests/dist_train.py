@@ -1,0 +1,114 @@
+"""Helper of tests/test_distributed.py: train a tiny draft a few steps on a fixed global batch and save the
+logged losses and final draft weights.
+
+Launched as `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR CASE...` (CPU, gloo) or run in-process
+through `train_case` for the single-process reference. A case is `name:per_device_batch:grad_accum:rows`,
+`rows` = `all` (the 4 supervised rows) or `half_empty` (2 rows, the second with no supervised token, so
+with one row per rank one rank has no valid anchor in every step). Case `fsdp_target` (distributed only)
+checks the FSDP2-sharded frozen target against an unsharded copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from utils import random_rows, text_batch, tiny_text_target  # noqa: E402
+
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments  # noqa: E402
+from dflash_hf.tiny import MASK_TOKEN  # noqa: E402
+
+MAX_STEPS = 3
+NUM_ANCHORS = 64  # more than any row's valid anchors: every valid anchor is taken, whatever the split
+
+
+def dataset(rows: str, vocab: int) -> list[dict]:
+    pairs = random_rows(4, vocab, seed=3)
+    if rows == "half_empty":
+        pairs = [pairs[0], (pairs[1][0] + pairs[1][1], [])]  # second row: all prompt, nothing supervised
+    return [{"prompt": p, "response": r} for p, r in pairs]
+
+
+def train_case(out_dir: str, name: str, per_device_batch: int, grad_accum: int, rows: str) -> dict:
+    target, tok = tiny_text_target(num_layers=4, hidden_size=64)
+    torch.manual_seed(0)  # same fresh draft in every process and every run
+
+    def collate(examples):
+        return text_batch([(e["prompt"], e["response"]) for e in examples], tok.pad_token_id)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = DFlashTrainingArguments(
+            output_dir=tmp,
+            use_cpu=True,
+            max_steps=MAX_STEPS,
+            per_device_train_batch_size=per_device_batch,
+            gradient_accumulation_steps=grad_accum,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            mask_token_id=tok.convert_tokens_to_ids(MASK_TOKEN),
+            num_draft_layers=2,
+            target_layer_ids=[1, 2],
+            num_anchors=NUM_ANCHORS,
+            label_source="ground_truth",
+            attention_backend="sdpa",
+            dataloader_drop_last=True,
+        )
+        trainer = DFlashTrainer(
+            args=args, target=target, train_dataset=dataset(rows, 256), data_collator=collate
+        )
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+    result = {
+        "losses": [h["loss"] for h in logs],
+        "skipped_steps": [h.get("skipped_steps", 0.0) for h in logs],
+        "weights": {k: v.clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
+    }
+    if trainer.args.process_index == 0:
+        torch.save(result, Path(out_dir) / f"{name}.pt")
+    return result
+
+
+def check_sharded_target(out_dir: str) -> None:
+    """Taps and final hidden of an FSDP2-sharded frozen target equal those of an unsharded copy."""
+    from dflash_hf.distributed import shard_frozen_target_layers
+    from dflash_hf.target import FrozenTarget
+
+    model, tok = tiny_text_target(num_layers=4, hidden_size=64)
+    reference = FrozenTarget(copy.deepcopy(model))
+    sharded = FrozenTarget(model)
+    count = shard_frozen_target_layers(sharded)
+    rank = torch.distributed.get_rank()
+    batch = text_batch(random_rows(2, 256, seed=10 + rank), tok.pad_token_id)  # different data per rank
+    ref, got = (t.capture(batch, [1, 3], keep_final=True) for t in (reference, sharded))
+    weight = sharded.layers[0].mlp.up_proj.weight
+    result = {
+        "sharded_layers": count,
+        "taps_max_abs": float((ref.taps - got.taps).abs().max()),
+        "final_max_abs": float((ref.final_hidden - got.final_hidden).abs().max()),
+        "local_rows": weight.to_local().shape[0],
+        "full_rows": weight.shape[0],
+    }
+    torch.save(result, Path(out_dir) / f"fsdp_target_rank{rank}.pt")
+
+
+def main(argv: list[str]) -> None:
+    out_dir, cases = argv[0], argv[1:]
+    for case in cases:
+        if case == "fsdp_target":
+            check_sharded_target(out_dir)
+            continue
+        name, batch, accum, rows = case.split(":")
+        train_case(out_dir, name, int(batch), int(accum), rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

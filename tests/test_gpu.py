@@ -1,0 +1,108 @@
+"""CUDA-only checks (marked `gpu`, skipped on CPU): compiled FlexAttention against the dense-mask SDPA path.
+
+The same draft, features, blocks and frozen lm_head are run with a FlexAttention `BlockMask` (compiled flex on
+CUDA) and with the dense boolean mask (SDPA); the loss and every draft gradient must agree. Run as a script to
+print the measured differences as JSON: `python tests/test_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
+from dflash_hf.configuration_dflash import DFlashConfig
+from dflash_hf.losses import block_loss
+from dflash_hf.modeling_dflash import DFlashDraftModel
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# Norm-wise relative tolerance ||flex - sdpa|| / ||sdpa|| of the loss and of every gradient.
+TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
+
+
+def flex_sdpa_differences(
+    dtype: torch.dtype, compile_layers: bool = False, device: str = "cuda", seed: int = 0
+) -> dict:
+    """Loss and per-parameter gradient differences between the flex and the dense-mask paths
+    (`compile_layers`: each decoder layer under torch.compile, as `compile_draft_layers` does)."""
+    torch.manual_seed(seed)
+    h, vocab, block = 256, 1000, 16
+    config = DFlashConfig(
+        block_size=block,
+        num_target_layers=8,
+        dflash_config={"mask_token_id": vocab - 1, "target_layer_ids": [1, 4, 6]},
+        hidden_size=h,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=vocab,
+        architectures=["DFlashDraftModel"],
+    )
+    draft = DFlashDraftModel(config).to(device=device, dtype=dtype)
+    if compile_layers:
+        for layer in draft.layers:
+            layer.compile()
+    b, s = 2, 300
+    lengths = torch.tensor([300, 217])
+    attention_mask = (torch.arange(s)[None] < lengths[:, None]).long()
+    loss_mask = attention_mask.bool() & (torch.arange(s)[None] >= 40)
+    ids = torch.randint(0, vocab - 1, (b, s))
+    doc_ids = doc_ids_from(attention_mask)
+    positions = row_positions(attention_mask)
+    anchors = sample_anchors(loss_mask, doc_ids, 40, generator=torch.Generator().manual_seed(seed), pad_multiple=8)
+    blocks = build_blocks(ids, ids, loss_mask, doc_ids, positions, anchors, block, vocab - 1, 7.0)
+    blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
+    taps = torch.randn(b, s, 3 * h, device=device, dtype=dtype) * attention_mask.to(device)[..., None]
+    noise = torch.randn(b, anchors.shape[1] * block, h, device=device, dtype=dtype)
+    lm_head = torch.randn(vocab, h, device=device, dtype=dtype) * h**-0.5
+    pos = torch.cat([positions, blocks.positions.cpu().view(b, -1)], dim=1).to(device)
+
+    results = {}
+    for backend in ("flex", "sdpa"):
+        draft.zero_grad(set_to_none=True)
+        mask = attention_mask_for(backend, anchors.to(device), doc_ids.to(device), block)
+        hidden = draft(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps)
+        out = block_loss(hidden.view(b, -1, block, h), blocks, lm_head, chunk_size=256)
+        loss = out.loss_sum / out.weight_sum
+        loss.backward()
+        results[backend] = {"loss": loss.detach().float()} | {
+            n: p.grad.detach().float().clone() for n, p in draft.named_parameters()
+        }
+
+    diffs = {}
+    for name, ref in results["sdpa"].items():
+        got = results["flex"][name]
+        diffs[name] = {
+            "max_abs": float((got - ref).abs().max()),
+            "rel": float((got - ref).norm() / ref.norm().clamp(min=1e-30)),
+        }
+    return {
+        "dtype": str(dtype).replace("torch.", ""),
+        "compiled_layers": compile_layers,
+        "loss_flex": float(results["flex"]["loss"]),
+        "loss_sdpa": float(results["sdpa"]["loss"]),
+        "max_abs": max(d["max_abs"] for d in diffs.values()),
+        "max_rel": max(d["rel"] for d in diffs.values()),
+        "per_tensor": diffs,
+    }
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager_layers", "compiled_layers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_flex_matches_dense_sdpa_loss_and_gradients(dtype, compile_layers):
+    report = flex_sdpa_differences(dtype, compile_layers)
+    assert len(report["per_tensor"]) > 10  # loss + every draft parameter (fc, norms, 2 layers)
+    bad = {n: d for n, d in report["per_tensor"].items() if not d["rel"] <= TOLERANCE[dtype]}
+    assert not bad, f"flex vs sdpa differ beyond {TOLERANCE[dtype]}: {bad}"
+
+
+if __name__ == "__main__":
+    cases = [(dtype, c) for c in (False, True) for dtype in (torch.float32, torch.bfloat16)]
+    print(json.dumps([flex_sdpa_differences(dtype, c) for dtype, c in cases], indent=1))
