@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "dtype": str(dtype).replace("torch.", ""),
         "matmul_size": n,
-        "matmul_tflops": round(ceiling, 2),
+        "matmul_tflops": round(ceiling, 4),
         "results": [],
     }
     print(f"matmul {n}^3 {report['dtype']}: {ceiling:.1f} TFLOP/s", flush=True)

@@ -1,0 +1,45 @@
+"""scripts/benchmark_train.py at tiny size on CPU: it runs the product step and writes every reported field."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_train.py"
+FIELDS = {
+    "shape", "mode", "config", "seq_len", "num_anchors", "blocks", "visible_pairs", "ms_per_step", "plan_ms",
+    "tokens_per_s", "block_tokens_per_s", "model_tflop_per_step", "flops", "tflops", "mfu", "peak_gib",
+}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmark_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_writes_all_fields(bench, tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--warmup", "0", "--steps", "1", "--configs", "attn=sdpa,ce=64,ckpt=1", "--out", str(out)]
+    report = bench.main(argv)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["device"] == "cpu" and report["matmul_tflops"] > 0
+    rows = {r["mode"]: r for r in report["results"]}
+    assert set(rows) == {"draft", "full"} and not any("error" in r for r in rows.values())
+    for row in rows.values():
+        assert FIELDS <= set(row) and row["ms_per_step"] > 0 and row["mfu"] > 0
+        assert row["blocks"] == 16 and row["visible_pairs"] > 0
+    # full = draft FLOPs + the target's forward and label projection
+    draft, full = rows["draft"]["flops"], rows["full"]["flops"]
+    assert {k: full[k] for k in draft} == draft and full["target_forward"] > 0 and full["target_argmax_labels"] > 0
+
+
+def test_config_spec_parsing(bench):
+    assert bench.parse_config("attn=sdpa,ckpt=1") == {"attn": "sdpa", "ce": "2048", "ckpt": "1", "compile": "none"}
+    with pytest.raises(ValueError, match="bad config item"):
+        bench.parse_config("attention=flex")
+    with pytest.raises(ValueError, match="attn is flex"):
+        bench.parse_config("attn=dense")
