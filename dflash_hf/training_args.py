@@ -126,7 +126,8 @@ class DFlashTrainingArguments(TrainingArguments):
     )
     use_fused_linear_ce: bool = field(
         default=False,
-        metadata={"help": "Fused linear+CE loss. Not available: the chunked CE (ce_chunk_size) bounds memory instead."},
+        metadata={"help": "Upstream option, must stay false: the loss is chunked (ce_chunk_size); DFlash2 needs "
+                  "dense draft logits."},
     )
 
     # --- adaptation (docs/ADAPTATION.md) ----------------------------------------------------------
@@ -191,8 +192,9 @@ class DFlashTrainingArguments(TrainingArguments):
                     "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
                 )
             raise ValueError(
-                "use_fused_linear_ce=true: dflash_hf has no fused linear-CE kernel; the loss is computed chunk-wise "
-                "(ce_chunk_size slots at a time), which already bounds logits memory. Set use_fused_linear_ce=false"
+                "use_fused_linear_ce=true is not an option here: the DFlash loss is always computed chunk-wise "
+                "(ce_chunk_size slots of logits at a time), which already bounds logits memory. Set "
+                "use_fused_linear_ce=false"
             )
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
