@@ -104,6 +104,8 @@ def test_text_target_packed_taps_equal_each_document_alone(text_target):
     docs = _text_docs(tok)
     packed = _packed_text(tok, docs)
     ft = FrozenTarget(model)
+    # Packed rows reach the target with position_ids and no attention_mask / cu_seqlens / max_seqlen / loss_mask.
+    assert sorted(ft.target_inputs(packed)) == ["input_ids", "position_ids"]
     layers = [0, 1, 2]
     taps = ft.capture(packed, layers, keep_final=True)
     cu = packed["cu_seqlens"].tolist()
