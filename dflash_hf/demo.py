@@ -1,7 +1,8 @@
 """`dflash-demo`: the embedded default job, end to end on CPU in a few minutes, with nothing downloaded.
 
-1. builds a tiny random Qwen3-ASR-style target and its byte-level tokenizer/processor locally;
-2. synthesizes a small speech set (tone "words") with soundfile and writes NeMo manifests;
+1. builds a tiny Qwen3-ASR-style target and its byte-level tokenizer/processor locally;
+2. synthesizes a small speech set (tone "words") with soundfile, writes NeMo manifests, and teaches the
+   tiny target to transcribe it for a minute (so its outputs are structured, like a real ASR model's);
 3. trains a DFlash draft against the frozen target with `DFlashTrainer` (`dflash-train` settings from
    `examples/configs/demo.yaml`, overridable on the command line);
 4. exports it with `save_pretrained` and measures real speculative decoding on held-out utterances
@@ -11,9 +12,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from . import tiny
@@ -33,24 +37,60 @@ class DemoArguments:
     target_num_layers: int = field(default=6, metadata={"help": "Decoder layers of the tiny target."})
     decode_prompts: int = field(default=8, metadata={"help": "Held-out prompts decoded speculatively."})
     decode_max_new_tokens: int = field(default=48, metadata={"help": "New tokens per decoded prompt."})
+    target_teach_steps: int = field(
+        default=150, metadata={"help": "Steps teaching the tiny target to transcribe (0: leave it random)."}
+    )
 
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DemoArguments, DFlashTrainingArguments, DFlashDataArguments))
 
 
-def build_assets(demo: DemoArguments, root: Path) -> tuple[Path, Path, Path, int]:
+def teach_target(model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3) -> float:
+    """Teach the random tiny target to transcribe the synthetic speech (plain causal-LM loss on the
+    response), so it behaves like a small ASR model with structured outputs. Returns the last loss."""
+    from .data import ConversationConfig, build_train_dataloader
+
+    loader = build_train_dataloader(
+        str(manifest), processor, model.config, max_tokens=3000, conversation=ConversationConfig(prompt=prompt)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    step, epoch = 0, 0
+    with tqdm(total=steps, desc="teaching the tiny target") as bar:
+        while step < steps:
+            loader.set_epoch(epoch)
+            for batch in loader:
+                labels = torch.where(batch.pop("loss_mask"), batch["input_ids"], -100)
+                loss = model(**batch, labels=labels).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                if step >= steps:
+                    break
+            epoch += 1
+    model.eval()
+    return float(loss)
+
+
+def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[Path, Path, Path, int]:
     """Tiny target directory, train and dev manifests, and the reserved mask token id."""
     tokenizer = tiny.build_tokenizer()
     model, processor = tiny.build_qwen3_asr_target(
         tokenizer, hidden_size=demo.target_hidden_size, num_layers=demo.target_num_layers, seed=0
     )
-    tiny.sharpen(model, seed=0)  # varied greedy outputs, so acceptance is earned, not trivial
+    train = tiny.synthesize_speech(root / "speech_train", demo.num_train_utterances, seed=0)
+    dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1)
+    if demo.target_teach_steps:
+        torch.manual_seed(0)
+        teach_target(model, processor, train, demo.target_teach_steps, prompt)
     target_dir = root / "target"
     model.save_pretrained(target_dir)
     processor.save_pretrained(target_dir)
-    train = tiny.synthesize_speech(root / "speech_train", demo.num_train_utterances, seed=0)
-    dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1)
     return target_dir, train, dev, tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
 
 
@@ -81,14 +121,14 @@ def held_out_prompts(args, data_args, dev_manifest: Path, limit: int) -> list[di
 
 
 def run(argv: list[str] | None = None) -> dict:
-    argv = list(argv or [])
+    argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv:
         if not DEFAULT_CONFIG.is_file():
-            raise FileNotFoundError(f"{DEFAULT_CONFIG} not found (installed without the repo?): pass --config demo.yaml")
+            raise FileNotFoundError(f"{DEFAULT_CONFIG} not found (not a repo checkout?): pass --config demo.yaml")
         argv = ["--config", str(DEFAULT_CONFIG), *argv]
     demo, args, data_args = parse_with_config(make_parser(), argv)
     root = Path(args.output_dir)
-    target_dir, train_manifest, dev_manifest, mask_id = build_assets(demo, root / "assets")
+    target_dir, train_manifest, dev_manifest, mask_id = build_assets(demo, root / "assets", data_args.prompt)
     args.target_name_or_path = str(target_dir)
     args.mask_token_id = mask_id
     data_args.train_data = [str(train_manifest)]
