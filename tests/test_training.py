@@ -1,0 +1,143 @@
+"""Trainer behaviour: input validation, precision, checkpoints/resume, export contract and remote code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_core import ListDataset, make_args
+from utils import random_rows, text_batch, tiny_text_target
+
+from dflash_hf import DFlashDraftModel, DFlashTrainer, speculative_generate, tiny
+
+
+def _trainer(tmp_path, rows, model=None, tok=None, **kw):
+    if model is None:
+        model, tok = tiny_text_target()
+    args = make_args(tmp_path, kw.pop("mask_token_id", tok.convert_tokens_to_ids(tiny.MASK_TOKEN)), **kw)
+    return DFlashTrainer(
+        args=args,
+        target=model,
+        train_dataset=ListDataset(rows),
+        data_collator=lambda items: text_batch(items, tok.pad_token_id),
+    )
+
+
+@pytest.mark.parametrize(
+    ("mask_token_id", "message"),
+    [(None, "mask_token_id is required"), (10_000, "has no row"), (256, "eos_token_id"), (257, "pad_token_id")],
+)
+def test_bad_mask_token_is_refused_before_the_draft_is_built(tmp_path, mask_token_id, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(tmp_path, random_rows(2, 250), mask_token_id=mask_token_id)
+
+
+def test_mask_token_in_the_data_and_bad_taps_are_refused(tmp_path):
+    model, tok = tiny_text_target()
+    mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    trainer = _trainer(tmp_path, [([5, 6, mask_id], [7, 8, 9])], model, tok)
+    with pytest.raises(ValueError, match="occurs in the data"):
+        trainer.train()
+    with pytest.raises(ValueError, match=r"target_layer_ids \[7\] out of range"):
+        _trainer(tmp_path, random_rows(2, 250), model, tok, target_layer_ids=[1, 7])
+    with pytest.raises(ValueError, match="--precision bf16"):
+        make_args(tmp_path, mask_id, bf16=True)
+
+
+def test_bf16_precision_sets_target_and_draft_dtypes(tmp_path):
+    model, tok = tiny_text_target()
+    trainer = _trainer(tmp_path, random_rows(4, 250), model, tok, precision="bf16", max_steps=2)
+    trainer.train()
+    assert trainer.target.dtype == torch.bfloat16
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    loss = trainer.state.log_history[-1]["train_loss"]
+    assert torch.isfinite(torch.tensor(loss))
+    prompt = torch.randint(3, 250, (1, 6))
+    out = speculative_generate(trainer.model.eval(), model, 10, input_ids=prompt, attention_mask=torch.ones_like(prompt))
+    ref = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_checkpoints_hold_only_the_draft_and_resume_is_exact(tmp_path):
+    rows = random_rows(8, 250, seed=2)
+    model, tok = tiny_text_target()
+    kw = dict(max_steps=4, per_device_train_batch_size=2, save_strategy="steps", save_steps=2)
+    straight = _trainer(tmp_path / "a", rows, model, tok, **kw)
+    straight.train()
+    ckpt = tmp_path / "a" / "out" / "checkpoint-2"
+    with safe_open(ckpt / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert names == set(straight.model.state_dict())  # the draft only: no target, no embedding, no lm_head
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+    resumed = _trainer(tmp_path / "b", rows, model, tok, **kw)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
+    model, tok = tiny_text_target()
+    trainer = _trainer(tmp_path, random_rows(4, 250), model, tok, max_steps=1)
+    trainer.train()
+    export = trainer.export_draft(str(tmp_path / "export"))
+    files = sorted(os.listdir(export))
+    assert files == ["config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py"]
+    cfg = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4
+    assert cfg["dflash_config"]["mask_token_id"] == tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 1] and cfg["num_target_layers"] == 4
+    assert cfg["auto_map"]["AutoModel"] == "modeling_dflash.DFlashDraftModel"
+    with safe_open(f"{export}/model.safetensors", "pt") as f:
+        names = set(f.keys())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(2):
+        p = f"layers.{i}."
+        expected |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        expected |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"} | {f"{p}self_attn.{x}_norm.weight" for x in "qk"}
+        expected |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    assert names == expected
+
+    draft = DFlashDraftModel.from_pretrained(export).eval()
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        position_ids=torch.arange(14)[None],
+        noise_embedding=torch.randn(1, 4, 64, generator=g),
+        target_hidden=torch.randn(1, 10, 128, generator=g),
+    )
+    torch.save(inputs, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        ref = draft(**inputs)
+    torch.save(ref, tmp_path / "ref.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        # Started with -S: site-packages without .pth files, so the editable dflash_hf install is invisible.
+        sys.path.append({os.path.dirname(os.path.dirname(torch.__file__))!r})
+        import torch
+        try:
+            import dflash_hf
+            raise SystemExit("dflash_hf must not be importable here")
+        except ImportError:
+            pass
+        from transformers import AutoModel
+        m = AutoModel.from_pretrained({str(export)!r}, trust_remote_code=True).eval()
+        assert type(m).__name__ == "DFlashDraftModel", type(m)
+        out = m(**torch.load({str(tmp_path / "inputs.pt")!r}))
+        torch.testing.assert_close(out, torch.load({str(tmp_path / "ref.pt")!r}))
+        print("REMOTE_OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "REMOTE_OK" in proc.stdout, proc.stderr[-3000:]
