@@ -59,7 +59,8 @@ def test_bf16_precision_sets_target_and_draft_dtypes(tmp_path):
     loss = trainer.state.log_history[-1]["train_loss"]
     assert torch.isfinite(torch.tensor(loss))
     prompt = torch.randint(3, 250, (1, 6))
-    out = speculative_generate(trainer.model.eval(), model, 10, input_ids=prompt, attention_mask=torch.ones_like(prompt))
+    am = torch.ones_like(prompt)
+    out = speculative_generate(trainer.model.eval(), model, 10, input_ids=prompt, attention_mask=am)
     ref = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
     assert torch.equal(out.sequences, ref)
 
