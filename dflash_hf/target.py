@@ -136,7 +136,9 @@ class FrozenTarget:
         return out
 
     # --- validation (before the draft is built) -------------------------------------------
-    def validate(self, *, mask_token_id: int | None, target_layer_ids: list[int] | None, hidden_size: int | None = None):
+    def validate(
+        self, *, mask_token_id: int | None, target_layer_ids: list[int] | None, hidden_size: int | None = None
+    ) -> None:
         if target_layer_ids is not None:
             bad = [i for i in target_layer_ids if not 0 <= i < self.num_layers]
             if bad:
