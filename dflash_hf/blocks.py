@@ -228,8 +228,11 @@ def dense_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: i
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, block_size_kernel: int = 128):
-    """FlexAttention `BlockMask` with exactly the semantics of `dense_block_mask`."""
+def flex_block_mask(
+    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, block_size_kernel: int = 128, compile: bool = False
+):
+    """FlexAttention `BlockMask` with exactly the semantics of `dense_block_mask`. `compile` builds it with a
+    compiled mask evaluation (eager evaluation over all (q, kv) pairs costs milliseconds per step on a GPU)."""
     if create_block_mask is None:
         raise RuntimeError("FlexAttention needs torch >= 2.5; use attention_backend='sdpa'")
     b, n = anchors.shape
@@ -252,12 +255,15 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
         KV_LEN=s + n * block_size,
         device=anchors.device,
         BLOCK_SIZE=block_size_kernel,
+        _compile=compile,
     )
 
 
-def attention_mask_for(backend: str, anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int):
+def attention_mask_for(
+    backend: str, anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, compile_mask: bool = False
+):
     if backend == "flex":
-        return flex_block_mask(anchors, doc_ids, block_size)
+        return flex_block_mask(anchors, doc_ids, block_size, compile=compile_mask)
     if backend == "sdpa":
         return dense_block_mask(anchors, doc_ids, block_size)
     raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {backend!r}")

@@ -34,7 +34,9 @@ def map_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], rows: Sequence[torch
 
 
 def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool):
-    """Per-row CE and argmax of one chunk of logits (float32 math), and `d(Σ w·CE)/d logits` when asked."""
+    """Per-row CE and argmax of one chunk of logits (float32 math), and `d(Σ w·CE)/d logits` in the logits'
+    dtype when asked."""
+    dtype = logits.dtype
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
     ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
@@ -43,7 +45,7 @@ def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torc
         return ce, pred, None
     grad = torch.exp(logits - lse[:, None])
     grad[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
-    return ce, pred, grad * weights[:, None]
+    return ce, pred, (grad * weights[:, None]).to(dtype)
 
 
 _compiled_ce_grad = None
@@ -76,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ce, pred[rows], g = _ce_grad(logits, labels[rows], weights[rows], need_grad)
             loss = loss + (weights[rows] * ce).sum()
             if need_grad:
-                grad[rows] = g.to(hidden.dtype) @ weight
+                grad[rows] = g @ weight
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(pred)
         return loss, pred

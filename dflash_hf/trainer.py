@@ -328,7 +328,8 @@ class DFlashTrainer(Trainer):
     def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks) -> torch.Tensor:
         """Draft hidden of every slot: `[b, N, B, H]`."""
         b, n, bs = blocks.ids.shape
-        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs)
+        compile_mask = self.args.compile_draft_layers and taps.device.type == "cuda"
+        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs, compile_mask)
         with torch.no_grad():
             noise = self.target.embed_tokens(blocks.ids.view(b, n * bs))
         pos = torch.cat([positions, blocks.positions.view(b, n * bs)], dim=1)

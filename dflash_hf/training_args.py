@@ -86,8 +86,8 @@ class DFlashTrainingArguments(TrainingArguments):
     compile_draft_layers: bool = field(
         default=False,
         metadata={
-            "help": "torch.compile each draft decoder layer on CUDA (flex attention fused in; docs/PERFORMANCE.md: "
-            "8B-shape draft step 180 -> 151 ms). A new batch shape recompiles once (then shapes become dynamic)."
+            "help": "torch.compile each draft decoder layer and the flex mask construction on CUDA "
+            "(docs/PERFORMANCE.md: 8B-shape draft step 180 -> 151 ms). A new batch shape recompiles once."
         },
     )
     validate_only: bool = field(

@@ -28,7 +28,7 @@ def flex_sdpa_differences(
     dtype: torch.dtype, compile_layers: bool = False, device: str = "cuda", seed: int = 0
 ) -> dict:
     """Loss and per-parameter gradient differences between the flex and the dense-mask paths
-    (`compile_layers`: each decoder layer under torch.compile, as `compile_draft_layers` does)."""
+    (`compile_layers`: each decoder layer and the flex mask construction compiled, as `compile_draft_layers`)."""
     torch.manual_seed(seed)
     h, vocab, block = 256, 1000, 16
     config = DFlashConfig(
@@ -66,7 +66,7 @@ def flex_sdpa_differences(
     results = {}
     for backend in ("flex", "sdpa"):
         draft.zero_grad(set_to_none=True)
-        mask = attention_mask_for(backend, anchors.to(device), doc_ids.to(device), block)
+        mask = attention_mask_for(backend, anchors.to(device), doc_ids.to(device), block, compile_layers)
         hidden = draft(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps)
         out = block_loss(hidden.view(b, -1, block, h), blocks, lm_head, chunk_size=256)
         loss = out.loss_sum / out.weight_sum
