@@ -29,7 +29,6 @@ class DFlashTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Kept False: DFlash batches carry audio and loss-mask keys."}
     )
-    report_to: str | list[str] = field(default="none", metadata={"help": "Loggers: none, tensorboard, wandb, ..."})
     save_safetensors: bool = field(default=True, metadata={"help": "Checkpoints in safetensors."})
 
     # --- target ---------------------------------------------------------------------------------
@@ -228,17 +227,21 @@ class DFlashTrainingArguments(TrainingArguments):
                     f"lora_target_modules {list(self.lora_target_modules)}: {bad or 'empty'} are not draft linear "
                     f"layers; choose from {list(LORA_TARGETS)}"
                 )
-        if self.activation_checkpointing:
+        # transformers >= 5.23 names it activation_checkpointing (gradient_checkpointing stays an alias).
+        if getattr(self, "activation_checkpointing", self.gradient_checkpointing):
             # Block inputs come from the frozen target embedding, so reentrant checkpointing would drop the
             # gradients of everything inside a checkpointed layer (nothing entering it requires grad).
-            kwargs = dict(self.activation_checkpointing_kwargs or {})
+            given = getattr(self, "activation_checkpointing_kwargs", None) or self.gradient_checkpointing_kwargs
+            kwargs = dict(given or {})
             if kwargs.get("use_reentrant", False):
                 raise ValueError(
                     "gradient_checkpointing_kwargs.use_reentrant=True drops draft gradients (the draft's block "
                     "inputs come from the frozen embedding); use use_reentrant=False (the default here)"
                 )
             kwargs["use_reentrant"] = False
-            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
+            self.gradient_checkpointing_kwargs = kwargs
+            if hasattr(self, "activation_checkpointing_kwargs"):
+                self.activation_checkpointing_kwargs = kwargs
         if self.init_from_pretrained:
             resolve_draft_dir(self.init_from_pretrained)  # a missing draft export fails before the target loads
 

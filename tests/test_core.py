@@ -2,46 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from torch.utils.data import Dataset
-from utils import random_rows, text_batch, tiny_text_target
+from utils import make_trainer, random_rows, text_batch, tiny_text_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
+from dflash_hf import (
+    DFlash2DraftModel,
+    DFlashConfig,
+    DFlashDraftModel,
+    speculative_generate,
+    tiny,
+)
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
 from dflash_hf.target import FrozenTarget
 from dflash_hf.tiny import sharpen
-
-
-class ListDataset(Dataset):
-    def __init__(self, rows, repeat: int = 1):
-        self.rows, self.repeat = rows, repeat
-
-    def __len__(self):
-        return len(self.rows) * self.repeat
-
-    def __getitem__(self, i):
-        return self.rows[i % len(self.rows)]
-
-
-def make_args(tmp_path, mask_id, **kw) -> DFlashTrainingArguments:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        mask_token_id=mask_id,
-        block_size=4,
-        num_draft_layers=2,
-        per_device_train_batch_size=4,
-        max_steps=1,
-        label_source="ground_truth",
-        num_anchors=64,
-        save_strategy="no",
-        use_cpu=True,
-        report_to="none",
-        disable_tqdm=True,
-        attention_backend="sdpa",
-        seed=0,
-    )
-    base.update(kw)
-    return DFlashTrainingArguments(**base)
 
 
 def make_draft(target: FrozenTarget, mask_id: int, block_size: int = 4, layers: int = 2, seed: int = 0):
@@ -135,23 +109,10 @@ def test_block_sees_only_context_before_its_anchor_and_its_own_block():
         assert (out[0, 1, 0] - base[0, 1, 0]).abs().max() > 1e-5
 
 
-def _trainer(tmp_path, model, tok, rows, **kw):
-    args = make_args(tmp_path, tok.convert_tokens_to_ids(tiny.MASK_TOKEN), **kw)
-    torch.manual_seed(0)
-    collate = kw.pop("collate", None)
-    side = "left" if args.output_dir.endswith("left") else "right"
-    return DFlashTrainer(
-        args=args,
-        target=model,
-        train_dataset=ListDataset(rows),
-        data_collator=collate or (lambda items: text_batch(items, tok.pad_token_id, side)),
-    )
-
-
 def test_loss_invariant_to_padding_side_and_padded_feature_values(tmp_path):
     model, tok = tiny_text_target()
     rows = random_rows(4, 256, seed=3)
-    trainer = _trainer(tmp_path, model, tok, rows)
+    trainer = make_trainer(tmp_path, model, tok, rows)
     losses = {}
     for side in ("right", "left"):
         batch = text_batch(rows, tok.pad_token_id, side)
@@ -172,7 +133,7 @@ def test_loss_invariant_to_padding_side_and_padded_feature_values(tmp_path):
 
 
 def _one_sgd_step(tmp_path, model, tok, rows, batch_size, accum):
-    trainer = _trainer(
+    trainer = make_trainer(
         tmp_path,
         model,
         tok,
@@ -199,9 +160,11 @@ def test_loss_invariant_to_micro_batch_split(tmp_path):
             torch.testing.assert_close(grads[k], ref[k], atol=1e-6, rtol=1e-4, msg=f"{k} ({bs}x{acc})")
 
 
-def test_overfit_one_sequence_then_accept_full_blocks(tmp_path):
-    """The classic-bug gate: labels shifted by one, `<=` in the context mask, wrong RoPE positions or a
-    tap/feature mismatch between training and inference all leave acceptance near 1."""
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_overfit_one_sequence_then_accept_full_blocks(tmp_path, variant):
+    """The classic-bug gate: labels shifted by one, `<=` in the context mask, wrong RoPE positions, a
+    tap/feature mismatch between training and inference, DFlash2 convolutions crossing blocks or selector
+    predecessors that differ from the inference walk all leave acceptance near 1."""
     model, tok = tiny_text_target()
     sharpen(model)
     prompt = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -210,20 +173,30 @@ def test_overfit_one_sequence_then_accept_full_blocks(tmp_path):
     )
     response = full[0, 12:].tolist()
     assert len(set(response)) > 10  # a varied sequence, not one repeated token
-    block = 8
-    trainer = _trainer(
+    block, steps = 8, {"dflash": 200, "dflash2": 150}[variant]
+    extra = {}
+    if variant == "dflash2":
+        extra = dict(conv_group_size=16, selector_rank=32, selector_top_k=16, logging_steps=50)
+    trainer = make_trainer(
         tmp_path,
         model,
         tok,
         [(prompt[0].tolist(), response)],
+        variant=variant,
         block_size=block,
         per_device_train_batch_size=1,
-        max_steps=200,
-        learning_rate=2e-3,
+        max_steps=steps,
+        learning_rate={"dflash": 2e-3, "dflash2": 3e-3}[variant],
+        repeat=steps,
+        **extra,
     )
-    trainer.train_dataset = ListDataset(trainer.train_dataset.rows, repeat=200)
     trainer.train()
     draft = trainer.model.eval()
+    if variant == "dflash2":
+        logged = [h for h in trainer.state.log_history if "loss" in h][-1]  # the last 50 steps
+        assert logged["selector_accuracy"] > 0.9 and logged["candidate_recall"] > 0.9, logged
+        assert isinstance(draft, DFlash2DraftModel)
+        assert draft.candidate_selector.successor_codebook.abs().sum() > 0  # the selector was trained
     model.generation_config.eos_token_id = None
     out = speculative_generate(draft, model, 48, input_ids=prompt, attention_mask=torch.ones_like(prompt))
     assert torch.equal(out.sequences, full)

@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from torch.utils.data import Dataset
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from utils import text_batch, tiny_text_target
+from utils import make_trainer, text_batch, tiny_text_target
 
-from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, tiny
+from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
 from dflash_hf.hub import load_draft_strict
 from dflash_hf.losses import MetricSums, block_loss, dflash2_block_loss
@@ -262,30 +261,10 @@ def test_no_valid_slot_gives_differentiable_zero_with_grads_everywhere():
 # ------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------
-class Rows(Dataset):
-    def __init__(self, rows, repeat: int = 1):
-        self.rows, self.repeat = rows, repeat
-
-    def __len__(self):
-        return len(self.rows) * self.repeat
-
-    def __getitem__(self, i):
-        return self.rows[i % len(self.rows)]
-
-
-def make_trainer(tmp_path, model, tok, rows, variant="dflash2", draft=None, **kw):
-    args = dict(
-        output_dir=str(tmp_path / variant), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), variant=variant,
-        block_size=4, num_draft_layers=2, per_device_train_batch_size=len(rows), max_steps=1,
-        label_source="ground_truth", num_anchors=64, save_strategy="no", use_cpu=True, report_to="none",
-        disable_tqdm=True, attention_backend="sdpa", seed=0, conv_group_size=8, selector_rank=16,
-        selector_top_k=8,
-    )
-    args.update(kw)
-    return DFlashTrainer(
-        model=draft, args=DFlashTrainingArguments(**args), target=model, train_dataset=Rows(rows),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+def dflash2_trainer(tmp_path, model, tok, rows, variant="dflash2", draft=None, **kw):
+    kw = dict(output_dir=str(tmp_path / variant), variant=variant, per_device_train_batch_size=len(rows),
+              conv_group_size=8, selector_rank=16, selector_top_k=8, **kw)
+    return make_trainer(tmp_path, model, tok, rows, draft=draft, **kw)
 
 
 def test_training_args_refuse_fused_ce_and_negative_selector_weight(tmp_path):
@@ -300,14 +279,14 @@ def test_trainer_loss_is_base_plus_weighted_selector(tmp_path):
     model, tok = tiny_text_target(hidden_size=32)
     rows = [(list(range(40, 48)), list(range(60, 80))), (list(range(50, 56)), list(range(90, 104)))]
     batch = text_batch(rows, tok.pad_token_id)
-    trainer = make_trainer(tmp_path, model, tok, rows)  # builds a fresh DFlash2 draft from the args
+    trainer = dflash2_trainer(tmp_path, model, tok, rows)  # builds a fresh DFlash2 draft from the args
     draft = trainer.model
     assert isinstance(draft, DFlash2DraftModel) and draft.config.dflash_config["selector_top_k"] == 8
     # selector_loss_weight 0: exactly the loss of a DFlash draft with the same shared weights.
     v1 = DFlashDraftModel(draft_config("dflash", trainer.target.text_config, draft.config.mask_token_id))
     v1.load_state_dict({k: v for k, v in draft.state_dict().items() if not any(o in k for o in DFLASH2_ONLY)})
-    ref = make_trainer(tmp_path, model, tok, rows, variant="dflash", draft=v1)
-    zero_w = make_trainer(tmp_path, model, tok, rows, draft=draft, selector_loss_weight=0.0)
+    ref = dflash2_trainer(tmp_path, model, tok, rows, variant="dflash", draft=v1)
+    zero_w = dflash2_trainer(tmp_path, model, tok, rows, draft=draft, selector_loss_weight=0.0)
     torch.testing.assert_close(zero_w.compute_loss(draft, dict(batch)), ref.compute_loss(v1, dict(batch)))
 
     randomize(draft, seed=5, only=DFLASH2_ONLY)

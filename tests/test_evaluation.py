@@ -11,7 +11,7 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
-from utils import random_rows, text_batch, tiny_text_target
+from utils import ListDataset, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
@@ -19,17 +19,6 @@ from dflash_hf.evaluation import VALIDATION_METRICS_FILE, prompt_inputs, validat
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 @pytest.fixture(scope="module")

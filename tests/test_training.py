@@ -11,22 +11,15 @@ import textwrap
 import pytest
 import torch
 from safetensors import safe_open
-from test_core import ListDataset, make_args
-from utils import random_rows, text_batch, tiny_text_target
+from utils import make_args, make_trainer, random_rows, tiny_text_target
 
-from dflash_hf import DFlashDraftModel, DFlashTrainer, speculative_generate, tiny
+from dflash_hf import DFlashDraftModel, speculative_generate, tiny
 
 
 def _trainer(tmp_path, rows, model=None, tok=None, **kw):
     if model is None:
         model, tok = tiny_text_target()
-    args = make_args(tmp_path, kw.pop("mask_token_id", tok.convert_tokens_to_ids(tiny.MASK_TOKEN)), **kw)
-    return DFlashTrainer(
-        args=args,
-        target=model,
-        train_dataset=ListDataset(rows),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+    return make_trainer(tmp_path, model, tok, rows, **kw)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +40,7 @@ def test_mask_token_in_the_data_and_bad_taps_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"target_layer_ids \[7\] out of range"):
         _trainer(tmp_path, random_rows(2, 250), model, tok, target_layer_ids=[1, 7])
     with pytest.raises(ValueError, match="--precision bf16"):
-        make_args(tmp_path, mask_id, bf16=True)
+        make_args(tmp_path, mask_token_id=mask_id, bf16=True)
 
 
 def test_bf16_precision_sets_target_and_draft_dtypes(tmp_path):

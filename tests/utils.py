@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch.utils.data import Dataset
 
-from dflash_hf import tiny
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 
 
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
@@ -45,3 +46,49 @@ def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
     model = tiny.build_text_target(tok, num_layers=num_layers, hidden_size=hidden_size, seed=seed)
     return model, tok
 
+
+
+class ListDataset(Dataset):
+    """Rows (any objects) repeated `repeat` times."""
+
+    def __init__(self, rows, repeat: int = 1):
+        self.rows, self.repeat = rows, repeat
+
+    def __len__(self):
+        return len(self.rows) * self.repeat
+
+    def __getitem__(self, i):
+        return self.rows[i % len(self.rows)]
+
+
+def make_args(tmp_path, **kw) -> DFlashTrainingArguments:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        block_size=4,
+        num_draft_layers=2,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        label_source="ground_truth",
+        num_anchors=64,
+        save_strategy="no",
+        use_cpu=True,
+        report_to="none",
+        disable_tqdm=True,
+        attention_backend="sdpa",
+        seed=0,
+    )
+    base.update(kw)
+    return DFlashTrainingArguments(**base)
+
+
+def make_trainer(tmp_path, model, tok, rows, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
+    """A trainer on hand-built text rows (right padding); `kw` are DFlashTrainingArguments fields."""
+    kw.setdefault("mask_token_id", tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    torch.manual_seed(0)
+    return DFlashTrainer(
+        model=draft,
+        args=make_args(tmp_path, **kw),
+        target=model,
+        train_dataset=ListDataset(rows, repeat),
+        data_collator=lambda items: text_batch(items, tok.pad_token_id),
+    )
