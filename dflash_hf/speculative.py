@@ -105,7 +105,7 @@ def speculative_generate(
     tcache, dcache = DynamicCache(), DynamicCache()
     store: dict = {}
     with ft._hooks(layer_ids, store, keep_final=False):
-        out = ft.model(**target_inputs, past_key_values=tcache, use_cache=True)
+        out = ft.model(**ft.cast_features(target_inputs), past_key_values=tcache, use_cache=True)
     forwards = 1
     pending = torch.cat([store[i] for i in layer_ids], dim=-1)  # features of positions not yet in dcache
     pending_pos = torch.arange(input_ids.shape[1], device=dev)

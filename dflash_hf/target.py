@@ -201,7 +201,12 @@ class FrozenTarget:
                 raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "
                                  "must emit position_ids restarting at 0 per document")
             kwargs.pop("attention_mask", None)
-        return kwargs
+        return self.cast_features(kwargs)
+
+    def cast_features(self, kwargs: dict) -> dict:
+        """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a
+        bf16 audio encoder refuses them. Integer ids and masks are left as they are."""
+        return {k: v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kwargs.items()}
 
     def check_packing(self) -> None:
         """Refuse packed batches when the decoder's attention implementation cannot isolate documents."""

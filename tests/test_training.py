@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 from utils import make_args, make_trainer, random_rows, tiny_text_target
 
-from dflash_hf import DFlashDraftModel, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf.target import FrozenTarget
 
 
 def _trainer(tmp_path, rows, model=None, tok=None, **kw):
@@ -135,3 +136,22 @@ def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
         [sys.executable, "-S", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert "REMOTE_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_bf16_audio_target_gets_its_features_in_bf16():
+    """The collator emits float32 audio features; a bf16 target's audio encoder needs them in bf16."""
+    tok = tiny.build_tokenizer()
+    model, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    model.to(torch.bfloat16)
+    target = FrozenTarget(model)
+    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
+    text = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    audio = 0.1 * torch.randn(16000, generator=torch.Generator().manual_seed(0))
+    inputs = processor(text=[text], audio=[audio.numpy()], sampling_rate=16000, return_tensors="pt")
+    assert inputs["input_features"].dtype == torch.float32
+    feats = target.capture(dict(inputs), [1, 2])
+    assert feats.taps.dtype == torch.bfloat16 and feats.taps.shape[:2] == inputs["input_ids"].shape
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1, block_size=4)
+    draft = DFlashDraftModel(cfg).to(torch.bfloat16).eval()
+    out = speculative_generate(draft, model, 6, **inputs)
+    assert out.sequences.shape[1] > inputs["input_ids"].shape[1]
