@@ -377,6 +377,15 @@ class DFlashTrainer(Trainer):
     # ------------------------------------------------------------------------------------------
     # Logging and evaluation
     # ------------------------------------------------------------------------------------------
+    def _report(self, sums: MetricSums, prefix: str = "") -> dict[str, float]:
+        """Metrics of all-reduced sums. For DFlash2, `loss` is the optimized objective
+        `base + selector_loss_weight * selector` and the decayed CE alone is `base_loss`."""
+        metrics = self._all_reduce_sums(sums).reduce()
+        if f"{prefix}selector_loss" in metrics:
+            metrics[f"{prefix}base_loss"] = metrics[f"{prefix}loss"]
+            metrics[f"{prefix}loss"] += self.args.selector_loss_weight * metrics[f"{prefix}selector_loss"]
+        return metrics
+
     def _all_reduce_sums(self, sums: MetricSums) -> MetricSums:
         if self.args.world_size > 1:
             names, vec = sums.as_tensor(self.args.device)
@@ -385,13 +394,13 @@ class DFlashTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.train_sums.values:
-            sums = self._all_reduce_sums(self.train_sums)
+            sums = self.train_sums
+            metrics = self._report(sums)
             # sums cover every rank: micro-batches / (GA * ranks) = optimizer steps in this logging window
             steps = max(
                 sums.values.get("micro_batches", 1.0) / (self.args.gradient_accumulation_steps * self.args.world_size),
                 1.0,
             )
-            metrics = sums.reduce()
             logs["loss"] = round(metrics.pop("loss"), 6)
             logs.update({k: round(v, 5) for k, v in metrics.items()})
             logs["anchors_per_step"] = sums.values.get("anchors", 0.0) / steps
@@ -424,7 +433,7 @@ class DFlashTrainer(Trainer):
             plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))
             out = self.draft_forward(model, batch, plan)
             sums.add_block_loss(out)
-        metrics = self._all_reduce_sums(sums).reduce()
+        metrics = self._report(sums, f"{metric_key_prefix}_")
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
         if not math.isfinite(metrics.get(f"{metric_key_prefix}_loss", 0.0)):
             raise FloatingPointError(f"non-finite {metric_key_prefix}_loss")

@@ -306,6 +306,9 @@ def test_trainer_loss_is_base_plus_weighted_selector(tmp_path):
     for name in ("loss", "tau_est", "selector_loss", "selector_tau_est", "selector_accuracy", "candidate_recall"):
         assert name in m, (name, sorted(m))
     assert 0.0 < m["candidate_recall"] <= 1.0
+    logged = trainer._report(trainer.train_sums)  # what the Trainer logs: the optimized objective
+    assert logged["loss"] == pytest.approx(logged["base_loss"] + logged["selector_loss"])
+    assert logged["base_loss"] == pytest.approx(m["loss"])
 
 
 # ------------------------------------------------------------------------------------------------
