@@ -155,3 +155,19 @@ def test_bf16_audio_target_gets_its_features_in_bf16():
     draft = DFlashDraftModel(cfg).to(torch.bfloat16).eval()
     out = speculative_generate(draft, model, 6, **inputs)
     assert out.sequences.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_target_loading_is_strict_unless_partial_init_is_asked_for(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash_hf.target import load_target
+
+    path = tiny.save_tiny_target(tmp_path / "target", kind="text", num_layers=2, hidden_size=32)
+    weights = load_file(path / "model.safetensors")
+    dropped = "model.layers.1.mlp.down_proj.weight"
+    del weights[dropped]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 parameters.*mlp\.down_proj.*--target_strict_load false"):
+        load_target(str(path))
+    model = load_target(str(path), strict=False)  # intentional partial initialization
+    assert model.model.layers[1].mlp.down_proj.weight.shape == (32, 64)
