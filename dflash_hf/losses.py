@@ -117,17 +117,29 @@ def block_loss(
     blocks: Blocks,
     lm_head_weight: torch.Tensor,
     chunk_size: int = 1024,
+    fused: bool = True,
 ) -> BlockLoss:
-    """Decayed CE over slots 1..B-1 of every block; only valid slots are projected to the vocabulary."""
+    """Decayed CE over slots 1..B-1 of every block; only valid slots are projected to the vocabulary.
+    `fused`: `fused_lm_head_ce`; else dense per-chunk logits, recomputed in backward (`map_chunks`)."""
     slots = hidden[:, :, 1:]  # [b, N, B-1, H]
     sel = blocks.valid
     w = blocks.weights[sel]
-    ce_sum, pred = fused_lm_head_ce(slots[sel], lm_head_weight, blocks.labels[sel], w, chunk_size)
+    if fused:
+        ce_sum, pred = fused_lm_head_ce(slots[sel], lm_head_weight, blocks.labels[sel], w, chunk_size)
+    else:
+        ce, pred = map_chunks(partial(_chunk_ce, weight=lm_head_weight), (slots[sel], blocks.labels[sel]), chunk_size)
+        ce_sum = (w * ce).sum()
     # `hidden.sum() * 0` keeps the graph connected when no slot is valid (a differentiable zero).
     loss_sum = ce_sum + hidden.sum() * 0.0
     correct = torch.zeros_like(sel)
     correct[sel] = pred == blocks.labels[sel]
     return BlockLoss(loss_sum=loss_sum, weight_sum=w.sum().detach(), correct=correct, blocks=blocks)
+
+
+def _chunk_ce(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor):
+    """CE and argmax of one chunk of dense logits `hidden @ weightᵀ` (`[m, V]`, float32 math)."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
 def _chunk_dflash2(

@@ -323,7 +323,7 @@ class DFlashTrainer(Trainer):
         if cfg.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = self.accelerator.unwrap_model(model).candidate_selector
             return dflash2_block_loss(hidden, blocks, self.target.lm_head.weight, selector, args.ce_chunk_size)
-        return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size)
+        return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size, args.use_fused_linear_ce)
 
     def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks) -> torch.Tensor:
         """Draft hidden of every slot: `[b, N, B, H]`."""

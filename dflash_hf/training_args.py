@@ -123,10 +123,11 @@ class DFlashTrainingArguments(TrainingArguments):
     selector_loss_weight: float = field(
         default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
     )
-    use_fused_linear_ce: bool = field(
-        default=False,
-        metadata={"help": "Upstream option, must stay false: the loss is chunked (ce_chunk_size); DFlash2 needs "
-                  "dense draft logits."},
+    use_fused_linear_ce: bool | None = field(
+        default=None,
+        metadata={"help": "DFlash loss as a fused lm_head+CE (gradient made in the forward, logits never kept; "
+                  "default for dflash) or, false, dense per-chunk logits recomputed in backward. DFlash2 needs "
+                  "the dense logits (must be false; its default)."},
     )
 
     # --- adaptation (docs/ADAPTATION.md) ----------------------------------------------------------
@@ -184,16 +185,12 @@ class DFlashTrainingArguments(TrainingArguments):
                                  "bound padded batches with num_anchors (up to batch * num_anchors blocks)")
 
     def _check_dflash2(self) -> None:
-        if self.use_fused_linear_ce:
-            if self.variant == "dflash2":
-                raise ValueError(
-                    "use_fused_linear_ce=true with variant=dflash2: DFlash2 needs the dense draft logits (its path "
-                    "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
-                )
+        if self.use_fused_linear_ce is None:
+            self.use_fused_linear_ce = self.variant == "dflash"
+        if self.use_fused_linear_ce and self.variant == "dflash2":
             raise ValueError(
-                "use_fused_linear_ce=true is not an option here: the DFlash loss is always computed chunk-wise "
-                "(ce_chunk_size slots of logits at a time), which already bounds logits memory. Set "
-                "use_fused_linear_ce=false"
+                "use_fused_linear_ce=true with variant=dflash2: DFlash2 needs the dense draft logits (its path "
+                "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
             )
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")

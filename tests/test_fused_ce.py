@@ -49,3 +49,29 @@ def test_fused_without_grad_and_empty_rows():
     assert float(loss) == 0.0 and pred.shape == (0,) and empty.grad.shape == (0, 4)
     with pytest.raises(ValueError, match="ce_chunk_size"):
         fused_lm_head_ce(hidden, weight, torch.arange(5), torch.ones(5), chunk_size=0)
+
+
+def test_block_loss_fused_and_dense_chunk_paths_agree():
+    """`use_fused_linear_ce` true (gradient made in the forward) and false (dense chunks recomputed in
+    backward) give the same loss sum, correctness and gradient."""
+    from dflash_hf.blocks import build_blocks
+    from dflash_hf.losses import block_loss
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 50, (2, 24), generator=g)
+    loss_mask = torch.zeros(2, 24, dtype=torch.bool)
+    loss_mask[:, 8:] = True
+    doc = torch.zeros(2, 24, dtype=torch.long)
+    pos = torch.arange(24)[None].expand(2, -1)
+    blocks = build_blocks(ids, ids, loss_mask, doc, pos, torch.tensor([[8, 12, 20], [9, 15, -1]]), 4, 1, 4.0)
+    weight = torch.randn(50, 16, generator=g) / 4
+    outs = []
+    for fused in (True, False):
+        hidden = torch.randn(2, 3, 4, 16, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+        out = block_loss(hidden, blocks, weight, chunk_size=5, fused=fused)
+        out.loss_sum.backward()
+        outs.append((out.loss_sum.detach(), out.correct, hidden.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+    torch.testing.assert_close(outs[0][2], outs[1][2])
+    assert outs[0][2].abs().sum() > 0
