@@ -278,7 +278,7 @@ class MetricSums:
             self.slot_correct, self.slot_count = rest[:half].clone(), rest[half:].clone()
 
     def reduce(self) -> dict[str, float]:
-        """Metrics: loss, tau_est, per-slot accuracy, plus any extra sums divided as documented."""
+        """Metrics: `{tag}loss` and `{tag}tau_est` per tag, per-slot accuracy, and each ratio `num_X / den_X`."""
         v, p = self.values, self.prefix
         out: dict[str, float] = {}
         tags = sorted({n[: -len("loss_sum")] for n in v if n.endswith("loss_sum")})
@@ -294,11 +294,7 @@ class MetricSums:
             for k, a in enumerate(acc.tolist(), start=1):
                 out[f"{p}acc_slot{k}"] = a
         for name, value in v.items():
-            if name.startswith("count_"):
-                out[f"{p}{name[len('count_'):]}"] = value
-            elif name.startswith("mean_") and v.get("steps", 0) > 0:
-                out[f"{p}{name[len('mean_'):]}"] = value / v["steps"]
-            elif name.startswith("num_"):  # ratio num_X / den_X
+            if name.startswith("num_"):  # ratio num_X / den_X
                 den = v.get(f"den_{name[len('num_'):]}", 0.0)
                 out[f"{p}{name[len('num_'):]}"] = value / den if den > 0 else 0.0
         return out

@@ -142,7 +142,6 @@ class DFlashTrainer(Trainer):
         self.block_size = cfg.block_size
         self.gamma = args.gamma or default_gamma(self.block_size)
         self.train_sums = MetricSums()
-        self._last_log_time = time.time()
         for cb in list(self.callback_handler.callbacks):  # concise bar: loss / tau_est as postfix
             if type(cb) is ProgressCallback:
                 self.callback_handler.remove_callback(cb)
