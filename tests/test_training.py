@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from utils import make_args, make_trainer, random_rows, tiny_text_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, speculative_generate, tiny
 from dflash_hf.target import FrozenTarget
 
 
@@ -171,3 +171,32 @@ def test_target_loading_is_strict_unless_partial_init_is_asked_for(tmp_path):
         load_target(str(path))
     model = load_target(str(path), strict=False)  # intentional partial initialization
     assert model.model.layers[1].mlp.down_proj.weight.shape == (32, 64)
+
+
+def test_speech_training_resumes_mid_epoch_exactly(tmp_path):
+    """lhotse loader + Trainer checkpoint: resuming at step 3 of 6 sees the same later batches and anchors."""
+    from dflash_hf.training_args import DFlashDataArguments
+
+    tok = tiny.build_tokenizer()
+    model, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 24, seed=0)
+
+    def trainer(name: str) -> DFlashTrainer:
+        args = make_args(
+            tmp_path / name, mask_token_id=262, max_steps=6, save_strategy="steps", save_steps=3, learning_rate=1e-3
+        )
+        data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.")
+        return DFlashTrainer(
+            args=args, target=model, processor=processor, data_args=data_args, train_dataset=[str(manifest)]
+        )
+
+    straight = trainer("a")
+    straight.train()
+    assert straight.state.global_step == 6
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-3"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["epoch"] < 1  # mid-epoch
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
