@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import make_trainer, random_rows, text_batch, tiny_text_target
+from utils import assert_lossless_greedy, make_trainer, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import (
     DFlash2DraftModel,
@@ -208,13 +208,7 @@ def test_greedy_speculative_decoding_is_lossless_text():
     sharpen(model, seed=1)
     ft = FrozenTarget(model)
     draft = make_draft(ft, tok.convert_tokens_to_ids(tiny.MASK_TOKEN), block_size=5)
-    for seed in range(3):
-        prompt = torch.randint(3, 250, (1, 7 + seed), generator=torch.Generator().manual_seed(seed))
-        am = torch.ones_like(prompt)
-        ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=25, do_sample=False)
-        out = speculative_generate(draft, model, 25, input_ids=prompt, attention_mask=am)
-        assert torch.equal(out.sequences, ref)
-        assert all(1 <= a <= 5 for a in out.acceptance_lengths)
+    assert_lossless_greedy(draft, model, num_prompts=3, max_new_tokens=25)
 
 
 def test_greedy_speculative_decoding_is_lossless_audio():

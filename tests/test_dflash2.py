@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from utils import make_trainer, text_batch, tiny_text_target
+from utils import assert_lossless_greedy, make_trainer, text_batch, tiny_text_target
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
 from dflash_hf.hub import load_draft_strict
 from dflash_hf.losses import MetricSums, block_loss, dflash2_block_loss
-from dflash_hf.speculative import accept_tokens, speculative_generate
+from dflash_hf.speculative import accept_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 DFLASH2_ONLY = ("attention_conv.", "mlp_conv.", "candidate_selector.")
@@ -420,13 +420,7 @@ def test_greedy_selector_walk_is_lossless():
     draft = DFlash2DraftModel(draft_config("dflash2", model.config, mask_id, block_size=5, conv_group_size=16,
                                            selector_top_k=16)).eval()
     randomize(draft, seed=8, scale=0.3, only=("successor_codebook", "mlp_conv"))
-    for seed in range(2):
-        prompt = torch.randint(3, 250, (1, 7 + seed), generator=torch.Generator().manual_seed(seed))
-        am = torch.ones_like(prompt)
-        ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=16, do_sample=False)
-        out = speculative_generate(draft, model, 16, input_ids=prompt, attention_mask=am)
-        assert torch.equal(out.sequences, ref)
-        assert all(1 <= a <= 5 for a in out.acceptance_lengths)
+    assert_lossless_greedy(draft, model, num_prompts=2, max_new_tokens=16)
 
 
 def chi_square_p_value(counts: Counter, expected: dict) -> tuple[float, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
 
 
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
@@ -92,3 +92,15 @@ def make_trainer(tmp_path, model, tok, rows, *, draft=None, repeat: int = 1, **k
         train_dataset=ListDataset(rows, repeat),
         data_collator=lambda items: text_batch(items, tok.pad_token_id),
     )
+
+
+def assert_lossless_greedy(draft, model, num_prompts: int, max_new_tokens: int) -> None:
+    """Speculative greedy decoding of random text prompts equals the target's own greedy decoding."""
+    block = draft.config.block_size
+    for seed in range(num_prompts):
+        prompt = torch.randint(3, 250, (1, 7 + seed), generator=torch.Generator().manual_seed(seed))
+        am = torch.ones_like(prompt)
+        ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False)
+        out = speculative_generate(draft, model, max_new_tokens, input_ids=prompt, attention_mask=am)
+        assert torch.equal(out.sequences, ref), seed
+        assert all(1 <= a <= block for a in out.acceptance_lengths)
