@@ -108,13 +108,15 @@ def speculative_generate(
         out = ft.model(**ft.cast_features(target_inputs), past_key_values=tcache, use_cache=True)
     forwards = 1
     pending = torch.cat([store[i] for i in layer_ids], dim=-1)  # features of positions not yet in dcache
-    pending_pos = torch.arange(input_ids.shape[1], device=dev)
+    pending_pos = torch.arange(pending.shape[1], device=dev)
+    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
+    expansion = pending.shape[1] - input_ids.shape[1]
     nxt, q = _pick(out.logits[:, -1], temperature, generator)
     seq = torch.cat([input_ids, nxt.view(1, 1)], dim=1)
     accepted: list[int] = []
     while seq.shape[1] - input_ids.shape[1] < max_new_tokens and int(seq[0, -1]) not in eos:
-        a = seq.shape[1] - 1  # anchor position: last verified token, not yet seen by the target
-        anchor = int(seq[0, a])
+        a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
+        anchor = int(seq[0, -1])
         block_ids = torch.full((1, bsz), mask_id, device=dev, dtype=torch.long)
         block_ids[0, 0] = anchor
         pos = torch.cat([pending_pos, torch.arange(a, a + bsz, device=dev)])[None]

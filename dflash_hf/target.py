@@ -10,6 +10,8 @@ import torch
 import transformers
 from torch import nn
 
+from .families import DecoderStreams, decoder_streams, resolve_family
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
 NON_TARGET_KEYS = frozenset(
@@ -88,8 +90,11 @@ class TargetFeatures:
 class FrozenTarget:
     """Wraps the frozen target. Never trained: eval mode, no grad, its own parameter dtype, no autocast."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, family: str | None = None):
+        """`family`: a `families.FAMILIES` row name; default resolved from the config's `model_type` (pass
+        e.g. `"qwen2_audio_single_placeholder"` for a model-side audio expansion)."""
         self.model = model.eval().requires_grad_(False)
+        self.family = resolve_family(model.config, family)
         self.decoder = _decoder_of(model)
         self.layers = self.decoder.layers
         self.final_norm = self.decoder.norm
@@ -190,6 +195,11 @@ class FrozenTarget:
         finally:
             for h in handles:
                 h.remove()
+
+    def streams(self, batch: dict) -> DecoderStreams:
+        """Ids, masks and loss mask aligned 1:1 with the decoder positions (the taps), after any model-side
+        audio expansion; audio positions are never supervised."""
+        return decoder_streams(self.family, self.model, batch)
 
     def target_inputs(self, batch: dict) -> dict:
         """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without `attention_mask` and with

@@ -45,6 +45,8 @@ class BlockPlan:
     the anchors drawn for them. Built before the forward (it fixes the loss denominator)."""
 
     shifts: torch.Tensor  # [b] leading padding moved to the end
+    input_ids: torch.Tensor  # [b, S] decoder-aligned ids (left-aligned)
+    real: torch.Tensor  # [b, S] bool: real (non-padding) decoder positions
     loss_mask: torch.Tensor  # [b, S] (left-aligned)
     doc_ids: torch.Tensor  # [b, S]
     positions: torch.Tensor  # [b, S]
@@ -117,7 +119,7 @@ class DFlashTrainer(Trainer):
         self.processor = processor
         self.data_args = data_args or DFlashDataArguments()
         if not isinstance(target, FrozenTarget):
-            target = FrozenTarget(target)
+            target = FrozenTarget(target, args.target_family)
         target.model.to(resolve_dtype(args.precision))
         self.target = target
         if args.packing:
@@ -162,6 +164,7 @@ class DFlashTrainer(Trainer):
             source,
             self.processor,
             self.target.model.config,
+            family=self.target.family,
             max_tokens=self.args.packing_max_tokens if self.args.packing else da.max_tokens,
             max_batch_size=da.max_batch_size,
             conversation=da.conversation(),
@@ -225,13 +228,14 @@ class DFlashTrainer(Trainer):
         return self.accelerator.unwrap_model(self.model).config
 
     def plan_blocks(self, batch: dict, seed: int) -> BlockPlan:
-        am = batch["attention_mask"]
         pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
         self._check_layout(batch)
         self._check_mask_token(batch)
+        streams = self.target.streams(batch)  # decoder-aligned (model-side audio expansion applied)
+        am = streams.attention_mask
         shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
         am_rows = move_leading_padding(am, shifts)
-        loss_mask = move_leading_padding(batch["loss_mask"].bool(), shifts) & am_rows.bool()
+        loss_mask = move_leading_padding(streams.loss_mask, shifts) & am_rows.bool()
         doc_ids = doc_ids_from(am_rows, pos_ids)
         positions = row_positions(am_rows, pos_ids)
         gen = torch.Generator().manual_seed(seed)
@@ -245,7 +249,8 @@ class DFlashTrainer(Trainer):
             pad_multiple=self.args.anchor_pad_multiple,
         )
         weight_sum = loss_weight_sum(loss_mask, doc_ids, anchors, self.block_size, self.gamma)
-        return BlockPlan(shifts, loss_mask, doc_ids, positions, anchors, weight_sum)
+        ids = move_leading_padding(streams.input_ids, shifts)
+        return BlockPlan(shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors, weight_sum)
 
     def _check_layout(self, batch: dict) -> None:
         """Packed batches (with `cu_seqlens`) need `packing=True`, whose target check ran at construction."""
@@ -304,8 +309,7 @@ class DFlashTrainer(Trainer):
         feats = self.target.capture(batch, cfg.target_layer_ids, keep_final=argmax)
         dev = feats.taps.device
         shifts = plan.shifts.to(dev)
-        am = move_leading_padding(batch["attention_mask"], shifts).bool()
-        ids = move_leading_padding(batch["input_ids"], shifts)
+        am, ids = plan.real.to(dev), plan.input_ids.to(dev)
         loss_mask, doc_ids = plan.loss_mask.to(dev), plan.doc_ids.to(dev)
         taps = move_leading_padding(feats.taps, shifts)
         taps = torch.where(am[..., None], taps, torch.zeros((), dtype=taps.dtype, device=dev))

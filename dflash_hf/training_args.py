@@ -39,6 +39,11 @@ class DFlashTrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},
     )
+    target_family: str | None = field(
+        default=None,
+        metadata={"help": "Target family row (docs/DATA.md); default from the config's model_type. "
+                  "qwen2_audio_single_placeholder selects the model-side audio expansion (NeMo SALM layout)."},
+    )
     precision: str = field(
         default="fp32",
         metadata={"help": "Parameter dtype of target AND draft: fp32 or bf16 (no autocast)."},
