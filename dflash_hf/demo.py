@@ -74,7 +74,7 @@ def teach_target(model, processor, manifest: Path, steps: int, prompt: str | Non
                     break
             epoch += 1
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[Path, Path, Path, int]:
