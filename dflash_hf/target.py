@@ -140,6 +140,11 @@ class FrozenTarget:
                 out.setdefault(name, set()).update(v if isinstance(v, (list, tuple)) else [v])
         return out
 
+    def mask_token_candidates(self, tokenizer, limit: int = 5) -> list[int]:
+        """Ids that have an embedding row but that the tokenizer can never produce (rows past its
+        vocabulary): safe `mask_token_id` choices. Empty when the embedding is exactly the vocabulary."""
+        return list(range(len(tokenizer), self.vocab_size))[:limit]
+
     # --- validation (before the draft is built) -------------------------------------------
     def validate(
         self, *, mask_token_id: int | None, target_layer_ids: list[int] | None, hidden_size: int | None = None

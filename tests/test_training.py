@@ -200,3 +200,11 @@ def test_speech_training_resumes_mid_epoch_exactly(tmp_path):
     assert resumed.state.global_step == 6
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_mask_token_candidates_are_embedding_rows_the_tokenizer_never_produces():
+    model, tok = tiny_text_target()
+    target = FrozenTarget(model)
+    assert target.mask_token_candidates(tok) == []  # the tiny embedding is exactly the vocabulary
+    model.resize_token_embeddings(len(tok) + 8)
+    assert FrozenTarget(model).mask_token_candidates(tok, limit=3) == [len(tok), len(tok) + 1, len(tok) + 2]

@@ -11,6 +11,7 @@ import logging
 
 from transformers import AutoProcessor, AutoTokenizer, HfArgumentParser
 
+from ..families import get_tokenizer
 from ..target import FrozenTarget, load_target
 from ..trainer import DFlashTrainer
 from ..training_args import DFlashDataArguments, DFlashTrainingArguments
@@ -40,8 +41,14 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
     elif not data_args.train_data:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
-    target = FrozenTarget(load_target(args.target_name_or_path, args.precision, args.target_strict_load))
+    target = FrozenTarget(
+        load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family
+    )
     processor = load_processor(args.target_name_or_path)
+    if args.mask_token_id is None and not args.init_from_pretrained:
+        free = target.mask_token_candidates(get_tokenizer(processor))
+        hint = f"embedding rows the tokenizer never produces: {free}" if free else "an unused reserved special token"
+        raise ValueError(f"--mask_token_id is required: an id with an embedding row that the data never uses ({hint})")
     if args.validate_only:
         from ..evaluation import validate
 
