@@ -66,10 +66,16 @@ def _draft_hidden(draft, taps, doc, blocks, noise, backend):
     return draft(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps).view(b, n, bs, -1)
 
 
-def test_flex_and_dense_masks_give_the_same_hidden():
+@pytest.fixture
+def block_setup():
+    """A fresh random draft and hand-placed blocks over random taps (see `_random_block_inputs`)."""
     model, tok = tiny_text_target()
     draft = make_draft(FrozenTarget(model), tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
-    taps, doc, blocks, noise = _random_block_inputs(draft)
+    return (draft, *_random_block_inputs(draft))
+
+
+def test_flex_and_dense_masks_give_the_same_hidden(block_setup):
+    draft, taps, doc, blocks, noise = block_setup
     with torch.no_grad():
         dense = _draft_hidden(draft, taps, doc, blocks, noise, "sdpa")
         flex = _draft_hidden(draft, taps, doc, blocks, noise, "flex")
@@ -77,10 +83,8 @@ def test_flex_and_dense_masks_give_the_same_hidden():
     torch.testing.assert_close(flex[valid], dense[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_block_sees_only_context_before_its_anchor_and_its_own_block():
-    model, tok = tiny_text_target()
-    draft = make_draft(FrozenTarget(model), tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
-    taps, doc, blocks, noise = _random_block_inputs(draft)
+def test_block_sees_only_context_before_its_anchor_and_its_own_block(block_setup):
+    draft, taps, doc, blocks, noise = block_setup
     with torch.no_grad():
         base = _draft_hidden(draft, taps, doc, blocks, noise, "sdpa")
 
