@@ -32,10 +32,11 @@ def leading_padding(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def move_leading_padding(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     """Roll each row of `x` (`[b, S, ...]`) left by `shifts[b]`: leading padding goes to the end."""
-    if not bool(shifts.any()):
+    if not bool(shifts.any()):  # pass CPU shifts (as `BlockPlan` keeps them) to avoid a device sync here
         return x
     b, s = x.shape[:2]
-    idx = (torch.arange(s, device=x.device)[None] + shifts.to(x.device)[:, None]) % s  # [b, S]
+    shifts = shifts.to(x.device, non_blocking=True)
+    idx = (torch.arange(s, device=x.device)[None] + shifts[:, None]) % s  # [b, S]
     idx = idx.view(b, s, *([1] * (x.dim() - 2))).expand_as(x)
     return torch.gather(x, 1, idx)
 
@@ -136,10 +137,19 @@ class Blocks:
     # [b, N, B-1]: teacher-forced token before each slot (anchor token for slot 1, else the label at a+k-1;
     # 0 where invalid), the predecessor of the DFlash2 path selector
     predecessors: torch.Tensor | None = None
+    # [M] flat indices of the valid slots in `valid.flatten()`, when known in advance (the trainer computes
+    # them on the CPU at planning time, so the loss needs no device sync to find them)
+    valid_index: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
         return self.ids.shape[-1]
+
+    def flat_valid_index(self) -> torch.Tensor:
+        """`valid_index`, or computed from `valid` (a device sync on accelerators)."""
+        if self.valid_index is not None:
+            return self.valid_index
+        return self.valid.flatten().nonzero().squeeze(1)
 
     @property
     def anchor_valid(self) -> torch.Tensor:
@@ -156,44 +166,34 @@ def build_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float,
+    valid_index: torch.Tensor | None = None,  # [M] flat valid-slot indices, if precomputed (`Blocks.valid_index`)
 ) -> Blocks:
-    b, s = input_ids.shape
+    s = input_ids.shape[1]
     dev = input_ids.device
-    anchors = anchors.to(dev)
-    has = anchors >= 0
+    anchors = anchors.to(dev, non_blocking=True)
     a = anchors.clamp(min=0)  # [b, N]
     k = torch.arange(block_size, device=dev)
-    tgt = a[..., None] + k  # [b, N, B] absolute index of each slot
-    inside = tgt < s
-    tgt_c = tgt.clamp(max=s - 1)
+    tgt_c = (a[..., None] + k).clamp(max=s - 1)  # [b, N, B] absolute index of each slot (clamped)
 
     def take(x: torch.Tensor) -> torch.Tensor:
-        return torch.gather(x, 1, tgt_c.flatten(1)).view_as(tgt)
+        return torch.gather(x, 1, tgt_c.flatten(1)).view_as(tgt_c)
 
-    ids = torch.full_like(tgt, mask_token_id)
+    ids = torch.full_like(tgt_c, mask_token_id)
     ids[..., 0] = torch.gather(input_ids, 1, a)
-    pos0 = torch.gather(positions, 1, a)
-    block_pos = pos0[..., None] + k
-    doc_a = torch.gather(doc_ids, 1, a)
-    valid = (
-        has[..., None]
-        & inside
-        & (take(doc_ids) == doc_a[..., None])
-        & take(loss_mask.bool())
-    )[..., 1:]
+    block_pos = torch.gather(positions, 1, a)[..., None] + k
+    valid = slot_validity(loss_mask, doc_ids, anchors, block_size)
     lab = torch.where(valid, take(labels)[..., 1:], 0)
     prev = torch.where(valid, torch.cat([ids[..., :1], take(labels)[..., 1:-1]], dim=-1), 0)
     weights = slot_decay(block_size, gamma, dev) * valid
     return Blocks(
-        anchors=anchors, ids=ids, positions=block_pos, labels=lab, valid=valid, weights=weights, predecessors=prev
+        anchors=anchors, ids=ids, positions=block_pos, labels=lab, valid=valid, weights=weights, predecessors=prev,
+        valid_index=valid_index,
     )
 
 
-def loss_weight_sum(
-    loss_mask: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, gamma: float
-) -> torch.Tensor:
-    """Sum of slot weights a batch contributes (the global-normalization denominator), computable
-    before any forward: it depends only on anchors, documents and the loss mask."""
+def slot_validity(loss_mask: torch.Tensor, doc_ids: torch.Tensor, anchors: torch.Tensor, block_size: int):
+    """`[b, N, B-1]` bool: slot k of the block at anchor a is supervised — `a+k` lies inside the row, in the
+    anchor's document, and is in the loss mask (slots 1..B-1; unused anchors have none)."""
     s = loss_mask.shape[1]
     a = anchors.clamp(min=0)
     tgt = a[..., None] + torch.arange(1, block_size, device=a.device)
@@ -201,8 +201,13 @@ def loss_weight_sum(
     tgt_c = tgt.clamp(max=s - 1).flatten(1)
     same = torch.gather(doc_ids, 1, tgt_c).view_as(tgt) == torch.gather(doc_ids, 1, a)[..., None]
     sup = torch.gather(loss_mask.bool(), 1, tgt_c).view_as(tgt)
-    valid = (anchors >= 0)[..., None] & inside & same & sup
-    return (slot_decay(block_size, gamma, a.device) * valid).sum()
+    return (anchors >= 0)[..., None] & inside & same & sup
+
+
+def loss_weight_sum(valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Sum of slot weights a batch contributes (the global-normalization denominator), computable before any
+    forward from `valid = slot_validity(...)`: it depends only on anchors, documents and the loss mask."""
+    return (slot_decay(valid.shape[-1] + 1, gamma, valid.device) * valid).sum()
 
 
 # --------------------------------------------------------------------------------------------

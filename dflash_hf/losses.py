@@ -121,19 +121,47 @@ def block_loss(
 ) -> BlockLoss:
     """Decayed CE over slots 1..B-1 of every block; only valid slots are projected to the vocabulary.
     `fused`: `fused_lm_head_ce`; else dense per-chunk logits, recomputed in backward (`map_chunks`)."""
-    slots = hidden[:, :, 1:]  # [b, N, B-1, H]
-    sel = blocks.valid
-    w = blocks.weights[sel]
+    valid = ValidSlots.of(hidden, blocks)
     if fused:
-        ce_sum, pred = fused_lm_head_ce(slots[sel], lm_head_weight, blocks.labels[sel], w, chunk_size)
+        ce_sum, pred = fused_lm_head_ce(valid.hidden, lm_head_weight, valid.labels, valid.weights, chunk_size)
     else:
-        ce, pred = map_chunks(partial(_chunk_ce, weight=lm_head_weight), (slots[sel], blocks.labels[sel]), chunk_size)
-        ce_sum = (w * ce).sum()
+        ce, pred = map_chunks(partial(_chunk_ce, weight=lm_head_weight), (valid.hidden, valid.labels), chunk_size)
+        ce_sum = (valid.weights * ce).sum()
     # `hidden.sum() * 0` keeps the graph connected when no slot is valid (a differentiable zero).
     loss_sum = ce_sum + hidden.sum() * 0.0
-    correct = torch.zeros_like(sel)
-    correct[sel] = pred == blocks.labels[sel]
-    return BlockLoss(loss_sum=loss_sum, weight_sum=w.sum().detach(), correct=correct, blocks=blocks)
+    correct = valid.scatter(pred == valid.labels)
+    return BlockLoss(loss_sum=loss_sum, weight_sum=valid.weights.sum().detach(), correct=correct, blocks=blocks)
+
+
+@dataclass
+class ValidSlots:
+    """The valid slots of a micro-batch as flat rows, selected by index (`Blocks.flat_valid_index`): with the
+    indices planned on the CPU, neither the selection nor the scatter back synchronizes with the device."""
+
+    index: torch.Tensor  # [M] flat indices into [b, N, B-1]
+    hidden: torch.Tensor  # [M, H] draft hidden of those slots
+    labels: torch.Tensor  # [M]
+    weights: torch.Tensor  # [M]
+    shape: torch.Size  # [b, N, B-1]
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, blocks: Blocks) -> ValidSlots:
+        """`hidden`: `[b, N, B, H]`; slot k >= 1 of block q is row `q*B + k` of the flattened hidden."""
+        index = blocks.flat_valid_index().to(hidden.device, non_blocking=True)
+        per_block = blocks.block_size - 1
+        rows = index + index // per_block + 1
+        return cls(
+            index=index,
+            hidden=hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows),
+            labels=blocks.labels.flatten().index_select(0, index),
+            weights=blocks.weights.flatten().index_select(0, index),
+            shape=blocks.valid.shape,
+        )
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """`[M]` values back to `[b, N, B-1]`, zero (False) on invalid slots."""
+        out = values.new_zeros(self.shape.numel())
+        return out.index_copy(0, self.index, values).view(self.shape)
 
 
 def _chunk_ce(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor):
@@ -183,22 +211,14 @@ def dflash2_block_loss(
     predecessor a, only on slots whose label is a candidate, with the same decay weights."""
     if blocks.predecessors is None:
         raise ValueError("DFlash2 loss needs Blocks.predecessors; build the blocks with blocks.build_blocks")
-    slots = hidden[:, :, 1:]  # [b, N, B-1, H]
-    sel = blocks.valid
-    labels = blocks.labels[sel]
+    valid = ValidSlots.of(hidden, blocks)
+    labels, w, scatter = valid.labels, valid.weights, valid.scatter
     ce, pred, sel_ce, sel_pred, hit = map_chunks(
         partial(_chunk_dflash2, weight=lm_head_weight, selector=selector),
-        (slots[sel], labels, blocks.predecessors[sel]),
+        (valid.hidden, labels, blocks.predecessors.flatten().index_select(0, valid.index)),
         chunk_size,
     )
-    w = blocks.weights[sel]
     zero = hidden.sum() * 0.0  # keeps the graph connected when no slot is valid
-
-    def scatter(values: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(sel)
-        out[sel] = values
-        return out
-
     return DFlash2BlockLoss(
         loss_sum=(w * ce).sum() + zero,
         weight_sum=w.sum().detach(),
@@ -224,25 +244,33 @@ def acceptance_sum(correct: torch.Tensor, anchor_valid: torch.Tensor) -> torch.T
 class MetricSums:
     """Running sums of training / evaluation statistics; `reduce` turns them into logged metrics.
 
-    Keeps float64 CPU scalars so that many steps can be added without precision loss.
+    Sums are float64. Tensor values stay on their device until `settle` (called by `reduce` and
+    `as_tensor`, i.e. at logging time), so adding a micro-batch's statistics never waits for the device.
     """
 
     prefix: str = ""
-    values: dict[str, float] = field(default_factory=dict)
+    values: dict[str, float | torch.Tensor] = field(default_factory=dict)
     slot_correct: torch.Tensor | None = None
     slot_count: torch.Tensor | None = None
 
-    def add(self, name: str, value) -> None:
-        self.values[name] = self.values.get(name, 0.0) + float(value)
+    def add(self, name: str, value: float | torch.Tensor) -> None:
+        value = value.detach().double() if torch.is_tensor(value) else float(value)
+        self.values[name] = self.values.get(name, 0.0) + value
+
+    def settle(self) -> None:
+        """Turn device sums into Python floats and CPU slot sums (one wait for the device)."""
+        self.values = {n: float(v) for n, v in self.values.items()}
+        if self.slot_correct is not None:
+            self.slot_correct, self.slot_count = self.slot_correct.cpu(), self.slot_count.cpu()
 
     def add_slots(self, correct: torch.Tensor, valid: torch.Tensor) -> None:
-        c = (correct & valid).flatten(0, -2).sum(0).double().cpu()
-        n = valid.flatten(0, -2).sum(0).double().cpu()
+        c = (correct & valid).flatten(0, -2).sum(0).double()
+        n = valid.flatten(0, -2).sum(0).double()
         if self.slot_correct is None or self.slot_correct.shape != c.shape:
             self.slot_correct, self.slot_count = c, n
         else:
-            self.slot_correct += c
-            self.slot_count += n
+            self.slot_correct = self.slot_correct.to(c.device) + c
+            self.slot_count = self.slot_count.to(n.device) + n
 
     def add_block_loss(self, out: BlockLoss, tag: str = "") -> None:
         """Accumulate loss, accuracy and acceptance sums of one micro-batch (`tag` prefixes names)."""
@@ -263,6 +291,7 @@ class MetricSums:
 
     def as_tensor(self, device) -> tuple[list[str], torch.Tensor]:
         """Flatten for one all-reduce: names and a float64 vector (slot stats appended)."""
+        self.settle()
         names = sorted(self.values)
         vec = [self.values[n] for n in names]
         if self.slot_correct is not None:
@@ -279,6 +308,7 @@ class MetricSums:
 
     def reduce(self) -> dict[str, float]:
         """Metrics: `{tag}loss` and `{tag}tau_est` per tag, per-slot accuracy, and each ratio `num_X / den_X`."""
+        self.settle()
         v, p = self.values, self.prefix
         out: dict[str, float] = {}
         tags = sorted({n[: -len("loss_sum")] for n in v if n.endswith("loss_sum")})

@@ -263,7 +263,8 @@ class FrozenTarget:
         labels = input_ids.clone()
         need = torch.zeros_like(loss_mask, dtype=torch.bool)
         need[:, 1:] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
-        rows, cols = need.nonzero(as_tuple=True)
+        # with CPU masks (as the trainer's plan keeps them) the positions are found without a device sync
+        rows, cols = (i.to(final_hidden.device, non_blocking=True) for i in need.nonzero(as_tuple=True))
         for start in range(0, rows.numel(), chunk_size):
             r, c = rows[start : start + chunk_size], cols[start : start + chunk_size]
             logits = self.lm_head(final_hidden[r, c - 1])  # [chunk, V]

@@ -28,6 +28,7 @@ from .blocks import (
     move_leading_padding,
     row_positions,
     sample_anchors,
+    slot_validity,
 )
 from .callbacks import DFlashProgressCallback, RealTauCallback
 from .configuration_dflash import DFlashConfig, default_gamma
@@ -52,6 +53,12 @@ class BlockPlan:
     positions: torch.Tensor  # [b, S]
     anchors: torch.Tensor  # [b, N]
     weight_sum: torch.Tensor  # scalar
+    valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
+
+    def to(self, device: torch.device) -> BlockPlan:
+        """The plan on `device`. Planning happens on the CPU; the copies do not wait for the device."""
+        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items()}
+        return BlockPlan(**moved)
 
 
 def is_speech_source(dataset) -> bool:
@@ -228,14 +235,17 @@ class DFlashTrainer(Trainer):
         return self.accelerator.unwrap_model(self.model).config
 
     def plan_blocks(self, batch: dict, seed: int) -> BlockPlan:
+        """Anchors, slot validity and the loss denominator of one micro-batch, on the CPU (the step itself
+        then never waits for the device to learn shapes or indices)."""
         pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
+        pos_ids = pos_ids.cpu() if pos_ids is not None else None
         self._check_layout(batch)
         self._check_mask_token(batch)
         streams = self.target.streams(batch)  # decoder-aligned (model-side audio expansion applied)
-        am = streams.attention_mask
+        am = streams.attention_mask.cpu()
         shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
         am_rows = move_leading_padding(am, shifts)
-        loss_mask = move_leading_padding(streams.loss_mask, shifts) & am_rows.bool()
+        loss_mask = move_leading_padding(streams.loss_mask.cpu(), shifts) & am_rows.bool()
         doc_ids = doc_ids_from(am_rows, pos_ids)
         positions = row_positions(am_rows, pos_ids)
         gen = torch.Generator().manual_seed(seed)
@@ -248,9 +258,13 @@ class DFlashTrainer(Trainer):
             budget=self.args.anchor_budget,
             pad_multiple=self.args.anchor_pad_multiple,
         )
-        weight_sum = loss_weight_sum(loss_mask, doc_ids, anchors, self.block_size, self.gamma)
-        ids = move_leading_padding(streams.input_ids, shifts)
-        return BlockPlan(shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors, weight_sum)
+        valid = slot_validity(loss_mask, doc_ids, anchors, self.block_size)
+        weight_sum = loss_weight_sum(valid, self.gamma)
+        ids = move_leading_padding(streams.input_ids.cpu(), shifts)
+        return BlockPlan(
+            shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors, weight_sum,
+            valid_index=valid.flatten().nonzero().squeeze(1),
+        )
 
     def _check_layout(self, batch: dict) -> None:
         """Packed batches (with `cu_seqlens`) need `packing=True`, whose target check ran at construction."""
@@ -287,7 +301,7 @@ class DFlashTrainer(Trainer):
         for i, batch in enumerate(batch_samples):
             batch["dflash_prep"] = self.plan_blocks(batch, self._anchor_seed(i))
             total += batch["dflash_prep"].weight_sum.double().cpu()
-        total = total.to(device)
+        total = total.to(device, non_blocking=True)
         if self.args.world_size > 1:
             total = self.accelerator.reduce(total, reduction="sum")
         return batch_samples, total
@@ -308,21 +322,20 @@ class DFlashTrainer(Trainer):
         argmax = args.label_source == "target_argmax"
         feats = self.target.capture(batch, cfg.target_layer_ids, keep_final=argmax)
         dev = feats.taps.device
-        shifts = plan.shifts.to(dev)
-        am, ids = plan.real.to(dev), plan.input_ids.to(dev)
-        loss_mask, doc_ids = plan.loss_mask.to(dev), plan.doc_ids.to(dev)
-        taps = move_leading_padding(feats.taps, shifts)
-        taps = torch.where(am[..., None], taps, torch.zeros((), dtype=taps.dtype, device=dev))
-        if argmax:
-            final = move_leading_padding(feats.final_hidden, shifts)
-            labels = self.target.argmax_labels(final, ids, loss_mask, doc_ids, args.target_argmax_chunk_size)
+        on_dev = plan.to(dev)
+        taps = move_leading_padding(feats.taps, plan.shifts)
+        taps = torch.where(on_dev.real[..., None], taps, torch.zeros((), dtype=taps.dtype, device=dev))
+        ids = on_dev.input_ids
+        if argmax:  # label positions are found on the CPU plan
+            final = move_leading_padding(feats.final_hidden, plan.shifts)
+            labels = self.target.argmax_labels(final, ids, plan.loss_mask, plan.doc_ids, args.target_argmax_chunk_size)
         else:
             labels = ids
         blocks = build_blocks(
-            ids, labels, loss_mask, doc_ids, plan.positions.to(dev), plan.anchors.to(dev),
-            self.block_size, cfg.mask_token_id, self.gamma,
+            ids, labels, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
+            self.block_size, cfg.mask_token_id, self.gamma, valid_index=on_dev.valid_index,
         )
-        hidden = self.run_draft(model, taps, plan.positions.to(dev), doc_ids, blocks)
+        hidden = self.run_draft(model, taps, on_dev.positions, on_dev.doc_ids, blocks)
         if cfg.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = self.accelerator.unwrap_model(model).candidate_selector
             return dflash2_block_loss(hidden, blocks, self.target.lm_head.weight, selector, args.ce_chunk_size)
@@ -344,7 +357,7 @@ class DFlashTrainer(Trainer):
         out = self.draft_forward(model, inputs, plan)
         denom = num_items_in_batch if num_items_in_batch is not None else out.weight_sum
         denom = torch.as_tensor(denom, device=out.loss_sum.device, dtype=torch.float32)
-        skipped = bool(denom <= 0)
+        skipped = denom <= 0  # stays on the device: no sync per micro-batch
         loss = out.loss_sum / denom.clamp(min=1e-12)
         if isinstance(out, DFlash2BlockLoss):
             in_step = model.training and num_items_in_batch is not None
@@ -354,7 +367,7 @@ class DFlashTrainer(Trainer):
         if model.training:
             self.train_sums.add_block_loss(out)
             self.train_sums.add("anchors", plan.anchors.ge(0).sum())
-            self.train_sums.add("skipped", float(skipped))
+            self.train_sums.add("skipped", skipped)
             self.train_sums.add("micro_batches", 1)
         return (loss, out) if return_outputs else loss
 
@@ -398,6 +411,7 @@ class DFlashTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self.train_sums.values:
             sums = self.train_sums
+            sums.settle()
             metrics = self._report(sums)
             # sums cover every rank: micro-batches / (GA * ranks) = optimizer steps in this logging window
             steps = max(

@@ -1,7 +1,8 @@
 """Training-step benchmark of DFlash drafts at realistic shapes (random weights), through the product path.
 
-Every timed step is `DFlashTrainer.compute_loss` -> `backward` -> AdamW step, exactly what `Trainer.train`
-runs per micro-batch. Two modes:
+Every timed step is `DFlashTrainer.compute_loss` -> `backward` -> gradient clipping -> AdamW step, what
+`Trainer.train` runs per micro-batch. Two rates: the median of steps timed one by one (CUDA events, the device
+drained after each), and the pipelined mean of back-to-back steps with one synchronization at the end. Two modes:
 
 - `draft`: the draft side alone. The target's forward is replaced by fixed random taps (`FixedTapsTarget`),
   labels are the data tokens; blocks, mask, draft forward/backward, chunked lm_head + CE and AdamW are timed.
@@ -128,6 +129,35 @@ def _time_ms(fn, device: torch.device, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def _pipelined_ms(fn, device: torch.device, steps: int) -> float:
+    """Mean milliseconds per call of `steps` back-to-back calls with one synchronization at the end: the rate
+    of a training loop that never waits for the device between steps."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def profile_steps(fn, steps: int, path: Path) -> dict:
+    """`torch.profiler` over `steps` calls: writes the operator table (by device time) to `path`, returns the
+    device-busy milliseconds per step (sum of kernel times) next to the wall milliseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    path.write_text(events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"profiled_wall_ms": round(wall, 3), "device_busy_ms": round(busy_us / 1e3 / steps, 3)}
+
+
 def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, warmup: int = 3, steps: int = 10) -> float:
     """Measured matmul ceiling: median TFLOP/s of an n^3 product on random data."""
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -252,9 +282,12 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     dev_batch = {k: v.to(device) for k, v in cpu_batch.items()}
     optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
 
+    total = plan.weight_sum.to(device)  # get_batch_samples hands the global denominator over on the device
+
     def step():
-        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=plan.weight_sum)
+        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=total)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), trainer.args.max_grad_norm)  # as Trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -276,7 +309,13 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     times = _time_ms(step, device, args.warmup, args.steps)
     ms = statistics.median(times)
+    pipelined = _pipelined_ms(step, device, args.steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    profiled = {}
+    if args.profile and device.type == "cuda":
+        tag = f"{name}_{mode}_{spec}".replace(",", "_").replace("=", "-")
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        profiled = profile_steps(step, 3, Path(args.profile) / f"{tag}.txt")
     tflops = total / (ms * 1e-3) / 1e12
     return {
         "shape": name,
@@ -292,6 +331,9 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "ms_per_step": round(ms, 3),
         "ms_min": round(min(times), 3),
         "ms_max": round(max(times), 3),
+        "ms_pipelined": round(pipelined, 3),
+        "mfu_pipelined": round(total / (pipelined * 1e-3) / 1e12 / ceiling_tflops, 4),
+        **profiled,
         "plan_ms": round(plan_ms, 3),
         "tokens_per_s": round(batch * seq_len / (ms * 1e-3), 1),
         "block_tokens_per_s": round(n_blocks * args.block_size / (ms * 1e-3), 1),
@@ -321,6 +363,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 ceiling matmul (8192 on CUDA)")
     p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
     return p
 
 
@@ -359,14 +402,15 @@ def main(argv: list[str] | None = None) -> dict:
         del tmodel
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'shape':<11} {'mode':<5} {'config':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8}")
+    print(f"\n{'shape':<11} {'mode':<5} {'config':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'pipe ms':>8} "
+          f"{'MFU':>6} {'peak GiB':>8}")
     for r in report["results"]:
         if "error" in r:
             print(f"{r['shape']:<11} {r['mode']:<5} {r['config']:<36} ERROR {r['error'][:80]}")
         else:
             print(
                 f"{r['shape']:<11} {r['mode']:<5} {r['config']:<36} {r['ms_per_step']:>8.2f} {r['tflops']:>8.1f} "
-                f"{r['mfu']:>6.1%} {r['peak_gib']:>8.2f}"
+                f"{r['mfu']:>6.1%} {r['ms_pipelined']:>8.2f} {r['mfu_pipelined']:>6.1%} {r['peak_gib']:>8.2f}"
             )
     return report
 

@@ -1,8 +1,11 @@
-"""CUDA-only checks (marked `gpu`, skipped on CPU): compiled FlexAttention against the dense-mask SDPA path.
+"""CUDA-only checks (marked `gpu`, skipped on CPU).
 
-The same draft, features, blocks and frozen lm_head are run with a FlexAttention `BlockMask` (compiled flex on
-CUDA) and with the dense boolean mask (SDPA); the loss and every draft gradient must agree. Run as a script to
-print the measured differences as JSON: `python tests/test_gpu.py`.
+- Compiled FlexAttention against the dense-mask SDPA path: the same draft, features, blocks and frozen lm_head
+  are run with a FlexAttention `BlockMask` (compiled flex on CUDA) and with the dense boolean mask (SDPA); the
+  loss and every draft gradient must agree. Run as a script to print the measured differences as JSON:
+  `python tests/test_gpu.py`.
+- A training micro-batch (target forward, labels, blocks, mask, draft, loss, metrics, backward) never waits
+  for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 
 import pytest
 import torch
+from utils import make_trainer, random_rows, text_batch, tiny_text_target
 
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
 from dflash_hf.configuration_dflash import DFlashConfig
@@ -101,6 +105,37 @@ def test_compiled_flex_matches_dense_sdpa_loss_and_gradients(dtype, compile_laye
     assert len(report["per_tensor"]) > 10  # loss + every draft parameter (fc, norms, 2 layers)
     bad = {n: d for n, d in report["per_tensor"].items() if not d["rel"] <= TOLERANCE[dtype]}
     assert not bad, f"flex vs sdpa differ beyond {TOLERANCE[dtype]}: {bad}"
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_training_micro_batch_never_synchronizes(tmp_path, variant, backend):
+    model, tok = tiny_text_target()
+    rows = random_rows(6, 250, resp_len=(20, 40))
+    trainer = make_trainer(
+        tmp_path, model, tok, rows, use_cpu=False, variant=variant, attention_backend=backend,
+        label_source="target_argmax", compile_draft_layers=backend == "flex", num_anchors=8,
+    )
+    batch = text_batch(rows, tok.pad_token_id, padding_side="left")
+    device_batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
+    draft = trainer.model
+
+    def micro_batch():
+        plan = trainer.plan_blocks(device_batch, seed=0)  # before the step, as get_batch_samples does
+        total = plan.weight_sum.to(trainer.args.device)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss = trainer.compute_loss(draft, dict(device_batch, dflash_prep=plan), num_items_in_batch=total)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return loss
+
+    micro_batch()  # compiles (compilation itself may synchronize)
+    loss = micro_batch()
+    assert torch.isfinite(loss) and trainer.train_sums.reduce()["tau_est"] >= 1.0
 
 
 if __name__ == "__main__":
