@@ -43,9 +43,11 @@ def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torc
     pred = logits.argmax(-1)
     if not need_grad:
         return ce, pred, None
-    grad = torch.exp(logits - lse[:, None])
-    grad[torch.arange(labels.shape[0], device=labels.device), labels] -= 1.0
-    return ce, pred, (grad * weights[:, None]).to(dtype)
+    # softmax - onehot as one pointwise expression (an in-place scatter of -1 would make the compiled kernel
+    # materialize the float32 softmax of the whole chunk before it)
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == labels[:, None]
+    grad = (torch.exp(logits - lse[:, None]) - onehot.float()) * weights[:, None]
+    return ce, pred, grad.to(dtype)
 
 
 _compiled_ce_grad = None
@@ -57,7 +59,9 @@ def _ce_grad(logits, labels, weights, need_grad):
     if logits.device.type == "cpu":
         return _ce_and_logit_grad(logits, labels, weights, need_grad)
     if _compiled_ce_grad is None:
-        _compiled_ce_grad = torch.compile(_ce_and_logit_grad, dynamic=True)
+        # default dynamism: the row count becomes symbolic once chunks of two sizes were seen; the
+        # vocabulary stays static, so the reduction over it is specialized
+        _compiled_ce_grad = torch.compile(_ce_and_logit_grad)
     return _compiled_ce_grad(logits, labels, weights, need_grad)
 
 

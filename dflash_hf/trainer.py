@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.data_loader import DataLoaderShard
 from transformers import ProgressCallback, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -68,6 +69,14 @@ def is_speech_source(dataset) -> bool:
     return bool(items) and all(
         isinstance(x, (str, Path)) or type(x).__module__.startswith(("lhotse.", "dflash_hf.data.")) for x in items
     )
+
+
+def _host_batches(loader):
+    """Keep an accelerate `DataLoaderShard`'s batches on the host: `get_batch_samples` plans anchors from host
+    tensors (no device sync) and `DFlashTrainer._prepare_input` copies them to the device asynchronously."""
+    if isinstance(loader, DataLoaderShard):
+        loader.device = None
+    return loader
 
 
 def _seed(*parts: int) -> int:
@@ -189,7 +198,7 @@ class DFlashTrainer(Trainer):
 
     def get_train_dataloader(self):
         if not is_speech_source(self.train_dataset):
-            return super().get_train_dataloader()
+            return _host_batches(super().get_train_dataloader())
         if self.args.max_steps <= 0:
             raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
         self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
@@ -199,7 +208,15 @@ class DFlashTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if is_speech_source(dataset):
             return self._speech_loader(dataset, shuffle=False)
-        return super().get_eval_dataloader(eval_dataset)
+        return _host_batches(super().get_eval_dataloader(eval_dataset))
+
+    def _prepare_input(self, data):
+        """Host tensors go to the accelerator asynchronously (the micro-batch's anchors were already planned on
+        the host, so nothing has to wait for the device before its kernels are queued)."""
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and self.args.device.type == "cuda":
+            if not self.is_deepspeed_enabled:
+                return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints and export (the trainable selection is recorded so resumes can be checked)
@@ -445,9 +462,9 @@ class DFlashTrainer(Trainer):
         dataloader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
+            plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))  # host batch
             batch = self._prepare_inputs(batch)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-            plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))
             out = self.draft_forward(model, batch, plan)
             sums.add_block_loss(out)
         metrics = self._report(sums, f"{metric_key_prefix}_")

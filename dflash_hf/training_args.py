@@ -148,6 +148,15 @@ class DFlashTrainingArguments(TrainingArguments):
         metadata={"help": f"Draft linear layers that get LoRA adapters; any of {', '.join(LORA_TARGETS)}."},
     )
 
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "Trainer's filter that hides nan/inf losses from the logged average. Off by default: it reads "
+            "every micro-batch's loss on the host, which stalls the GPU between steps; a non-finite loss is then "
+            "logged as it is (the step is taken either way)."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 or self.fp16:
             raise ValueError(

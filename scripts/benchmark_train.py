@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -237,9 +240,86 @@ def make_batch(shape: dict, seq_len: int, batch: int, mask_token_id: int, seed: 
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
 
 
+class LoopTimer(TrainerCallback):
+    """Wall time of the optimizer steps after `warmup` ones, as `Trainer.train` runs them (the device is drained
+    once at the start and once at the end of the timed span, nowhere else)."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.start, self.end, self.steps = warmup, None, None, 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup:
+            _sync(args.device)
+            self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None:
+            self.steps += 1
+
+    def on_train_end(self, args, state, control, **kwargs):
+        _sync(args.device)
+        self.end = time.perf_counter()
+
+    @property
+    def ms_per_step(self) -> float:
+        return (self.end - self.start) * 1e3 / self.steps
+
+
+class SyncWatch(TrainerCallback):
+    """CUDA sync debug mode "warn" from optimizer step `start` on (compilation happens before)."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.start:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _train_on(trainer: DFlashTrainer, batch: dict, steps: int, callback: TrainerCallback) -> None:
+    """`trainer.train()` for `steps` optimizer steps on `batch` repeated (the collator hands out the CPU batch;
+    the Trainer moves it, plans anchors, clips, steps AdamW and logs as in a real run)."""
+    trainer.train_dataset = [0] * steps
+    trainer.data_collator = lambda items: {k: v.clone() for k, v in batch.items()}
+    trainer.args.max_steps = steps
+    trainer.add_callback(callback)
+    try:
+        trainer.train()
+    finally:
+        trainer.remove_callback(callback)
+
+
+def trainer_loop_ms(trainer: DFlashTrainer, batch: dict, warmup: int, steps: int) -> float:
+    """Milliseconds per optimizer step of `Trainer.train` after `warmup` steps."""
+    timer = LoopTimer(warmup)
+    _train_on(trainer, batch, warmup + steps, timer)
+    return timer.ms_per_step
+
+
+def sync_sites(trainer: DFlashTrainer, batch: dict, steps: int = 3) -> dict[str, int]:
+    """Where `Trainer.train` steps synchronize with the device: `file:line` of each synchronizing call site
+    (CUDA sync debug mode) in steps 2..`steps`, with counts."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train_on(trainer, batch, steps, SyncWatch(1))
+    sites = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+    )
+    return dict(sites.most_common())
+
+
 def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str) -> DFlashTrainer:
     args = DFlashTrainingArguments(
         output_dir=out_dir,
+        optim="adamw_torch_fused" if target.device.type == "cuda" else "adamw_torch",
+        learning_rate=6e-4,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
         precision="bf16" if target.dtype == torch.bfloat16 else "fp32",
         attention_backend=config["attn"],
         ce_chunk_size=int(config["ce"]),
@@ -273,8 +353,8 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         target = FixedTapsTarget(tmodel, taps)
     else:
         target = FrozenTarget(tmodel)
-    with tempfile.TemporaryDirectory() as out_dir:
-        trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir)
+    out_dir = tempfile.mkdtemp(prefix="dflash-bench-")
+    trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir)
     cpu_batch = make_batch(shape, seq_len, batch, dcfg.mask_token_id, seed=1)
     t0 = time.perf_counter()
     plan = trainer.plan_blocks(cpu_batch, seed=0)
@@ -311,11 +391,19 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     ms = statistics.median(times)
     pipelined = _pipelined_ms(step, device, args.steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    loop = {}
+    if args.trainer_loop:
+        loop_ms = trainer_loop_ms(trainer, cpu_batch, args.warmup, args.steps)
+        loop_mfu = total / (loop_ms * 1e-3) / 1e12 / ceiling_tflops
+        loop = {"ms_trainer_loop": round(loop_ms, 3), "mfu_trainer_loop": round(loop_mfu, 4)}
+        if device.type == "cuda":
+            loop["trainer_sync_sites"] = sync_sites(trainer, cpu_batch)
     profiled = {}
     if args.profile and device.type == "cuda":
         tag = f"{name}_{mode}_{spec}".replace(",", "_").replace("=", "-")
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         profiled = profile_steps(step, 3, Path(args.profile) / f"{tag}.txt")
+    shutil.rmtree(out_dir, ignore_errors=True)
     tflops = total / (ms * 1e-3) / 1e12
     return {
         "shape": name,
@@ -333,6 +421,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "ms_max": round(max(times), 3),
         "ms_pipelined": round(pipelined, 3),
         "mfu_pipelined": round(total / (pipelined * 1e-3) / 1e12 / ceiling_tflops, 4),
+        **loop,
         **profiled,
         "plan_ms": round(plan_ms, 3),
         "tokens_per_s": round(batch * seq_len / (ms * 1e-3), 1),
@@ -363,6 +452,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 ceiling matmul (8192 on CUDA)")
     p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument(
+        "--trainer-loop", action="store_true",
+        help="also time Trainer.train() on the same batch (CUDA: and list where its steps synchronize)",
+    )
     p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
     return p
 

@@ -61,7 +61,7 @@ def flex_sdpa_differences(
     positions = row_positions(attention_mask)
     anchors = sample_anchors(loss_mask, doc_ids, 40, generator=torch.Generator().manual_seed(seed), pad_multiple=8)
     blocks = build_blocks(ids, ids, loss_mask, doc_ids, positions, anchors, block, vocab - 1, 7.0)
-    blocks = type(blocks)(**{k: v.to(device) for k, v in vars(blocks).items()})
+    blocks = type(blocks)(**{k: v if v is None else v.to(device) for k, v in vars(blocks).items()})
     taps = torch.randn(b, s, 3 * h, device=device, dtype=dtype) * attention_mask.to(device)[..., None]
     noise = torch.randn(b, anchors.shape[1] * block, h, device=device, dtype=dtype)
     lm_head = torch.randn(vocab, h, device=device, dtype=dtype) * h**-0.5
