@@ -38,7 +38,10 @@ def _flex(q, k, v, block_mask):
     if q.device.type == "cpu":
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # Default dynamism: the second shape compiles a dynamic-shape kernel that serves every later one. With
+        # `dynamic=False` each new (sequence, anchors) shape recompiled, and past dynamo's recompile limit flex
+        # silently ran eagerly (the full score matrix materialized: slow, and out of memory on long rows).
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 

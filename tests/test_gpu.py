@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -28,13 +29,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 
-def flex_sdpa_differences(
-    dtype: torch.dtype, compile_layers: bool = False, device: str = "cuda", seed: int = 0
-) -> dict:
-    """Loss and per-parameter gradient differences between the flex and the dense-mask paths
-    (`compile_layers`: each decoder layer and the flex mask construction compiled, as `compile_draft_layers`)."""
-    torch.manual_seed(seed)
-    h, vocab, block = 256, 1000, 16
+def _tiny_draft(h: int, vocab: int, block: int, dtype: torch.dtype, compile_layers: bool, device: str):
     config = DFlashConfig(
         block_size=block,
         num_target_layers=8,
@@ -52,6 +47,17 @@ def flex_sdpa_differences(
     if compile_layers:
         for layer in draft.layers:
             layer.compile()
+    return draft
+
+
+def flex_sdpa_differences(
+    dtype: torch.dtype, compile_layers: bool = False, device: str = "cuda", seed: int = 0
+) -> dict:
+    """Loss and per-parameter gradient differences between the flex and the dense-mask paths
+    (`compile_layers`: each decoder layer and the flex mask construction compiled, as `compile_draft_layers`)."""
+    torch.manual_seed(seed)
+    h, vocab, block = 256, 1000, 16
+    draft = _tiny_draft(h, vocab, block, dtype, compile_layers, device)
     b, s = 2, 300
     lengths = torch.tensor([300, 217])
     attention_mask = (torch.arange(s)[None] < lengths[:, None]).long()
@@ -136,6 +142,34 @@ def test_training_micro_batch_never_synchronizes(tmp_path, variant, backend):
     micro_batch()  # compiles (compilation itself may synchronize)
     loss = micro_batch()
     assert torch.isfinite(loss) and trainer.train_sums.reduce()["tau_est"] >= 1.0
+
+
+@needs_cuda
+def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
+    """Training batches change length and anchor count. With dynamo's recompile limit made fatal, 12 shapes
+    in a row must keep running compiled kernels (layers, flex, mask construction, CE), never eager flex, and
+    match the dense-mask path on every batch."""
+    model, tok = tiny_text_target()
+    trainer = make_trainer(
+        tmp_path, model, tok, random_rows(2, 250), use_cpu=False, attention_backend="flex",
+        compile_draft_layers=True, num_anchors=32,
+    )
+    draft = trainer.model
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for i in range(12):
+            rows = random_rows(3 + i % 3, 250, resp_len=(10 + 9 * i, 20 + 11 * i), seed=i)
+            batch = {k: v.to(trainer.args.device) for k, v in text_batch(rows, tok.pad_token_id).items()}
+            plan = trainer.plan_blocks(batch, seed=i)
+            trainer.args.attention_backend = "flex"
+            loss = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
+            loss.backward()
+            trainer.args.attention_backend = "sdpa"
+            with torch.no_grad():
+                ref = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
+            assert abs(float(loss) - float(ref)) <= 1e-4 * abs(float(ref)), (i, float(loss), float(ref))
+    eager_flex = [str(w.message) for w in got if "flex_attention" in str(w.message)]
+    assert not eager_flex, eager_flex
 
 
 if __name__ == "__main__":
