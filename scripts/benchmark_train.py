@@ -34,6 +34,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -156,7 +157,9 @@ def profile_steps(fn, steps: int, path: Path) -> dict:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
-    path.write_text(events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    tables = [events.table(sort_by=key, row_limit=50, max_name_column_width=90)
+              for key in ("self_device_time_total", "cpu_time_total")]
+    path.write_text("\n\n".join(tables))
     busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return {"profiled_wall_ms": round(wall, 3), "device_busy_ms": round(busy_us / 1e3 / steps, 3)}
 
@@ -306,7 +309,7 @@ def sync_sites(trainer: DFlashTrainer, batch: dict, steps: int = 3) -> dict[str,
         warnings.simplefilter("always")
         _train_on(trainer, batch, steps, SyncWatch(1))
     sites = Counter(
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
     )
     return dict(sites.most_common())
 
@@ -427,12 +430,35 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "tokens_per_s": round(batch * seq_len / (ms * 1e-3), 1),
         "block_tokens_per_s": round(n_blocks * args.block_size / (ms * 1e-3), 1),
         "model_tflop_per_step": round(total / 1e12, 6),
+        "matmul_tflops": round(ceiling_tflops, 4),
         "flops": flops,
         "tflops": round(tflops, 4),
         "mfu": round(tflops / ceiling_tflops, 4),
         "static_gib": round(static / 2**30, 3),
         "peak_gib": round(peak / 2**30, 3),
     }
+
+
+def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> dict:
+    """One case in a fresh Python process, so that compiled state (dynamo caches and recompile counts) cannot leak
+    from one case into the next. Its MFU is against the matmul ceiling measured in that process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "case.json"
+        argv = [
+            "--shape", name, "--modes", mode, "--configs" if mode == "draft" else "--full-configs", spec,
+            "--no-isolate", "--out", str(out), "--batch-size", str(args.batch_size), "--block-size",
+            str(args.block_size), "--draft-layers", str(args.draft_layers), "--warmup", str(args.warmup),
+            "--steps", str(args.steps),
+        ]
+        optional = {"--seq-len": args.seq_len, "--num-anchors": args.num_anchors, "--dtype": args.dtype,
+                    "--matmul-size": args.matmul_size, "--profile": args.profile}
+        argv += [x for flag, value in optional.items() if value is not None for x in (flag, str(value))]
+        argv += ["--trainer-loop"] if args.trainer_loop else []
+        done = subprocess.run([sys.executable, __file__, *argv], check=False)
+        rows = json.loads(out.read_text())["results"] if out.exists() else []
+    if rows:
+        return rows[0]
+    return {"shape": name, "mode": mode, "config": spec, "error": f"case process exited {done.returncode}"}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -456,6 +482,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--trainer-loop", action="store_true",
         help="also time Trainer.train() on the same batch (CUDA: and list where its steps synchronize)",
     )
+    p.add_argument("--no-isolate", action="store_true", help="CUDA: run every case in this process (default: "
+                   "one fresh process per case, so compiled state of one case cannot affect the next)")
     p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
     return p
 
@@ -479,15 +507,19 @@ def main(argv: list[str] | None = None) -> dict:
         "results": [],
     }
     print(f"matmul {n}^3 {report['dtype']}: {ceiling:.1f} TFLOP/s", flush=True)
+    isolate = device.type == "cuda" and not args.no_isolate
     for name in args.shape:
         shape = SHAPES[name]
-        tmodel = build_target(shape, dtype, device)
+        tmodel = None if isolate else build_target(shape, dtype, device)
         for mode in args.modes:
             for spec in configs if mode == "draft" else full_configs:
-                try:
-                    row = run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling)
-                except Exception as exc:  # one failing variant (e.g. a compile error) must not lose the others
-                    row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}"}
+                if isolate:
+                    row = run_isolated(args, name, mode, spec)
+                else:
+                    try:
+                        row = run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling)
+                    except Exception as exc:  # one failing variant (e.g. a compile error) must not lose the others
+                        row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}"}
                 report["results"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "flops"}), flush=True)
                 if args.out:
