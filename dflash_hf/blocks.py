@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 try:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
-    create_block_mask = None
+    BlockMask = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,15 +233,79 @@ def dense_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: i
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
+@dataclass
+class FlexLayout:
+    """Tile layout of a FlexAttention `BlockMask` in kv-major form (`[b, 1, q tiles]` counts, `[b, 1, q tiles,
+    kv tiles]` indices, int32): the kv tiles each q tile visits partially (`mask_mod` applied) and fully."""
+
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    full_kv_num_blocks: torch.Tensor
+    full_kv_indices: torch.Tensor
+    tile: int
+
+    def to(self, device, non_blocking: bool = False) -> FlexLayout:
+        fields = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
+        return FlexLayout(*(t.to(device, non_blocking=non_blocking) for t in fields), tile=self.tile)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean `[..., kv tiles]` -> (count, indices of the set tiles first in ascending order, then the rest)."""
+    tiles = tiles.int()
+    order = torch.argsort(tiles, dim=-1, descending=True, stable=True)
+    return tiles.sum(-1).int().contiguous(), order.int().contiguous()
+
+
+def flex_block_layout(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, tile: int = 128) -> FlexLayout:
+    """The `BlockMask` tile layout of `dense_block_mask`'s semantics, computed on the host from the anchors.
+
+    Every query of the block at anchor `a` sees the context interval `[start of a's document, a)` (documents
+    are contiguous spans of a row) and its own block's `B` slots, so the visible pairs of each (q tile, kv tile)
+    follow from interval overlaps: no `[Q, KV]` mask is evaluated and nothing runs on the device. A tile is full
+    when all `tile x tile` pairs are visible (pairs past the sequence ends count as invisible) and partial when
+    some are: the same layout `create_block_mask(mask_mod)` derives from the dense mask."""
+    anchors, doc_ids = anchors.cpu(), doc_ids.cpu()
+    b, n = anchors.shape
+    s = doc_ids.shape[1]
+    q_len, kv_len = n * block_size, s + n * block_size
+    nq, nkv = -(-q_len // tile), -(-kv_len // tile)
+    real = doc_ids >= 0
+    if bool((real[:, 1:] & ~real[:, :-1]).any()) or bool((doc_ids[:, 1:] < doc_ids[:, :-1])[real[:, 1:]].any()):
+        raise ValueError("flex_block_layout needs contiguous documents with padding at the end of each row")
+    pos = torch.arange(s).expand(b, s)
+    new_doc = torch.ones_like(real)
+    new_doc[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_start = torch.where(new_doc, pos, 0).cummax(dim=1).values  # [b, S] first position of each token's doc
+    has = anchors >= 0
+    a = anchors.clamp(min=0)
+    lo = torch.where(has, torch.gather(doc_start, 1, a), 0)[..., None]  # [b, N, 1] visible context [lo, hi)
+    hi = torch.where(has, a, 0)[..., None]
+    t0 = torch.arange(nkv) * tile  # kv tile t covers [t0, t1)
+    t1 = (t0 + tile).clamp(max=kv_len)
+    ctx = (torch.minimum(hi, t1.clamp(max=s)) - torch.maximum(lo, t0)).clamp(min=0)  # [b, N, kv tiles]
+    own0 = (s + torch.arange(n) * block_size)[:, None]  # [N, 1] the block's own slots [own0, own0 + B)
+    own = (torch.minimum(own0 + block_size, t1) - torch.maximum(own0, t0)).clamp(min=0)  # [N, kv tiles]
+    per_query = (ctx + own).repeat_interleave(block_size, dim=1)  # [b, Q, kv tiles] visible keys per query
+    per_query = torch.nn.functional.pad(per_query, (0, 0, 0, nq * tile - q_len))
+    count = per_query.view(b, nq, tile, nkv).sum(2)[:, None]  # [b, 1, q tiles, kv tiles] visible pairs
+    full = count == tile * tile
+    partial_num, partial_idx = _ordered((count > 0) & ~full)
+    full_num, full_idx = _ordered(full)
+    return FlexLayout(partial_num, partial_idx, full_num, full_idx, tile)
+
+
 def flex_block_mask(
-    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, block_size_kernel: int = 128, compile: bool = False
+    anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, layout: FlexLayout | None = None
 ):
-    """FlexAttention `BlockMask` with exactly the semantics of `dense_block_mask`. `compile` builds it with a
-    compiled mask evaluation (eager evaluation over all (q, kv) pairs costs milliseconds per step on a GPU)."""
-    if create_block_mask is None:
+    """FlexAttention `BlockMask` with exactly the semantics of `dense_block_mask`. The tile layout comes from
+    `flex_block_layout` (pass the one planned on the host to keep the device from waiting); `mask_mod` decides
+    the pairs inside partial tiles."""
+    if BlockMask is None:
         raise RuntimeError("FlexAttention needs torch >= 2.5; use attention_backend='sdpa'")
     b, n = anchors.shape
     s = doc_ids.shape[1]
+    layout = layout if layout is not None else flex_block_layout(anchors, doc_ids, block_size)
+    layout = layout.to(anchors.device, non_blocking=True)
     adoc = _anchor_docs(anchors, doc_ids)
 
     def mask_mod(bi, hi, q_idx, kv_idx):
@@ -252,23 +316,23 @@ def flex_block_mask(
         own = (~is_ctx) & ((kv_idx - s) // block_size == blk)
         return ctx_ok | own
 
-    return create_block_mask(
-        mask_mod,
-        B=b,
-        H=None,
-        Q_LEN=n * block_size,
-        KV_LEN=s + n * block_size,
-        device=anchors.device,
-        BLOCK_SIZE=block_size_kernel,
-        _compile=compile,
+    return BlockMask.from_kv_blocks(
+        layout.kv_num_blocks,
+        layout.kv_indices,
+        layout.full_kv_num_blocks,
+        layout.full_kv_indices,
+        BLOCK_SIZE=layout.tile,
+        mask_mod=mask_mod,
+        seq_lengths=(n * block_size, s + n * block_size),
     )
 
 
 def attention_mask_for(
-    backend: str, anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, compile_mask: bool = False
+    backend: str, anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, layout: FlexLayout | None = None
 ):
+    """The attention mask of the backend: a flex `BlockMask` (with `layout` if planned) or a dense boolean mask."""
     if backend == "flex":
-        return flex_block_mask(anchors, doc_ids, block_size, compile=compile_mask)
+        return flex_block_mask(anchors, doc_ids, block_size, layout)
     if backend == "sdpa":
         return dense_block_mask(anchors, doc_ids, block_size)
     raise ValueError(f"attention_backend must be 'flex' or 'sdpa', got {backend!r}")

@@ -21,9 +21,11 @@ from transformers.trainer_utils import get_last_checkpoint
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
 from .blocks import (
     Blocks,
+    FlexLayout,
     attention_mask_for,
     build_blocks,
     doc_ids_from,
+    flex_block_layout,
     leading_padding,
     loss_weight_sum,
     move_leading_padding,
@@ -55,10 +57,11 @@ class BlockPlan:
     anchors: torch.Tensor  # [b, N]
     weight_sum: torch.Tensor  # scalar
     valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
+    flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
 
     def to(self, device: torch.device) -> BlockPlan:
         """The plan on `device`. Planning happens on the CPU; the copies do not wait for the device."""
-        moved = {k: v.to(device, non_blocking=True) for k, v in vars(self).items()}
+        moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in vars(self).items()}
         return BlockPlan(**moved)
 
 
@@ -278,9 +281,11 @@ class DFlashTrainer(Trainer):
         valid = slot_validity(loss_mask, doc_ids, anchors, self.block_size)
         weight_sum = loss_weight_sum(valid, self.gamma)
         ids = move_leading_padding(streams.input_ids.cpu(), shifts)
+        flex = self._backend(self.args.device) == "flex"
         return BlockPlan(
             shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors, weight_sum,
             valid_index=valid.flatten().nonzero().squeeze(1),
+            flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
         )
 
     def _check_layout(self, batch: dict) -> None:
@@ -352,17 +357,16 @@ class DFlashTrainer(Trainer):
             ids, labels, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
             self.block_size, cfg.mask_token_id, self.gamma, valid_index=on_dev.valid_index,
         )
-        hidden = self.run_draft(model, taps, on_dev.positions, on_dev.doc_ids, blocks)
+        hidden = self.run_draft(model, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout)
         if cfg.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = self.accelerator.unwrap_model(model).candidate_selector
             return dflash2_block_loss(hidden, blocks, self.target.lm_head.weight, selector, args.ce_chunk_size)
         return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size, args.use_fused_linear_ce)
 
-    def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks) -> torch.Tensor:
+    def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks, layout: FlexLayout | None = None):
         """Draft hidden of every slot: `[b, N, B, H]`."""
         b, n, bs = blocks.ids.shape
-        compile_mask = self.args.compile_draft_layers and taps.device.type == "cuda"
-        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs, compile_mask)
+        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs, layout)
         with torch.no_grad():
             noise = self.target.embed_tokens(blocks.ids.view(b, n * bs))
         pos = torch.cat([positions, blocks.positions.view(b, n * bs)], dim=1)

@@ -90,8 +90,8 @@ class DFlashTrainingArguments(TrainingArguments):
     compile_draft_layers: bool = field(
         default=False,
         metadata={
-            "help": "torch.compile each draft decoder layer and the flex mask construction on CUDA "
-            "(docs/PERFORMANCE.md: 8B-shape draft step 180 -> 151 ms). A new batch shape recompiles once."
+            "help": "torch.compile each draft decoder layer on CUDA (docs/PERFORMANCE.md: 8B-shape draft step "
+            "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
         },
     )
     validate_only: bool = field(

@@ -13,7 +13,15 @@ from dflash_hf import (
     speculative_generate,
     tiny,
 )
-from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
+from dflash_hf.blocks import (
+    attention_mask_for,
+    build_blocks,
+    dense_block_mask,
+    doc_ids_from,
+    flex_block_mask,
+    row_positions,
+    sample_anchors,
+)
 from dflash_hf.target import FrozenTarget
 from dflash_hf.tiny import sharpen
 
@@ -81,6 +89,40 @@ def test_flex_and_dense_masks_give_the_same_hidden(block_setup):
         flex = _draft_hidden(draft, taps, doc, blocks, noise, "flex")
     valid = blocks.anchor_valid
     torch.testing.assert_close(flex[valid], dense[valid], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("block_size", [4, 7, 16])
+def test_flex_tile_layout_equals_create_block_mask(packed, block_size):
+    """The tile layout planned on the host from the anchors is bit-identical to the one `create_block_mask`
+    derives from the dense mask (kv- and q-major, partial and full tiles): the kernel gets the same BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    g = torch.Generator().manual_seed(block_size + packed)
+    for trial in range(4):
+        b, s = 1 + trial % 3, int(torch.randint(60, 600, (1,), generator=g))
+        lengths = torch.randint(s // 2, s + 1, (b,), generator=g)
+        lengths[0] = s
+        am = (torch.arange(s)[None] < lengths[:, None]).long()
+        pos = None
+        if packed:  # three document boundaries per row
+            pos = torch.stack([
+                torch.cat([torch.arange(e - a) for a, e in zip([0, *cuts], [*cuts, s])])
+                for cuts in (sorted(torch.randint(1, s, (3,), generator=g).unique().tolist()) for _ in range(b))
+            ])
+        doc = doc_ids_from(am, pos)
+        loss_mask = am.bool() & (torch.rand(b, s, generator=g) < 0.8)
+        anchors = sample_anchors(loss_mask, doc, int(torch.randint(1, 60, (1,), generator=g)), generator=g,
+                                 per_document=packed, pad_multiple=8)
+        n = anchors.shape[1]
+        dense = dense_block_mask(anchors, doc, block_size)[:, 0]
+        ref = create_block_mask(lambda bi, hi, q, kv, m=dense: m[bi, q, kv], B=b, H=None, Q_LEN=n * block_size,
+                                KV_LEN=s + n * block_size, device="cpu", BLOCK_SIZE=128)
+        mine = flex_block_mask(anchors, doc, block_size)
+        assert mine.seq_lengths == ref.seq_lengths
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(mine, name), getattr(ref, name)), (trial, name)
 
 
 def test_block_sees_only_context_before_its_anchor_and_its_own_block(block_setup):
