@@ -285,9 +285,15 @@ def flex_block_layout(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: 
     ctx = (torch.minimum(hi, t1.clamp(max=s)) - torch.maximum(lo, t0)).clamp(min=0)  # [b, N, kv tiles]
     own0 = (s + torch.arange(n) * block_size)[:, None]  # [N, 1] the block's own slots [own0, own0 + B)
     own = (torch.minimum(own0 + block_size, t1) - torch.maximum(own0, t0)).clamp(min=0)  # [N, kv tiles]
-    per_query = (ctx + own).repeat_interleave(block_size, dim=1)  # [b, Q, kv tiles] visible keys per query
-    per_query = torch.nn.functional.pad(per_query, (0, 0, 0, nq * tile - q_len))
-    count = per_query.view(b, nq, tile, nkv).sum(2)[:, None]  # [b, 1, q tiles, kv tiles] visible pairs
+    per_block = ctx + own  # [b, N, kv tiles] visible keys of each query of the block
+    if tile % block_size == 0:  # blocks never straddle q tiles: sum whole blocks
+        per_block = torch.nn.functional.pad(per_block, (0, 0, 0, nq * (tile // block_size) - n))
+        count = per_block.view(b, nq, tile // block_size, nkv).sum(2) * block_size
+    else:
+        per_query = per_block.repeat_interleave(block_size, dim=1)  # [b, Q, kv tiles]
+        per_query = torch.nn.functional.pad(per_query, (0, 0, 0, nq * tile - q_len))
+        count = per_query.view(b, nq, tile, nkv).sum(2)
+    count = count[:, None]  # [b, 1, q tiles, kv tiles] visible (query, key) pairs
     full = count == tile * tile
     partial_num, partial_idx = _ordered((count > 0) & ~full)
     full_num, full_idx = _ordered(full)
