@@ -176,7 +176,7 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
             with torch.no_grad():
                 ref = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
             assert abs(float(loss) - float(ref)) <= 1e-4 * abs(float(ref)), (i, float(loss), float(ref))
-    eager_flex = [str(w.message) for w in got if "flex_attention" in str(w.message)]
+    eager_flex = [str(w.message) for w in got if "called without torch.compile" in str(w.message)]
     assert not eager_flex, eager_flex
 
 
