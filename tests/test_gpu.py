@@ -15,10 +15,9 @@ import warnings
 
 import pytest
 import torch
-from utils import make_trainer, random_rows, text_batch, tiny_text_target
+from utils import make_trainer, random_rows, text_batch, tiny_draft_config, tiny_text_target
 
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
-from dflash_hf.configuration_dflash import DFlashConfig
 from dflash_hf.losses import block_loss
 from dflash_hf.modeling_dflash import DFlashDraftModel
 
@@ -30,18 +29,9 @@ TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 
 def _tiny_draft(h: int, vocab: int, block: int, dtype: torch.dtype, compile_layers: bool, device: str):
-    config = DFlashConfig(
-        block_size=block,
-        num_target_layers=8,
-        dflash_config={"mask_token_id": vocab - 1, "target_layer_ids": [1, 4, 6]},
-        hidden_size=h,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=vocab,
-        architectures=["DFlashDraftModel"],
+    config = tiny_draft_config(
+        {"mask_token_id": vocab - 1, "target_layer_ids": [1, 4, 6]}, block_size=block, num_target_layers=8,
+        hidden_size=h, intermediate_size=512, head_dim=64, vocab_size=vocab,
     )
     draft = DFlashDraftModel(config).to(device=device, dtype=dtype)
     if compile_layers:

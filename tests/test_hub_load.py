@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from utils import tiny_draft_config
 
-from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf import DFlashDraftModel
 from dflash_hf.hub import load_draft_strict
 
 HIDDEN = 32
@@ -18,19 +19,9 @@ HIDDEN = 32
 
 def _draft(block_size: int = 8) -> DFlashDraftModel:
     torch.manual_seed(0)
-    config = DFlashConfig(
-        block_size=block_size,
-        num_target_layers=4,
-        dflash_config={"mask_token_id": 5, "target_layer_ids": [1, 2]},
-        architectures=["DFlashDraftModel"],
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=40,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    config = tiny_draft_config(
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=block_size, num_target_layers=4,
+        hidden_size=HIDDEN, head_dim=8, vocab_size=40, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return DFlashDraftModel(config)
 

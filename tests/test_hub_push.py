@@ -11,8 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModel
+from utils import tiny_draft_config
 
-from dflash_hf import DFlash2DraftModel, DFlashConfig
+from dflash_hf import DFlash2DraftModel
 from dflash_hf.hub import DraftCardInfo, push_draft_to_hub
 
 UPLOAD = ["README.md", "config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py"]
@@ -22,10 +23,8 @@ REPO = "someone/tiny-asr-dflash2-b16"
 @pytest.fixture
 def export(tmp_path) -> Path:
     torch.manual_seed(0)
-    config = DFlashConfig(
-        block_size=16,
-        num_target_layers=6,
-        dflash_config={
+    config = tiny_draft_config(
+        {
             "mask_token_id": 7,
             "target_layer_ids": [1, 3],
             "conv_kernel_size": 2,
@@ -33,15 +32,8 @@ def export(tmp_path) -> Path:
             "selector_rank": 8,
             "selector_top_k": 4,
         },
-        architectures=["DFlash2DraftModel"],
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=50,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        block_size=16, num_target_layers=6, architectures=["DFlash2DraftModel"], hidden_size=32, head_dim=8,
+        vocab_size=50, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     out = tmp_path / "export"
     DFlash2DraftModel(config).save_pretrained(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from dflash_hf import DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
 
 
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
@@ -39,6 +39,16 @@ def random_rows(n: int, vocab: int, prompt_len=(6, 12), resp_len=(10, 24), seed=
             )
         )
     return rows
+
+
+def tiny_draft_config(dflash_config: dict, **fields) -> DFlashConfig:
+    """A small standalone `DFlashConfig` (2 layers, 4 heads, 2 KV heads, MLP 64, DFlash architecture);
+    `fields` add or override config fields (hidden size, head_dim, vocabulary, block size, ...)."""
+    base = dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        architectures=["DFlashDraftModel"],
+    )
+    return DFlashConfig(dflash_config=dflash_config, **(base | fields))
 
 
 def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
