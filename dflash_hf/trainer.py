@@ -156,9 +156,10 @@ class DFlashTrainer(Trainer):
         if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
             shard_frozen_target_layers(self.target)
         if args.compile_draft_layers and self.args.device.type == "cuda":
+            mode = None if args.draft_compile_mode == "default" else args.draft_compile_mode
             for module in self.model.modules():
                 if isinstance(module, DFlashDecoderLayer):
-                    module.compile()
+                    module.compile(mode=mode)
         cfg = model.config
         self.block_size = cfg.block_size
         self.gamma = args.gamma or default_gamma(self.block_size)

@@ -78,6 +78,8 @@ GPU_CONFIGS = (
 )
 CPU_CONFIGS = ("attn=sdpa,ce=64", "attn=sdpa,ce=64,ckpt=1")
 CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none"}
+# compile=layers: `compile_draft_layers`; compile=cudagraphs: the same with `draft_compile_mode=reduce-overhead`.
+COMPILE_MODES = ("none", "layers", "cudagraphs")
 
 
 def parse_config(spec: str) -> dict:
@@ -88,8 +90,8 @@ def parse_config(spec: str) -> dict:
         if not sep or key not in CONFIG_DEFAULTS:
             raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
         cfg[key] = value
-    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers"):
-        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers")
+    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in COMPILE_MODES:
+        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is {'|'.join(COMPILE_MODES)}")
     return cfg
 
 
@@ -151,17 +153,41 @@ def profile_steps(fn, steps: int, path: Path) -> dict:
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             fn()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # listed in host_waits under profile_steps
     wall = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
     tables = [events.table(sort_by=key, row_limit=50, max_name_column_width=90)
               for key in ("self_device_time_total", "cpu_time_total")]
     path.write_text("\n\n".join(tables))
     busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"profiled_wall_ms": round(wall, 3), "device_busy_ms": round(busy_us / 1e3 / steps, 3)}
+    return {
+        "profiled_wall_ms": round(wall, 3),
+        "device_busy_ms": round(busy_us / 1e3 / steps, 3),
+        "host_waits": host_waits(prof.events()),
+    }
+
+
+def host_waits(events) -> dict[str, dict]:
+    """Every host wait for the device inside the profiled steps (`cudaStreamSynchronize`, `cudaEventSynchronize`,
+    `cudaDeviceSynchronize`): its operator chain and innermost Python frames, with count and total ms. This
+    finds waits that the CUDA sync debug mode does not flag."""
+    waits: dict[str, dict] = {}
+    for e in events:
+        if e.name not in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize"):
+            continue
+        chain, parent, stack = [e.name], e.cpu_parent, []
+        while parent is not None:
+            chain.append(parent.name)
+            stack = stack or [f for f in parent.stack if "torch/profiler" not in f][:6]
+            parent = parent.cpu_parent
+        key = " <- ".join(chain[:5]) + " @ " + " | ".join(stack)
+        site = waits.setdefault(key, {"count": 0, "ms": 0.0})
+        site["count"] += 1
+        site["ms"] = round(site["ms"] + e.cpu_time_total / 1e3, 3)
+    return waits
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, device: torch.device, warmup: int = 3, steps: int = 10) -> float:
@@ -326,7 +352,8 @@ def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_d
         precision="bf16" if target.dtype == torch.bfloat16 else "fp32",
         attention_backend=config["attn"],
         ce_chunk_size=int(config["ce"]),
-        compile_draft_layers=config["compile"] == "layers",
+        compile_draft_layers=config["compile"] != "none",
+        draft_compile_mode="reduce-overhead" if config["compile"] == "cudagraphs" else "default",
         num_anchors=num_anchors,
         label_source="target_argmax" if mode == "full" else "ground_truth",
         use_cpu=target.device.type == "cpu",
