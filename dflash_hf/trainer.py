@@ -156,10 +156,9 @@ class DFlashTrainer(Trainer):
         if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
             shard_frozen_target_layers(self.target)
         if args.compile_draft_layers and self.args.device.type == "cuda":
-            mode = None if args.draft_compile_mode == "default" else args.draft_compile_mode
             for module in self.model.modules():
                 if isinstance(module, DFlashDecoderLayer):
-                    module.compile(mode=mode)
+                    module.compile()
         cfg = model.config
         self.block_size = cfg.block_size
         self.gamma = args.gamma or default_gamma(self.block_size)
@@ -410,7 +409,9 @@ class DFlashTrainer(Trainer):
             return sel.loss_sum / denom.clamp(min=1e-12)
         if self.args.world_size > 1:
             denom = self.accelerator.reduce(denom, reduction="sum")
-        return sel.loss_sum / denom.clamp(min=1e-12) / self.current_gradient_accumulation_steps
+        # set by Trainer.train; a compute_loss call outside it (a custom loop) takes the configured count
+        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        return sel.loss_sum / denom.clamp(min=1e-12) / accumulation
 
     # ------------------------------------------------------------------------------------------
     # Logging and evaluation

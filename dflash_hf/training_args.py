@@ -12,8 +12,6 @@ from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .configuration_dflash import DFLASH_VARIANTS
 from .hub import resolve_draft_dir
 
-DRAFT_COMPILE_MODES = ("default", "reduce-overhead")
-
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
 
@@ -96,13 +94,6 @@ class DFlashTrainingArguments(TrainingArguments):
             "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
         },
     )
-    draft_compile_mode: str = field(
-        default="default",
-        metadata={
-            "help": "torch.compile mode of compile_draft_layers: default, or reduce-overhead (CUDA graphs: the "
-            "layers' kernels replay without per-kernel host launches; one graph is recorded per batch shape)."
-        },
-    )
     validate_only: bool = field(
         default=False,
         metadata={"help": "Only evaluate the init_from_pretrained draft on the validation sets; no training."},
@@ -183,12 +174,6 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        if self.draft_compile_mode not in DRAFT_COMPILE_MODES:
-            raise ValueError(
-                f"draft_compile_mode must be one of {DRAFT_COMPILE_MODES}, got {self.draft_compile_mode!r}"
-            )
-        if self.draft_compile_mode != "default" and not self.compile_draft_layers:
-            raise ValueError(f"draft_compile_mode={self.draft_compile_mode} needs compile_draft_layers=true")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_anchors < 1:

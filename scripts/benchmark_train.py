@@ -78,8 +78,6 @@ GPU_CONFIGS = (
 )
 CPU_CONFIGS = ("attn=sdpa,ce=64", "attn=sdpa,ce=64,ckpt=1")
 CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none"}
-# compile=layers: `compile_draft_layers`; compile=cudagraphs: the same with `draft_compile_mode=reduce-overhead`.
-COMPILE_MODES = ("none", "layers", "cudagraphs")
 
 
 def parse_config(spec: str) -> dict:
@@ -90,8 +88,8 @@ def parse_config(spec: str) -> dict:
         if not sep or key not in CONFIG_DEFAULTS:
             raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
         cfg[key] = value
-    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in COMPILE_MODES:
-        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is {'|'.join(COMPILE_MODES)}")
+    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers"):
+        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers")
     return cfg
 
 
@@ -172,18 +170,22 @@ def profile_steps(fn, steps: int, path: Path) -> dict:
 
 def host_waits(events) -> dict[str, dict]:
     """Every host wait for the device inside the profiled steps (`cudaStreamSynchronize`, `cudaEventSynchronize`,
-    `cudaDeviceSynchronize`): its operator chain and innermost Python frames, with count and total ms. This
-    finds waits that the CUDA sync debug mode does not flag."""
+    `cudaDeviceSynchronize`): its operator chain, innermost Python frames and the top-level operator that ran
+    just before it on the same thread (the site when no Python frame is recorded), with count and total ms.
+    This finds waits that the CUDA sync debug mode does not flag."""
+    top = sorted((e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: e.time_range.start)
     waits: dict[str, dict] = {}
     for e in events:
         if e.name not in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize"):
             continue
-        chain, parent, stack = [e.name], e.cpu_parent, []
+        chain, parent, stack, root = [e.name], e.cpu_parent, [], e
         while parent is not None:
             chain.append(parent.name)
             stack = stack or [f for f in parent.stack if "torch/profiler" not in f][:6]
-            parent = parent.cpu_parent
-        key = " <- ".join(chain[:5]) + " @ " + " | ".join(stack)
+            root, parent = parent, parent.cpu_parent
+        before = [t.name for t in top if t.thread == root.thread and t.time_range.end <= root.time_range.start]
+        key = " <- ".join(chain[:5]) + " @ " + " | ".join(stack) + " after " + " > ".join(before[-3:])
         site = waits.setdefault(key, {"count": 0, "ms": 0.0})
         site["count"] += 1
         site["ms"] = round(site["ms"] + e.cpu_time_total / 1e3, 3)
@@ -352,8 +354,7 @@ def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_d
         precision="bf16" if target.dtype == torch.bfloat16 else "fp32",
         attention_backend=config["attn"],
         ce_chunk_size=int(config["ce"]),
-        compile_draft_layers=config["compile"] != "none",
-        draft_compile_mode="reduce-overhead" if config["compile"] == "cudagraphs" else "default",
+        compile_draft_layers=config["compile"] == "layers",
         num_anchors=num_anchors,
         label_source="target_argmax" if mode == "full" else "ground_truth",
         use_cpu=target.device.type == "cpu",

@@ -208,11 +208,3 @@ def test_mask_token_candidates_are_embedding_rows_the_tokenizer_never_produces()
     assert target.mask_token_candidates(tok) == []  # the tiny embedding is exactly the vocabulary
     model.resize_token_embeddings(len(tok) + 8)
     assert FrozenTarget(model).mask_token_candidates(tok, limit=3) == [len(tok), len(tok) + 1, len(tok) + 2]
-
-
-def test_draft_compile_mode_is_checked(tmp_path):
-    with pytest.raises(ValueError, match="draft_compile_mode must be one of .*got 'max'"):
-        make_args(tmp_path, compile_draft_layers=True, draft_compile_mode="max")
-    with pytest.raises(ValueError, match="draft_compile_mode=reduce-overhead needs compile_draft_layers=true"):
-        make_args(tmp_path, draft_compile_mode="reduce-overhead")
-    assert make_args(tmp_path, compile_draft_layers=True, draft_compile_mode="reduce-overhead").compile_draft_layers
