@@ -235,18 +235,23 @@ def dense_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: i
 
 @dataclass
 class FlexLayout:
-    """Tile layout of a FlexAttention `BlockMask` in kv-major form (`[b, 1, q tiles]` counts, `[b, 1, q tiles,
-    kv tiles]` indices, int32): the kv tiles each q tile visits partially (`mask_mod` applied) and fully."""
+    """Tile layout of a FlexAttention `BlockMask`, int32: kv-major (`[b, 1, q tiles]` counts, `[b, 1, q tiles,
+    kv tiles]` indices: the kv tiles each q tile visits partially, `mask_mod` applied, and fully) and the same
+    transposed, q-major, for the backward pass."""
 
     kv_num_blocks: torch.Tensor
     kv_indices: torch.Tensor
     full_kv_num_blocks: torch.Tensor
     full_kv_indices: torch.Tensor
+    q_num_blocks: torch.Tensor
+    q_indices: torch.Tensor
+    full_q_num_blocks: torch.Tensor
+    full_q_indices: torch.Tensor
     tile: int
 
     def to(self, device, non_blocking: bool = False) -> FlexLayout:
-        fields = (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices)
-        return FlexLayout(*(t.to(device, non_blocking=non_blocking) for t in fields), tile=self.tile)
+        moved = {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in vars(self).items()}
+        return FlexLayout(**moved)
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,9 +300,11 @@ def flex_block_layout(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: 
         count = per_query.view(b, nq, tile, nkv).sum(2)
     count = count[:, None]  # [b, 1, q tiles, kv tiles] visible (query, key) pairs
     full = count == tile * tile
-    partial_num, partial_idx = _ordered((count > 0) & ~full)
-    full_num, full_idx = _ordered(full)
-    return FlexLayout(partial_num, partial_idx, full_num, full_idx, tile)
+    partial = (count > 0) & ~full
+    return FlexLayout(
+        *_ordered(partial), *_ordered(full), *_ordered(partial.transpose(-1, -2)), *_ordered(full.transpose(-1, -2)),
+        tile=tile,
+    )
 
 
 def flex_block_mask(
@@ -322,14 +329,19 @@ def flex_block_mask(
         own = (~is_ctx) & ((kv_idx - s) // block_size == blk)
         return ctx_ok | own
 
-    return BlockMask.from_kv_blocks(
-        layout.kv_num_blocks,
-        layout.kv_indices,
-        layout.full_kv_num_blocks,
-        layout.full_kv_indices,
-        BLOCK_SIZE=layout.tile,
-        mask_mod=mask_mod,
+    # Both orientations come from the host (`from_kv_blocks` would transpose on the device every micro-batch).
+    return BlockMask(
         seq_lengths=(n * block_size, s + n * block_size),
+        kv_num_blocks=layout.kv_num_blocks,
+        kv_indices=layout.kv_indices,
+        full_kv_num_blocks=layout.full_kv_num_blocks,
+        full_kv_indices=layout.full_kv_indices,
+        q_num_blocks=layout.q_num_blocks,
+        q_indices=layout.q_indices,
+        full_q_num_blocks=layout.full_q_num_blocks,
+        full_q_indices=layout.full_q_indices,
+        BLOCK_SIZE=(layout.tile, layout.tile),
+        mask_mod=mask_mod,
     )
 
 

@@ -330,16 +330,32 @@ def trainer_loop_ms(trainer: DFlashTrainer, batch: dict, warmup: int, steps: int
     return timer.ms_per_step
 
 
+def _sync_warning_sites(caught) -> dict[str, int]:
+    sites = Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
+    )
+    return dict(sites.most_common())
+
+
 def sync_sites(trainer: DFlashTrainer, batch: dict, steps: int = 3) -> dict[str, int]:
     """Where `Trainer.train` steps synchronize with the device: `file:line` of each synchronizing call site
     (CUDA sync debug mode) in steps 2..`steps`, with counts."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _train_on(trainer, batch, steps, SyncWatch(1))
-    sites = Counter(
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
-    )
-    return dict(sites.most_common())
+    return _sync_warning_sites(caught)
+
+
+def step_sync_sites(fn) -> dict[str, int]:
+    """The same for one call of the timed step function."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return _sync_warning_sites(caught)
 
 
 def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str) -> DFlashTrainer:
@@ -434,6 +450,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         tag = f"{name}_{mode}_{spec}".replace(",", "_").replace("=", "-")
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         profiled = profile_steps(step, 3, Path(args.profile) / f"{tag}.txt")
+        profiled["step_sync_sites"] = step_sync_sites(step)
     shutil.rmtree(out_dir, ignore_errors=True)
     tflops = total / (ms * 1e-3) / 1e12
     return {
