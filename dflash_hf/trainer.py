@@ -82,6 +82,14 @@ def _host_batches(loader):
     return loader
 
 
+def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`value` as a float32 scalar on `device`, without waiting for the device: a Python number is filled in by a
+    kernel (`torch.as_tensor` would make a blocking host-to-device copy), a tensor is copied asynchronously."""
+    if torch.is_tensor(value):
+        return value.to(device=device, dtype=torch.float32, non_blocking=True)
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
 def _seed(*parts: int) -> int:
     """A generator seed from integers (stable across processes, unlike hashing strings)."""
     seed = 0
@@ -377,7 +385,7 @@ class DFlashTrainer(Trainer):
         plan = inputs.pop("dflash_prep", None) or self.plan_blocks(inputs, self._anchor_seed(0))
         out = self.draft_forward(model, inputs, plan)
         denom = num_items_in_batch if num_items_in_batch is not None else out.weight_sum
-        denom = torch.as_tensor(denom, device=out.loss_sum.device, dtype=torch.float32)
+        denom = _scalar_on(denom, out.loss_sum.device)
         skipped = denom <= 0  # stays on the device: no sync per micro-batch
         loss = out.loss_sum / denom.clamp(min=1e-12)
         if isinstance(out, DFlash2BlockLoss):

@@ -409,10 +409,10 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     dev_batch = {k: v.to(device) for k, v in cpu_batch.items()}
     optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
 
-    total = plan.weight_sum.to(device)  # get_batch_samples hands the global denominator over on the device
+    denom = plan.weight_sum.to(device)  # get_batch_samples hands the global denominator over on the device
 
     def step():
-        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=total)
+        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=denom)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), trainer.args.max_grad_norm)  # as Trainer does
         optimizer.step()
