@@ -314,7 +314,7 @@ def flex_block_mask(
     `flex_block_layout` (pass the one planned on the host to keep the device from waiting); `mask_mod` decides
     the pairs inside partial tiles."""
     if BlockMask is None:
-        raise RuntimeError("FlexAttention needs torch >= 2.5; use attention_backend='sdpa'")
+        raise RuntimeError("FlexAttention needs torch >= 2.6; use attention_backend='sdpa'")
     b, n = anchors.shape
     s = doc_ids.shape[1]
     layout = layout if layout is not None else flex_block_layout(anchors, doc_ids, block_size)

@@ -24,7 +24,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_dflash import DFLASH2_FIELDS, DFlashConfig
 
-try:  # FlexAttention is optional (torch >= 2.5)
+try:  # FlexAttention is optional (torch >= 2.6: BlockMask seq_lengths)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - older torch
     BlockMask, flex_attention = None, None
