@@ -10,12 +10,13 @@ import torch
 import transformers
 from torch import nn
 
+from .blocks import label_positions
 from .families import DecoderStreams, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
 NON_TARGET_KEYS = frozenset(
-    {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "dflash_prep", "num_docs"}
+    {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"}
 )
 # Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
 # (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
@@ -261,8 +262,7 @@ class FrozenTarget:
         if chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {chunk_size}")
         labels = input_ids.clone()
-        need = torch.zeros_like(loss_mask, dtype=torch.bool)
-        need[:, 1:] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        need = label_positions(loss_mask, doc_ids)
         # with CPU masks (as the trainer's plan keeps them) the positions are found without a device sync
         rows, cols = (i.to(final_hidden.device, non_blocking=True) for i in need.nonzero(as_tuple=True))
         for start in range(0, rows.numel(), chunk_size):

@@ -1,16 +1,15 @@
 """`DFlashTrainer`: a `transformers.Trainer` whose model is the draft; the frozen target lives beside it.
 
-Per micro-batch (DESIGN 3): target forward with tap hooks -> labels -> leading padding moved to the
-end -> anchors -> blocks and attention mask -> draft forward -> decayed CE. The loss is normalized by
-the weight sum of the *global* batch (every gradient-accumulation micro-batch and every rank), which
-`get_batch_samples` computes before any forward because it depends only on anchors and masks.
+The trainer keeps the Trainer hooks; the loss of a micro-batch is `objective.DFlashObjective`'s
+(docs/ARCHITECTURE.md): `get_batch_samples` plans every micro-batch of an optimizer step on the host and sums the
+planned denominators of the *global* batch (every gradient-accumulation micro-batch and every rank) before any
+forward; `compute_loss` runs the objective on the micro-batch with its plan and normalizes it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,50 +18,15 @@ from transformers import ProgressCallback, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
-from .blocks import (
-    Blocks,
-    FlexLayout,
-    attention_mask_for,
-    build_blocks,
-    doc_ids_from,
-    flex_block_layout,
-    leading_padding,
-    loss_weight_sum,
-    move_leading_padding,
-    row_positions,
-    sample_anchors,
-    slot_validity,
-)
 from .callbacks import DFlashProgressCallback, RealTauCallback
-from .configuration_dflash import DFlashConfig, default_gamma
+from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
-from .losses import BlockLoss, DFlash2BlockLoss, MetricSums, block_loss, dflash2_block_loss
+from .losses import MetricSums
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
+from .objective import BlockPlan, DFlashObjective
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
-
-
-@dataclass
-class BlockPlan:
-    """What a micro-batch needs beyond the collator's tensors: rows in left-aligned coordinates and
-    the anchors drawn for them. Built before the forward (it fixes the loss denominator)."""
-
-    shifts: torch.Tensor  # [b] leading padding moved to the end
-    input_ids: torch.Tensor  # [b, S] decoder-aligned ids (left-aligned)
-    real: torch.Tensor  # [b, S] bool: real (non-padding) decoder positions
-    loss_mask: torch.Tensor  # [b, S] (left-aligned)
-    doc_ids: torch.Tensor  # [b, S]
-    positions: torch.Tensor  # [b, S]
-    anchors: torch.Tensor  # [b, N]
-    weight_sum: torch.Tensor  # scalar
-    valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
-    flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
-
-    def to(self, device: torch.device) -> BlockPlan:
-        """The plan on `device`. Planning happens on the CPU; the copies do not wait for the device."""
-        moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in vars(self).items()}
-        return BlockPlan(**moved)
 
 
 def is_speech_source(dataset) -> bool:
@@ -80,14 +44,6 @@ def _host_batches(loader):
     if isinstance(loader, DataLoaderShard):
         loader.device = None
     return loader
-
-
-def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`value` as a float32 scalar on `device`, without waiting for the device: a Python number is filled in by a
-    kernel (`torch.as_tensor` would make a blocking host-to-device copy), a tensor is copied asynchronously."""
-    if torch.is_tensor(value):
-        return value.to(device=device, dtype=torch.float32, non_blocking=True)
-    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 def _seed(*parts: int) -> int:
@@ -167,10 +123,10 @@ class DFlashTrainer(Trainer):
             for module in self.model.modules():
                 if isinstance(module, DFlashDecoderLayer):
                     module.compile()
-        cfg = model.config
-        self.block_size = cfg.block_size
-        self.gamma = args.gamma or default_gamma(self.block_size)
+        self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
+        self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
+        self._micro_plan: BlockPlan | None = None
         for cb in list(self.callback_handler.callbacks):  # concise bar: loss / tau_est as postfix
             if type(cb) is ProgressCallback:
                 self.callback_handler.remove_callback(cb)
@@ -256,65 +212,15 @@ class DFlashTrainer(Trainer):
         return export_dir
 
     # ------------------------------------------------------------------------------------------
-    # Planning: anchors and the global denominator, before any forward
+    # The objective: plans before the step, the loss of each micro-batch with its plan
     # ------------------------------------------------------------------------------------------
     @property
     def draft_config(self) -> DFlashConfig:
         return self.accelerator.unwrap_model(self.model).config
 
-    def plan_blocks(self, batch: dict, seed: int) -> BlockPlan:
-        """Anchors, slot validity and the loss denominator of one micro-batch, on the CPU (the step itself
-        then never waits for the device to learn shapes or indices)."""
-        pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
-        pos_ids = pos_ids.cpu() if pos_ids is not None else None
-        self._check_layout(batch)
-        self._check_mask_token(batch)
-        streams = self.target.streams(batch)  # decoder-aligned (model-side audio expansion applied)
-        am = streams.attention_mask.cpu()
-        shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
-        am_rows = move_leading_padding(am, shifts)
-        loss_mask = move_leading_padding(streams.loss_mask.cpu(), shifts) & am_rows.bool()
-        doc_ids = doc_ids_from(am_rows, pos_ids)
-        positions = row_positions(am_rows, pos_ids)
-        gen = torch.Generator().manual_seed(seed)
-        anchors = sample_anchors(
-            loss_mask,
-            doc_ids,
-            self.args.num_anchors,
-            generator=gen,
-            per_document=pos_ids is not None,
-            budget=self.args.anchor_budget,
-            pad_multiple=self.args.anchor_pad_multiple,
-        )
-        valid = slot_validity(loss_mask, doc_ids, anchors, self.block_size)
-        weight_sum = loss_weight_sum(valid, self.gamma)
-        ids = move_leading_padding(streams.input_ids.cpu(), shifts)
-        flex = self._backend(self.args.device) == "flex"
-        return BlockPlan(
-            shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors, weight_sum,
-            valid_index=valid.flatten().nonzero().squeeze(1),
-            flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
-        )
-
-    def _check_layout(self, batch: dict) -> None:
-        """Packed batches (with `cu_seqlens`) need `packing=True`, whose target check ran at construction."""
-        packed = "cu_seqlens" in batch
-        if packed != self.args.packing:
-            kind = "a packed batch (it has cu_seqlens)" if packed else "a padded batch (no cu_seqlens)"
-            raise ValueError(f"the data collator produced {kind} but packing={self.args.packing}; set packing="
-                             f"{packed} (and packing_max_tokens) so the target and the anchor budget are checked")
-        if packed and ("position_ids" not in batch or batch["input_ids"].shape[0] != 1):
-            raise ValueError("a packed batch needs one row (input_ids [1, T]) and position_ids restarting at 0 per "
-                             f"document; got input_ids {tuple(batch['input_ids'].shape)}, keys {sorted(batch)}")
-
-    def _check_mask_token(self, batch: dict) -> None:
-        mask_id = self.draft_config.mask_token_id
-        hits = (batch["input_ids"] == mask_id).nonzero()
-        if len(hits):
-            raise ValueError(
-                f"mask_token_id {mask_id} occurs in the data (batch rows {sorted(set(hits[:, 0].tolist()))}); "
-                "choose a reserved id that the tokenizer never emits for your data"
-            )
+    @property
+    def block_size(self) -> int:
+        return self.objective.block_size
 
     def _anchor_seed(self, micro_step: int) -> int:
         # Deterministic per (seed, optimizer step, micro-batch, rank): resumable without RNG state.
@@ -327,99 +233,43 @@ class DFlashTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        self._step_plans = [(b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in
+                            enumerate(batch_samples)]
         total = torch.zeros((), dtype=torch.float64)
-        for i, batch in enumerate(batch_samples):
-            batch["dflash_prep"] = self.plan_blocks(batch, self._anchor_seed(i))
-            total += batch["dflash_prep"].weight_sum.double().cpu()
+        for _, plan in self._step_plans:
+            total += plan.denominator.double().cpu()
         total = total.to(device, non_blocking=True)
         if self.args.world_size > 1:
             total = self.accelerator.reduce(total, reduction="sum")
         return batch_samples, total
 
-    # ------------------------------------------------------------------------------------------
-    # Forward
-    # ------------------------------------------------------------------------------------------
-    def _backend(self, device: torch.device) -> str:
-        backend = self.args.attention_backend
-        if backend == "auto":
-            return "flex" if device.type == "cuda" else "sdpa"
-        return backend
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step, with the plan `get_batch_samples` made for this micro-batch (matched by identity:
+        `_prepare_inputs` copies the batch before `compute_loss` sees it)."""
+        self._micro_plan = next((plan for batch, plan in self._step_plans if batch is inputs), None)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._micro_plan = None
 
-    def draft_forward(self, model, batch: dict, plan: BlockPlan) -> BlockLoss:
-        """Target taps -> labels -> blocks -> draft -> decayed CE sums (one micro-batch)."""
-        args = self.args
-        cfg = self.draft_config
-        argmax = args.label_source == "target_argmax"
-        feats = self.target.capture(batch, cfg.target_layer_ids, keep_final=argmax)
-        dev = feats.taps.device
-        on_dev = plan.to(dev)
-        taps = move_leading_padding(feats.taps, plan.shifts)
-        taps = torch.where(on_dev.real[..., None], taps, torch.zeros((), dtype=taps.dtype, device=dev))
-        ids = on_dev.input_ids
-        if argmax:  # label positions are found on the CPU plan
-            final = move_leading_padding(feats.final_hidden, plan.shifts)
-            labels = self.target.argmax_labels(final, ids, plan.loss_mask, plan.doc_ids, args.target_argmax_chunk_size)
-        else:
-            labels = ids
-        blocks = build_blocks(
-            ids, labels, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
-            self.block_size, cfg.mask_token_id, self.gamma, valid_index=on_dev.valid_index,
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, plan: BlockPlan | None = None):
+        """The objective's loss of `inputs` with `plan` (default: the one planned in `get_batch_samples`, else planned
+        now), normalized by `num_items_in_batch` (the global planned denominator) when given."""
+        plan = plan or self._micro_plan or self.objective.plan(self.target, inputs, self._anchor_seed(0))
+        out = self.objective.loss(model, self.target, inputs, plan)
+        in_step = model.training and num_items_in_batch is not None
+        loss, skipped = self.objective.normalize(
+            out, num_items_in_batch, training_step=in_step, world_size=self.args.world_size,
+            # set by Trainer.train; a compute_loss call outside it (a custom loop) takes the configured count
+            accumulation=getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps),
+            all_reduce=self._all_reduce if self.args.world_size > 1 else None,
         )
-        hidden = self.run_draft(model, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout)
-        if cfg.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
-            selector = self.accelerator.unwrap_model(model).candidate_selector
-            return dflash2_block_loss(hidden, blocks, self.target.lm_head.weight, selector, args.ce_chunk_size)
-        return block_loss(hidden, blocks, self.target.lm_head.weight, args.ce_chunk_size, args.use_fused_linear_ce)
-
-    def run_draft(self, model, taps, positions, doc_ids, blocks: Blocks, layout: FlexLayout | None = None):
-        """Draft hidden of every slot: `[b, N, B, H]`."""
-        b, n, bs = blocks.ids.shape
-        mask = attention_mask_for(self._backend(taps.device), blocks.anchors, doc_ids, bs, layout)
-        with torch.no_grad():
-            noise = self.target.embed_tokens(blocks.ids.view(b, n * bs))
-        pos = torch.cat([positions, blocks.positions.view(b, n * bs)], dim=1)
-        hidden = model(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps)
-        return hidden.view(b, n, bs, -1)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        plan = inputs.pop("dflash_prep", None) or self.plan_blocks(inputs, self._anchor_seed(0))
-        out = self.draft_forward(model, inputs, plan)
-        denom = num_items_in_batch if num_items_in_batch is not None else out.weight_sum
-        denom = _scalar_on(denom, out.loss_sum.device)
-        skipped = denom <= 0  # stays on the device: no sync per micro-batch
-        loss = out.loss_sum / denom.clamp(min=1e-12)
-        if isinstance(out, DFlash2BlockLoss):
-            in_step = model.training and num_items_in_batch is not None
-            loss = loss + self.args.selector_loss_weight * self.selector_loss(out, in_step)
-        if model.training and num_items_in_batch is not None and self.args.world_size > 1:
-            loss = loss * self.args.world_size  # DDP averages gradients over ranks
         if model.training:
-            self.train_sums.add_block_loss(out)
-            self.train_sums.add("anchors", plan.anchors.ge(0).sum())
-            self.train_sums.add("skipped", skipped)
-            self.train_sums.add("micro_batches", 1)
+            self.objective.record(self.train_sums, out, plan, skipped)
         return (loss, out) if return_outputs else loss
 
-    def selector_loss(self, out: DFlash2BlockLoss, in_training_step: bool) -> torch.Tensor:
-        """DFlash2 selector term with its own denominator `D` (the decay weight of slots whose label is
-        among the top-k candidates). `D` depends on the draft logits, so unlike the base denominator it is
-        unknown before the first micro-batch's backward.
-
-        In a training step, micro-batch i of G (gradient accumulation) contributes `S_i / (D_i * G)`, where
-        `S_i` is its selector CE sum and `D_i` its denominator all-reduced over the data-parallel ranks
-        (exact across ranks; every rank joins the all-reduce, also one without valid anchors). The step
-        optimizes the mean over micro-batches of the DP-global selector loss, which equals DESIGN's
-        global `sum S / sum D` when G == 1 or the `D_i` are equal (a deviation otherwise). Logged
-        `selector_loss` is the exact global ratio. Outside a training step: `S / D` of this batch."""
-        sel = out.selector
-        denom = sel.weight_sum.to(device=sel.loss_sum.device, dtype=torch.float32)
-        if not in_training_step:
-            return sel.loss_sum / denom.clamp(min=1e-12)
-        if self.args.world_size > 1:
-            denom = self.accelerator.reduce(denom, reduction="sum")
-        # set by Trainer.train; a compute_loss call outside it (a custom loop) takes the configured count
-        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        return sel.loss_sum / denom.clamp(min=1e-12) / accumulation
+    def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(value, reduction="sum")
 
     # ------------------------------------------------------------------------------------------
     # Logging and evaluation
@@ -427,16 +277,12 @@ class DFlashTrainer(Trainer):
     def _report(self, sums: MetricSums, prefix: str = "") -> dict[str, float]:
         """Metrics of all-reduced sums. For DFlash2, `loss` is the optimized objective
         `base + selector_loss_weight * selector` and the decayed CE alone is `base_loss`."""
-        metrics = self._all_reduce_sums(sums).reduce()
-        if f"{prefix}selector_loss" in metrics:
-            metrics[f"{prefix}base_loss"] = metrics[f"{prefix}loss"]
-            metrics[f"{prefix}loss"] += self.args.selector_loss_weight * metrics[f"{prefix}selector_loss"]
-        return metrics
+        return self.objective.report(self._all_reduce_sums(sums).reduce(), prefix)
 
     def _all_reduce_sums(self, sums: MetricSums) -> MetricSums:
         if self.args.world_size > 1:
             names, vec = sums.as_tensor(self.args.device)
-            sums.load_tensor(names, self.accelerator.reduce(vec, reduction="sum"))
+            sums.load_tensor(names, self._all_reduce(vec))
         return sums
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -476,10 +322,10 @@ class DFlashTrainer(Trainer):
         dataloader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
-            plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))  # host batch
-            batch = self._prepare_inputs(batch)
+            plan = self.objective.plan(self.target, batch, _seed(self.args.seed, -1, step, self.args.process_index))
+            batch = self._prepare_inputs(batch)  # after planning: the plan is made from the host batch
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-            out = self.draft_forward(model, batch, plan)
+            out = self.objective.loss(model, self.target, batch, plan)
             sums.add_block_loss(out)
         metrics = self._report(sums, f"{metric_key_prefix}_")
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)

@@ -76,7 +76,18 @@ class DFlashTrainingArguments(TrainingArguments):
     )
     label_source: str = field(
         default="target_argmax",
-        metadata={"help": "target_argmax (frozen target's greedy next token) or ground_truth (data tokens)."},
+        metadata={"help": "target_argmax (frozen target's greedy next token), ground_truth (data tokens) or "
+                  "target_distribution (soft labels: the target's top label_top_k probabilities, renormalized)."},
+    )
+    label_top_k: int = field(
+        default=8, metadata={"help": "label_source=target_distribution: target tokens kept per position."}
+    )
+    loss_type: str = field(
+        default="ce",
+        metadata={"help": "ce (slot-decayed cross-entropy) or dpace (D-PACE confidence-derived position weights)."},
+    )
+    dpace_alpha: float = field(
+        default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
     )
     target_argmax_chunk_size: int = field(
         default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
@@ -168,8 +179,7 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
-        if self.label_source not in ("target_argmax", "ground_truth"):
-            raise ValueError(f"label_source must be target_argmax or ground_truth, got {self.label_source!r}")
+        self._check_objective()
         if self.target_argmax_chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
@@ -198,14 +208,25 @@ class DFlashTrainingArguments(TrainingArguments):
                 raise ValueError("anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
                                  "bound padded batches with num_anchors (up to batch * num_anchors blocks)")
 
-    def _check_dflash2(self) -> None:
+    def _check_objective(self) -> None:
+        from .labels import LABEL_SOURCES
+        from .losses import LOSSES
+        from .objective import fused_ce_conflict
+
+        for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
+        if self.label_top_k < 1:
+            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
         if self.use_fused_linear_ce is None:
-            self.use_fused_linear_ce = self.variant == "dflash"
-        if self.use_fused_linear_ce and self.variant == "dflash2":
-            raise ValueError(
-                "use_fused_linear_ce=true with variant=dflash2: DFlash2 needs the dense draft logits (its path "
-                "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
-            )
+            self.use_fused_linear_ce = conflict is None
+        if self.use_fused_linear_ce and conflict:
+            raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
+
+    def _check_dflash2(self) -> None:
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
