@@ -10,40 +10,22 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
-from accelerate.data_loader import DataLoaderShard
 from transformers import ProgressCallback, Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
+from .assembly import build_draft, host_batches, is_speech_source
 from .callbacks import DFlashProgressCallback, RealTauCallback
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
-from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
+from .hub import export_draft
 from .losses import MetricSums
-from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
+from .modeling_dflash import DFlashDecoderLayer
 from .objective import BlockPlan, DFlashObjective
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
-
-
-def is_speech_source(dataset) -> bool:
-    """Speech sources (paths, `dflash_hf.data.DataSource`s, lhotse `CutSet`s) are batched by the lhotse
-    loader, not by the Trainer's sampler. Checked by module so lhotse is imported only when used."""
-    items = dataset if isinstance(dataset, (list, tuple)) else [dataset]
-    return bool(items) and all(
-        isinstance(x, (str, Path)) or type(x).__module__.startswith(("lhotse.", "dflash_hf.data.")) for x in items
-    )
-
-
-def _host_batches(loader):
-    """Keep an accelerate `DataLoaderShard`'s batches on the host: `get_batch_samples` plans anchors from host
-    tensors (no device sync) and `DFlashTrainer._prepare_input` copies them to the device asynchronously."""
-    if isinstance(loader, DataLoaderShard):
-        loader.device = None
-    return loader
 
 
 def _seed(*parts: int) -> int:
@@ -52,34 +34,6 @@ def _seed(*parts: int) -> int:
     for p in parts:
         seed = (seed * 1_000_003 + int(p) + 7) % (2**61 - 1)
     return seed
-
-
-def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDraftModel:
-    """A fresh draft sized from the target, or a strict warm start from `init_from_pretrained`."""
-    if args.init_from_pretrained:
-        draft = load_draft_strict(args.init_from_pretrained, block_size=args.block_size)
-        check_warm_start(
-            draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id
-        )
-    else:
-        target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
-        config = DFlashConfig.from_target_config(
-            target.text_config,
-            mask_token_id=args.mask_token_id,
-            variant=args.variant,
-            num_hidden_layers=args.num_draft_layers,
-            block_size=args.block_size,
-            target_layer_ids=args.target_layer_ids,
-            conv_kernel_size=args.conv_kernel_size,
-            conv_group_size=args.conv_group_size,
-            selector_rank=args.selector_rank,
-            selector_top_k=args.selector_top_k,
-        )
-        config.vocab_size = target.vocab_size
-        draft = draft_class_for(config)(config)
-    cfg = draft.config
-    target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
-    return draft.to(resolve_dtype(args.precision))
 
 
 class DFlashTrainer(Trainer):
@@ -165,7 +119,7 @@ class DFlashTrainer(Trainer):
 
     def get_train_dataloader(self):
         if not is_speech_source(self.train_dataset):
-            return _host_batches(super().get_train_dataloader())
+            return host_batches(super().get_train_dataloader())
         if self.args.max_steps <= 0:
             raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
         self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
@@ -175,7 +129,7 @@ class DFlashTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if is_speech_source(dataset):
             return self._speech_loader(dataset, shuffle=False)
-        return _host_batches(super().get_eval_dataloader(eval_dataset))
+        return host_batches(super().get_eval_dataloader(eval_dataset))
 
     def _prepare_input(self, data):
         """Host tensors go to the accelerator asynchronously (the micro-batch's anchors were already planned on

@@ -50,7 +50,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         hint = f"embedding rows the tokenizer never produces: {free}" if free else "an unused reserved special token"
         raise ValueError(f"--mask_token_id is required: an id with an embedding row that the data never uses ({hint})")
     if args.validate_only:
-        from ..evaluation import validate
+        from ..validation import validate
 
         return validate(args, data_args.eval_sources(), target=target, processor=processor, data_args=data_args)
 

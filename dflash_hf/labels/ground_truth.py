@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Labels, LabelSource
+from .base import Labels, LabelSource
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import Labels, LabelSource
+from .base import Labels, LabelSource
 
 
 @dataclass

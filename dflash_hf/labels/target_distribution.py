@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks import label_positions
-from . import Labels, LabelSource, SoftLabels
+from .base import Labels, LabelSource, SoftLabels
 
 
 @dataclass
