@@ -103,20 +103,24 @@ def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | Path) 
             logger.warning("resume: skipped incomplete checkpoints %s (interrupted saves)", names)
         logger.warning("resume: resuming from %s", chosen)
         return str(chosen)
-    path = Path(value)
-    if not path.is_dir():
+    check_checkpoint_dir(value)
+    logger.warning("resume: resuming from %s", value)
+    return str(value)
+
+
+def check_checkpoint_dir(path: str | Path) -> None:
+    """A checkpoint given by path must exist and be complete."""
+    if not Path(path).is_dir():
         raise FileNotFoundError(
-            f"--resume_from_checkpoint {str(value)!r} is not a directory; give a checkpoint-N directory, or true "
+            f"--resume_from_checkpoint {str(path)!r} is not a directory; give a checkpoint-N directory, or true "
             "for the last complete checkpoint in output_dir"
         )
     if not is_complete(path):
         raise ValueError(
-            f"--resume_from_checkpoint {str(value)!r} is incomplete (its save was interrupted or it was not written "
+            f"--resume_from_checkpoint {str(path)!r} is incomplete (its save was interrupted, or it was not written "
             f"by dflash_hf: no {COMPLETE_MARKER}); resume from an earlier checkpoint, or pass true for the last "
             "complete one in output_dir"
         )
-    logger.warning("resume: resuming from %s", path)
-    return str(path)
 
 
 def save_data_state(checkpoint: str | Path, rank: int, state: dict) -> None:

@@ -347,6 +347,18 @@ class DFlashTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         return export_dir
 
+    def final_eval_metrics(self) -> dict[str, float]:
+        """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
+        step (when `eval_steps` divides `max_steps`), else a new evaluation. A best checkpoint loaded at the end
+        (`load_best_model_at_end`) is another draft, so it is evaluated anew."""
+        step = self.state.global_step
+        best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
+        done: dict[str, float] = {}
+        for entry in self.state.log_history:  # evaluate() logs each validation set with its *_runtime
+            if entry.get("step") == step and any(k.startswith("eval") and k.endswith("_runtime") for k in entry):
+                done.update({k: v for k, v in entry.items() if k.startswith("eval")})
+        return done if done and not best_loaded else self.evaluate()
+
     # ------------------------------------------------------------------------------------------
     # Planning: anchors and the global denominator, before any forward
     # ------------------------------------------------------------------------------------------
