@@ -9,15 +9,25 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 from __future__ import annotations
 
 import math
+import shutil
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from transformers import ProgressCallback, Trainer
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import DefaultFlowCallback, ProgressCallback, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints, set_seed
 
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
 from .assembly import build_draft, host_batches, is_speech_source
 from .callbacks import DFlashProgressCallback, RealTauCallback
+from .checkpoints import (
+    load_data_state,
+    mark_complete,
+    reporting_full_disk,
+    resolve_resume_checkpoint,
+    save_data_state,
+)
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .hub import export_draft
@@ -34,6 +44,37 @@ def _seed(*parts: int) -> int:
     for p in parts:
         seed = (seed * 1_000_003 + int(p) + 7) % (2**61 - 1)
     return seed
+
+
+def seed_like_trainer(args: DFlashTrainingArguments) -> None:
+    """Seed every RNG as `Trainer.__init__` does, so a draft built (and adapted) before it is seeded too."""
+    if args.full_determinism:
+        enable_full_determinism(args.seed)
+    else:
+        set_seed(args.seed)
+
+
+class DataEpochCallback(TrainerCallback):
+    """The Trainer sees a lhotse loader as one endless epoch (`EpochStream`); this callback logs the loader's
+    own data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
+    strategies at the step in which a data epoch ends."""
+
+    def __init__(self, trainer: DFlashTrainer):
+        self.trainer = trainer
+        self.epochs_done = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.epochs_done = int(state.epoch or 0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        loader = getattr(self.trainer, "speech_train_loader", None)
+        if loader is None:
+            return control
+        state.epoch = loader.epoch_progress
+        if int(state.epoch) > self.epochs_done:
+            self.epochs_done = int(state.epoch)
+            return DefaultFlowCallback().on_epoch_end(args, state, control)
+        return control
 
 
 class DFlashTrainer(Trainer):
@@ -61,6 +102,7 @@ class DFlashTrainer(Trainer):
         self.target = target
         if args.packing:
             target.check_packing()  # before the draft is built
+        seed_like_trainer(args)  # the draft's initial weights (and LoRA's) follow --seed
         if model is None:
             model = build_draft(args, target)
         else:
@@ -87,6 +129,9 @@ class DFlashTrainer(Trainer):
                 self.add_callback(DFlashProgressCallback(cb.max_str_len))
         if args.real_tau_steps > 0:
             self.add_callback(RealTauCallback(self))
+        self.add_callback(DataEpochCallback(self))
+        self._resume_checkpoint: str | None = None  # set by train()
+        self._user_ignores_data_skip = args.ignore_data_skip
 
     # ------------------------------------------------------------------------------------------
     # Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
@@ -122,8 +167,15 @@ class DFlashTrainer(Trainer):
             return host_batches(super().get_train_dataloader())
         if self.args.max_steps <= 0:
             raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
-        self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
-        return self.speech_train_loader
+        from .data.loader import EpochStream
+
+        loader = self._speech_loader(self.train_dataset, shuffle=True)
+        if self._resume_checkpoint and not self._user_ignores_data_skip:
+            loader.load_state_dict(
+                load_data_state(self._resume_checkpoint, self.args.process_index, self.args.world_size)
+            )
+        self.speech_train_loader = loader
+        return EpochStream(loader)  # the loader keeps the data position; the Trainer skips nothing
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -143,17 +195,57 @@ class DFlashTrainer(Trainer):
     # Checkpoints and export (the trainable selection is recorded so resumes can be checked)
     # ------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        checkpoint = resume_from_checkpoint
-        if checkpoint is True:
-            checkpoint = get_last_checkpoint(self.args.output_dir)
+        """`resume_from_checkpoint`: a complete checkpoint directory, or true (also the string "true") for the
+        last complete one in `output_dir`; incomplete ones (interrupted saves) are skipped and logged."""
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if checkpoint:
             check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self._resume_checkpoint = checkpoint
+        with self._loader_keeps_data_position():
+            return super().train(checkpoint, *args, **kwargs)
+
+    @contextmanager
+    def _loader_keeps_data_position(self):
+        """A lhotse loader restores its own position (`get_train_dataloader`); the Trainer's batch skipping, which
+        counts `max_steps` as one epoch, must not apply to it. `ignore_data_skip` is set only for the call."""
+        self._user_ignores_data_skip = self.args.ignore_data_skip
+        speech = is_speech_source(self.train_dataset)
+        if speech:
+            self.args.ignore_data_skip = True
+        try:
+            yield
+        finally:
+            self.args.ignore_data_skip = self._user_ignores_data_skip
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             save_selection(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint plus each rank's data position, marked complete only once every rank has
+        written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save and folder.exists():  # an interrupted save of this step: start it afresh
+            shutil.rmtree(folder)
+        self.accelerator.wait_for_everyone()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            with reporting_full_disk(folder):
+                super()._save_checkpoint(model, trial)
+                loader = getattr(self, "speech_train_loader", None)
+                if loader is not None:
+                    state = loader.state_dict() | {"world_size": self.args.world_size}
+                    save_data_state(folder, self.args.process_index, state)
+                self.accelerator.wait_for_everyone()
+                if self.args.should_save:
+                    mark_complete(folder, self.state.global_step)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
@@ -161,9 +253,22 @@ class DFlashTrainer(Trainer):
         # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
         state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
-            export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
+            with reporting_full_disk(export_dir):
+                export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         return export_dir
+
+    def final_eval_metrics(self) -> dict[str, float]:
+        """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
+        step (when `eval_steps` divides `max_steps`), else a new evaluation. A best checkpoint loaded at the end
+        (`load_best_model_at_end`) is another draft, so it is evaluated anew."""
+        step = self.state.global_step
+        best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
+        done: dict[str, float] = {}
+        for entry in self.state.log_history:  # evaluate() logs each validation set with its *_runtime
+            if entry.get("step") == step and any(k.startswith("eval") and k.endswith("_runtime") for k in entry):
+                done.update({k: v for k, v in entry.items() if k.startswith("eval")})
+        return done if done and not best_loaded else self.evaluate()
 
     # ------------------------------------------------------------------------------------------
     # The objective: plans before the step, the loss of each micro-batch with its plan

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from .checkpoints import check_checkpoint_dir, parse_resume_flag
 from .configuration_dflash import DFLASH_VARIANTS
 from .hub import resolve_draft_dir
 
@@ -30,6 +31,11 @@ class DFlashTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Kept False: DFlash batches carry audio and loss-mask keys."}
     )
     save_safetensors: bool = field(default=True, metadata={"help": "Checkpoints in safetensors."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "Resume training from this complete checkpoint-N directory, or true: from the last "
+                  "complete checkpoint in output_dir (incomplete ones, from interrupted saves, are skipped)."},
+    )
 
     # --- target ---------------------------------------------------------------------------------
     target_name_or_path: str | None = field(
@@ -175,6 +181,9 @@ class DFlashTrainingArguments(TrainingArguments):
                 "parameter dtype of both the frozen target and the draft"
             )
         super().__post_init__()
+        self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
+        if isinstance(self.resume_from_checkpoint, (str, Path)):
+            check_checkpoint_dir(self.resume_from_checkpoint)  # before the target loads
         if self.variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):

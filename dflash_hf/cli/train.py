@@ -65,7 +65,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
     if data_args.eval_data:
-        metrics.update(trainer.evaluate())
+        metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
     export_dir = trainer.export_draft()
     loader = getattr(trainer, "speech_train_loader", None)
     if loader is not None:
