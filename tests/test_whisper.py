@@ -1,0 +1,204 @@
+"""Whisper (encoder-decoder) targets: training from manifests, decoder taps, lossless decoding, custom_generate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from utils import tiny_text_target
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf.data import build_train_dataloader
+from dflash_hf.data.bad_samples import BadSampleError
+from dflash_hf.speculative import dflash_custom_generate
+from dflash_hf.target import FrozenTarget
+
+BLOCK = 4
+MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    return tiny.sharpen(model, seed=2), processor
+
+
+def _features(processor, seed: int, seconds: float = 1.0) -> torch.Tensor:
+    audio = np.random.default_rng(seed).standard_normal(int(seconds * 16000)).astype(np.float32) * 0.1
+    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+
+
+def _draft(target: FrozenTarget, block: int = BLOCK) -> DFlashDraftModel:
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=MASK, num_hidden_layers=1,
+                                          block_size=block)
+    cfg.vocab_size = target.vocab_size
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).eval()
+
+
+def _oracle(draft, reference: torch.Tensor, start: int):
+    """Make `draft` propose the reference continuation (every proposal accepted): `reference[0, start]` is the
+    first anchor; each cycle then advances by a whole block."""
+    state = {"pos": start}
+
+    def propose_block(hidden, lm_head, anchor_token, temperature, generator):
+        pos, n = state["pos"], hidden.shape[0] - 1
+        assert anchor_token == int(reference[0, pos])
+        tokens = reference[0, pos + 1 : pos + 1 + n]
+        state["pos"] = pos + n + 1
+        return torch.cat([tokens, tokens.new_zeros(n - len(tokens))]), None
+
+    draft.propose_block = propose_block
+    return draft
+
+
+def _manifest(tmp_path, rows_extra=None):
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 6, seed=0)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[0]["lang"] = "de"
+    for i, extra in (rows_extra or {}).items():
+        rows[i].update(extra)
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest
+
+
+def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervised(whisper, tmp_path):
+    model, processor = whisper
+    tok = processor.tokenizer
+    loader = build_train_dataloader(str(_manifest(tmp_path)), processor, model.config, max_tokens=400,
+                                    shuffle=False)
+    target = FrozenTarget(model)
+    assert target.family.name == "whisper"
+    languages = set()
+    for batch in loader:
+        assert batch["input_features"].shape[1:] == (tiny.NUM_MEL_BINS, 400)
+        ids, mask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        prompt = [tok.convert_ids_to_tokens(row) for row in ids[:, :4].tolist()]
+        assert {(p[0], p[2], p[3]) for p in prompt} == {("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>")}
+        languages |= {p[1] for p in prompt}
+        assert not mask[:, :4].any()  # the decoder prompt is never supervised
+        for row in range(ids.shape[0]):
+            real = int(am[row].sum())
+            assert mask[row, 5:real].all() and not mask[row, real:].any()
+            assert int(ids[row, real - 1]) == tok.eos_token_id  # <|endoftext|> is supervised
+            words = tok.decode(ids[row, 4 : real - 1])
+            assert words.startswith(" ") and set(words.split()) <= set(tiny.WORDS)  # " " + text, as Whisper writes
+        streams = target.streams(batch)
+        assert not streams.audio_mask.any() and torch.equal(streams.loss_mask, mask)
+    assert languages == {"<|en|>", "<|de|>"}  # lang from the manifest row, default English
+
+
+
+def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
+    model, processor = whisper
+    target = FrozenTarget(model)
+    ids = torch.tensor([[257, 258, 359, 363, 32, 104, 105, 256]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.zeros_like(ids),
+             "input_features": _features(processor, 0)}
+    layers = [0, 2, 3]
+    feats = target.capture(batch, layers, keep_final=True)
+    out = model(input_features=batch["input_features"], decoder_input_ids=ids, output_hidden_states=True)
+    h = 32
+    for j, layer in enumerate(layers[:-1]):
+        torch.testing.assert_close(feats.taps[..., j * h : (j + 1) * h], out.decoder_hidden_states[layer + 1])
+    last = feats.taps[..., 2 * h :]  # HF's last hidden state is post-norm: the tap is the raw layer output
+    torch.testing.assert_close(model.model.decoder.layer_norm(last), out.decoder_hidden_states[-1])
+    assert not torch.allclose(last, out.decoder_hidden_states[-1])
+    torch.testing.assert_close(target.lm_head(feats.final_hidden), out.logits)  # target_argmax's head
+    assert target.num_layers == 4 and target.text_config.num_hidden_layers == 4  # the decoder's depth
+    assert target.mask_token_candidates(processor.tokenizer, limit=3) == [364, 365, 366]
+
+
+def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
+    model, processor = whisper
+    target = FrozenTarget(model)
+    draft = _draft(target)
+    for seed in range(2):
+        feats = _features(processor, seed)
+        ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+        out = speculative_generate(draft, model, 24, input_features=feats)
+        assert torch.equal(out.sequences, ref), seed
+        assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+        assert out.num_target_forwards == len(out.acceptance_lengths) + 1
+        plain = model.generate(feats, max_new_tokens=24)
+        assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)),
+                           plain)
+    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied)
+    ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+    out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
+    assert torch.equal(out.sequences, ref)
+    assert out.acceptance_lengths[0] == BLOCK
+    # an explicit decoder prompt (another language) is what generate takes as decoder_input_ids
+    prompt = torch.tensor([[257, 259, 359, 363]])
+    ref = model.generate(feats, decoder_input_ids=prompt, max_new_tokens=10, return_dict_in_generate=True).sequences
+    out = speculative_generate(draft, model, 10, input_features=feats, decoder_input_ids=prompt)
+    assert torch.equal(out.sequences, ref) and torch.equal(out.sequences[:, :4], prompt)
+
+
+def test_speculative_sampling_runs_on_whisper(whisper):
+    model, processor = whisper
+    draft = _draft(FrozenTarget(model))
+    gen = torch.Generator().manual_seed(0)
+    out = speculative_generate(draft, model, 12, temperature=0.8, generator=gen, input_features=_features(processor, 1))
+    assert out.sequences[0, :4].tolist() == [257, 258, 359, 363]
+    assert 4 < out.sequences.shape[1] <= 4 + 12
+    assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+
+
+def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
+    """The target emits its end token in the middle of a block: decoding stops there and the cycle counts only
+    the tokens up to it (it used to go on to the next cycle and count the whole block)."""
+    model, _ = tiny_text_target()
+    target = FrozenTarget(tiny.sharpen(model))
+    prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(prompt)
+    free = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False)
+    new_tokens = free[0, 7:].tolist()
+    # the end token: a new token first seen mid-block (new token j is slot j % BLOCK of its cycle)
+    j = next(j for j in range(5, 12) if j % BLOCK and new_tokens[j] not in new_tokens[:j])
+    model.generation_config.eos_token_id = new_tokens[j]
+    ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False)
+    first_eos = 7 + j
+    assert ref.shape[1] == first_eos + 1
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1,
+                                          block_size=BLOCK)
+    draft = _oracle(DFlashDraftModel(cfg).eval(), free, 7)
+    out = speculative_generate(draft, model, 12, input_ids=prompt, attention_mask=am)
+    assert torch.equal(out.sequences, ref)
+    new = first_eos + 1 - 7
+    assert sum(out.acceptance_lengths) == new - 1  # the first new token comes from the prompt's forward
+    assert out.acceptance_lengths[:-1] == [BLOCK] * (len(out.acceptance_lengths) - 1)
+    assert out.acceptance_lengths[-1] < BLOCK  # the end token was accepted mid-block
+    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
+                                      custom_generate=custom), ref)
+    assert custom.acceptance_lengths == out.acceptance_lengths
+
+
+def test_too_long_transcripts_and_audio_are_bad_samples(whisper, tmp_path):
+    model, processor = whisper
+    long_text = _manifest(tmp_path / "a", {1: {"text": "yes " * 120}})
+    with pytest.raises(BadSampleError, match=r"field 'text'.*max_target_positions=448"):
+        build_train_dataloader(str(long_text), processor, model.config, max_tokens=4000)
+    bad_lang = _manifest(tmp_path / "b", {2: {"lang": "klingon"}})
+    with pytest.raises(ValueError, match="field 'lang'"):
+        build_train_dataloader(str(bad_lang), processor, model.config, max_tokens=4000)
+
+
+def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
+    from dflash_hf.cli import train as cli_train
+
+    target_dir = tiny.save_tiny_target(tmp_path / "target", kind="whisper", hidden_size=32, num_heads=2)
+    metrics = cli_train.run([
+        "--target_name_or_path", str(target_dir), "--train_data", str(_manifest(tmp_path)),
+        "--mask_token_id", str(MASK), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+        "--block_size", str(BLOCK), "--num_draft_layers", "1", "--use_cpu", "true", "--report_to", "none",
+        "--max_tokens", "400", "--label_source", "target_argmax", "--disable_tqdm", "true",
+        "--save_strategy", "no",
+    ])
+    assert np.isfinite(metrics["train_loss"]) and metrics["skipped_samples"] == 0
+    cfg = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
+    assert cfg["num_target_layers"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [2]
+    assert cfg["hidden_size"] == 32 and cfg["vocab_size"] == 380
