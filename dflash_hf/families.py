@@ -441,6 +441,20 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
+def generate_kwargs(family: TargetFamily, inputs: dict) -> dict:
+    """Keywords of the target's ``generate`` (and of ``speculative_generate``) for prompts as :func:`encode_batch`
+    returns them: encoder-decoder families take the token stream as the decoder's (``decoder_input_ids``, with
+    ``decoder_attention_mask`` when rows are padded) and the audio as ``input_features``; others unchanged."""
+    if not family.is_encoder_decoder:
+        return dict(inputs)
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    out["decoder_input_ids"] = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        out["decoder_attention_mask"] = mask
+    return out
+
+
 # ------------------------------------------------------------------------------------------ decoder streams
 
 

@@ -202,3 +202,35 @@ def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
     cfg = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
     assert cfg["num_target_layers"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [2]
     assert cfg["hidden_size"] == 32 and cfg["vocab_size"] == 380
+
+
+def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
+    from dflash_hf.cli import eval as cli_eval
+    from dflash_hf.cli import generate_labels
+
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    target_dir = tmp_path / "target"
+    tiny.sharpen(model, seed=2).save_pretrained(target_dir)
+    processor.save_pretrained(target_dir)
+    _draft(FrozenTarget(model)).save_pretrained(tmp_path / "draft")
+    manifest = _manifest(tmp_path)
+    out = tmp_path / "eval.json"
+    assert cli_eval.main(["--draft", str(tmp_path / "draft"), "--target", str(target_dir), "--data", str(manifest),
+                          "--num_samples", "2", "--max_new_tokens", "8", "--output_json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
+
+    labels = tmp_path / "labels.jsonl"
+    assert generate_labels.main(["--model", str(target_dir), "--manifest", str(manifest), "--output", str(labels),
+                                 "--batch_size", "4", "--max_new_tokens", "6"]) == 0
+    got = [json.loads(line) for line in labels.read_text().splitlines()]
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(got) == len(rows) and got[0]["lang"] == "de"
+    # each label is the target's own greedy transcript of that utterance (in its manifest language)
+    for row, line in zip(rows[:2], got[:2]):
+        import soundfile as sf
+
+        audio, _ = sf.read(manifest.parent / row["audio_filepath"], dtype="float32")
+        feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+        ids = model.generate(feats, language=row.get("lang", "en"), max_new_tokens=6)
+        assert line["text"] == processor.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
