@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -107,6 +108,11 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     torch.testing.assert_close(model.model.decoder.layer_norm(last), out.decoder_hidden_states[-1])
     assert not torch.allclose(last, out.decoder_hidden_states[-1])
     torch.testing.assert_close(target.lm_head(feats.final_hidden), out.logits)  # target_argmax's head
+    # a left-padded row keeps the decoder positions of its real tokens: the same taps as unpadded
+    padded = {"input_ids": torch.cat([torch.full((1, 3), 256), ids], 1), "loss_mask": torch.zeros(1, 11),
+              "attention_mask": torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1),
+              "input_features": batch["input_features"]}
+    torch.testing.assert_close(target.capture(padded, layers).taps[:, 3:], feats.taps, atol=1e-5, rtol=1e-5)
     assert target.num_layers == 4 and target.text_config.num_hidden_layers == 4  # the decoder's depth
     assert target.mask_token_candidates(processor.tokenizer, limit=3) == [364, 365, 366]
 
@@ -130,6 +136,19 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
     assert torch.equal(out.sequences, ref)
     assert out.acceptance_lengths[0] == BLOCK
+    # an audio decoder-only target (Qwen3-ASR) through custom_generate too
+    tok = tiny.build_tokenizer()
+    asr, asr_processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    tiny.sharpen(asr)
+    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
+    text = asr_processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    inputs = asr_processor(text=[text], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
+                           return_tensors="pt")
+    asr_draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(asr).text_config, mask_token_id=262,
+                                                                 num_hidden_layers=1, block_size=BLOCK)).eval()
+    assert torch.equal(asr.generate(**inputs, max_new_tokens=12, do_sample=False,
+                                    custom_generate=dflash_custom_generate(asr_draft)),
+                       asr.generate(**inputs, max_new_tokens=12, do_sample=False))
     # an explicit decoder prompt (another language) is what generate takes as decoder_input_ids
     prompt = torch.tensor([[257, 259, 359, 363]])
     ref = model.generate(feats, decoder_input_ids=prompt, max_new_tokens=10, return_dict_in_generate=True).sequences
@@ -137,14 +156,24 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     assert torch.equal(out.sequences, ref) and torch.equal(out.sequences[:, :4], prompt)
 
 
-def test_speculative_sampling_runs_on_whisper(whisper):
+def test_speculative_sampling_applies_whispers_logits_processors(whisper):
+    """At T > 0 the target's distribution is the processed one: suppressed tokens are never emitted, even though
+    the unsuppressed target prefers them and a random draft proposes anything."""
     model, processor = whisper
+    feats = _features(processor, 1)
+    greedy = model.generate(feats, max_new_tokens=12, return_dict_in_generate=True).sequences[0, 4:].tolist()
+    model = copy.deepcopy(model)
+    banned = sorted(set(greedy) - {processor.tokenizer.eos_token_id})
+    model.generation_config.suppress_tokens = list(model.generation_config.suppress_tokens) + banned
     draft = _draft(FrozenTarget(model))
     gen = torch.Generator().manual_seed(0)
-    out = speculative_generate(draft, model, 12, temperature=0.8, generator=gen, input_features=_features(processor, 1))
-    assert out.sequences[0, :4].tolist() == [257, 258, 359, 363]
-    assert 4 < out.sequences.shape[1] <= 4 + 12
-    assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+    for _ in range(3):
+        out = speculative_generate(draft, model, 12, temperature=1.0, generator=gen, input_features=feats)
+        assert out.sequences[0, :4].tolist() == [257, 258, 359, 363]
+        new = out.sequences[0, 4:].tolist()
+        assert 0 < len(new) <= 12 and not set(new) & set(banned), (new, banned)
+        assert new[0] not in model.generation_config.begin_suppress_tokens
+        assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
 
 
 def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
@@ -234,3 +263,31 @@ def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
         feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
         ids = model.generate(feats, language=row.get("lang", "en"), max_new_tokens=6)
         assert line["text"] == processor.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+
+
+def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
+    """The classic-bug gate on the decoder stream: a draft overfit on one utterance's greedy transcript accepts
+    whole blocks when decoding it (a tap, position, label or prompt offset would leave acceptance near 1)."""
+    from utils import ListDataset, make_args
+
+    from dflash_hf import DFlashTrainer
+
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    tiny.sharpen(model, seed=2, embed_std=1.0, layer_std=0.3)
+    feats = _features(processor, 0)
+    full = model.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
+    assert len(set(full[0, 4:].tolist())) > 10  # a varied transcript, not one repeated token
+    ids = full.clone()
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "input_features": feats,
+             "loss_mask": torch.arange(ids.shape[1])[None] >= 4}
+    block, steps = 8, 200
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=make_args(tmp_path, mask_token_id=MASK, block_size=block, num_draft_layers=1, max_steps=steps,
+                       per_device_train_batch_size=1, learning_rate=3e-3, label_source="target_argmax"),
+        target=model, train_dataset=ListDataset([0], steps), data_collator=lambda _: dict(batch),
+    )
+    trainer.train()
+    out = speculative_generate(trainer.model.eval(), model, 40, input_features=feats)
+    assert torch.equal(out.sequences, full)
+    assert out.tau >= 0.75 * block, out.acceptance_lengths
