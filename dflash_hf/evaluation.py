@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from .families import generate_kwargs
 from .speculative import speculative_generate
 from .target import NON_TARGET_KEYS, FrozenTarget
 
@@ -124,6 +125,12 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+    """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt)."""
+    out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    return out.sequences
+
+
 @torch.no_grad()
 def decode_benchmark(
     draft,
@@ -144,12 +151,12 @@ def decode_benchmark(
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
-        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         n_prompt = inputs["input_ids"].shape[1]
+        inputs = generate_kwargs(ft.family, {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})
         if warmup and i == 0:
             speculative_generate(draft, ft, max_new_tokens, **inputs)
             if compare_greedy:
-                ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+                _greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
         spec = speculative_generate(draft, ft, max_new_tokens, **inputs)
         stats.spec_seconds += _clock(device) - start
@@ -159,7 +166,7 @@ def decode_benchmark(
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)
-            greedy = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            greedy = _greedy(ft, inputs, max_new_tokens)
             stats.greedy_seconds += _clock(device) - start
             greedy_new = greedy[0, n_prompt:].tolist()
             stats.greedy_tokens += len(greedy_new)

@@ -45,6 +45,11 @@ class SampleValidator:
             if cut is None:
                 return None
         num_tokens = self.count_tokens(cut)
+        limits = self.family.sample_problem  # the family's own limits (Whisper: 448 positions, one audio window)
+        problem = limits(self.target_config, num_tokens, cut.duration) if limits else None
+        if problem:
+            report(cut.id, *problem)
+            return None
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             report(cut.id, "duration", f"the sample needs {num_tokens} decoder tokens (audio {cut.duration:.2f} s "
                    f"+ text), more than max_tokens={self.max_tokens}",
