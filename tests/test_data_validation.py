@@ -20,7 +20,7 @@ LINE = {"audio_filepath": "g0.wav", "duration": 1.0, "text": "x"}
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """Three good 1 s wavs, an empty and a header-only wav, and a directory."""
+    """Three good 1 s wavs, an empty, a header-only and a stereo wav, and a directory."""
     root = tmp_path_factory.mktemp("bad_data")
     rng = np.random.default_rng(0)
     for i in range(3):
@@ -28,6 +28,7 @@ def root(tmp_path_factory):
     (root / "empty.wav").write_bytes(b"")
     sf.write(root / "header_only.wav", np.zeros(0, dtype=np.float32), 16000)
     (root / "adir.wav").mkdir()
+    sf.write(root / "stereo.wav", np.zeros((16000, 2), dtype=np.float32), 16000)
     return root
 
 
@@ -105,8 +106,9 @@ def test_malformed_rows_are_refused_before_training_even_past_the_bucket_estimat
 # cut-level problems found by the validator (audio header, token budget, conversation fields)
 CUT_ROWS = [
     (_row({**LINE, "audio_filepath": "header_only.wav"}), "audio_filepath", "no samples (an empty or header-only"),
+    (_row({**LINE, "audio_filepath": "stereo.wav"}), "audio_filepath", "2 channels, targets take mono"),
     (_row({**LINE, "text": "word " * 400}), "text", "rendered text tokens"),
-    (_row({**LINE, "context": 5}), "context", "is a int (5), not a string"),
+    (_row({**LINE, "context": 5}), "context", "is not a string (int 5)"),
     (_row({**LINE, "system_prompt": ["a"]}), "system_prompt", "not a string"),
 ]
 
@@ -185,8 +187,10 @@ def test_lhotse_supervision_text_that_is_not_a_string(root, target):
     cut = _cut_dict(root, 0, id="bad")
     cut["supervisions"][0]["text"] = 12
     path = _cuts_file(root, "text.jsonl", _row(cut))
-    with pytest.raises(BadSampleError, match=r"'bad' \(.*text.jsonl line 4\): field 'text': is a int"):
+    with pytest.raises(BadSampleError, match=r"'bad' \(.*text.jsonl line 4\): field 'text': is not a string \(int 12"):
         build_train_dataloader(path, processor, model.config, max_tokens=400)
+    loader = build_train_dataloader(path, processor, model.config, max_tokens=400, skip_bad_samples=True)
+    assert list(loader.bad_samples.skipped) == [f"'bad' ({path} line 4)"]
 
 
 def _gated(root, kind: str, source: str) -> dict:

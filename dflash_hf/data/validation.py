@@ -60,7 +60,7 @@ class SampleValidator:
             return False
         text = cut.supervisions[0].text
         if text is not None and not isinstance(text, str):
-            self._report(cut, "text", f"is a {type(text).__name__} ({text!r:.40}), not a string",
+            self._report(cut, "text", f"is not a string ({type(text).__name__} {text!r:.40})",
                          "write the response text as a string")
             return False
         if text is None or not text.strip():
@@ -70,7 +70,7 @@ class SampleValidator:
         for key in (config.context_key, config.system_prompt_key):
             value = (cut.custom or {}).get(key)
             if value is not None and not isinstance(value, str):
-                self._report(cut, key, f"is a {type(value).__name__} ({value!r:.40}), not a string",
+                self._report(cut, key, f"is not a string ({type(value).__name__} {value!r:.40})",
                              f"write '{key}' as a string, or leave it out")
                 return False
         return True
