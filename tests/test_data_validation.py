@@ -247,3 +247,17 @@ def test_validation_set_skips_are_reported_in_the_eval_metrics(root, tmp_path):
     metrics = trainer.evaluate()
     assert metrics["eval_dev_skipped_samples"] == 1 and metrics["eval_clean_skipped_samples"] == 0
     assert np.isfinite(metrics["eval_dev_loss"])
+
+
+def test_hf_dataset_rows_are_named_by_row(root):
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"audio": [str(root / "g0.wav"), str(root / "adir.wav"), str(root / "nope.wav")],
+                            "text": ["a", "b", "c"]})
+    with pytest.raises(BadSampleError) as info:
+        list(open_source(DataSource(hf_dataset=ds, path="hf")))
+    assert "'hf-00000001' (hf dataset 'hf' row 1): field 'audio': audio path" in str(info.value)
+    assert "is a directory" in str(info.value) and "unreadable" not in str(info.value)
+    bad_samples = BadSamples(skip=True)
+    assert [c.id for c in open_source(DataSource(hf_dataset=ds, path="hf"), bad_samples)] == ["hf-00000000"]
+    assert sorted(bad_samples.skipped) == [f"'hf-0000000{i}' (hf dataset 'hf' row {i})" for i in (1, 2)]

@@ -200,7 +200,7 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
     return True
 
 
-def _audio_path_problem(path: Path) -> str | None:
+def audio_path_problem(path: Path) -> str | None:
     """Why ``path`` is not an audio file one can open (None if it is a file)."""
     if path.is_dir():
         return f"audio path {str(path)!r} is a directory, not an audio file"
@@ -222,7 +222,7 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
     path = Path(record["audio_filepath"]).expanduser()
     if not path.is_absolute():
         path = manifest_dir / path
-    problem = _audio_path_problem(path)
+    problem = audio_path_problem(path)
     if problem:
         bad.report(cut_id, "audio_filepath", problem,
                    "point it at an audio file (relative paths are resolved against the manifest's directory)",
@@ -395,13 +395,15 @@ class HFDatasetCuts:
                 return Recording.from_bytes(buffer.getvalue(), recording_id=cut_id)
             if audio.get("path"):
                 path = Path(audio["path"])
-                problem = _audio_path_problem(path)
+                problem = audio_path_problem(path)
                 if problem:
                     self.bad.report(cut_id, self.audio_column, problem, "point it at an audio file",
                                     origin=origin)
                     return None
                 return Recording.from_file(path, recording_id=cut_id)
             raise ValueError("the dict has none of 'bytes', 'array', 'path'")
+        except BadSampleError:  # already reported (strict mode): not an unreadable-audio error
+            raise
         except Exception as e:  # noqa: BLE001 - reported with the cut id
             self.bad.report(cut_id, self.audio_column, f"audio is unreadable ({type(e).__name__}: {e})",
                             "store a path, encoded bytes, or {'array', 'sampling_rate'}", origin=origin)

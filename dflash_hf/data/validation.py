@@ -12,6 +12,7 @@ from lhotse import CutSet
 
 from dflash_hf.data.bad_samples import BadSamples, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, cut_to_messages
+from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, _add_special_tokens, audio_token_id
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
@@ -91,13 +92,10 @@ class SampleValidator:
             report("audio_filepath", "the cut has no audio", "give every sample an audio file")
             return None
         for source in rec.sources:
-            if source.type == "file":
-                path = Path(source.source)
-                problem = ("is a directory, not an audio file" if path.is_dir() else
-                           None if path.is_file() else "does not exist")
-                if problem:
-                    report("audio_filepath", f"audio path {source.source!r} {problem}", "point it at an audio file")
-                    return None
+            problem = audio_path_problem(Path(source.source)) if source.type == "file" else None
+            if problem:
+                report("audio_filepath", problem, "point it at an audio file")
+                return None
         if rec.num_samples <= 0 or rec.duration <= 0:
             report("audio_filepath", f"audio of recording {rec.id!r} has no samples (an empty or header-only file)",
                    "replace the file or remove the sample")
