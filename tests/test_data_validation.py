@@ -147,6 +147,12 @@ def test_gzipped_nemo_manifest(root, suffix):
         list(open_source(truncated))
 
 
+def test_byte_order_mark_and_blank_lines_are_not_bad_rows(root):
+    path = root / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + b"\n\n".join(_row(x) for x in GOOD) + b"\n")
+    assert [c.id for c in open_source(path)] == ["bom-00000000", "bom-00000002", "bom-00000004"]  # index = line - 1
+
+
 def _cut_dict(root, i: int, **fields) -> dict:
     recording = Recording.from_file(root / f"g{i}.wav", recording_id=f"r{i}")
     cut = MonoCut(f"c{i}", 0.0, 1.0, 0, recording=recording,
