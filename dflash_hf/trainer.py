@@ -387,6 +387,8 @@ class DFlashTrainer(Trainer):
             out = self.objective.loss(model, self.target, batch, plan)
             sums.add_block_loss(out)
         metrics = self._report(sums, f"{metric_key_prefix}_")
+        if getattr(dataloader, "bad_samples", None) is not None:  # speech loader: rows skipped in this set
+            metrics[f"{metric_key_prefix}_skipped_samples"] = dataloader.bad_samples.num_skipped
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
         if not math.isfinite(metrics.get(f"{metric_key_prefix}_loss", 0.0)):
             raise FloatingPointError(f"non-finite {metric_key_prefix}_loss")

@@ -324,6 +324,16 @@ class DFlashDataArguments:
         default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
     )
     num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
+    allow_command_audio_sources: bool = field(
+        default=False,
+        metadata={"help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
+                  "shell to read the audio. Only for cut files you trust (default: refused)."},
+    )
+    allow_url_audio_sources: bool = field(
+        default=False,
+        metadata={"help": "Allow lhotse cuts whose audio source is of type 'url': the audio is downloaded from that "
+                  "address while training. Only for cut files you trust (default: refused)."},
+    )
 
     def __post_init__(self):
         if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
@@ -343,7 +353,7 @@ class DFlashDataArguments:
         if not self.train_data:
             return None
         weights = self.train_data_weights or [1.0] * len(self.train_data)
-        return [DataSource(path=p, weight=w) for p, w in zip(self.train_data, weights)]
+        return [DataSource(path=p, weight=w, **self._source_policy()) for p, w in zip(self.train_data, weights)]
 
     def eval_sources(self) -> dict[str, DataSource] | None:
         from .data import DataSource
@@ -355,8 +365,12 @@ class DFlashDataArguments:
             name, path = item.split("=", 1) if "=" in item else (Path(item).name.split(".")[0], item)
             if name in out:
                 raise ValueError(f"two eval_data sets are named {name!r}; name them explicitly as NAME=PATH")
-            out[name] = DataSource(path=path)
+            out[name] = DataSource(path=path, **self._source_policy())
         return out
+
+    def _source_policy(self) -> dict[str, bool]:
+        return {"allow_command_audio_sources": self.allow_command_audio_sources,
+                "allow_url_audio_sources": self.allow_url_audio_sources}
 
     def conversation(self) -> ConversationConfig:
         from .data import ConversationConfig
