@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
-from .configuration_dflash import DFLASH_VARIANTS
-from .hub import resolve_draft_dir
+from .configuration_dflash import DFLASH_VARIANTS, MAX_BLOCK_SIZE, check_block_size, check_target_layer_ids
+from .hub import check_draft_export
 
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
@@ -51,7 +51,9 @@ class DFlashTrainingArguments(TrainingArguments):
 
     # --- draft ----------------------------------------------------------------------------------
     variant: str = field(default="dflash", metadata={"help": "dflash or dflash2."})
-    block_size: int = field(default=16, metadata={"help": "Draft slots per anchor (anchor + B-1 predictions)."})
+    block_size: int = field(
+        default=16, metadata={"help": f"Draft slots per anchor (anchor + B-1 predictions), 2..{MAX_BLOCK_SIZE}."}
+    )
     num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new draft."})
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap; default spreads 1..L-3."}
@@ -72,7 +74,7 @@ class DFlashTrainingArguments(TrainingArguments):
         default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
     )
     gamma: float | None = field(
-        default=None, metadata={"help": "Slot decay w_k=exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8."}
+        default=None, metadata={"help": "Slot decay w_k=exp(-(k-1)/gamma), > 0; default 7/5/4 for B=16/10/8."}
     )
     label_source: str = field(
         default="target_argmax",
@@ -174,16 +176,35 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
-        for name, low in (("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1)):
+        check_block_size(self.block_size)
+        if self.target_layer_ids is not None:
+            check_target_layer_ids(self.target_layer_ids)
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(
+                f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "
+                "the recipe default (7/5/4 for block_size 16/10/8)"
+            )
+        lows = (
+            ("num_draft_layers", 1), ("num_anchors", 1), ("anchor_pad_multiple", 1), ("ce_chunk_size", 1),
+            ("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1),
+        )
+        for name, low in lows:
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        self._check_attention_backend()
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+
+    def _check_attention_backend(self) -> None:
+        import torch
+
+        if self.attention_backend == "flex" and not self.validate_only:
+            if self.use_cpu or not torch.cuda.is_available():
+                raise ValueError(
+                    "attention_backend=flex trains on CUDA only (FlexAttention has no backward on CPU); "
+                    "use attention_backend=sdpa (or auto: flex on CUDA, sdpa on CPU)"
+                )
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):
@@ -253,8 +274,8 @@ class DFlashTrainingArguments(TrainingArguments):
             self.gradient_checkpointing_kwargs = kwargs
             if hasattr(self, "activation_checkpointing_kwargs"):
                 self.activation_checkpointing_kwargs = kwargs
-        if self.init_from_pretrained:
-            resolve_draft_dir(self.init_from_pretrained)  # a missing draft export fails before the target loads
+        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
+            check_draft_export(self.init_from_pretrained)
 
     @property
     def resolved_export_dir(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from transformers import AutoProcessor, AutoTokenizer, HfArgumentParser
 
@@ -32,10 +33,35 @@ def load_processor(path: str):
         return AutoTokenizer.from_pretrained(path)
 
 
+def check_target_path(name: str) -> None:
+    """A target given as a local path must be an existing directory (a Hub id is left to transformers)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NotADirectoryError(
+            f"target_name_or_path={name} is a file; give the directory of the frozen target (its save_pretrained)"
+        )
+    try:
+        validate_repo_id(name)
+        looks_local = name.startswith((".", "~")) or Path(name).is_absolute()
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        raise FileNotFoundError(
+            f"target_name_or_path={name}: the directory does not exist; give the directory of the frozen target "
+            "(a model saved with save_pretrained) or a Hub model id"
+        )
+
+
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
+    check_target_path(args.target_name_or_path)
     if args.validate_only:
         if not data_args.eval_data:
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
@@ -83,9 +109,12 @@ def run(argv: list[str] | None = None) -> dict:
     return train(*parse_with_config(make_parser(), argv))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     run(argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from .console import train as console_train
+
+    console_train()
