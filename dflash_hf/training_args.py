@@ -46,11 +46,11 @@ class DFlashTrainingArguments(TrainingArguments):
     )
     precision: str = field(
         default="fp32",
-        metadata={"help": "Parameter dtype of target AND draft: fp32 or bf16 (no autocast)."},
+        metadata={"help": "Parameter dtype of target AND draft (no autocast).", "choices": ("fp32", "bf16")},
     )
 
     # --- draft ----------------------------------------------------------------------------------
-    variant: str = field(default="dflash", metadata={"help": "dflash or dflash2."})
+    variant: str = field(default="dflash", metadata={"help": "dflash or dflash2.", "choices": DFLASH_VARIANTS})
     block_size: int = field(
         default=16, metadata={"help": f"Draft slots per anchor (anchor + B-1 predictions), 2..{MAX_BLOCK_SIZE}."}
     )
@@ -84,7 +84,10 @@ class DFlashTrainingArguments(TrainingArguments):
         default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
     )
     attention_backend: str = field(
-        default="auto", metadata={"help": "flex, sdpa (dense mask) or auto (flex on CUDA, sdpa on CPU)."}
+        default="auto",
+        metadata={
+            "help": "flex, sdpa (dense mask) or auto (flex on CUDA, sdpa on CPU).", "choices": ("auto", "flex", "sdpa")
+        },
     )
     ce_chunk_size: int = field(
         default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}

@@ -8,6 +8,7 @@ problem names the file, the line and the field. Light module: no torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,9 @@ def _type_name(value: Any) -> str:
 def _scalar(value: Any, action: argparse.Action, where: str) -> Any:
     """One YAML scalar as the option's type would parse it from the command line, or a ConfigFileError."""
     kind: Callable | None = action.type
-    expected = getattr(kind, "__name__", "value")
+    expected = {"int": "integer", "float": "number", "string_to_bool": "boolean (true or false)"}.get(
+        getattr(kind, "__name__", ""), "value"
+    )
     if isinstance(value, str) and kind not in (None, str):
         try:
             value = kind(value)  # as if given on the command line
@@ -99,7 +102,7 @@ def _scalar(value: Any, action: argparse.Action, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigFileError(f"{where}: {value!r} is {_type_name(value)}; give a number")
         value = float(value)
-    elif kind is not None and expected == "string_to_bool" and not isinstance(value, bool):
+    elif expected.startswith("boolean") and not isinstance(value, bool):
         raise ConfigFileError(f"{where}: {value!r} is {_type_name(value)}; give true or false")
     elif kind is str or kind is None:
         if isinstance(value, bool):
@@ -138,6 +141,11 @@ def check_value(key: str, value: Any, action: argparse.Action, where: str) -> An
     return _scalar(value, action, where)
 
 
+def _did_you_mean(key: str, actions: dict) -> str:
+    close = difflib.get_close_matches(key, list(actions), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:
     """Field values of a `--config` file, each checked against the parser's option of the same name."""
     path = Path(config)
@@ -148,7 +156,7 @@ def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:
     raw = _load_mapping(path, config)
     unknown = sorted(k for k in raw if k not in actions)
     if unknown:
-        lines = ", ".join(f"{k} (line {raw[k][1]})" for k in unknown)
+        lines = ", ".join(f"{k} (line {raw[k][1]}{_did_you_mean(k, actions)})" for k in unknown)
         raise ConfigFileError(f"--config {config} has unknown fields {lines}; see --help for the valid ones")
     return {
         key: check_value(key, value, actions[key], f"--config {config} line {line}: {key}")
