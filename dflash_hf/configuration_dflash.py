@@ -8,6 +8,9 @@ published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"
 from __future__ import annotations
 
 from transformers import Qwen3Config
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 DFLASH_VARIANTS = ("dflash", "dflash2")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -31,22 +34,23 @@ def check_block_size(block_size: int, name: str = "block_size") -> None:
 
 
 def check_target_layer_ids(ids, num_target_layers: int | None = None, name: str = "target_layer_ids") -> None:
-    """Non-empty, distinct integer layer indices (in range when `num_target_layers` is known)."""
+    """Non-empty integer layer indices, in range when `num_target_layers` is known."""
     if not ids:
         raise ValueError(f"{name} is empty: give at least one target layer to tap")
     if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         raise ValueError(f"{name} must be a list of integer layer indices, got {list(ids)!r}")
-    duplicated = sorted({i for i in ids if list(ids).count(i) > 1})
-    if duplicated:
-        raise ValueError(
-            f"{name}={list(ids)} taps layers {duplicated} more than once; give each target layer once"
-        )
-    upper = num_target_layers
-    bad = [i for i in ids if i < 0 or (upper is not None and i >= upper)]
+    bad = [i for i in ids if i < 0 or (num_target_layers is not None and i >= num_target_layers)]
     if bad:
-        valid = f"0..{upper - 1}" if upper is not None else ">= 0"
-        layers = f" for a target with {upper} decoder layers" if upper is not None else ""
+        valid = f"0..{num_target_layers - 1}" if num_target_layers is not None else ">= 0"
+        layers = f" for a target with {num_target_layers} decoder layers" if num_target_layers is not None else ""
         raise ValueError(f"{name} {bad} out of range{layers} (valid: {valid})")
+
+
+def check_distinct_taps(ids, name: str = "target_layer_ids") -> None:
+    """Taps the user chose must name each layer once (a repeated tap only repeats features)."""
+    repeated = sorted({i for i in ids if list(ids).count(i) > 1})
+    if repeated:
+        raise ValueError(f"{name}={list(ids)} taps layers {repeated} more than once; give each target layer once")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -148,6 +152,14 @@ class DFlashConfig(Qwen3Config):
         num_target_layers = t.num_hidden_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+            if len(set(target_layer_ids)) < len(target_layer_ids):
+                logger.warning(
+                    "default target_layer_ids %s repeat layers: a %d-layer target has too few layers in 1..L-3 for "
+                    "%d distinct taps; set target_layer_ids to choose them", target_layer_ids, num_target_layers,
+                    num_hidden_layers,
+                )
+        else:
+            check_distinct_taps(target_layer_ids)
         dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
         if variant == "dflash2":
             dflash_config.update(

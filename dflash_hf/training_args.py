@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
-from .configuration_dflash import DFLASH_VARIANTS, MAX_BLOCK_SIZE, check_block_size, check_target_layer_ids
+from .configuration_dflash import (
+    DFLASH_VARIANTS,
+    MAX_BLOCK_SIZE,
+    check_block_size,
+    check_distinct_taps,
+    check_target_layer_ids,
+)
 from .hub import check_draft_export
 
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
@@ -182,6 +188,7 @@ class DFlashTrainingArguments(TrainingArguments):
         check_block_size(self.block_size)
         if self.target_layer_ids is not None:
             check_target_layer_ids(self.target_layer_ids)
+            check_distinct_taps(self.target_layer_ids)
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(
                 f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "
