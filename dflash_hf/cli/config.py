@@ -122,6 +122,8 @@ def _scalar(value: Any, action: argparse.Action, where: str) -> Any:
 
 def check_value(key: str, value: Any, action: argparse.Action, where: str) -> Any:
     """A YAML value converted to what the option `key` takes (list or scalar of its type), or a ConfigFileError."""
+    if getattr(action, "unchecked", False):
+        return value  # a placeholder of the light parser (cli.options): the real parser checks it
     if value is None:
         if action.default is None:
             return None
