@@ -17,14 +17,10 @@ from pathlib import Path
 
 from torch import nn
 
+from .arguments import DEFAULT_LORA_TARGETS, LORA_TARGETS
+
 PROJECTION_PARAM = "fc.weight"
 SELECTION_FILE = "dflash_trainable.json"
-# Linear layers of the draft that LoRA may target (the last two exist in DFlash2 drafts only).
-LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc",
-    "kernel_projection", "hidden_projection",
-)
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def is_peft_model(model: nn.Module) -> bool:

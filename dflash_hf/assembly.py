@@ -36,7 +36,8 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
     if args.init_from_pretrained:
         draft = load_draft_strict(args.init_from_pretrained, block_size=args.block_size)
         check_warm_start(
-            draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids, mask_token_id=args.mask_token_id
+            draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids,
+            mask_token_id=args.mask_token_id, vocab_size=target.vocab_size,
         )
     else:
         target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)

@@ -8,12 +8,49 @@ published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"
 from __future__ import annotations
 
 from transformers import Qwen3Config
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 DFLASH_VARIANTS = ("dflash", "dflash2")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # Decay constant gamma of the slot weights w_k = exp(-(k-1)/gamma) used by the published recipes.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Largest supported block size. Published recipes use 8 to 16; the dense block mask and the per-block
+# supervision grow with block_size * num_anchors, and 128 is the flex attention tile (a block never spans two).
+MAX_BLOCK_SIZE = 128
+# The draft MLP is SwiGLU with SiLU whatever the target uses (modeling_dflash.DFlashMLP); the config says so.
+DRAFT_HIDDEN_ACT = "silu"
+
+
+def check_block_size(block_size: int, name: str = "block_size") -> None:
+    """2 <= block_size <= MAX_BLOCK_SIZE, else a ValueError naming `name` and the fix."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"{name} must be an integer in [2, {MAX_BLOCK_SIZE}] (the anchor plus at least one prediction; "
+            f"published recipes use 8 to 16), got {block_size!r}"
+        )
+
+
+def check_target_layer_ids(ids, num_target_layers: int | None = None, name: str = "target_layer_ids") -> None:
+    """Non-empty integer layer indices, in range when `num_target_layers` is known."""
+    if not ids:
+        raise ValueError(f"{name} is empty: give at least one target layer to tap")
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"{name} must be a list of integer layer indices, got {list(ids)!r}")
+    bad = [i for i in ids if i < 0 or (num_target_layers is not None and i >= num_target_layers)]
+    if bad:
+        valid = f"0..{num_target_layers - 1}" if num_target_layers is not None else ">= 0"
+        layers = f" for a target with {num_target_layers} decoder layers" if num_target_layers is not None else ""
+        raise ValueError(f"{name} {bad} out of range{layers} (valid: {valid})")
+
+
+def check_distinct_taps(ids, name: str = "target_layer_ids") -> None:
+    """Taps the user chose must name each layer once (a repeated tap only repeats features)."""
+    repeated = sorted({i for i in ids if list(ids).count(i) > 1})
+    if repeated:
+        raise ValueError(f"{name}={list(ids)} taps layers {repeated} more than once; give each target layer once")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -90,8 +127,7 @@ class DFlashConfig(Qwen3Config):
 
     def set_block_size(self, block_size: int) -> None:
         """Change the block size (weights do not depend on it), keeping both copies in sync."""
-        if block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {block_size}")
+        check_block_size(block_size)
         self.block_size = block_size
         self.dflash_config["block_size"] = block_size
 
@@ -114,10 +150,20 @@ class DFlashConfig(Qwen3Config):
         """Draft config whose dimensions default from the target's text (decoder) config."""
         if variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {variant!r}")
+        if num_hidden_layers < 1:
+            raise ValueError(f"num_draft_layers (num_hidden_layers) must be >= 1, got {num_hidden_layers}")
         t = target_text_config
         num_target_layers = t.num_hidden_layers
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+            if len(set(target_layer_ids)) < len(target_layer_ids):
+                logger.warning(
+                    "default target_layer_ids %s repeat layers: a %d-layer target has too few layers in 1..L-3 for "
+                    "%d distinct taps; set target_layer_ids to choose them", target_layer_ids, num_target_layers,
+                    num_hidden_layers,
+                )
+        else:
+            check_distinct_taps(target_layer_ids)
         dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
         if variant == "dflash2":
             dflash_config.update(
@@ -138,7 +184,7 @@ class DFlashConfig(Qwen3Config):
             rope_parameters=dict(rope),
             max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
             vocab_size=t.vocab_size,
-            hidden_act=getattr(t, "hidden_act", "silu"),
+            hidden_act=DRAFT_HIDDEN_ACT,
             tie_word_embeddings=False,
         )
         fields.update(overrides)
@@ -156,18 +202,13 @@ class DFlashConfig(Qwen3Config):
     def validate_dflash(self) -> None:
         """Check the DFlash-specific fields; raise a ValueError naming the field and the fix."""
         dc = self.dflash_config
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one prediction), got {self.block_size}")
-        ids = dc.get("target_layer_ids")
-        if not ids:
-            raise ValueError("dflash_config.target_layer_ids is empty: give at least one target layer to tap")
-        if self.num_target_layers is not None:
-            bad = [i for i in ids if not 0 <= i < self.num_target_layers]
-            if bad:
-                raise ValueError(
-                    f"target_layer_ids {bad} out of range for a target with {self.num_target_layers} "
-                    f"decoder layers (valid: 0..{self.num_target_layers - 1})"
-                )
+        check_block_size(self.block_size)
+        check_target_layer_ids(dc.get("target_layer_ids"), self.num_target_layers, "dflash_config.target_layer_ids")
+        if getattr(self, "hidden_act", DRAFT_HIDDEN_ACT) != DRAFT_HIDDEN_ACT:
+            raise ValueError(
+                f"hidden_act={self.hidden_act!r}: the draft MLP is SwiGLU with {DRAFT_HIDDEN_ACT!r} "
+                f"(modeling_dflash); set hidden_act to {DRAFT_HIDDEN_ACT!r}"
+            )
         if dc.get("mask_token_id") is None:
             raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
         if self.variant == "dflash2":
@@ -178,6 +219,16 @@ class DFlashConfig(Qwen3Config):
                 raise ValueError(
                     f"hidden_size {self.hidden_size} is not divisible by conv_group_size {dc['conv_group_size']}"
                 )
+
+
+    def to_dict(self) -> dict:
+        """Also writes `rope_theta` at the top level (beside `rope_parameters`): engines whose config classes
+        predate `rope_parameters` read only that key, and would otherwise fall back to their default theta."""
+        out = super().to_dict()
+        rope = out.get("rope_parameters") or {}
+        if isinstance(rope, dict) and rope.get("rope_theta") is not None:
+            out["rope_theta"] = rope["rope_theta"]
+        return out
 
 
 __all__ = ["DFlashConfig", "default_target_layer_ids", "default_gamma"]

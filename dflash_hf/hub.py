@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .adaptation import is_peft_model, merged_draft
@@ -67,11 +67,26 @@ def resolve_draft_dir(path: str | Path) -> Path:
         ) from err
 
 
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`; invalid JSON is an error naming the file and line."""
+    try:
+        raw = json.loads(file.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not UTF-8 text ({err}); it is not a DFlash draft export's JSON") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); restore or re-export it"
+        ) from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore or re-export it")
+    return raw
+
+
 def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
-    raw = json.loads(config_file.read_text())
+    raw = _read_json(config_file)
     for key in QUANT_CONFIG_KEYS:
         if raw.get(key):
             method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
@@ -106,7 +121,7 @@ def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no `weight_map`; the sharded export is incomplete")
         shards = sorted(set(weight_map.values()))
@@ -129,28 +144,58 @@ def _note_extra_files(directory: Path, weight_files: list[Path]) -> None:
         logger.warning("Warm start from %s: ignoring non-weight files %s", directory, extra)
 
 
-def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, torch.Tensor]:
-    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded."""
-    shapes: dict[str, tuple[str, Path]] = {}
+def _open_weights(file: Path):
+    """`safe_open` of one weight file; a truncated or corrupt file is an error naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({err}); it is truncated or corrupt: copy or export "
+            "the draft again"
+        ) from err
+
+
+def _weight_dtypes(directory: Path, weight_files: list[Path]) -> dict[str, str]:
+    """name -> safetensors dtype of every tensor (headers only); quantized/packed dtypes are refused."""
+    dtypes: dict[str, str] = {}
+    where: dict[str, Path] = {}
     packed = []
     for file in weight_files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_weights(file) as f:
             for name in f.keys():
                 dtype = f.get_slice(name).get_dtype()
                 if dtype not in FLOAT_DTYPES:
                     packed.append(f"{name} ({dtype})")
-                if name in shapes:
-                    raise ValueError(f"tensor {name!r} appears in both {shapes[name][1].name} and {file.name}")
-                shapes[name] = (dtype, file)
+                if name in dtypes:
+                    raise ValueError(f"tensor {name!r} appears in both {where[name].name} and {file.name}")
+                dtypes[name], where[name] = dtype, file
     if packed:
         more = f" and {len(packed) - 5} more" if len(packed) > 5 else ""
         raise _quantized_error(directory, f"tensors in packed/quantized dtypes: {', '.join(packed[:5])}{more}")
+    return dtypes
+
+
+def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded."""
+    _weight_dtypes(directory, weight_files)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_weights(file) as f:
             for name in f.keys():
-                state[name] = f.get_tensor(name)
+                try:
+                    state[name] = f.get_tensor(name)
+                except SafetensorError as err:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({err}); export the draft again") from err
     return state
+
+
+def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlashConfig:
+    """Cheap checks of a warm-start export before anything expensive runs: the directory, `config.json`
+    (valid JSON, a DFlash config) and the weight files' headers (readable, not quantized). Its config."""
+    directory = resolve_draft_dir(path)
+    config = _read_draft_config(directory, block_size)
+    _weight_dtypes(directory, _weight_files(directory))
+    return config
 
 
 def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
@@ -164,9 +209,11 @@ def check_warm_start(
     variant: str,
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
+    vocab_size: int | None = None,
     source: str = "init_from_pretrained",
 ) -> None:
-    """The warm-started draft keeps its architecture, taps and mask id: explicit settings must agree."""
+    """The warm-started draft keeps its architecture, taps and mask id: explicit settings must agree.
+    `vocab_size`: the target's embedding rows; a draft trained against another vocabulary is refused."""
     if config.variant != variant:
         raise ValueError(
             f"{source} is a {ARCHITECTURES[config.variant]} but variant={variant!r}; set variant: {config.variant} "
@@ -181,6 +228,12 @@ def check_warm_start(
         raise ValueError(
             f"mask_token_id={mask_token_id} differs from the warm-started draft's {config.mask_token_id}; "
             "drop mask_token_id or use the saved one"
+        )
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise ValueError(
+            f"{source} was trained against a target with vocab_size {config.vocab_size}, but this target's "
+            f"embedding has {vocab_size} rows; warm start from a draft of this target (same tokenizer and "
+            "embedding), or train a new draft"
         )
 
 
@@ -222,6 +275,16 @@ def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlash
 # ------------------------------------------------------------------------------------------------
 # Export and conversion
 # ------------------------------------------------------------------------------------------------
+EXPORT_FILE_MODE = 0o644  # readable by a serving process running as another user
+
+
+def make_readable(export_dir: Path) -> None:
+    """Give every file of an export mode 0644 (safetensors writes weights as 0600)."""
+    for path in export_dir.iterdir():
+        if path.is_file():
+            path.chmod(EXPORT_FILE_MODE)
+
+
 def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
     """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
     so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
@@ -247,6 +310,7 @@ def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str,
         raise TypeError(f"export_draft needs a DFlash draft (or its PeftModel), got {type(draft).__name__}")
     export_dir = Path(export_dir)
     draft.save_pretrained(export_dir, safe_serialization=True)
+    make_readable(export_dir)
     return export_dir
 
 
@@ -287,6 +351,7 @@ def convert_dflash_to_dflash2(
     dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     out_dir = Path(out_dir)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    make_readable(out_dir)
     return out_dir
 
 
@@ -334,7 +399,7 @@ def _fmt(value: float | None) -> str:
 def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
     """README.md of a published draft: metadata, draft facts, data, validation tau, how to serve it."""
     variant = ARCHITECTURES[config.variant]
-    target = info.target_id + (f" (revision `{info.target_revision}`)" if info.target_revision else "")
+    target = f"`{info.target_id}`" + (f" (revision `{info.target_revision}`)" if info.target_revision else "")
     revision_arg = f', revision="{info.target_revision}"' if info.target_revision else ""
     revision_flag = f" --revision {info.target_revision}" if info.target_revision else ""
     meta = ["---", "library_name: transformers", f"base_model: {info.target_id}"]
@@ -343,7 +408,7 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     meta += ["tags:", "- dflash", "- speculative-decoding", "- draft-model", "- dflash_hf", "---"]
     rows = [
         ("variant", f"{'DFlash2' if config.variant == 'dflash2' else 'DFlash'} (`{variant}`)"),
-        ("target", f"`{target}`"),
+        ("target", target),
         ("block size", str(config.block_size)),
         ("mask token id", str(config.mask_token_id)),
         ("target layer taps", f"{config.target_layer_ids} of {config.num_target_layers} decoder layers"),
@@ -491,6 +556,7 @@ def push_draft_to_hub(
 __all__ = [
     "load_draft_strict",
     "check_warm_start",
+    "check_draft_export",
     "export_draft",
     "resolve_draft_dir",
     "draft_class_for",

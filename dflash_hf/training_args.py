@@ -1,178 +1,62 @@
-"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (DESIGN 6)."""
+"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (DESIGN 6).
+
+The DFlash fields are defined by the light argument groups of `dflash_hf.arguments` (also parsed alone, without
+torch, for `dflash-train --help`); this class combines them with `TrainingArguments` and checks everything.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
-from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from .arguments import (
+    DFLASH_VARIANTS,
+    LORA_TARGETS,
+    TRAINER_OVERRIDES,
+    DFlashAdaptationArguments,
+    DFlashDataArguments,
+    DFlashModelArguments,
+    DFlashObjectiveArguments,
+    DFlashPackingArguments,
+    DFlashRunArguments,
+)
 from .checkpoints import check_checkpoint_dir, parse_resume_flag
-from .configuration_dflash import DFLASH_VARIANTS
-from .hub import resolve_draft_dir
+from .configuration_dflash import check_block_size, check_distinct_taps, check_target_layer_ids
+from .hub import check_draft_export
 
-if TYPE_CHECKING:  # lhotse is imported only when speech data is used
-    from .data import ConversationConfig, DataSource
+__all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
+
+
+def _override(name: str):
+    default, help_text = TRAINER_OVERRIDES[name]
+    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass
-class DFlashTrainingArguments(TrainingArguments):
+class DFlashTrainingArguments(
+    TrainingArguments,
+    DFlashModelArguments,
+    DFlashObjectiveArguments,
+    DFlashAdaptationArguments,
+    DFlashPackingArguments,
+    DFlashRunArguments,
+):
     """Optimizer and schedule come from the standard fields. Defaults here: AdamW, lr 6e-4, constant
     schedule. An adaptation schedule is `learning_rate=1.5e-4, lr_scheduler_type=cosine_with_min_lr,
     lr_scheduler_kwargs={min_lr: 1e-6}, warmup_steps=500, max_steps=8000` (examples/configs/adapt.yaml)."""
 
-    # --- standard fields with DFlash defaults ----------------------------------------------------
-    learning_rate: float = field(default=6e-4, metadata={"help": "AdamW learning rate (DFlash default 6e-4)."})
-    lr_scheduler_type: str = field(default="constant", metadata={"help": "LR schedule (default constant)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Kept False: DFlash batches carry audio and loss-mask keys."}
-    )
-    save_safetensors: bool = field(default=True, metadata={"help": "Checkpoints in safetensors."})
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={"help": "Resume training from this complete checkpoint-N directory, or true: from the last "
-                  "complete checkpoint in output_dir (incomplete ones, from interrupted saves, are skipped)."},
-    )
-
-    # --- target ---------------------------------------------------------------------------------
-    target_name_or_path: str | None = field(
-        default=None, metadata={"help": "Local directory (or cached hub id) of the frozen target."}
-    )
-    target_strict_load: bool = field(
-        default=True,
-        metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},
-    )
-    target_family: str | None = field(
-        default=None,
-        metadata={"help": "Target family row (docs/DATA.md); default from the config's model_type. "
-                  "qwen2_audio_single_placeholder selects the model-side audio expansion (NeMo SALM layout)."},
-    )
-    precision: str = field(
-        default="fp32",
-        metadata={"help": "Parameter dtype of target AND draft: fp32 or bf16 (no autocast)."},
-    )
-
-    # --- draft ----------------------------------------------------------------------------------
-    variant: str = field(default="dflash", metadata={"help": "dflash or dflash2."})
-    block_size: int = field(default=16, metadata={"help": "Draft slots per anchor (anchor + B-1 predictions)."})
-    num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new draft."})
-    target_layer_ids: list[int] | None = field(
-        default=None, metadata={"help": "0-based target decoder layers to tap; default spreads 1..L-3."}
-    )
-    mask_token_id: int | None = field(
-        default=None, metadata={"help": "Reserved token id with a row in the target embedding, unused by the data."}
-    )
-    init_from_pretrained: str | None = field(
-        default=None, metadata={"help": "Warm start: a draft export directory (weights only, strict)."}
-    )
-    export_dir: str | None = field(
-        default=None, metadata={"help": "Where the final draft is exported (default: <output_dir>/draft)."}
-    )
-
-    # --- blocks and loss ------------------------------------------------------------------------
-    num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per row."})
-    anchor_pad_multiple: int = field(
-        default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
-    )
-    gamma: float | None = field(
-        default=None, metadata={"help": "Slot decay w_k=exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8."}
-    )
-    label_source: str = field(
-        default="target_argmax",
-        metadata={"help": "target_argmax (frozen target's greedy next token), ground_truth (data tokens) or "
-                  "target_distribution (soft labels: the target's top label_top_k probabilities, renormalized)."},
-    )
-    label_top_k: int = field(
-        default=8, metadata={"help": "label_source=target_distribution: target tokens kept per position."}
-    )
-    loss_type: str = field(
-        default="ce",
-        metadata={"help": "ce (slot-decayed cross-entropy) or dpace (D-PACE confidence-derived position weights)."},
-    )
-    dpace_alpha: float = field(
-        default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
-    )
-    target_argmax_chunk_size: int = field(
-        default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
-    )
-    attention_backend: str = field(
-        default="auto", metadata={"help": "flex, sdpa (dense mask) or auto (flex on CUDA, sdpa on CPU)."}
-    )
-    ce_chunk_size: int = field(
-        default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}
-    )
-    compile_draft_layers: bool = field(
-        default=False,
-        metadata={
-            "help": "torch.compile each draft decoder layer on CUDA (docs/PERFORMANCE.md: 8B-shape draft step "
-            "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
-        },
-    )
-    validate_only: bool = field(
-        default=False,
-        metadata={"help": "Only evaluate the init_from_pretrained draft on the validation sets; no training."},
-    )
-    real_tau_steps: int = field(
-        default=0,
-        metadata={"help": "Every N steps decode validation prompts speculatively and log the real tau; 0 = off."},
-    )
-    real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
-    real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
-
-    # --- packed (THD) batches (docs/PACKING.md) -------------------------------------------------
-    packing: bool = field(
-        default=False,
-        metadata={"help": "Pack several conversations into one row per rank (b=1) with per-document positions."},
-    )
-    packing_max_tokens: int | None = field(
-        default=None, metadata={"help": "Token budget of one packed row (audio positions + text); needs packing."}
-    )
-    anchor_budget: int | None = field(
-        default=None,
-        metadata={"help": "Packed batches: cap on anchors per micro-batch (num_anchors apply per document)."},
-    )
-
-    # --- DFlash2 (DESIGN 4) -----------------------------------------------------------------------
-    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
-    conv_group_size: int = field(
-        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
-    )
-    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
-    selector_loss_weight: float = field(
-        default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
-    )
-    use_fused_linear_ce: bool | None = field(
-        default=None,
-        metadata={"help": "DFlash loss as a fused lm_head+CE (gradient made in the forward, logits never kept; "
-                  "default for dflash) or, false, dense per-chunk logits recomputed in backward. DFlash2 needs "
-                  "the dense logits (must be false; its default)."},
-    )
-
-    # --- adaptation (docs/ADAPTATION.md) ----------------------------------------------------------
-    projection_only: bool = field(
-        default=False,
-        metadata={"help": "Train only fc.weight (tap projection) of a warm-started draft; needs init_from_pretrained."},
-    )
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank on the draft (peft); 0 = off. Merged on export."})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
-        metadata={"help": f"Draft linear layers that get LoRA adapters; any of {', '.join(LORA_TARGETS)}."},
-    )
-
-    logging_nan_inf_filter: bool = field(
-        default=False,
-        metadata={
-            "help": "Trainer's filter that hides nan/inf losses from the logged average. Off by default: it reads "
-            "every micro-batch's loss on the host, which stalls the GPU between steps; a non-finite loss is then "
-            "logged as it is (the step is taken either way)."
-        },
-    )
+    # --- standard fields with DFlash defaults (arguments.TRAINER_OVERRIDES) ------------------------
+    learning_rate: float = _override("learning_rate")
+    lr_scheduler_type: str = _override("lr_scheduler_type")
+    weight_decay: float = _override("weight_decay")
+    remove_unused_columns: bool = _override("remove_unused_columns")
+    save_safetensors: bool = _override("save_safetensors")
+    logging_nan_inf_filter: bool = _override("logging_nan_inf_filter")
+    push_to_hub: bool = _override("push_to_hub")
+    hub_model_id: str | None = _override("hub_model_id")
+    resume_from_checkpoint: str | None = _override("resume_from_checkpoint")
 
     def __post_init__(self):
         if self.bf16 or self.fp16:
@@ -193,16 +77,56 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
-        for name, low in (("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1)):
+        check_block_size(self.block_size)
+        if self.target_layer_ids is not None:
+            check_target_layer_ids(self.target_layer_ids)
+            check_distinct_taps(self.target_layer_ids)
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(
+                f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "
+                "the recipe default (7/5/4 for block_size 16/10/8)"
+            )
+        lows = (
+            ("num_draft_layers", 1), ("num_anchors", 1), ("anchor_pad_multiple", 1), ("ce_chunk_size", 1),
+            ("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1),
+        )
+        for name, low in lows:
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        self._check_attention_backend()
+        self._check_hub()
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+
+    def _check_hub(self) -> None:
+        if not self.push_to_hub:
+            return
+        if self.validate_only:
+            raise ValueError(
+                "push_to_hub=true publishes the draft this run trains; validate_only=true trains none (publish an "
+                "export with dflash_hf.hub.push_draft_to_hub)"
+            )
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(self.hub_model_id or "")
+        except HFValidationError as err:
+            raise ValueError(
+                f"push_to_hub=true publishes the exported draft to hub_model_id, which must be a Hub repo id "
+                f"(org/name), got {self.hub_model_id!r}"
+            ) from err
+
+    def _check_attention_backend(self) -> None:
+        import torch
+
+        if self.attention_backend == "flex" and not self.validate_only:
+            if self.use_cpu or not torch.cuda.is_available():
+                raise ValueError(
+                    "attention_backend=flex trains on CUDA only (FlexAttention has no backward on CPU); "
+                    "use attention_backend=sdpa (or auto: flex on CUDA, sdpa on CPU)"
+                )
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):
@@ -283,96 +207,9 @@ class DFlashTrainingArguments(TrainingArguments):
             self.gradient_checkpointing_kwargs = kwargs
             if hasattr(self, "activation_checkpointing_kwargs"):
                 self.activation_checkpointing_kwargs = kwargs
-        if self.init_from_pretrained:
-            resolve_draft_dir(self.init_from_pretrained)  # a missing draft export fails before the target loads
+        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
+            check_draft_export(self.init_from_pretrained)
 
     @property
     def resolved_export_dir(self) -> str:
         return self.export_dir or f"{self.output_dir}/draft"
-
-
-@dataclass
-class DFlashDataArguments:
-    """Where the speech data comes from and how it is batched (parsed beside `DFlashTrainingArguments`)."""
-
-    train_data: list[str] | None = field(
-        default=None, metadata={"help": "NeMo manifests (.json/.jsonl[.gz]) or lhotse cut files to train on."}
-    )
-    train_data_weights: list[float] | None = field(
-        default=None, metadata={"help": "Sampling weight per train_data entry (default: all 1)."}
-    )
-    eval_data: list[str] | None = field(
-        default=None,
-        metadata={"help": "Validation sets as NAME=PATH (or PATH; the name is the file stem). Each is reported "
-                          "as eval_NAME_loss, eval_NAME_tau_est, ..."},
-    )
-    max_tokens: int = field(
-        default=4096, metadata={"help": "Token budget of one batch per rank: batch size x longest (audio + text)."}
-    )
-    max_batch_size: int | None = field(default=None, metadata={"help": "Optional cap on samples per batch."})
-    system_prompt: str | None = field(default=None, metadata={"help": "Optional system turn."})
-    prompt: str | None = field(
-        default=None, metadata={"help": "User text beside the audio when a cut has no `context` field."}
-    )
-    padding_side: str | None = field(
-        default=None, metadata={"help": "left or right; default: the processor's own padding side."}
-    )
-    skip_bad_samples: bool = field(
-        default=False, metadata={"help": "False: a bad sample is an error. True: skip it, warn with its id, count it."}
-    )
-    resample_audio: bool = field(
-        default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
-    )
-    num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
-    allow_command_audio_sources: bool = field(
-        default=False,
-        metadata={"help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
-                  "shell to read the audio. Only for cut files you trust (default: refused)."},
-    )
-    allow_url_audio_sources: bool = field(
-        default=False,
-        metadata={"help": "Allow lhotse cuts whose audio source is of type 'url': the audio is downloaded from that "
-                  "address while training. Only for cut files you trust (default: refused)."},
-    )
-
-    def __post_init__(self):
-        if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
-            raise ValueError(
-                f"train_data_weights has {len(self.train_data_weights)} entries for "
-                f"{len(self.train_data or [])} train_data paths; give one weight per path"
-            )
-        if self.padding_side not in (None, "left", "right"):
-            raise ValueError(f"padding_side must be left or right, got {self.padding_side!r}")
-        for path in (self.train_data or []) + [p.split("=", 1)[-1] for p in self.eval_data or []]:
-            if not Path(path).exists():
-                raise FileNotFoundError(f"data file {path!r} does not exist (from train_data / eval_data)")
-
-    def train_sources(self) -> list[DataSource] | None:
-        from .data import DataSource
-
-        if not self.train_data:
-            return None
-        weights = self.train_data_weights or [1.0] * len(self.train_data)
-        return [DataSource(path=p, weight=w, **self._source_policy()) for p, w in zip(self.train_data, weights)]
-
-    def eval_sources(self) -> dict[str, DataSource] | None:
-        from .data import DataSource
-
-        if not self.eval_data:
-            return None
-        out: dict[str, DataSource] = {}
-        for item in self.eval_data:
-            name, path = item.split("=", 1) if "=" in item else (Path(item).name.split(".")[0], item)
-            if name in out:
-                raise ValueError(f"two eval_data sets are named {name!r}; name them explicitly as NAME=PATH")
-            out[name] = DataSource(path=path, **self._source_policy())
-        return out
-
-    def _source_policy(self) -> dict[str, bool]:
-        return {"allow_command_audio_sources": self.allow_command_audio_sources,
-                "allow_url_audio_sources": self.allow_url_audio_sources}
-
-    def conversation(self) -> ConversationConfig:
-        from .data import ConversationConfig
-
-        return ConversationConfig(system_prompt=self.system_prompt, prompt=self.prompt)

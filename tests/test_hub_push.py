@@ -65,7 +65,7 @@ def test_dry_run_folder_and_card(export, tmp_path):
     card = (folder / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\nbase_model: org/tiny-asr\nlicense: apache-2.0\n")
     for expected in (
-        "`org/tiny-asr (revision `abc1234`)`",
+        "| target | `org/tiny-asr` (revision `abc1234`) |",
         "| block size | 16 |",
         "| mask token id | 7 |",
         "| target layer taps | [1, 3] of 6 decoder layers |",

@@ -8,34 +8,119 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from transformers import AutoProcessor, AutoTokenizer, HfArgumentParser
+from .config import apply_config, parse_with_config
+from .options import help_parser
 
-from ..families import get_tokenizer
-from ..target import FrozenTarget, load_target
-from ..trainer import DFlashTrainer
-from ..training_args import DFlashDataArguments, DFlashTrainingArguments
-from .config import parse_with_config
+if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
+    from transformers import HfArgumentParser
+
+    from ..training_args import DFlashDataArguments, DFlashTrainingArguments
 
 logger = logging.getLogger("dflash_hf")
 
 
 def make_parser() -> HfArgumentParser:
+    """The real parser: `DFlashTrainingArguments` (the DFlash groups and TrainingArguments) and the data group."""
+    from transformers import HfArgumentParser
+
+    from ..training_args import DFlashDataArguments, DFlashTrainingArguments
+
     return HfArgumentParser((DFlashTrainingArguments, DFlashDataArguments))
 
 
 def load_processor(path: str):
     """The target's processor (audio targets) or tokenizer (text targets), from its directory."""
+    from transformers import AutoProcessor, AutoTokenizer
+
     try:
         return AutoProcessor.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         return AutoTokenizer.from_pretrained(path)
 
 
+def check_target_path(name: str) -> None:
+    """A target given as a local path must be an existing directory (a Hub id is left to transformers)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NotADirectoryError(
+            f"target_name_or_path={name} is a file; give the directory of the frozen target (its save_pretrained)"
+        )
+    try:
+        validate_repo_id(name)
+        looks_local = name.startswith((".", "~")) or Path(name).is_absolute()
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        raise FileNotFoundError(
+            f"target_name_or_path={name}: the directory does not exist; give the directory of the frozen target "
+            "(a model saved with save_pretrained) or a Hub model id"
+        )
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return "/" in name and not Path(name).exists()
+
+
+def card_target_id(target_name_or_path: str) -> str:
+    """The target's Hub id for the model card: the given id, or the `_name_or_path` its local config.json
+    records when that is a Hub id; else the directory's name (warned: the card then names no Hub model)."""
+    path = Path(target_name_or_path)
+    if not path.is_dir():
+        return target_name_or_path
+    config = path / "config.json"
+    recorded = json.loads(config.read_text()).get("_name_or_path", "") if config.is_file() else ""
+    if _is_hub_id(recorded):
+        return recorded
+    logger.warning(
+        "push_to_hub: the target %s is a local directory that records no Hub id; the model card names it %r",
+        target_name_or_path, path.name,
+    )
+    return path.name
+
+
+def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id: str, metrics: dict) -> str:
+    """Upload the exported draft with its generated model card (`hub.push_draft_to_hub`); the commit URL."""
+    from ..hub import DraftCardInfo, push_draft_to_hub
+
+    names = list(data_args.eval_sources() or {})
+    tau_est = metrics.get(f"eval_{names[0]}_tau_est") if names else None
+    sources = ", ".join(Path(p).name for p in data_args.train_data or [])
+    info = DraftCardInfo(
+        target_id=card_target_id(args.target_name_or_path),
+        data_summary=f"{sources}; {args.max_steps} steps, {args.label_source} labels.",
+        tau_est=tau_est,
+        eval_name=names[0] if tau_est is not None else None,
+    )
+    return push_draft_to_hub(
+        export_dir, repo_id, card_info=info, private=bool(args.hub_private_repo), token=args.hub_token
+    )
+
+
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
+    from ..families import get_tokenizer
+    from ..target import FrozenTarget, load_target
+    from ..trainer import DFlashTrainer
+
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
+    check_target_path(args.target_name_or_path)
     if args.validate_only:
         if not data_args.eval_data:
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
@@ -54,6 +139,9 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
 
         return validate(args, data_args.eval_sources(), target=target, processor=processor, data_args=data_args)
 
+    publish_to = args.hub_model_id if args.push_to_hub else None
+    # `--push_to_hub` publishes the exported draft at the end (below), not the Trainer's checkpoints.
+    args.push_to_hub = False
     trainer = DFlashTrainer(
         args=args,
         target=target,
@@ -72,10 +160,20 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
+    if publish_to and trainer.is_world_process_zero():
+        metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
     if trainer.is_world_process_zero():
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return metrics
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Answer `--help` and reject bad options, bad option values and a bad `--config` file before torch loads
+    (`options.help_parser`); argparse exits (0 for help, 2 for an error) as usual."""
+    parser = help_parser()
+    if parser is not None:
+        parser.parse_args(apply_config(parser, argv))
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -83,9 +181,14 @@ def run(argv: list[str] | None = None) -> dict:
     return train(*parse_with_config(make_parser(), argv))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    check_command_line(argv)
     run(argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from .console import train as console_train
+
+    console_train()

@@ -1,0 +1,87 @@
+"""User errors versus bugs, and how the console scripts report them (one place).
+
+A *user error* is a setting, file or sample the user has to change; its message names it and the fix.
+The console scripts (`dflash-train`, `dflash-eval`, `dflash-generate-labels`, `dflash-demo`) print such an
+error as one line and exit with status 2, as argparse does; anything else is a bug and keeps its traceback.
+`DFLASH_DEBUG=1` shows the traceback of user errors too (`--debug` is taken: it is a `TrainingArguments` field).
+
+Light module: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+
+DEBUG_ENV = "DFLASH_DEBUG"
+USER_ERROR_EXIT_CODE = 2
+
+
+class DFlashUserError(ValueError):
+    """A setting, file or sample the user must change; the message names it (as the user spelled it) and the fix."""
+
+
+class ConfigFileError(DFlashUserError):
+    """A `--config` YAML file that cannot be used: not found, malformed, wrong value types, unknown keys."""
+
+
+# Every exception family the console scripts report as a user error. ValueError covers DFlashUserError,
+# `dflash_hf.data.BadSampleError` and the argument checks of every dataclass `__post_init__`; the OSError
+# subclasses are the missing or misplaced files and directories the user named.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
+def debug_enabled() -> bool:
+    """True when `DFLASH_DEBUG` is set to anything but empty, 0, false or no."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _cli_value(value: str) -> str:
+    value = value.strip("'\"")
+    return {"True": "true", "False": "false", "None": "none"}.get(value, value)
+
+
+def cli_message(message: str, option_names: Iterable[str]) -> str:
+    """Rewrite `name=value` mentions of command-line options as the flags a CLI user types
+    (`skip_bad_samples=True` -> `--skip_bad_samples true`). Other text is left as it is."""
+    names = sorted(set(option_names), key=len, reverse=True)
+    if not names:
+        return message
+    pattern = re.compile(
+        r"(?<![\w.\-])(" + "|".join(map(re.escape, names)) + r")=('[^']*'|\"[^\"]*\"|[\w.+\-/]*[\w/])"
+    )
+    return pattern.sub(lambda m: f"--{m.group(1)} {_cli_value(m.group(2))}", message)
+
+
+def run_console(
+    main: Callable[[list[str]], int | None],
+    argv: list[str] | None = None,
+    *,
+    prog: str | None = None,
+    option_names: Callable[[], Iterable[str]] | None = None,
+) -> int:
+    """Run a console script's `main(argv)`; a user error becomes one line on stderr and exit status 2.
+    `option_names` (called only on an error) lists the script's options, for `cli_message`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = prog or os.path.basename(sys.argv[0]) or "dflash"
+    try:
+        return main(argv) or 0
+    except USER_ERRORS as err:
+        if debug_enabled():
+            raise
+        names = option_names() if option_names is not None else ()
+        text = cli_message(str(err) or type(err).__name__, names)
+        print(f"{prog}: error: {text}\n(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+
+
+__all__ = ["ConfigFileError", "DFlashUserError", "USER_ERRORS", "cli_message", "debug_enabled", "run_console"]
