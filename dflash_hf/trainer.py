@@ -251,6 +251,7 @@ class DFlashTrainer(Trainer):
         # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
         state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
+            self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
             export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         return export_dir
@@ -476,7 +477,8 @@ class DFlashTrainer(Trainer):
         dataloader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
-            plan = self.plan_blocks(batch, _seed(self.args.seed, -1, step, self.args.process_index))  # host batch
+            # seeded by batch index only (not args.seed), so validate_only repeats any run's evaluation
+            plan = self.plan_blocks(batch, _seed(-1, step, self.args.process_index))  # host batch
             batch = self._prepare_inputs(batch)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             out = self.draft_forward(model, batch, plan)

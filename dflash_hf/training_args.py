@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,9 +12,28 @@ from transformers import TrainingArguments
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from .configuration_dflash import DFLASH_VARIANTS
 from .hub import resolve_draft_dir
+from .launch import check_launch
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_ANCHORS = 512
 
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
+
+
+def _export_settings(path: str) -> dict[str, int]:
+    """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json."""
+    config_file = resolve_draft_dir(path) / "config.json"
+    if not config_file.is_file():
+        return {}  # loading the draft names the problem
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"init_from_pretrained: {config_file} is not valid JSON ({e})") from e
+    dflash_config = raw.get("dflash_config") or {}
+    found = {"block_size": raw.get("block_size", dflash_config.get("block_size")),
+             "num_anchors": dflash_config.get("num_anchors")}
+    return {k: v for k, v in found.items() if isinstance(v, int)}
 
 
 @dataclass
@@ -51,7 +71,11 @@ class DFlashTrainingArguments(TrainingArguments):
 
     # --- draft ----------------------------------------------------------------------------------
     variant: str = field(default="dflash", metadata={"help": "dflash or dflash2."})
-    block_size: int = field(default=16, metadata={"help": "Draft slots per anchor (anchor + B-1 predictions)."})
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": f"Draft slots per anchor (anchor + B-1 predictions); default {DEFAULT_BLOCK_SIZE}, or the "
+                  "init_from_pretrained export's block size."},
+    )
     num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new draft."})
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap; default spreads 1..L-3."}
@@ -67,7 +91,11 @@ class DFlashTrainingArguments(TrainingArguments):
     )
 
     # --- blocks and loss ------------------------------------------------------------------------
-    num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per row."})
+    num_anchors: int | None = field(
+        default=None,
+        metadata={"help": f"Anchors (blocks) sampled per row; default {DEFAULT_NUM_ANCHORS}, or with validate_only the "
+                  "training run's (recorded in the export's dflash_config)."},
+    )
     anchor_pad_multiple: int = field(
         default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
     )
@@ -163,7 +191,9 @@ class DFlashTrainingArguments(TrainingArguments):
                 "--bf16/--fp16 (autocast) are not used by dflash_hf: set --precision bf16, which sets the "
                 "parameter dtype of both the frozen target and the draft"
             )
+        check_launch(self)  # before the devices are set up
         super().__post_init__()
+        self._resolve_from_export()
         if self.variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -184,6 +214,16 @@ class DFlashTrainingArguments(TrainingArguments):
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+
+    def _resolve_from_export(self) -> None:
+        """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
+        training run's anchors recorded in its dflash_config, so a validation repeats the run's evaluation."""
+        recorded = _export_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
+        if self.block_size is None:
+            self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
+        if self.num_anchors is None:
+            self.num_anchors = recorded.get("num_anchors", DEFAULT_NUM_ANCHORS) if self.validate_only else (
+                DEFAULT_NUM_ANCHORS)
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

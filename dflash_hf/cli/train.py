@@ -12,6 +12,7 @@ import logging
 from transformers import AutoProcessor, AutoTokenizer, HfArgumentParser
 
 from ..families import get_tokenizer
+from ..mask_token import mask_token_candidates, missing_mask_token_message
 from ..target import FrozenTarget, load_target
 from ..trainer import DFlashTrainer
 from ..training_args import DFlashDataArguments, DFlashTrainingArguments
@@ -46,9 +47,12 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     )
     processor = load_processor(args.target_name_or_path)
     if args.mask_token_id is None and not args.init_from_pretrained:
-        free = target.mask_token_candidates(get_tokenizer(processor))
-        hint = f"embedding rows the tokenizer never produces: {free}" if free else "an unused reserved special token"
-        raise ValueError(f"--mask_token_id is required: an id with an embedding row that the data never uses ({hint})")
+        tokenizer = get_tokenizer(processor)
+        candidates = mask_token_candidates(
+            tokenizer, target.vocab_size, target_config=target.model.config,
+            extra_ids=target.mask_token_candidates(tokenizer),
+        )
+        raise ValueError(missing_mask_token_message(candidates))
     if args.validate_only:
         from ..evaluation import validate
 
