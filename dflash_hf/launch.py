@@ -53,11 +53,11 @@ def check_launch(args) -> None:
             args.use_cpu = True
         return
     if _truthy("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and "LOCAL_RANK" not in os.environ:
-        raise RuntimeError(
+        raise ValueError(
             "`accelerate launch --cpu --num_processes N` starts a single process (accelerate's --cpu uses its "
-            "one-process launcher). For N CPU processes run `torchrun --nproc_per_node N -m dflash_hf.cli.train "
-            "...` or `accelerate launch --multi_gpu --num_processes N -m dflash_hf.cli.train ... --use_cpu true`; "
-            "for one process drop --num_processes"
+            "one-process launcher). For N CPU processes run `accelerate launch --multi_gpu --num_processes N "
+            "-m dflash_hf.cli.train ...` or `torchrun --nproc_per_node N -m dflash_hf.cli.train ...` (without a "
+            "GPU they train with DDP on CPU over gloo); for one process drop --num_processes"
         )
 
 

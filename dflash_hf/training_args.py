@@ -50,6 +50,11 @@ class DFlashTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Kept False: DFlash batches carry audio and loss-mask keys."}
     )
     save_safetensors: bool = field(default=True, metadata={"help": "Checkpoints in safetensors."})
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={"help": "DDP: search for parameters without gradient every step. False: every trainable draft "
+                  "parameter takes part in every step's loss (also on a rank without valid anchors)."},
+    )
 
     # --- target ---------------------------------------------------------------------------------
     target_name_or_path: str | None = field(
@@ -193,7 +198,6 @@ class DFlashTrainingArguments(TrainingArguments):
             )
         check_launch(self)  # before the devices are set up
         super().__post_init__()
-        self._resolve_from_export()
         if self.variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -204,16 +208,17 @@ class DFlashTrainingArguments(TrainingArguments):
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.num_anchors < 1:
-            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
         for name, low in (("real_tau_steps", 0), ("real_tau_samples", 1), ("real_tau_max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+        self._resolve_from_export()
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_anchors < 1:
+            raise ValueError(f"num_anchors must be >= 1, got {self.num_anchors}")
 
     def _resolve_from_export(self) -> None:
         """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
