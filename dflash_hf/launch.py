@@ -6,12 +6,16 @@
 - :func:`configure_cpu_threads`: intra-op threads per process from the cores this process may use, the number
   of processes on this machine and the machine's load (`OMP_NUM_THREADS` overrides), so several processes or
   a busy machine do not oversubscribe the cores.
+- :func:`no_hf_progress_bars`: hides transformers' own bars (e.g. save_pretrained's "Writing model shards")
+  while a checkpoint is saved, so they do not break the training progress bar.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger("dflash_hf")
 
@@ -90,4 +94,18 @@ def configure_cpu_threads() -> int:
     return n
 
 
-__all__ = ["check_launch", "configure_cpu_threads", "cpu_threads", "has_accelerator"]
+@contextmanager
+def no_hf_progress_bars() -> Iterator[None]:
+    """transformers (and huggingface_hub) progress bars off inside the block, restored after it."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+__all__ = ["check_launch", "configure_cpu_threads", "cpu_threads", "has_accelerator", "no_hf_progress_bars"]

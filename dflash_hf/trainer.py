@@ -37,6 +37,7 @@ from .callbacks import DFlashProgressCallback, RealTauCallback
 from .configuration_dflash import DFlashConfig, default_gamma
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .hub import check_warm_start, draft_class_for, export_draft, load_draft_strict
+from .launch import no_hf_progress_bars
 from .losses import BlockLoss, DFlash2BlockLoss, MetricSums, block_loss, dflash2_block_loss
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
@@ -241,7 +242,8 @@ class DFlashTrainer(Trainer):
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        with no_hf_progress_bars():  # save_pretrained's "Writing model shards" bar would break the training bar
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             save_selection(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir)
 
@@ -252,7 +254,8 @@ class DFlashTrainer(Trainer):
         state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
             self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
-            export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
+            with no_hf_progress_bars():
+                export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         return export_dir
 

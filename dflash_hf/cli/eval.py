@@ -11,6 +11,7 @@ rendered and processed exactly as in training; or, for text targets, JSON lines 
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 from collections.abc import Iterator
@@ -75,6 +76,13 @@ def _first_record(path: str) -> dict:
     raise ValueError(f"--data {path!r} is empty")
 
 
+def count_records(path: str) -> int:
+    """Non-empty lines of a JSON-lines file (gzip-compressed when it ends in .gz): the progress bar's total."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def text_prompts(path: str, tokenizer) -> Iterator[dict]:
     """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line."""
     with open(path) as f:
@@ -118,11 +126,11 @@ def evaluate(args: EvalArguments) -> dict:
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     prompts = load_prompts(args, load_processor(args.target), target.model.config)
+    total = count_records(args.data)  # rows; one without an assistant response gives no prompt
     if args.num_samples:
         prompts = itertools.islice(prompts, args.num_samples)
-    stats = decode_benchmark(
-        draft, target, prompts, args.max_new_tokens, progress=True, total=args.num_samples or None
-    )
+        total = min(total, args.num_samples)
+    stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total)
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
     return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), **asdict(args)}
