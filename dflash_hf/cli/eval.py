@@ -25,6 +25,7 @@ from ..data import ConversationConfig
 from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
 from ..families import get_tokenizer, resolve_family
 from ..hub import load_draft_strict
+from ..launch import configure_cpu_threads
 from ..target import FrozenTarget, load_target, resolve_dtype
 from .config import parse_with_config
 from .train import load_processor
@@ -150,6 +151,7 @@ def results_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
+    configure_cpu_threads()
     results = evaluate(args)
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

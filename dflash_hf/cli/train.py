@@ -12,6 +12,7 @@ import logging
 from transformers import AutoProcessor, AutoTokenizer, HfArgumentParser
 
 from ..families import get_tokenizer
+from ..launch import configure_cpu_threads
 from ..mask_token import mask_token_candidates, missing_mask_token_message
 from ..target import FrozenTarget, load_target
 from ..trainer import DFlashTrainer
@@ -88,6 +89,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    configure_cpu_threads()  # before any torch work: threads per process from the free cores
     run(argv)
 
 
