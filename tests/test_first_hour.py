@@ -156,3 +156,17 @@ def test_dflash_eval_bar_has_a_total_without_num_samples(tmp_path, capfd):
     packed = tmp_path / "prompts.jsonl.gz"
     packed.write_bytes(gzip.compress(prompts.read_bytes()))
     assert cli_eval.count_records(str(packed)) == 3
+
+
+def test_readme_installs_what_ci_tests():
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up on a new machine\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = setup.strip().splitlines()
+    assert len(commands) == 2  # install + demo, then the test suite
+    install = re.search(r"pip install (-e \S+ -c requirements-ci\.txt)", commands[0])
+    assert install, commands[0]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"pip install -q {install.group(1)}" in ci  # CI installs with README's command
+    assert "pip install torch==2.13.0" in commands[0] and "torch==2.13.0" in ci
+    pins = [line for line in (ROOT / "requirements-ci.txt").read_text().splitlines() if "==" in line]
+    assert any(p.startswith("transformers==") for p in pins)
