@@ -170,3 +170,23 @@ def test_readme_installs_what_ci_tests():
     assert "pip install torch==2.13.0" in commands[0] and "torch==2.13.0" in ci
     pins = [line for line in (ROOT / "requirements-ci.txt").read_text().splitlines() if "==" in line]
     assert any(p.startswith("transformers==") for p in pins)
+
+
+def test_per_slot_accuracy_plot_draws_one_curve_per_logged_step(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "scripts" / "plot_training.py")
+    plot_training = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_training)
+    steps = range(10, 210, 10)  # 20 training logs, 2 evaluations, block 16 (15 slots)
+    series = {f"acc_slot{k}": [(s, 1.0 / k + s / 1000) for s in steps] for k in range(1, 16)}
+    series.update({f"eval_dev_acc_slot{k}": [(100, 0.5 / k), (200, 0.6 / k)] for k in range(1, 16)})
+    series["loss"] = [(s, 1.0) for s in steps]
+    curves = plot_training.slot_curves(series)
+    assert list(curves) == ["", "eval_dev_"]
+    train = curves[""]
+    assert len(train) == plot_training.MAX_SLOT_CURVES and train[0][0] == 10 and train[-1][0] == 200
+    assert len(train[-1][1]) == 15 and train[-1][1][0] == pytest.approx(1.2)  # slot 1 of step 200
+    assert [s for s, _ in curves["eval_dev_"]] == [100, 200]
+    written = {p.name for p in plot_training.plot(series, tmp_path)}
+    assert written == {"loss.png", "acc_slot.png"}  # the per-slot series no longer crowd an over-steps figure
