@@ -23,7 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .adaptation import is_peft_model, merged_draft
-from .configuration_dflash import ARCHITECTURES, DFlashConfig
+from .configuration_dflash import ARCHITECTURES, DFlash2Fields, DFlashConfig
 from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
 logger = logging.getLogger(__name__)
@@ -254,27 +254,20 @@ def convert_dflash_to_dflash2(
     source: str | Path,
     out_dir: str | Path,
     *,
-    conv_kernel_size: int = 2,
-    conv_group_size: int = 16,
-    selector_rank: int = 256,
-    selector_top_k: int = 16,
     seed: int = 0,
+    **dflash2_fields: int,
 ) -> Path:
-    """Bootstrap a DFlash2 draft from a DFlash export (DESIGN 4 init): every DFlash tensor copied
-    unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor codebook.
-    The result computes exactly the source's hidden states and greedy proposals, is written in the
-    source's float dtype, and loads strictly. Returns `out_dir`."""
+    """Bootstrap a DFlash2 draft from a DFlash export (the DFlash2 init of docs/ARCHITECTURE.md): every DFlash
+    tensor copied unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor
+    codebook. `dflash2_fields`: any of `DFlash2Fields` (`conv_kernel_size`, ...; defaults there). The result
+    computes exactly the source's hidden states and greedy proposals, is written in the source's float dtype,
+    and loads strictly. Returns `out_dir`."""
     source_model = load_draft_strict(source)
     config = copy.deepcopy(source_model.config)
     if config.variant != "dflash":
         raise ValueError(f"{source} is already a {ARCHITECTURES[config.variant]}; conversion needs a DFlash export")
     config.architectures = [ARCHITECTURES["dflash2"]]
-    config.dflash_config.update(
-        conv_kernel_size=conv_kernel_size,
-        conv_group_size=conv_group_size,
-        selector_rank=selector_rank,
-        selector_top_k=selector_top_k,
-    )
+    config.dflash_config.update(DFlash2Fields(**dflash2_fields).as_dict())
     config.validate_dflash()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING
 from transformers import TrainingArguments
 
 from .adaptation import DEFAULT_LORA_TARGETS, LORA_TARGETS
-from .configuration_dflash import DFLASH_VARIANTS
+from .configuration_dflash import DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DFLASH_VARIANTS, DFlash2Fields
 from .hub import resolve_draft_dir
 
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
+
+_D2 = DFlash2Fields()
 
 
 @dataclass
@@ -51,7 +53,9 @@ class DFlashTrainingArguments(TrainingArguments):
 
     # --- draft ----------------------------------------------------------------------------------
     variant: str = field(default="dflash", metadata={"help": "dflash or dflash2."})
-    block_size: int = field(default=16, metadata={"help": "Draft slots per anchor (anchor + B-1 predictions)."})
+    block_size: int = field(
+        default=DEFAULT_BLOCK_SIZE, metadata={"help": "Draft slots per anchor (anchor + B-1 predictions)."}
+    )
     num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new draft."})
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap; default spreads 1..L-3."}
@@ -72,7 +76,8 @@ class DFlashTrainingArguments(TrainingArguments):
         default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
     )
     gamma: float | None = field(
-        default=None, metadata={"help": "Slot decay w_k=exp(-(k-1)/gamma); default 7/5/4 for B=16/10/8."}
+        default=None,
+        metadata={"help": f"Slot decay w_k=exp(-(k-1)/gamma); default by block size {DEFAULT_GAMMA}, else B/2."},
     )
     label_source: str = field(
         default="target_argmax",
@@ -130,12 +135,11 @@ class DFlashTrainingArguments(TrainingArguments):
     )
 
     # --- DFlash2 (DESIGN 4) -----------------------------------------------------------------------
-    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
-    conv_group_size: int = field(
-        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
-    )
-    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
+    # defaults and help from configuration_dflash.DFlash2Fields (one source)
+    conv_kernel_size: int = field(default=_D2.conv_kernel_size, metadata={"help": _D2.help("conv_kernel_size")})
+    conv_group_size: int = field(default=_D2.conv_group_size, metadata={"help": _D2.help("conv_group_size")})
+    selector_rank: int = field(default=_D2.selector_rank, metadata={"help": _D2.help("selector_rank")})
+    selector_top_k: int = field(default=_D2.selector_top_k, metadata={"help": _D2.help("selector_top_k")})
     selector_loss_weight: float = field(
         default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
     )
@@ -229,9 +233,7 @@ class DFlashTrainingArguments(TrainingArguments):
     def _check_dflash2(self) -> None:
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        DFlash2Fields.of(self).check()
 
     def _check_adaptation(self) -> None:
         if self.projection_only and not self.init_from_pretrained:

@@ -202,3 +202,30 @@ def test_no_import_circle_and_module_sizes():
     big = {m: n for m, n in sizes.items() if n > 400 and m not in ("dflash_hf.hub", "dflash_hf.families",
                                                                       "dflash_hf.modeling_dflash")}
     assert not big, big
+
+
+def test_dflash2_fields_have_one_source(tmp_path):
+    """Training arguments, the conversion script and the config take DFlash2's defaults and checks from
+    `DFlash2Fields`; the config refuses a bad value with the field's dflash_config name."""
+    import importlib.util
+
+    from dflash_hf.configuration_dflash import DFlash2Fields, DFlashConfig
+
+    defaults = DFlash2Fields().as_dict()
+    args = DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert DFlash2Fields.of(args).as_dict() == defaults
+    path = PACKAGE.parent / "scripts" / "convert_dflash_to_dflash2.py"
+    spec = importlib.util.spec_from_file_location("convert_dflash_to_dflash2", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parsed = script.make_parser().parse_args(["a", "b"])
+    assert DFlash2Fields.of(parsed).as_dict() == defaults
+    with pytest.raises(ValueError, match="selector_rank must be >= 1, got 0"):
+        DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", selector_rank=0)
+    tcfg = tiny_text_target(num_layers=4, hidden_size=32)[0].config
+    cfg = DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
+                                          conv_group_size=8)
+    assert cfg.dflash_config["conv_group_size"] == 8 and cfg.dflash_config["selector_rank"] == defaults["selector_rank"]
+    with pytest.raises(ValueError, match="dflash_config.conv_kernel_size must be >= 1, got 0"):
+        DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
+                                        conv_group_size=8, conv_kernel_size=0)
