@@ -1,4 +1,4 @@
-"""Anchors, block layout, attention masks and positions (DESIGN 3.3-3.5), for padded and packed rows.
+"""Anchors, block layout, attention masks and positions (docs/ARCHITECTURE.md), for padded and packed rows.
 
 Coordinates: every tensor here is in *row* coordinates after leading padding was moved to the end
 (`move_leading_padding`), so real tokens of a row occupy `[0, len)` and padding never precedes them.

@@ -1,6 +1,6 @@
 """Draft checkpoints in and out: strict warm start, model card, push to the Hub.
 
-- :func:`load_draft_strict`: weights-only warm start from a draft export (DESIGN 5). Every missing,
+- :func:`load_draft_strict`: weights-only warm start from a draft export (docs/ARCHITECTURE.md). Every missing,
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
 - :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
 - :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
@@ -239,7 +239,7 @@ def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Mod
 
 
 def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the draft in the checkpoint contract (DESIGN 5): config.json, model.safetensors and the
+    """Write the draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
     remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft.
     `state_dict`: the model's full state dict gathered elsewhere (FSDP), exported instead of its own tensors."""
     draft = merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))

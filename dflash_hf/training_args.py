@@ -1,4 +1,4 @@
-"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (DESIGN 6)."""
+"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class DFlashTrainingArguments(TrainingArguments):
         metadata={"help": "Packed batches: cap on anchors per micro-batch (num_anchors apply per document)."},
     )
 
-    # --- DFlash2 (DESIGN 4) -----------------------------------------------------------------------
+    # --- DFlash2 (docs/ARCHITECTURE.md) --------------------------------------------------------------
     # defaults and help from configuration_dflash.DFlash2Fields (one source)
     conv_kernel_size: int = field(default=_D2.conv_kernel_size, metadata={"help": _D2.help("conv_kernel_size")})
     conv_group_size: int = field(default=_D2.conv_group_size, metadata={"help": _D2.help("conv_group_size")})

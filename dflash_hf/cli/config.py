@@ -1,4 +1,4 @@
-"""`--config file.yaml` plus command-line overrides for `HfArgumentParser` dataclasses (DESIGN 6)."""
+"""`--config file.yaml` plus command-line overrides for `HfArgumentParser` dataclasses (README)."""
 
 from __future__ import annotations
 
