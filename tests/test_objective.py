@@ -152,6 +152,21 @@ def test_target_distribution_is_chunked(target, chunk):
     torch.testing.assert_close(soft.probs.sum(-1), torch.ones(ids.shape))
 
 
+@pytest.mark.parametrize("variant,loss_type,label_source", [("dflash", "dpace", "target_argmax"),
+                                                             ("dflash2", "dpace", "target_distribution")])
+def test_trainer_trains_with_each_loss_and_label_source(tmp_path, target, variant, loss_type, label_source):
+    """Trainer.train with gradient accumulation: finite logged losses, the weights move; DFlash2 adds the selector."""
+    trainer = _trainer(tmp_path, target, variant=variant, loss_type=loss_type, label_source=label_source,
+                       label_top_k=3, selector_top_k=4, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                       max_steps=2, logging_steps=1, learning_rate=1e-2, use_fused_linear_ce=None)
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2 and all(math.isfinite(e["loss"]) for e in logs)
+    assert ("selector_loss" in logs[0]) == (variant == "dflash2")
+    assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
+
+
 # ---------------------------------------------------------------------------------------------- registries
 def test_unknown_loss_or_label_source_is_refused(tmp_path):
     with pytest.raises(ValueError, match="loss_type 'kl' is not registered.*'ce', 'dpace'"):
