@@ -48,6 +48,7 @@ class BlockPlan:
     positions: torch.Tensor  # [b, S]
     anchors: torch.Tensor  # [b, N]
     denominator: torch.Tensor  # scalar: the loss's planned denominator (Σ slot weights for the decayed CE)
+    valid: torch.Tensor  # [b, N, B-1] bool: supervised slots (`slot_validity`, computed once, here)
     valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
     flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
 
@@ -157,6 +158,7 @@ class DFlashObjective:
         return BlockPlan(
             shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors,
             denominator=self.slot_loss.planned_denominator(valid, self.gamma),
+            valid=valid,
             valid_index=valid.flatten().nonzero().squeeze(1),
             flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
         )
@@ -196,7 +198,7 @@ class DFlashObjective:
         labels = self.label_source(target, final, ids, plan)  # label positions are found on the CPU plan
         blocks = build_blocks(
             ids, labels.ids, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
-            self.block_size, self.mask_token_id, self.gamma, valid_index=on_dev.valid_index,
+            self.block_size, self.mask_token_id, self.gamma, valid_index=on_dev.valid_index, valid=on_dev.valid,
         )
         hidden = self.run_draft(draft, target, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout)
         head, chunk, loss, soft = target.lm_head.weight, self.ce_chunk_size, self.slot_loss, labels.soft
