@@ -101,6 +101,8 @@ class DFlashObjective:
     def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
         """From `DFlashTrainingArguments` (or any object with its objective fields) and the draft's config."""
         options = vars(args)
+        label_source = make_label_source(args.label_source, **options)
+        label_source.check(config.vocab_size)
         return cls(
             block_size=config.block_size,
             mask_token_id=config.mask_token_id,
@@ -116,7 +118,7 @@ class DFlashObjective:
             use_fused_linear_ce=bool(args.use_fused_linear_ce),
             selector_loss_weight=args.selector_loss_weight,
             slot_loss=make_loss(args.loss_type, **options),
-            label_source=make_label_source(args.label_source, **options),
+            label_source=label_source,
         )
 
     # --------------------------------------------------------------------------------------------

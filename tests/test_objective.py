@@ -185,6 +185,8 @@ def test_unknown_loss_or_label_source_is_refused(tmp_path):
         DFlashTrainingArguments(loss_type="dpace", dpace_alpha=0.0, **base)
     with pytest.raises(ValueError, match="label_top_k"):
         DFlashTrainingArguments(label_source="target_distribution", label_top_k=0, **base)
+    with pytest.raises(ValueError, match="label_top_k 300 must be in"):
+        make_label_source("target_distribution", label_top_k=300).check(vocab_size=263)
 
 
 # ---------------------------------------------------------------------------------------------- package shape
