@@ -167,6 +167,29 @@ def test_trainer_trains_with_each_loss_and_label_source(tmp_path, target, varian
     assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
 
 
+def test_objective_without_a_trainer_equals_compute_loss(tmp_path, target):
+    """A standalone DFlashObjective (FrozenTarget, draft, arguments) gives the trainer's compute_loss exactly; in
+    Trainer.train every micro-batch is planned once, in get_batch_samples, and that plan reaches compute_loss."""
+    from dflash_hf.objective import DFlashObjective
+
+    model, tok = target
+    trainer = _trainer(tmp_path, target, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1)
+    batch = text_batch(random_rows(2, 250, seed=12), tok.pad_token_id, "left")
+    objective = DFlashObjective.from_args(trainer.args, trainer.model.config)
+    ft = FrozenTarget(model)
+    plan = objective.plan(ft, batch, seed=3)
+    loss, skipped = objective.normalize(objective.loss(trainer.model, ft, batch, plan), plan.denominator,
+                                        training_step=True, accumulation=2)
+    ref = trainer.compute_loss(trainer.model, dict(batch), plan=plan, num_items_in_batch=plan.denominator)
+    assert torch.equal(loss, ref) and not bool(skipped)
+
+    calls = []
+    original = trainer.objective.plan
+    trainer.objective.plan = lambda *a, **kw: calls.append(a[2] if len(a) > 2 else kw["seed"]) or original(*a, **kw)
+    trainer.train()
+    assert len(calls) == 2 and calls[0] != calls[1]  # one plan per micro-batch (distinct seeds), none in the step
+
+
 # ---------------------------------------------------------------------------------------------- registries
 def test_unknown_loss_or_label_source_is_refused(tmp_path):
     with pytest.raises(ValueError, match="loss_type 'kl' is not registered.*'ce', 'dpace'"):
