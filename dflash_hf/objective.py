@@ -79,23 +79,24 @@ def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tenso
 
 @dataclass
 class DFlashObjective:
-    """Everything one micro-batch's loss depends on: the draft's contract fields and the objective options."""
+    """Everything one micro-batch's loss depends on: the draft's contract fields and the objective options (the
+    training arguments of the same names document them; `from_args` builds it from those and the draft config)."""
 
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    gamma: float  # slot decay w_k = exp(-(k-1)/gamma)
-    variant: str = "dflash"
-    num_anchors: int = 512
-    anchor_budget: int | None = None
-    anchor_pad_multiple: int = 1
-    packing: bool = False
-    attention_backend: str = "auto"
-    ce_chunk_size: int = 2048
-    use_fused_linear_ce: bool = True
-    selector_loss_weight: float = 1.0
-    slot_loss: SlotLoss = field(default_factory=DecayedCE)
-    label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))
+    block_size: int  # draft slots per anchor
+    mask_token_id: int  # id of the block's mask slots
+    target_layer_ids: list[int]  # tapped target decoder layers
+    gamma: float  # slot decay w_k = exp(-(k-1)/gamma) of the decayed CE
+    variant: str = "dflash"  # dflash or dflash2 (adds the selector term)
+    num_anchors: int = 512  # anchors per row (per document when packed)
+    anchor_budget: int | None = None  # packed batches: cap on anchors per micro-batch
+    anchor_pad_multiple: int = 1  # anchor count rounded up to this
+    packing: bool = False  # batches are packed (THD)
+    attention_backend: str = "auto"  # flex, sdpa or auto (flex on CUDA)
+    ce_chunk_size: int = 2048  # slots projected to the vocabulary per chunk
+    use_fused_linear_ce: bool = True  # fused lm_head + CE (hard labels, planned weights only)
+    selector_loss_weight: float = 1.0  # DFlash2: loss = base + weight * selector
+    slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
+    label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
 
     @classmethod
     def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
