@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from .data import ConversationConfig, DataSource
 
-# Mirrors of configuration_dflash constants (a remote-code file, which cannot import this module);
+# Mirrors of configuration_dflash constants (DFLASH_VARIANTS, MAX_BLOCK_SIZE, DEFAULT_BLOCK_SIZE and the DFlash2Fields
+# defaults below) (a remote-code file, which cannot import this module);
 # tests/test_cli.py checks that they agree.
 DFLASH_VARIANTS = ("dflash", "dflash2")
 MAX_BLOCK_SIZE = 128

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from accelerate.data_loader import DataLoaderShard
 
-from .configuration_dflash import DFlashConfig
+from .configuration_dflash import DFlash2Fields, DFlashConfig
 from .hub import check_warm_start, draft_class_for, load_draft_strict
 from .modeling_dflash import DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
@@ -48,10 +48,7 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             num_hidden_layers=args.num_draft_layers,
             block_size=args.block_size,
             target_layer_ids=args.target_layer_ids,
-            conv_kernel_size=args.conv_kernel_size,
-            conv_group_size=args.conv_group_size,
-            selector_rank=args.selector_rank,
-            selector_top_k=args.selector_top_k,
+            **DFlash2Fields.of(args).as_dict(),
         )
         config.vocab_size = target.vocab_size
         draft = draft_class_for(config)(config)

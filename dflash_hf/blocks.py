@@ -1,4 +1,4 @@
-"""Anchors, block layout, attention masks and positions (DESIGN 3.3-3.5), for padded and packed rows.
+"""Anchors, block layout, attention masks and positions (docs/ARCHITECTURE.md), for padded and packed rows.
 
 Coordinates: every tensor here is in *row* coordinates after leading padding was moved to the end
 (`move_leading_padding`), so real tokens of a row occupy `[0, len)` and padding never precedes them.
@@ -175,6 +175,7 @@ def build_blocks(
     mask_token_id: int,
     gamma: float,
     valid_index: torch.Tensor | None = None,  # [M] flat valid-slot indices, if precomputed (`Blocks.valid_index`)
+    valid: torch.Tensor | None = None,  # [b, N, B-1] `slot_validity(...)`, if already computed (the plan has it)
 ) -> Blocks:
     s = input_ids.shape[1]
     dev = input_ids.device
@@ -189,7 +190,9 @@ def build_blocks(
     ids = torch.full_like(tgt_c, mask_token_id)
     ids[..., 0] = torch.gather(input_ids, 1, a)
     block_pos = torch.gather(positions, 1, a)[..., None] + k
-    valid = slot_validity(loss_mask, doc_ids, anchors, block_size)
+    if valid is None:
+        valid = slot_validity(loss_mask, doc_ids, anchors, block_size)
+    valid = valid.to(dev, non_blocking=True)
     lab = torch.where(valid, take(labels)[..., 1:], 0)
     prev = torch.where(valid, torch.cat([ids[..., :1], take(labels)[..., 1:-1]], dim=-1), 0)
     weights = slot_decay(block_size, gamma, dev) * valid

@@ -7,6 +7,9 @@ published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
 from transformers import Qwen3Config
 from transformers.utils import logging
 
@@ -14,7 +17,47 @@ logger = logging.get_logger(__name__)
 
 DFLASH_VARIANTS = ("dflash", "dflash2")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DFlash2Fields:
+    """DFlash2's `dflash_config` entries: the one place their defaults, help and checks are written (the training
+    arguments, `DFlashConfig.from_target_config`, the DFlash -> DFlash2 conversion and the model read them here)."""
+
+    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
+    conv_group_size: int = field(
+        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
+    )
+    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
+    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
+
+    @classmethod
+    def of(cls, values: Mapping | object) -> DFlash2Fields:
+        """The fields found in a mapping (a `dflash_config`) or on an object (training arguments)."""
+        get = values.get if isinstance(values, Mapping) else lambda k, d: getattr(values, k, d)
+        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def check(self, hidden_size: int | None = None, vocab_size: int | None = None, prefix: str = "") -> None:
+        """Raise a ValueError naming the field (`prefix` + name, as the user spelled it) and the fix."""
+        for name, value in self.as_dict().items():
+            if int(value) < 1:
+                raise ValueError(f"{prefix}{name} must be >= 1, got {value}")
+        if hidden_size is not None and hidden_size % self.conv_group_size:
+            raise ValueError(f"{prefix}conv_group_size {self.conv_group_size} must divide hidden_size {hidden_size}")
+        if vocab_size is not None and self.selector_top_k > vocab_size:
+            raise ValueError(f"{prefix}selector_top_k {self.selector_top_k} exceeds vocab_size {vocab_size}; lower "
+                             "selector_top_k or set vocab_size to the target's vocabulary")
+
+
+DFLASH2_FIELDS = tuple(f.name for f in fields(DFlash2Fields))
 # Decay constant gamma of the slot weights w_k = exp(-(k-1)/gamma) used by the published recipes.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Largest supported block size. Published recipes use 8 to 16; the dense block mask and the per-block
@@ -88,7 +131,7 @@ class DFlashConfig(Qwen3Config):
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_target_layers: int | None = None,
         dflash_config: dict | None = None,
         **kwargs,
@@ -139,15 +182,13 @@ class DFlashConfig(Qwen3Config):
         mask_token_id: int,
         variant: str = "dflash",
         num_hidden_layers: int = 5,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         target_layer_ids: list[int] | None = None,
-        conv_kernel_size: int = 2,
-        conv_group_size: int = 16,
-        selector_rank: int = 256,
-        selector_top_k: int = 16,
         **overrides,
     ) -> DFlashConfig:
-        """Draft config whose dimensions default from the target's text (decoder) config."""
+        """Draft config whose dimensions default from the target's text (decoder) config. `overrides`: draft
+        config fields, and for DFlash2 any of the `DFlash2Fields` (`conv_kernel_size`, ...; defaults there)."""
+        dflash2 = DFlash2Fields(**{k: overrides.pop(k) for k in DFLASH2_FIELDS if k in overrides})
         if variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {variant!r}")
         if num_hidden_layers < 1:
@@ -166,12 +207,7 @@ class DFlashConfig(Qwen3Config):
             check_distinct_taps(target_layer_ids)
         dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
         if variant == "dflash2":
-            dflash_config.update(
-                conv_kernel_size=conv_kernel_size,
-                conv_group_size=conv_group_size,
-                selector_rank=selector_rank,
-                selector_top_k=selector_top_k,
-            )
+            dflash_config.update(dflash2.as_dict())
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
         fields = dict(
@@ -212,13 +248,14 @@ class DFlashConfig(Qwen3Config):
         if dc.get("mask_token_id") is None:
             raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
         if self.variant == "dflash2":
-            missing = [k for k in DFLASH2_FIELDS if k not in dc]
-            if missing:
-                raise ValueError(f"DFlash2 config lacks dflash_config fields {missing}")
-            if self.hidden_size % dc["conv_group_size"]:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by conv_group_size {dc['conv_group_size']}"
-                )
+            self.check_dflash2()
+
+    def check_dflash2(self) -> None:
+        """DFlash2's `dflash_config` fields are all present and consistent with the draft's dimensions."""
+        missing = [k for k in DFLASH2_FIELDS if k not in self.dflash_config]
+        if missing:
+            raise ValueError(f"DFlash2 config lacks dflash_config fields {missing}; build it with variant='dflash2'")
+        DFlash2Fields.of(self.dflash_config).check(self.hidden_size, self.vocab_size, prefix="dflash_config.")
 
 
     def to_dict(self) -> dict:
@@ -231,4 +268,4 @@ class DFlashConfig(Qwen3Config):
         return out
 
 
-__all__ = ["DFlashConfig", "default_target_layer_ids", "default_gamma"]
+__all__ = ["DFlash2Fields", "DFlashConfig", "default_target_layer_ids", "default_gamma"]

@@ -1,6 +1,6 @@
 """Draft checkpoints in and out: strict warm start, model card, push to the Hub.
 
-- :func:`load_draft_strict`: weights-only warm start from a draft export (DESIGN 5). Every missing,
+- :func:`load_draft_strict`: weights-only warm start from a draft export (docs/ARCHITECTURE.md). Every missing,
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
 - :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
 - :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .adaptation import is_peft_model, merged_draft, peft_model
-from .configuration_dflash import ARCHITECTURES, DFlashConfig
+from .configuration_dflash import ARCHITECTURES, DFlash2Fields, DFlashConfig
 from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
 logger = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Mod
 
 
 def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the draft in the checkpoint contract (DESIGN 5): config.json, model.safetensors and the
+    """Write the draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
     remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft.
     `state_dict`: the model's full state dict gathered elsewhere (FSDP), exported instead of its own tensors."""
     draft = merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))
@@ -316,27 +316,20 @@ def convert_dflash_to_dflash2(
     source: str | Path,
     out_dir: str | Path,
     *,
-    conv_kernel_size: int = 2,
-    conv_group_size: int = 16,
-    selector_rank: int = 256,
-    selector_top_k: int = 16,
     seed: int = 0,
+    **dflash2_fields: int,
 ) -> Path:
-    """Bootstrap a DFlash2 draft from a DFlash export (DESIGN 4 init): every DFlash tensor copied
-    unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor codebook.
-    The result computes exactly the source's hidden states and greedy proposals, is written in the
-    source's float dtype, and loads strictly. Returns `out_dir`."""
+    """Bootstrap a DFlash2 draft from a DFlash export (the DFlash2 init of docs/ARCHITECTURE.md): every DFlash
+    tensor copied unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor
+    codebook. `dflash2_fields`: any of `DFlash2Fields` (`conv_kernel_size`, ...; defaults there). The result
+    computes exactly the source's hidden states and greedy proposals, is written in the source's float dtype,
+    and loads strictly. Returns `out_dir`."""
     source_model = load_draft_strict(source)
     config = copy.deepcopy(source_model.config)
     if config.variant != "dflash":
         raise ValueError(f"{source} is already a {ARCHITECTURES[config.variant]}; conversion needs a DFlash export")
     config.architectures = [ARCHITECTURES["dflash2"]]
-    config.dflash_config.update(
-        conv_kernel_size=conv_kernel_size,
-        conv_group_size=conv_group_size,
-        selector_rank=selector_rank,
-        selector_top_k=selector_top_k,
-    )
+    config.dflash_config.update(DFlash2Fields(**dflash2_fields).as_dict())
     config.validate_dflash()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

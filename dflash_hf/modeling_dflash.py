@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .configuration_dflash import DFLASH2_FIELDS, DFlashConfig
+from .configuration_dflash import DFlashConfig
 
 try:  # FlexAttention is optional (torch >= 2.6: BlockMask seq_lengths)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -328,26 +328,6 @@ class DFlash2CandidateSelector(nn.Module):
         return unary.float() + pair.float()
 
 
-def _check_dflash2_config(config: DFlashConfig) -> None:
-    """Shape preconditions of the DFlash2 modules (raised before any weight is allocated)."""
-    dc = config.dflash_config
-    missing = [k for k in DFLASH2_FIELDS if k not in dc]
-    if missing:
-        raise ValueError(f"DFlash2 config lacks dflash_config fields {missing}; build it with variant='dflash2'")
-    for key in DFLASH2_FIELDS:
-        if int(dc[key]) < 1:
-            raise ValueError(f"dflash_config.{key} must be >= 1, got {dc[key]}")
-    if config.hidden_size % dc["conv_group_size"]:
-        raise ValueError(
-            f"dflash_config.conv_group_size {dc['conv_group_size']} must divide hidden_size {config.hidden_size}"
-        )
-    if dc["selector_top_k"] > config.vocab_size:
-        raise ValueError(
-            f"dflash_config.selector_top_k {dc['selector_top_k']} exceeds vocab_size {config.vocab_size}; "
-            "lower selector_top_k or set vocab_size to the target's vocabulary"
-        )
-
-
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 draft: DFlash plus per-layer dynamic convolutions (`attention_conv`, `mlp_conv`) and a
     `candidate_selector`. Fresh weights are the identity convolution and a zero successor codebook, so
@@ -357,7 +337,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     _no_split_modules = ["DFlash2DecoderLayer"]
 
     def __init__(self, config: DFlashConfig):
-        _check_dflash2_config(config)
+        config.check_dflash2()  # shape preconditions, before any weight is allocated
         super().__init__(config)  # builds (and initializes) the DFlash2 layers
         self.candidate_selector = DFlash2CandidateSelector(config)
         self.post_init()  # initializes only the selector: modules already initialized are skipped

@@ -48,6 +48,7 @@ class BlockPlan:
     positions: torch.Tensor  # [b, S]
     anchors: torch.Tensor  # [b, N]
     denominator: torch.Tensor  # scalar: the loss's planned denominator (Σ slot weights for the decayed CE)
+    valid: torch.Tensor  # [b, N, B-1] bool: supervised slots (`slot_validity`, computed once, here)
     valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
     flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
 
@@ -78,28 +79,31 @@ def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tenso
 
 @dataclass
 class DFlashObjective:
-    """Everything one micro-batch's loss depends on: the draft's contract fields and the objective options."""
+    """Everything one micro-batch's loss depends on: the draft's contract fields and the objective options (the
+    training arguments of the same names document them; `from_args` builds it from those and the draft config)."""
 
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: list[int]
-    gamma: float  # slot decay w_k = exp(-(k-1)/gamma)
-    variant: str = "dflash"
-    num_anchors: int = 512
-    anchor_budget: int | None = None
-    anchor_pad_multiple: int = 1
-    packing: bool = False
-    attention_backend: str = "auto"
-    ce_chunk_size: int = 2048
-    use_fused_linear_ce: bool = True
-    selector_loss_weight: float = 1.0
-    slot_loss: SlotLoss = field(default_factory=DecayedCE)
-    label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))
+    block_size: int  # draft slots per anchor
+    mask_token_id: int  # id of the block's mask slots
+    target_layer_ids: list[int]  # tapped target decoder layers
+    gamma: float  # slot decay w_k = exp(-(k-1)/gamma) of the decayed CE
+    variant: str = "dflash"  # dflash or dflash2 (adds the selector term)
+    num_anchors: int = 512  # anchors per row (per document when packed)
+    anchor_budget: int | None = None  # packed batches: cap on anchors per micro-batch
+    anchor_pad_multiple: int = 1  # anchor count rounded up to this
+    packing: bool = False  # batches are packed (THD)
+    attention_backend: str = "auto"  # flex, sdpa or auto (flex on CUDA)
+    ce_chunk_size: int = 2048  # slots projected to the vocabulary per chunk
+    use_fused_linear_ce: bool = True  # fused lm_head + CE (hard labels, planned weights only)
+    selector_loss_weight: float = 1.0  # DFlash2: loss = base + weight * selector
+    slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
+    label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
 
     @classmethod
     def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
         """From `DFlashTrainingArguments` (or any object with its objective fields) and the draft's config."""
         options = vars(args)
+        label_source = make_label_source(args.label_source, **options)
+        label_source.check(config.vocab_size)
         return cls(
             block_size=config.block_size,
             mask_token_id=config.mask_token_id,
@@ -115,7 +119,7 @@ class DFlashObjective:
             use_fused_linear_ce=bool(args.use_fused_linear_ce),
             selector_loss_weight=args.selector_loss_weight,
             slot_loss=make_loss(args.loss_type, **options),
-            label_source=make_label_source(args.label_source, **options),
+            label_source=label_source,
         )
 
     # --------------------------------------------------------------------------------------------
@@ -157,6 +161,7 @@ class DFlashObjective:
         return BlockPlan(
             shifts, ids, am_rows.bool(), loss_mask, doc_ids, positions, anchors,
             denominator=self.slot_loss.planned_denominator(valid, self.gamma),
+            valid=valid,
             valid_index=valid.flatten().nonzero().squeeze(1),
             flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
         )
@@ -196,7 +201,7 @@ class DFlashObjective:
         labels = self.label_source(target, final, ids, plan)  # label positions are found on the CPU plan
         blocks = build_blocks(
             ids, labels.ids, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
-            self.block_size, self.mask_token_id, self.gamma, valid_index=on_dev.valid_index,
+            self.block_size, self.mask_token_id, self.gamma, valid_index=on_dev.valid_index, valid=on_dev.valid,
         )
         hidden = self.run_draft(draft, target, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout)
         head, chunk, loss, soft = target.lm_head.weight, self.ce_chunk_size, self.slot_loss, labels.soft

@@ -1,4 +1,4 @@
-"""Draft/verify speculative decoding against the (audio) target (DESIGN 5b).
+"""Draft/verify speculative decoding against the (audio) target (README, "Use the exported draft").
 
 One cycle: the draft proposes `B-1` tokens for the block `[x_a, M, ..., M]` at positions
 `a..a+B-1` from the target features of every position `< a` (kept as a draft KV cache), the target

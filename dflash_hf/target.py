@@ -1,4 +1,4 @@
-"""The frozen target: loading, validation, tap hooks and `target_argmax` labels (DESIGN 2, 3.1-3.2)."""
+"""The frozen target: loading, validation, tap hooks and `target_argmax` labels (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 

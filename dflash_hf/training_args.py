@@ -1,4 +1,4 @@
-"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (DESIGN 6).
+"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (docs/ARCHITECTURE.md).
 
 The DFlash fields are defined by the light argument groups of `dflash_hf.arguments` (also parsed alone, without
 torch, for `dflash-train --help`); this class combines them with `TrainingArguments` and checks everything.
@@ -26,7 +26,7 @@ from .arguments import (
     DFlashRunArguments,
 )
 from .checkpoints import check_checkpoint_dir, parse_resume_flag
-from .configuration_dflash import check_block_size, check_distinct_taps, check_target_layer_ids
+from .configuration_dflash import DFlash2Fields, check_block_size, check_distinct_taps, check_target_layer_ids
 from .hub import check_draft_export, resolve_draft_dir
 from .launch import check_launch
 
@@ -192,9 +192,7 @@ class DFlashTrainingArguments(
     def _check_dflash2(self) -> None:
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        DFlash2Fields.of(self).check()
 
     def _check_adaptation(self) -> None:
         if self.projection_only and not self.init_from_pretrained:

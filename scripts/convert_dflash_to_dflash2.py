@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
+from dflash_hf.configuration_dflash import DFlash2Fields
 from dflash_hf.hub import convert_dflash_to_dflash2
 
 
@@ -19,10 +21,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", help="DFlash draft export directory (or a Hub id in the local cache)")
     parser.add_argument("out_dir", help="where the DFlash2 export is written")
-    parser.add_argument("--conv_kernel_size", type=int, default=2, help="taps of the dynamic convolutions")
-    parser.add_argument("--conv_group_size", type=int, default=16, help="channels per dynamic coefficient")
-    parser.add_argument("--selector_rank", type=int, default=256, help="rank of the selector codebooks")
-    parser.add_argument("--selector_top_k", type=int, default=16, help="candidates per slot")
+    for f in fields(DFlash2Fields):  # defaults and help from the one definition
+        parser.add_argument(f"--{f.name}", type=int, default=f.default, help=f.metadata["help"])
     parser.add_argument("--seed", type=int, default=0, help="seed of the predecessor codebook init")
     return parser
 
@@ -32,11 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     out = convert_dflash_to_dflash2(
         args.source,
         args.out_dir,
-        conv_kernel_size=args.conv_kernel_size,
-        conv_group_size=args.conv_group_size,
-        selector_rank=args.selector_rank,
-        selector_top_k=args.selector_top_k,
         seed=args.seed,
+        **DFlash2Fields.of(args).as_dict(),
     )
     print(f"wrote DFlash2 draft to {out}")
     return 0

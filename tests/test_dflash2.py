@@ -1,4 +1,4 @@
-"""DFlash2 (DESIGN 4): identity init, block-local convolutions, selector CE, trainer integration,
+"""DFlash2 (docs/ARCHITECTURE.md): identity init, block-local convolutions, selector CE, trainer integration,
 checkpoint contract + remote code, conversion, lossless greedy and sampled speculative decoding."""
 
 from __future__ import annotations

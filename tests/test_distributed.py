@@ -1,4 +1,4 @@
-"""DDP on CPU (torchrun, gloo) against one process over the same global batch (DESIGN 3.7).
+"""DDP on CPU (torchrun, gloo) against one process over the same global batch (docs/ARCHITECTURE.md).
 
 One `torchrun --nproc_per_node 2` launch trains three cases (tests/dist_train.py); the references train in this
 process. Every valid anchor is taken (num_anchors > valid anchors), so the blocks do not depend on the split and

@@ -161,3 +161,30 @@ def test_progress_bar_postfix_is_concise(capsys):
     line = capsys.readouterr().out
     assert "eval_dev_loss=2" in line and "eval_dev_tau_est=1.5" in line and "acc_slot1" not in line
     cb.training_bar.close()
+
+
+def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
+    """The real-tau callback renders speech prompts with the trainer's target family (here the model-side single
+    placeholder row, whose config also matches the processor-expanding qwen2_audio row) and the data arguments'
+    padding side, as the training loader does; then decodes them."""
+    from test_families import build_qwen2_audio
+
+    from dflash_hf.families import audio_token_id
+    from dflash_hf.training_args import DFlashDataArguments
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = build_qwen2_audio(tok)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=4, min_dur=0.6, max_dur=1.0)
+    args = _args(tmp_path / "out", tok, target_family="qwen2_audio_single_placeholder", real_tau_steps=1,
+                 real_tau_samples=2, real_tau_max_new_tokens=4, target_layer_ids=[0, 1])
+    trainer = DFlashTrainer(args=args, target=model, processor=processor, eval_dataset=[str(manifest)],
+                            data_args=DFlashDataArguments(prompt="Transcribe.", padding_side="right"))
+    real = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RealTauCallback))
+    _, collate = real._rows_and_collator([str(manifest)])
+    assert collate.family is trainer.target.family and collate.padding_side == "right"
+    placeholder = audio_token_id(trainer.target.family, model.config)
+    prompts = real.prompts()["eval_"]
+    assert len(prompts) == 2
+    assert all(int((p["input_ids"] == placeholder).sum()) == 1 for p in prompts)  # one placeholder per audio
+    assert 1.0 <= real.measure()["eval_tau"] <= BLOCK

@@ -1,4 +1,4 @@
-"""`label_source=target_argmax` (DESIGN 3.2): labels equal a brute-force full-logit reference, for left
+"""`label_source=target_argmax` (docs/ARCHITECTURE.md): labels equal a brute-force full-logit reference, for left
 and right padding and packed documents, independent of the chunk size, without `[S, vocab]` logits."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""`--config file.yaml` plus command-line overrides for `HfArgumentParser` dataclasses (DESIGN 6).
+"""`--config file.yaml` plus command-line overrides for `HfArgumentParser` dataclasses (README).
 
 The YAML file is a flat mapping of field names. Its values are checked against the parser's options (type,
 list or scalar, choices) and become defaults, so any flag given on the command line overrides them. Every

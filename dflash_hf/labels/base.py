@@ -32,6 +32,9 @@ class LabelSource:
     needs_final_hidden: ClassVar[bool] = False
     soft: ClassVar[bool] = False
 
+    def check(self, vocab_size: int) -> None:
+        """Refuse options the target's vocabulary cannot satisfy (before any forward)."""
+
     def __call__(self, target, final_hidden: torch.Tensor | None, input_ids: torch.Tensor, plan) -> Labels:
         """Labels of the micro-batch: `final_hidden` `[b, S, H]` and `input_ids` `[b, S]` in row coordinates on the
         device, `plan` the micro-batch's `BlockPlan` (its CPU `loss_mask` and `doc_ids` locate label positions)."""

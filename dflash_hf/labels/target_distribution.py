@@ -28,6 +28,10 @@ class TargetDistribution(LabelSource):
     needs_final_hidden = True
     soft = True
 
+    def check(self, vocab_size: int) -> None:
+        if not 1 <= self.label_top_k <= vocab_size:
+            raise ValueError(f"label_top_k {self.label_top_k} must be in [1, vocab_size {vocab_size}]: lower it")
+
     def __call__(self, target, final_hidden, input_ids, plan) -> Labels:
         soft = topk_distribution(
             target.lm_head, final_hidden, input_ids, plan.loss_mask, plan.doc_ids, self.label_top_k,

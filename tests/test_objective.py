@@ -1,0 +1,271 @@
+"""The objective without a Trainer, its loss and label registries: D-PACE weights, soft target-distribution labels
+(equal to the CE with one-hot labels, chunked), registry errors, and the package's shape (no import circle)."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_labels import LargestAllocation, _batch, _row_inputs
+from utils import make_trainer, random_rows, text_batch, tiny_text_target
+
+from dflash_hf import DFlashTrainingArguments
+from dflash_hf.blocks import slot_decay
+from dflash_hf.labels import make_label_source
+from dflash_hf.labels.target_distribution import topk_distribution
+from dflash_hf.losses import make_loss
+from dflash_hf.losses.common import slot_cross_entropy
+from dflash_hf.losses.dpace import dpace_weights
+from dflash_hf.target import FrozenTarget
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_hf"
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_text_target(num_layers=4, hidden_size=64, seed=3)
+
+
+def _trainer(tmp_path, target, **kw):
+    model, tok = target
+    kw = dict(block_size=4, num_anchors=5, anchor_pad_multiple=1, label_source="target_argmax",
+              use_fused_linear_ce=False) | kw
+    return make_trainer(tmp_path, model, tok, random_rows(3, 250, seed=7), **kw)
+
+
+def _run(trainer, batch):
+    """(BlockLoss, final-normed draft hidden [b, N, B, H]) of `batch` through the objective, without the Trainer."""
+    seen = {}
+    hook = trainer.model.norm.register_forward_hook(lambda _m, _a, out: seen.__setitem__("h", out))
+    try:
+        plan = trainer.objective.plan(trainer.target, batch, seed=0)
+        out = trainer.objective.loss(trainer.model, trainer.target, batch, plan)
+    finally:
+        hook.remove()
+    b, n, bs = out.blocks.ids.shape
+    return out, seen["h"].view(b, n, bs, -1)
+
+
+def _slot_logits(hidden, blocks, trainer):
+    """`{(row, block, k): float32 logits}` of every valid slot (k = 0..B-2 is slot k+1), by brute force."""
+    weight = trainer.target.lm_head.weight
+    return {(r, n, k): (hidden[r, n, k + 1] @ weight.T).float() for r, n, k in blocks.valid.nonzero().tolist()}
+
+
+# ---------------------------------------------------------------------------------------------- D-PACE
+def test_dpace_weights_closed_form():
+    """`w_j = Σ_{m>=j} Π_{i<=m} q~_i`; an invalid slot (q~ = 0) ends the chain and gets no weight."""
+    q = torch.tensor([[0.5, 0.5, 1.0], [0.5, 0.5, 0.0], [0.9, 0.0, 0.7]])
+    torch.testing.assert_close(dpace_weights(q), torch.tensor([[1.0, 0.5, 0.25], [0.75, 0.25, 0.0], [0.9, 0, 0]]))
+    smoothed = torch.rand(6, 7, generator=torch.Generator().manual_seed(0)) * 0.5 + 0.5
+    w = dpace_weights(smoothed)
+    assert bool((w[:, 1:] <= w[:, :-1]).all())  # non-increasing along the block
+
+
+def test_dpace_loss_matches_reference(tmp_path, target):
+    """Through the objective: loss_sum = Σ w·CE with D-PACE weights from the detached draft confidence, the
+    denominator (planned and in the sums) = number of blocks; the default CE keeps the decay."""
+    model, tok = target
+    batch = text_batch(random_rows(3, 250, seed=8), tok.pad_token_id, "left")
+    trainer = _trainer(tmp_path, target, loss_type="dpace", dpace_alpha=0.3)
+    out, hidden = _run(trainer, batch)
+    blocks = out.blocks
+    logits = _slot_logits(hidden, blocks, trainer)
+    ce = {key: F.cross_entropy(z[None], blocks.labels[key][None]) for key, z in logits.items()}
+    ref = 0.0
+    for r, n in blocks.anchor_valid.nonzero().tolist():
+        ks = [k for k in range(3) if (r, n, k) in ce]
+        q = {k: 0.7 * math.exp(-ce[(r, n, k)].item()) + 0.3 for k in ks}
+        for j in ks:
+            w = sum(math.prod(q.get(i, 0.0) for i in range(m + 1)) for m in range(j, 3))
+            ref += w * ce[(r, n, j)].item()
+    n_blocks = int(blocks.anchor_valid.sum())
+    assert n_blocks > 3 and out.weight_sum.item() == n_blocks and not out.denominator_after_forward
+    assert trainer.objective.plan(trainer.target, batch, seed=0).denominator.item() == n_blocks
+    assert out.loss_sum.item() == pytest.approx(ref, rel=1e-5)
+    out.loss_sum.backward()
+    assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
+
+    ce_trainer = _trainer(tmp_path, target)
+    base, _ = _run(ce_trainer, batch)
+    torch.testing.assert_close(base.weight_sum, (slot_decay(4, ce_trainer.objective.gamma) * blocks.valid).sum())
+
+
+# ---------------------------------------------------------------------------------------------- soft labels
+def test_soft_cross_entropy_with_one_hot_is_the_hard_ce():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 3, 10, 7, 7])
+    ids = torch.stack([labels, (labels + 1) % 11, (labels + 2) % 11], dim=-1)
+    one_hot = torch.tensor([[1.0, 0.0, 0.0]]).expand(5, 3)
+    torch.testing.assert_close(slot_cross_entropy(logits, labels, ids, one_hot), F.cross_entropy(logits, labels,
+                                                                                                   reduction="none"))
+
+
+def test_target_distribution_top1_equals_target_argmax(tmp_path, target):
+    """label_top_k=1 is the target_argmax CE: same labels, same loss and gradients."""
+    _, tok = target
+    batch = text_batch(random_rows(3, 250, seed=9), tok.pad_token_id, "right")
+    runs = {}
+    for source in ("target_argmax", "target_distribution"):
+        trainer = _trainer(tmp_path, target, label_source=source, label_top_k=1)
+        out, _ = _run(trainer, batch)
+        out.loss_sum.backward()
+        runs[source] = (out, {k: p.grad.clone() for k, p in trainer.model.named_parameters()})
+    (hard, g_hard), (soft, g_soft) = runs["target_argmax"], runs["target_distribution"]
+    assert torch.equal(hard.blocks.labels, soft.blocks.labels) and torch.equal(hard.correct, soft.correct)
+    torch.testing.assert_close(soft.loss_sum, hard.loss_sum)
+    for k in g_hard:
+        torch.testing.assert_close(g_soft[k], g_hard[k], msg=k)
+
+
+def test_target_distribution_loss_matches_reference(tmp_path, target):
+    """Slot k of the block at a learns the target's renormalized top-k distribution at a+k (from its final-normed
+    state at a+k-1): loss_sum = Σ w · (-Σ_v p(v) log softmax(draft logits)(v)), by brute force."""
+    model, tok = target
+    batch = text_batch(random_rows(3, 250, seed=10), tok.pad_token_id, "left")
+    trainer = _trainer(tmp_path, target, label_source="target_distribution", label_top_k=3)
+    out, hidden = _run(trainer, batch)
+    final, _, _, _, _ = _row_inputs(trainer.target, batch)
+    blocks, decay = out.blocks, slot_decay(4, trainer.objective.gamma)
+    ref = 0.0
+    for (r, n, k), z in _slot_logits(hidden, blocks, trainer).items():
+        p_logits, ids = trainer.target.lm_head(final[r, int(blocks.anchors[r, n]) + k]).topk(3)
+        assert blocks.labels[r, n, k] == ids[0]
+        ref += decay[k] * -(torch.softmax(p_logits.float(), -1) * torch.log_softmax(z, -1)[ids]).sum()
+    torch.testing.assert_close(out.loss_sum, ref)
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_target_distribution_is_chunked(target, chunk):
+    """No `[S, vocab]` tensor: at most `chunk` positions are projected to the vocabulary at a time."""
+    model, tok = target
+    ft = FrozenTarget(model)
+    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, _batch(tok, "left"))
+    with LargestAllocation() as probe:
+        soft = topk_distribution(ft.lm_head, final, ids, loss_mask, doc_ids, top_k=4, chunk_size=chunk)
+    assert 0 < probe.largest <= max(chunk * ft.vocab_size, ids.numel() * 4)
+    assert probe.largest < ids.shape[1] * ft.vocab_size
+    torch.testing.assert_close(soft.probs.sum(-1), torch.ones(ids.shape))
+
+
+@pytest.mark.parametrize("variant,loss_type,label_source", [("dflash", "dpace", "target_argmax"),
+                                                             ("dflash2", "dpace", "target_distribution")])
+def test_trainer_trains_with_each_loss_and_label_source(tmp_path, target, variant, loss_type, label_source):
+    """Trainer.train with gradient accumulation: finite logged losses, the weights move; DFlash2 adds the selector."""
+    trainer = _trainer(tmp_path, target, variant=variant, loss_type=loss_type, label_source=label_source,
+                       label_top_k=3, selector_top_k=4, per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                       max_steps=2, logging_steps=1, learning_rate=1e-2, use_fused_linear_ce=None)
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2 and all(math.isfinite(e["loss"]) for e in logs)
+    assert ("selector_loss" in logs[0]) == (variant == "dflash2")
+    assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
+
+
+def test_objective_without_a_trainer_equals_compute_loss(tmp_path, target):
+    """A standalone DFlashObjective (FrozenTarget, draft, arguments) gives the trainer's compute_loss exactly; in
+    Trainer.train every micro-batch is planned once, in get_batch_samples, and that plan reaches compute_loss."""
+    from dflash_hf.objective import DFlashObjective
+
+    model, tok = target
+    trainer = _trainer(tmp_path, target, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1)
+    batch = text_batch(random_rows(2, 250, seed=12), tok.pad_token_id, "left")
+    objective = DFlashObjective.from_args(trainer.args, trainer.model.config)
+    ft = FrozenTarget(model)
+    plan = objective.plan(ft, batch, seed=3)
+    loss, skipped = objective.normalize(objective.loss(trainer.model, ft, batch, plan), plan.denominator,
+                                        training_step=True, accumulation=2)
+    ref = trainer.compute_loss(trainer.model, dict(batch), plan=plan, num_items_in_batch=plan.denominator)
+    assert torch.equal(loss, ref) and not bool(skipped)
+
+    calls = []
+    original = trainer.objective.plan
+    trainer.objective.plan = lambda *a, **kw: calls.append(a[2] if len(a) > 2 else kw["seed"]) or original(*a, **kw)
+    trainer.train()
+    assert len(calls) == 2 and calls[0] != calls[1]  # one plan per micro-batch (distinct seeds), none in the step
+
+
+# ---------------------------------------------------------------------------------------------- registries
+def test_unknown_loss_or_label_source_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="loss_type 'kl' is not registered.*'ce', 'dpace'"):
+        make_loss("kl")
+    with pytest.raises(ValueError, match="label_source 'argmax' is not registered"):
+        make_label_source("argmax")
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        DFlashTrainingArguments(loss_type="kl", **base)
+    for kw, match in ((dict(loss_type="dpace"), "loss_type=dpace"),
+                      (dict(label_source="target_distribution"), "label_source=target_distribution")):
+        assert DFlashTrainingArguments(**kw, **base).use_fused_linear_ce is False  # the default follows the loss
+        with pytest.raises(ValueError, match=f"use_fused_linear_ce=true: {match}"):
+            DFlashTrainingArguments(use_fused_linear_ce=True, **kw, **base)
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        DFlashTrainingArguments(loss_type="dpace", dpace_alpha=0.0, **base)
+    with pytest.raises(ValueError, match="label_top_k"):
+        DFlashTrainingArguments(label_source="target_distribution", label_top_k=0, **base)
+    with pytest.raises(ValueError, match="label_top_k 300 must be in"):
+        make_label_source("target_distribution", label_top_k=300).check(vocab_size=263)
+
+
+# ---------------------------------------------------------------------------------------------- package shape
+def _imports(path: Path, module: str) -> set[str]:
+    """Package modules `module` imports anywhere in its file (function-level imports included)."""
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            found |= {name} | {f"{name}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_no_import_circle_and_module_sizes():
+    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py")}
+    graph = {m: {d for d in _imports(p, m) if d in files and d != m} for m, p in files.items()}
+
+    def reaches(start, goal, seen):
+        return any(d == goal or (d not in seen and not seen.add(d) and reaches(d, goal, seen)) for d in graph[start])
+
+    circles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not circles, circles
+    sizes = {m: len(p.read_text().splitlines()) for m, p in files.items()}
+    assert sizes["dflash_hf.trainer"] < 300
+    big = {m: n for m, n in sizes.items() if n > 400 and m not in ("dflash_hf.hub", "dflash_hf.families",
+                                                                      "dflash_hf.modeling_dflash")}
+    assert not big, big
+
+
+def test_dflash2_fields_have_one_source(tmp_path):
+    """Training arguments, the conversion script and the config take DFlash2's defaults and checks from
+    `DFlash2Fields`; the config refuses a bad value with the field's dflash_config name."""
+    import importlib.util
+
+    from dflash_hf.configuration_dflash import DFlash2Fields, DFlashConfig
+
+    defaults = DFlash2Fields().as_dict()
+    args = DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert DFlash2Fields.of(args).as_dict() == defaults
+    path = PACKAGE.parent / "scripts" / "convert_dflash_to_dflash2.py"
+    spec = importlib.util.spec_from_file_location("convert_dflash_to_dflash2", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parsed = script.make_parser().parse_args(["a", "b"])
+    assert DFlash2Fields.of(parsed).as_dict() == defaults
+    with pytest.raises(ValueError, match="selector_rank must be >= 1, got 0"):
+        DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", selector_rank=0)
+    tcfg = tiny_text_target(num_layers=4, hidden_size=32)[0].config
+    cfg = DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
+                                          conv_group_size=8)
+    assert cfg.dflash_config["conv_group_size"] == 8 and cfg.dflash_config["selector_rank"] == defaults["selector_rank"]
+    with pytest.raises(ValueError, match="dflash_config.conv_kernel_size must be >= 1, got 0"):
+        DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
+                                        conv_group_size=8, conv_kernel_size=0)
