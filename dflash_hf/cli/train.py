@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import apply_config, parse_with_config
+from .config import apply_config, option_actions, parse_with_config
 from .options import help_parser
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -166,6 +166,11 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
     return metrics
+
+
+def option_names() -> list[str]:
+    """The command's option names (for user-error messages), from the light parser when it is available."""
+    return list(option_actions(help_parser() or make_parser()))
 
 
 def check_command_line(argv: list[str]) -> None:
