@@ -46,6 +46,11 @@ TRAINER_OVERRIDES = {
         "training. Checkpoints are not uploaded.",
     ),
     "hub_model_id": (None, "Hub repo (org/name) that --push_to_hub publishes the exported draft to."),
+    "resume_from_checkpoint": (
+        None,
+        "Resume training from this complete checkpoint-N directory, or true: from the last complete checkpoint "
+        "in output_dir (incomplete ones, from interrupted saves, are skipped).",
+    ),
 }
 
 
@@ -105,7 +110,18 @@ class DFlashObjectiveArguments:
     )
     label_source: str = field(
         default="target_argmax",
-        metadata={"help": "target_argmax (frozen target's greedy next token) or ground_truth (data tokens)."},
+        metadata={"help": "target_argmax (frozen target's greedy next token), ground_truth (data tokens) or "
+                  "target_distribution (soft labels: the target's top label_top_k probabilities, renormalized)."},
+    )
+    label_top_k: int = field(
+        default=8, metadata={"help": "label_source=target_distribution: target tokens kept per position."}
+    )
+    loss_type: str = field(
+        default="ce",
+        metadata={"help": "ce (slot-decayed cross-entropy) or dpace (D-PACE confidence-derived position weights)."},
+    )
+    dpace_alpha: float = field(
+        default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
     )
     target_argmax_chunk_size: int = field(
         default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
@@ -234,6 +250,16 @@ class DFlashDataArguments:
         default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
     )
     num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
+    allow_command_audio_sources: bool = field(
+        default=False,
+        metadata={"help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
+                  "shell to read the audio. Only for cut files you trust (default: refused)."},
+    )
+    allow_url_audio_sources: bool = field(
+        default=False,
+        metadata={"help": "Allow lhotse cuts whose audio source is of type 'url': the audio is downloaded from that "
+                  "address while training. Only for cut files you trust (default: refused)."},
+    )
 
     def __post_init__(self):
         if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
@@ -253,7 +279,7 @@ class DFlashDataArguments:
         if not self.train_data:
             return None
         weights = self.train_data_weights or [1.0] * len(self.train_data)
-        return [DataSource(path=p, weight=w) for p, w in zip(self.train_data, weights)]
+        return [DataSource(path=p, weight=w, **self._source_policy()) for p, w in zip(self.train_data, weights)]
 
     def eval_sources(self) -> dict[str, DataSource] | None:
         from .data import DataSource
@@ -265,8 +291,12 @@ class DFlashDataArguments:
             name, path = item.split("=", 1) if "=" in item else (Path(item).name.split(".")[0], item)
             if name in out:
                 raise ValueError(f"two eval_data sets are named {name!r}; name them explicitly as NAME=PATH")
-            out[name] = DataSource(path=path)
+            out[name] = DataSource(path=path, **self._source_policy())
         return out
+
+    def _source_policy(self) -> dict[str, bool]:
+        return {"allow_command_audio_sources": self.allow_command_audio_sources,
+                "allow_url_audio_sources": self.allow_url_audio_sources}
 
     def conversation(self) -> ConversationConfig:
         from .data import ConversationConfig

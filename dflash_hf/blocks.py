@@ -61,6 +61,14 @@ def row_positions(attention_mask: torch.Tensor, position_ids: torch.Tensor | Non
     return torch.arange(s, device=attention_mask.device)[None].expand_as(attention_mask).long()
 
 
+def label_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """`[b, S]` bool: positions t that get a label from the target's state at t-1 (`target_argmax`,
+    `target_distribution`): t is supervised and t-1 is a real token of the same document."""
+    need = torch.zeros_like(loss_mask, dtype=torch.bool)
+    need[:, 1:] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
+    return need
+
+
 # --------------------------------------------------------------------------------------------
 # Anchors
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import math
 
 from transformers import ProgressCallback, TrainerCallback
 
+from .assembly import is_speech_source
 from .evaluation import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
 
 
@@ -42,13 +43,17 @@ class RealTauCallback(TrainerCallback):
         return self._prompts
 
     def _rows_and_collator(self, dataset):
-        from .trainer import is_speech_source  # trainer imports this module
-
+        """The dataset's rows and the collator the trainer batches them with: its `data_collator`, or for speech
+        sources the padded collator of the trainer's target family, conversation and padding side."""
         tr = self.trainer
         if not is_speech_source(dataset):
             return dataset_rows(dataset), tr.data_collator
+        from .data.loader import default_padding_side  # lhotse is imported only for speech data
+
         return speech_rows_and_collator(
-            dataset, tr.processor, tr.target.model.config, conversation=tr.data_args.conversation()
+            dataset, tr.processor, tr.target.model.config, family=tr.target.family,
+            conversation=tr.data_args.conversation(),
+            padding_side=tr.data_args.padding_side or default_padding_side(tr.processor),
         )
 
     def measure(self) -> dict[str, float]:

@@ -121,6 +121,10 @@ class DFlashConfig(Qwen3Config):
     def num_taps(self) -> int:
         return len(self.dflash_config["target_layer_ids"])
 
+    def loss_gamma(self, gamma: float | None = None) -> float:
+        """The slot decay gamma of the loss: `gamma` if given, else the recipe default for this block size."""
+        return gamma if gamma is not None else default_gamma(self.block_size)
+
     def set_block_size(self, block_size: int) -> None:
         """Change the block size (weights do not depend on it), keeping both copies in sync."""
         check_block_size(block_size)

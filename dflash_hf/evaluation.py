@@ -1,7 +1,6 @@
-"""Validation and decoding evaluation (docs/EVALUATION.md).
+"""Decoding evaluation (docs/EVALUATION.md); validate-only (`DFlashTrainer.evaluate` without training) is
+`dflash_hf.validation`, above the trainer, so that the trainer's callbacks can use this module without a circle.
 
-- :func:`validate`: `DFlashTrainer.evaluate` of a draft on named validation sets, no training; prints a
-  table and writes `<output_dir>/validation_metrics.json` (the `--validate_only true` path).
 - :func:`prompt_inputs`: the prompt of a one-row batch (every real token before the first supervised one),
   i.e. what a user sends at inference.
 - :func:`decode_benchmark`: speculative decoding against the target's own greedy `generate` on the same
@@ -11,81 +10,16 @@
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from .families import generate_kwargs
 from .speculative import speculative_generate
-from .target import NON_TARGET_KEYS, FrozenTarget, load_target
-
-VALIDATION_METRICS_FILE = "validation_metrics.json"
-
-
-# ------------------------------------------------------------------------------------------------
-# Validate-only
-# ------------------------------------------------------------------------------------------------
-def validate(
-    args,
-    eval_datasets: Mapping[str, object],
-    *,
-    target=None,
-    data_collator=None,
-    draft=None,
-    **trainer_kwargs,
-) -> dict[str, float]:
-    """Evaluate a draft on each named validation set with the training label source and anchors seeded by
-    batch index, so the metrics equal those of an evaluation inside a training run on the same draft and data.
-
-    `args` is a `DFlashTrainingArguments`; the draft is `draft` or else the export at
-    `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
-    `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`.
-    Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
-    from .trainer import DFlashTrainer  # evaluation <- trainer <- callbacks <- evaluation
-
-    if not eval_datasets:
-        raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
-    if draft is None and not args.init_from_pretrained:
-        raise ValueError(
-            "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
-        )
-    if target is None:
-        if not args.target_name_or_path:
-            raise ValueError("validate needs the frozen target: set target_name_or_path to its directory")
-        target = load_target(args.target_name_or_path, args.precision, args.target_strict_load)
-    trainer = DFlashTrainer(
-        model=draft,
-        args=args,
-        target=target,
-        eval_dataset=dict(eval_datasets),
-        data_collator=data_collator,
-        **trainer_kwargs,
-    )
-    metrics = trainer.evaluate()
-    if trainer.is_world_process_zero():
-        out = Path(args.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / VALIDATION_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        print(metrics_table(metrics, list(eval_datasets)))
-    return metrics
-
-
-def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = "eval") -> str:
-    """One line per validation set: loss, tau_est, accuracy and the per-slot accuracies."""
-    lines = [f"{'set':<16} {'loss':>9} {'tau_est':>8} {'accuracy':>8}  acc_slot1..k"]
-    for name in names:
-        p = f"{prefix}_{name}_"
-        slots, k = [], 1
-        while f"{p}acc_slot{k}" in metrics:
-            slots.append(f"{metrics[f'{p}acc_slot{k}']:.3f}")
-            k += 1
-        loss, tau_est, acc = (metrics.get(p + k, float("nan")) for k in ("loss", "tau_est", "accuracy"))
-        lines.append(f"{name:<16} {loss:>9.4f} {tau_est:>8.3f} {acc:>8.4f}  {' '.join(slots)}")
-    return "\n".join(lines)
+from .target import NON_TARGET_KEYS, FrozenTarget
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,17 +64,20 @@ def dataset_rows(dataset) -> Iterable:
     return (dataset[i] for i in range(len(dataset)))
 
 
-def speech_rows_and_collator(source, processor, target_config, *, family: str | None = None, conversation=None):
+def speech_rows_and_collator(
+    source, processor, target_config, *, family=None, conversation=None, padding_side: str = "left"
+):
     """Cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and the
-    padded collator that renders one cut as the target's processor would (dflash_hf.data)."""
+    padded collator that renders one cut as the target's processor would (dflash_hf.data). `family`: a
+    `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
     from .data import ConversationRenderer, PaddedCollator, open_source
-    from .families import resolve_family
+    from .families import TargetFamily, resolve_family
 
-    fam = resolve_family(target_config, family)
+    fam = family if isinstance(family, TargetFamily) else resolve_family(target_config, family)
     renderer = ConversationRenderer(processor, fam, conversation)
     sources = source if isinstance(source, (list, tuple)) else [source]
     rows = itertools.chain.from_iterable(open_source(s) for s in sources)
-    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side="left")
+    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
 
 
 @dataclass
@@ -188,6 +125,12 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+    """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt)."""
+    out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    return out.sequences
+
+
 @torch.no_grad()
 def decode_benchmark(
     draft,
@@ -208,12 +151,12 @@ def decode_benchmark(
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
-        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         n_prompt = inputs["input_ids"].shape[1]
+        inputs = generate_kwargs(ft.family, {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})
         if warmup and i == 0:
             speculative_generate(draft, ft, max_new_tokens, **inputs)
             if compare_greedy:
-                ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+                _greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
         spec = speculative_generate(draft, ft, max_new_tokens, **inputs)
         stats.spec_seconds += _clock(device) - start
@@ -223,7 +166,7 @@ def decode_benchmark(
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)
-            greedy = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            greedy = _greedy(ft, inputs, max_new_tokens)
             stats.greedy_seconds += _clock(device) - start
             greedy_new = greedy[0, n_prompt:].tolist()
             stats.greedy_tokens += len(greedy_new)
@@ -233,14 +176,11 @@ def decode_benchmark(
 
 
 __all__ = [
-    "VALIDATION_METRICS_FILE",
     "DecodeStats",
     "decode_benchmark",
-    "metrics_table",
     "prompt_inputs",
     "dataset_rows",
     "iter_prompts",
     "prompts_from",
     "speech_rows_and_collator",
-    "validate",
 ]

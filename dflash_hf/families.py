@@ -4,7 +4,9 @@ A row says how to find the audio placeholder id in the target's config, how to c
 for a batch (audio kwargs names, sampling rate, fixed chunks), whether audio placeholders are expanded by the
 processor (one placeholder per encoder frame, as Qwen3-ASR) or by the model (one placeholder per audio,
 replaced inside the model by a variable number of frames, as NeMo SALM / legacy Qwen2-Audio), and how many
-decoder positions one audio of ``n`` samples occupies (for token budgets).
+decoder positions one audio of ``n`` samples occupies (for token budgets). Encoder-decoder rows (Whisper,
+``expansion == "encoder"``) put no audio in the decoder stream: the audio reaches the decoder through
+cross-attention, and the family renders the decoder's own prompt instead of a chat template.
 
 :func:`decoder_streams` turns a collated batch into streams aligned 1:1 with the decoder's positions
 after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams").
@@ -41,12 +43,20 @@ class TargetFamily:
     - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
     - ``model_types``: config ``model_type`` values this row matches.
     - ``expansion``: ``"processor"`` (placeholders expanded by the processor), ``"model"`` (one placeholder
-      per audio, expanded inside the model) or ``"none"`` (text-only target).
+      per audio, expanded inside the model), ``"encoder"`` (encoder-decoder: the audio goes to the encoder, the
+      token stream is the decoder's) or ``"none"`` (text-only target).
     - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
     - ``encode``: ``encode(family, processor, config, texts, audios, padding_side) -> dict`` of tensors.
     - ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
     - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
     - ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
+    - ``render_decoder``: encoder-decoder rows: ``render_decoder(tokenizer, messages, add_generation_prompt)``
+      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
+      of a chat template.
+    - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
+      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
+    - ``sample_problem``: ``sample_problem(config, num_tokens, duration) -> (field, problem, fix) | None``: the
+      family's own limits on one sample (Whisper: 448 decoder positions, one 30 s window of audio).
     """
 
     name: str
@@ -59,10 +69,17 @@ class TargetFamily:
     sampling_rate: int = SAMPLING_RATE
     chunk_seconds: float | None = None
     description: str = ""
+    render_decoder: Callable | None = field(default=None, repr=False)
+    decoder_config: Callable | None = field(default=None, repr=False)
+    sample_problem: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:
         return self.expansion != "none"
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.expansion == "encoder"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -71,7 +88,7 @@ class TargetFamily:
 def audio_token_id(family: TargetFamily, config) -> int | None:
     """The audio placeholder id from the target config (``config.audio_token_id``; Qwen2-Audio and Granite
     Speech alias it to ``audio_token_index``); None for text targets."""
-    if not family.has_audio:
+    if not family.has_audio or family.is_encoder_decoder:
         return None
     value = getattr(config, "audio_token_id", None)
     if value is None:
@@ -92,9 +109,11 @@ def _mel_frames(num_samples: int) -> int:
 
 
 def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
-    """Mirror ``apply_chat_template(tokenize=True)``: don't add a BOS the rendered template already has."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return not (bos and all(t.startswith(bos) for t in texts))
+    """Mirror ``apply_chat_template(tokenize=True)``: don't add the leading special token(s) (a BOS, Whisper's
+    start-of-transcript prefix) that the rendered texts already start with."""
+    added = tokenizer("", add_special_tokens=True)["input_ids"]
+    first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
+    return not (first and all(t.startswith(first) for t in texts))
 
 
 def _select(out, keys: Sequence[str]) -> dict:
@@ -181,6 +200,84 @@ def _encode_voxtral(family, processor, config, texts, audios, padding_side):
     if features:
         result["input_features"] = torch.cat(features)
     return result
+
+
+def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
+    """Encoder-decoder (Whisper): ``texts`` are rendered decoder streams (prompt, transcript, end token),
+    tokenized as they are; one audio per text, as features of one encoder window."""
+    if len(audios) != len(texts):
+        raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
+    tokenizer = get_tokenizer(processor)
+    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
+                    add_special_tokens=False)
+    feats = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, return_tensors="pt")
+    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
+            "input_features": feats["input_features"]}
+
+
+# ---------------------------------------------------------------------------------- encoder-decoder rows
+
+WHISPER_DEFAULT_LANGUAGE = "en"
+
+
+def _whisper_language_token(tokenizer, language: str | None) -> str:
+    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English)."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    code = (language or WHISPER_DEFAULT_LANGUAGE).strip().lower()
+    code = TO_LANGUAGE_CODE.get(code, code).strip("<|>")
+    token = f"<|{code}|>"
+    if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
+        raise ValueError(f"field 'lang': {language!r} is not a language of this Whisper tokenizer (no {token} token); "
+                         "use a Whisper language code such as 'en' or 'de'")
+    return token
+
+
+def _render_whisper(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **_) -> str:
+    """Whisper's decoder stream for a conversation from ``cut_to_messages``: ``<|startoftranscript|><|lang|>
+    <|transcribe|><|notimestamps|>``, then (for a full conversation) a space, the transcript and
+    ``<|endoftext|>`` (the space as Whisper itself writes it before the first word). ``lang`` comes from the
+    audio item's ``language`` (the manifest's ``lang``), default English."""
+    audio = [i for m in messages if m["role"] == "user" for i in m["content"] if i.get("type") == "audio"]
+    if len(audio) != 1:
+        raise ValueError(f"a Whisper sample has exactly one audio, this conversation has {len(audio)}")
+    language = _whisper_language_token(tokenizer, audio[0].get("language"))
+    prompt = f"<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
+    answer = [m for m in messages if m["role"] == "assistant"]
+    if not answer or add_generation_prompt:
+        return prompt
+    text = "".join(i["text"] for i in answer[0]["content"] if i.get("type") == "text")
+    return f"{prompt} {text.lstrip()}{tokenizer.eos_token}"
+
+
+def _whisper_decoder_config(config):
+    """The Whisper decoder's dimensions under the usual config names (WhisperConfig maps them to the encoder)."""
+    from transformers import PretrainedConfig
+
+    return PretrainedConfig(
+        hidden_size=config.d_model, num_hidden_layers=config.decoder_layers,
+        num_attention_heads=config.decoder_attention_heads, num_key_value_heads=config.decoder_attention_heads,
+        intermediate_size=config.decoder_ffn_dim, vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_target_positions, hidden_act="silu",
+        pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id,
+    )
+
+
+def whisper_max_audio_seconds(config) -> float:
+    """One encoder window: ``max_source_positions`` after the stride-2 convolution, 10 ms mel hop (30 s)."""
+    return config.max_source_positions * 2 * HOP_LENGTH / SAMPLING_RATE
+
+
+def _whisper_sample_problem(config, num_tokens: int, duration: float):
+    limit = config.max_target_positions
+    if num_tokens > limit:
+        return ("text", f"the decoder stream needs {num_tokens} positions (prompt + transcript + end token), more "
+                f"than Whisper's max_target_positions={limit}", "shorten or split the transcript")
+    seconds = whisper_max_audio_seconds(config)
+    if duration > seconds + 1e-6:
+        return ("duration", f"the audio lasts {duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
+                "feature extractor would cut it)", f"split the audio into pieces of at most {seconds:g} s")
+    return None
 
 
 # ------------------------------------------------------------------------------------- audio token counts
@@ -282,6 +379,13 @@ FAMILIES: dict[str, TargetFamily] = {
             audio_tokens=_granite_speech_tokens,
             description="Granite Speech: processor expands <|audio|> (feature extractor needs torchaudio)",
         ),
+        TargetFamily(
+            name="whisper", model_types=("whisper",), expansion="encoder", audio_kwargs=("input_features",),
+            encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
+            render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
+            sample_problem=_whisper_sample_problem,
+            description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
+        ),
     )
 }
 
@@ -337,13 +441,28 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
+def generate_kwargs(family: TargetFamily, inputs: dict) -> dict:
+    """Keywords of the target's ``generate`` (and of ``speculative_generate``) for prompts as :func:`encode_batch`
+    returns them: encoder-decoder families take the token stream as the decoder's (``decoder_input_ids``, with
+    ``decoder_attention_mask`` when rows are padded) and the audio as ``input_features``; others unchanged."""
+    if not family.is_encoder_decoder:
+        return dict(inputs)
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    out["decoder_input_ids"] = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        out["decoder_attention_mask"] = mask
+    return out
+
+
 # ------------------------------------------------------------------------------------------ decoder streams
 
 
 def decoder_streams(family: TargetFamily, target_model, batch: dict) -> DecoderStreams:
     """Streams aligned 1:1 with the decoder positions after audio expansion.
 
-    Processor-side families: identity, ``audio_mask = input_ids == audio_token_id``, ``position_ids`` None
+    Processor-side and encoder-decoder families: identity, ``audio_mask = input_ids == audio_token_id`` (none
+    for encoder-decoder families), ``position_ids`` None
     (the decoder uses ``arange(S)``). Model-side single placeholder: each placeholder becomes ``n_frames``
     positions marked audio and never supervised, rows are re-padded exactly as the model's merge does, and
     ``position_ids`` are the ones the model passes to its decoder."""

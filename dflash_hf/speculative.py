@@ -3,17 +3,26 @@
 One cycle: the draft proposes `B-1` tokens for the block `[x_a, M, ..., M]` at positions
 `a..a+B-1` from the target features of every position `< a` (kept as a draft KV cache), the target
 verifies the block in one forward, the longest agreeing prefix plus the target's bonus token is
-appended, and the features of the verified positions join the draft context.
-Greedy decoding is exactly the target's greedy decoding; at `temperature > 0` rejection sampling keeps
-the target's distribution (Leviathan et al.).
+appended, and the features of the verified positions join the draft context. Decoding stops at the first
+stop token anywhere among a cycle's accepted tokens; the cycle's acceptance length counts only the tokens up
+to and including it.
+
+The target's scores go through its logits processors before any decision (Whisper's suppressed and
+begin-suppressed tokens, and the temperature when sampling), so greedy decoding is exactly the target's
+greedy `generate`, and at `temperature > 0` rejection sampling keeps the target's distribution (Leviathan et
+al.). Encoder-decoder targets (Whisper) decode through their own `generate` with
+:class:`DFlashCustomGenerate` as `custom_generate`: the prompt, processors, stopping criteria and encoder
+output are the model's own; the encoder runs once per utterance and the cross-attention cache is kept for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .target import FrozenTarget
 
@@ -30,7 +39,8 @@ class SpeculativeOutput:
 
 
 def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative argument means "remove" in every transformers 5.x)."""
+    """Keep the first `length` positions (a negative argument means "remove" in every transformers 5.x). An
+    encoder-decoder cache crops its self-attention part only: the cross-attention cache stays."""
     remove = cache.get_seq_length() - length
     if remove > 0:
         cache.crop(-remove)
@@ -79,6 +89,111 @@ def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) 
     return n, int(torch.multinomial(p[n], 1, generator=generator))
 
 
+def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Scores `[n, V]` for logits `[n, V]` whose row i follows `prefix[:, :L-n+1+i]` (`prefix` `[1, L]`): the
+    target's logits processors applied position by position, as `generate` applies them token by token."""
+    logits = logits.float()
+    if not processors:
+        return logits
+    start = prefix.shape[1] - logits.shape[0] + 1
+    return torch.cat([processors(prefix[:, : start + i], logits[i : i + 1]) for i in range(logits.shape[0])])
+
+
+@dataclass
+class _Verifier:
+    """How the target runs one decoding forward: its ids keyword (`input_ids`, or `decoder_input_ids` for an
+    encoder-decoder target), keywords kept for every forward (the encoder output), and its KV cache."""
+
+    target: FrozenTarget
+    layer_ids: list[int]
+    ids_key: str
+    cache: object
+    step_kwargs: dict = field(default_factory=dict)
+    forwards: int = 0
+
+    def __call__(self, **kwargs):
+        self.forwards += 1
+        out, feats = self.target.tapped_forward(
+            self.layer_ids, past_key_values=self.cache, use_cache=True, **self.step_kwargs, **kwargs
+        )
+        return out.logits[0], feats.taps
+
+    def step(self, ids: torch.Tensor):
+        return self(**{self.ids_key: ids})
+
+
+def _decode(
+    draft,
+    verifier: _Verifier,
+    prefill: dict,
+    prompt: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    sample: bool,
+    draft_temperature: float,
+    is_stop: Callable[[torch.Tensor, torch.Tensor], bool],
+    max_positions: int | None,
+    generator,
+) -> tuple[torch.Tensor, list[int]]:
+    """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
+    `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
+    when `sample`); `is_stop(seq, scores_row)` says whether the last token of `seq` ends decoding.
+    `max_positions` caps decoder positions (Whisper's 448). Returns the sequence and acceptance lengths."""
+    ft = verifier.target
+    cfg = draft.config
+    bsz, mask_id = cfg.block_size, cfg.mask_token_id
+    dev = prompt.device
+    draft_dtype = next(draft.parameters()).dtype
+    target_t = 1.0 if sample else 0.0  # scores already carry the temperature
+    dcache = DynamicCache()
+
+    logits, pending = verifier(**prefill)
+    scores = _processed(processors, prompt, logits[-1:])
+    nxt, _ = _pick(scores, target_t, generator)
+    pending_pos = torch.arange(pending.shape[1], device=dev)
+    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
+    expansion = pending.shape[1] - prompt.shape[1]
+    seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
+    accepted: list[int] = []
+    stopped = is_stop(seq, scores)
+    while not stopped:
+        a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
+        width = bsz if max_positions is None else min(bsz, max_positions - a)
+        anchor = int(seq[0, -1])
+        block_ids = torch.full((1, width), mask_id, device=dev, dtype=torch.long)
+        block_ids[0, 0] = anchor
+        pos = torch.cat([pending_pos, torch.arange(a, a + width, device=dev)])[None]
+        hidden = draft(
+            position_ids=pos,
+            noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
+            target_hidden=pending.to(draft_dtype),
+            past_key_values=dcache,
+            use_cache=True,
+        )[0]
+        crop_cache(dcache, a)  # keep the context, drop the block
+        proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample
+                                    else 0.0, generator)
+        verify_ids = torch.cat([block_ids[:, :1], proposal.view(1, -1)], dim=1)
+        logits, feats = verifier.step(verify_ids)
+        scores = _processed(processors, torch.cat([seq, proposal.view(1, -1).to(seq.dtype)], dim=1), logits)
+        k, bonus = accept_tokens(proposal, q, scores, target_t, generator)
+        crop_cache(verifier.cache, a + k + 1)
+        new = torch.cat([proposal[:k], torch.tensor([bonus], device=dev)]).to(seq.dtype)
+        for j in range(k + 1):  # the first stop token anywhere among the accepted ones ends decoding
+            seq = torch.cat([seq, new[j].view(1, 1)], dim=1)
+            if is_stop(seq, scores[j : j + 1]):
+                stopped = True
+                break
+        accepted.append(j + 1)
+        pending, pending_pos = feats[:, : k + 1], torch.arange(a, a + k + 1, device=dev)
+    return seq, accepted
+
+
+def _check_one_prompt(ids: torch.Tensor) -> None:
+    if ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one prompt at a time; got batch {ids.shape[0]}")
+
+
 @torch.no_grad()
 def speculative_generate(
     draft,
@@ -91,62 +206,104 @@ def speculative_generate(
     """Decode one prompt with draft proposals verified by the target.
 
     `target` is the HF model (text or audio); `target_inputs` exactly what its processor returns for
-    one prompt (`input_ids`, `attention_mask`, `input_features`, ...)."""
+    one prompt (`input_ids`, `attention_mask`, `input_features`, ...). Encoder-decoder targets (Whisper) take
+    `input_features` and optionally `decoder_input_ids` (default: the prompt the target's `generate` forces);
+    their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
+    returns them."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    if ft.is_encoder_decoder:
+        return _encoder_decoder_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs)
     input_ids = target_inputs["input_ids"]
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"speculative_generate decodes one prompt at a time; got batch {input_ids.shape[0]}")
-    cfg = draft.config
-    bsz, mask_id, layer_ids = cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids
-    dev = input_ids.device
+    _check_one_prompt(input_ids)
     eos = _eos_ids(ft)
-    draft_dtype = next(draft.parameters()).dtype
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
+    verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
+    limit = input_ids.shape[1] + max_new_tokens
 
-    tcache, dcache = DynamicCache(), DynamicCache()
-    store: dict = {}
-    with ft._hooks(layer_ids, store, keep_final=False):
-        out = ft.model(**ft.cast_features(target_inputs), past_key_values=tcache, use_cache=True)
-    forwards = 1
-    pending = torch.cat([store[i] for i in layer_ids], dim=-1)  # features of positions not yet in dcache
-    pending_pos = torch.arange(pending.shape[1], device=dev)
-    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
-    expansion = pending.shape[1] - input_ids.shape[1]
-    nxt, q = _pick(out.logits[:, -1], temperature, generator)
-    seq = torch.cat([input_ids, nxt.view(1, 1)], dim=1)
-    accepted: list[int] = []
-    while seq.shape[1] - input_ids.shape[1] < max_new_tokens and int(seq[0, -1]) not in eos:
-        a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
-        anchor = int(seq[0, -1])
-        block_ids = torch.full((1, bsz), mask_id, device=dev, dtype=torch.long)
-        block_ids[0, 0] = anchor
-        pos = torch.cat([pending_pos, torch.arange(a, a + bsz, device=dev)])[None]
-        hidden = draft(
-            position_ids=pos,
-            noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
-            target_hidden=pending.to(draft_dtype),
-            past_key_values=dcache,
-            use_cache=True,
-        )[0]
-        crop_cache(dcache, a)  # keep the context, drop the block
-        proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, temperature, generator)
-        verify_ids = torch.cat([block_ids[:, :1], proposal.view(1, -1)], dim=1)
-        store.clear()
-        with ft._hooks(layer_ids, store, keep_final=False):
-            logits = ft.model(input_ids=verify_ids, past_key_values=tcache, use_cache=True).logits[0]
-        forwards += 1
-        k, bonus = accept_tokens(proposal, q, logits, temperature, generator)
-        accepted.append(k + 1)
-        crop_cache(tcache, a + k + 1)
-        feats = torch.cat([store[i] for i in layer_ids], dim=-1)[:, : k + 1]
-        pending, pending_pos = feats, torch.arange(a, a + k + 1, device=dev)
-        new = torch.cat([proposal[:k], torch.tensor([bonus], device=dev)])
-        seq = torch.cat([seq, new.view(1, -1)], dim=1)
-    # Trim to max_new_tokens and stop after the first end-of-sequence token.
-    gen = seq[0, input_ids.shape[1] :][:max_new_tokens]
-    for i, t in enumerate(gen.tolist()):
-        if t in eos:
-            gen = gen[: i + 1]
-            break
-    return SpeculativeOutput(
-        sequences=torch.cat([input_ids[0], gen])[None], acceptance_lengths=accepted, num_target_forwards=forwards
+    def is_stop(seq, _scores):
+        return int(seq[0, -1]) in eos or seq.shape[1] >= limit
+
+    seq, accepted = _decode(
+        draft, verifier, ft.cast_features(target_inputs), input_ids, processors=processors, sample=temperature > 0,
+        draft_temperature=temperature, is_stop=is_stop, max_positions=None, generator=generator,
     )
+    return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards)
+
+
+def _encoder_decoder_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs):
+    """Whisper-style targets: the target's own `generate` (its forced prompt, logits processors, stopping
+    criteria and encoder pass) with :class:`DFlashCustomGenerate` doing the decoding."""
+    if "input_features" not in target_inputs:
+        raise ValueError("an encoder-decoder target (Whisper) needs input_features (what its processor returns)")
+    _check_one_prompt(target_inputs["input_features"])
+    decode = DFlashCustomGenerate(draft, generator=generator)
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
+    return SpeculativeOutput(sequences=decode.sequences, acceptance_lengths=decode.acceptance_lengths,
+                             num_target_forwards=decode.num_target_forwards)
+
+
+# Keywords of the standard decoding step that the speculative loop sets itself.
+_LOOP_KEYS = frozenset({"past_key_values", "use_cache", "logits_to_keep", "cache_position", "return_dict",
+                        "output_attentions", "output_hidden_states"})
+
+
+class DFlashCustomGenerate:
+    """`target.generate(**inputs, custom_generate=DFlashCustomGenerate(draft))`: transformers 5's `generate`
+    prepares the prompt, the encoder output (encoder-decoder targets), the logits processors and the stopping
+    criteria as it does for greedy or sampled decoding, then hands them to this callable, which decodes with
+    DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
+    distribution). One prompt at a time. After a call, `acceptance_lengths` and `num_target_forwards` describe
+    it."""
+
+    def __init__(self, draft, generator: torch.Generator | None = None):
+        self.draft = draft
+        self.generator = generator
+        self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
+        self.acceptance_lengths: list[int] = []
+        self.num_target_forwards = 0
+
+    def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                 synced_gpus=False, streamer=None, **model_kwargs):
+        _check_one_prompt(input_ids)
+        if streamer is not None:
+            raise ValueError("DFlashCustomGenerate does not stream; call generate without streamer")
+        ft = FrozenTarget(model)
+        kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KEYS}
+        layer_ids = list(self.draft.config.target_layer_ids)
+        if ft.is_encoder_decoder:
+            if kwargs.get("encoder_outputs") is None:
+                raise ValueError("encoder-decoder decoding needs encoder_outputs (generate computes them)")
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            verifier = _Verifier(ft, layer_ids, "decoder_input_ids", cache,
+                                 step_kwargs={"encoder_outputs": kwargs.pop("encoder_outputs")})
+            prefill = {"decoder_input_ids": input_ids, **{k: v for k, v in kwargs.items() if k.startswith("decoder_")
+                                                          and k != "decoder_input_ids"}}
+            max_positions = getattr(model.config, "max_target_positions", None)
+        else:
+            verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache())
+            prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
+            max_positions = None
+        sample = bool(getattr(generation_config, "do_sample", False))
+        stopping = stopping_criteria if stopping_criteria is not None else []
+
+        def is_stop(seq, scores):
+            return any(bool(c(seq, scores).any()) for c in stopping)
+
+        seq, accepted = _decode(
+            self.draft, verifier, prefill, input_ids, processors=logits_processor or LogitsProcessorList(),
+            sample=sample, draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
+            is_stop=is_stop, max_positions=max_positions, generator=self.generator,
+        )
+        self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
+        if generation_config is not None and generation_config.return_dict_in_generate:
+            cls = GenerateEncoderDecoderOutput if ft.is_encoder_decoder else GenerateDecoderOnlyOutput
+            return cls(sequences=seq)
+        return seq
+
+
+def dflash_custom_generate(draft, generator: torch.Generator | None = None) -> DFlashCustomGenerate:
+    """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
+    return DFlashCustomGenerate(draft, generator=generator)

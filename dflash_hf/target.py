@@ -10,12 +10,13 @@ import torch
 import transformers
 from torch import nn
 
+from .blocks import label_positions
 from .families import DecoderStreams, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
 NON_TARGET_KEYS = frozenset(
-    {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "dflash_prep", "num_docs"}
+    {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"}
 )
 # Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
 # (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
@@ -61,8 +62,20 @@ def load_target(
     return model
 
 
+FINAL_NORM_NAMES = ("norm", "layer_norm")  # decoder-only LMs; Whisper-style encoder-decoder decoders
+
+
+def final_norm_of(decoder: nn.Module) -> nn.Module | None:
+    """The decoder's final norm (`norm`, or `layer_norm` in Whisper-style decoders)."""
+    for name in FINAL_NORM_NAMES:
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    return None
+
+
 def _decoder_of(model: nn.Module) -> nn.Module:
-    """The text decoder: the module holding `layers` and the final `norm`."""
+    """The text decoder: the module holding `layers` and the final norm (`norm` / `layer_norm`)."""
     candidates = [model]
     if hasattr(model, "get_decoder"):
         candidates.insert(0, model.get_decoder())
@@ -73,10 +86,11 @@ def _decoder_of(model: nn.Module) -> nn.Module:
             if hasattr(sub, "get_decoder"):
                 candidates.append(sub.get_decoder())
     for c in candidates:
-        if isinstance(getattr(c, "layers", None), nn.ModuleList) and isinstance(getattr(c, "norm", None), nn.Module):
+        if isinstance(getattr(c, "layers", None), nn.ModuleList) and final_norm_of(c) is not None:
             return c
     raise ValueError(
-        f"cannot find the text decoder (a module with `.layers` and `.norm`) in {type(model).__name__}; "
+        f"cannot find the text decoder (a module with `.layers` and `.norm` or `.layer_norm`) in "
+        f"{type(model).__name__}; "
         "add a row for this model family in dflash_hf/families.py"
     )
 
@@ -97,7 +111,7 @@ class FrozenTarget:
         self.family = resolve_family(model.config, family)
         self.decoder = _decoder_of(model)
         self.layers = self.decoder.layers
-        self.final_norm = self.decoder.norm
+        self.final_norm = final_norm_of(self.decoder)
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         if self.lm_head is None:
@@ -107,8 +121,15 @@ class FrozenTarget:
     # --- facts ---------------------------------------------------------------------------
     @property
     def text_config(self):
+        """The decoder's config (for an encoder-decoder target, its decoder dimensions under the usual names)."""
         cfg = self.model.config
+        if self.family.decoder_config is not None:
+            return self.family.decoder_config(cfg)
         return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.family.is_encoder_decoder
 
     @property
     def num_layers(self) -> int:
@@ -141,9 +162,15 @@ class FrozenTarget:
         return out
 
     def mask_token_candidates(self, tokenizer, limit: int = 5) -> list[int]:
-        """Ids that have an embedding row but that the tokenizer can never produce (rows past its
-        vocabulary): safe `mask_token_id` choices. Empty when the embedding is exactly the vocabulary."""
-        return list(range(len(tokenizer), self.vocab_size))[:limit]
+        """Safe `mask_token_id` choices: ids with an embedding row that the tokenizer can never produce (rows past
+        its vocabulary), then, for Whisper-style targets decoded without timestamps, the timestamp tokens (the
+        ids after `generation_config.no_timestamps_token_id`), which text encoding never produces. Empty when
+        there are none: pick an unused reserved special token."""
+        free = list(range(len(tokenizer), self.vocab_size))
+        no_timestamps = getattr(getattr(self.model, "generation_config", None), "no_timestamps_token_id", None)
+        if self.is_encoder_decoder and no_timestamps is not None:
+            free += [i for i in range(no_timestamps + 1, min(len(tokenizer), self.vocab_size)) if i not in free]
+        return free[:limit]
 
     # --- validation (before the draft is built) -------------------------------------------
     def validate(
@@ -183,6 +210,7 @@ class FrozenTarget:
     # --- forward ---------------------------------------------------------------------------
     @contextmanager
     def _hooks(self, layer_ids: list[int], store: dict, keep_final: bool):
+        """Forward hooks storing the outputs of `layer_ids` (and of the final norm as `"final"`) in `store`."""
         handles = []
 
         def tap(idx):
@@ -211,12 +239,28 @@ class FrozenTarget:
         `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
         given, and keeps attention inside each document (trailing padding forms its own segment)."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+        if self.is_encoder_decoder:
+            return self.cast_features(self.decoder_kwargs(kwargs))
         if "cu_seqlens" in batch:
             if "position_ids" not in batch:
                 raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "
                                  "must emit position_ids restarting at 0 per document")
             kwargs.pop("attention_mask", None)
         return self.cast_features(kwargs)
+
+    @staticmethod
+    def decoder_kwargs(kwargs: dict) -> dict:
+        """Encoder-decoder targets: the batch's token stream is the decoder's, so `input_ids` / `attention_mask`
+        become `decoder_input_ids` / `decoder_attention_mask`, with decoder positions counted over real tokens
+        (so left padding keeps the positions of right padding)."""
+        out = dict(kwargs)
+        if "input_ids" in out:
+            out["decoder_input_ids"] = out.pop("input_ids")
+        mask = out.pop("attention_mask", None)
+        if mask is not None:
+            out["decoder_attention_mask"] = mask
+            out.setdefault("decoder_position_ids", (mask.long().cumsum(-1) - 1).clamp(min=0))
+        return out
 
     def cast_features(self, kwargs: dict) -> dict:
         """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a
@@ -234,17 +278,28 @@ class FrozenTarget:
             )
 
     @torch.no_grad()
-    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:
-        """Run the target on its batch (its own padding and mask) and return the tapped features."""
+    def tapped_forward(self, layer_ids: list[int], *, keep_final: bool = False, head: bool = True,
+                       **model_kwargs) -> tuple[object, TargetFeatures]:
+        """One target forward with `model_kwargs` exactly as the model takes them; returns its output and the
+        features of `layer_ids` (raw decoder-layer outputs, before the final norm, concatenated) plus, with
+        `keep_final`, the final-normed last layer. `head=False` runs an encoder-decoder target's base model
+        (no `[S, vocab]` logits)."""
         store: dict = {}
+        model = self.model if head or not self.is_encoder_decoder else self.model.base_model
+        with self._hooks(layer_ids, store, keep_final):
+            out = model(**model_kwargs)
+        taps = torch.cat([store[i] for i in layer_ids], dim=-1)
+        return out, TargetFeatures(taps=taps, final_hidden=store.get("final"))
+
+    @torch.no_grad()
+    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:
+        """Run the target on its batch (its own padding and mask) and return the tapped features. The encoder of
+        an encoder-decoder target runs once per utterance, under no_grad like the rest."""
         kwargs = self.target_inputs(batch)
         kwargs["use_cache"] = False
         if "logits_to_keep" in self._forward_params:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits
-        with self._hooks(layer_ids, store, keep_final):
-            self.model(**kwargs)
-        taps = torch.cat([store[i] for i in layer_ids], dim=-1)
-        return TargetFeatures(taps=taps, final_hidden=store.get("final"))
+        return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
     @torch.no_grad()
     def argmax_labels(
@@ -261,8 +316,7 @@ class FrozenTarget:
         if chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {chunk_size}")
         labels = input_ids.clone()
-        need = torch.zeros_like(loss_mask, dtype=torch.bool)
-        need[:, 1:] = loss_mask[:, 1:].bool() & (doc_ids[:, 1:] >= 0) & (doc_ids[:, :-1] == doc_ids[:, 1:])
+        need = label_positions(loss_mask, doc_ids)
         # with CPU masks (as the trainer's plan keeps them) the positions are found without a device sync
         rows, cols = (i.to(final_hidden.device, non_blocking=True) for i in need.nonzero(as_tuple=True))
         for start in range(0, rows.numel(), chunk_size):

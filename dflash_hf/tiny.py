@@ -8,6 +8,8 @@ Everything here is built in-process from configs (no downloads), so tests and th
 - :func:`build_qwen3_asr_target`: a tiny random ``Qwen3ASRForConditionalGeneration`` and its real
   ``Qwen3ASRProcessor`` (tiny feature extractor: few mel bins, 16 kHz).
 - :func:`build_text_target`: a tiny random ``Qwen3ForCausalLM``.
+- :func:`build_whisper_target`: a tiny random ``WhisperForConditionalGeneration`` with a real
+  ``WhisperProcessor`` (byte-level Whisper tokenizer with Whisper's special-token layout, 4 s feature chunks).
 - :func:`synthesize_speech`: tone sequences whose pitch pattern encodes the transcript words, written with
   ``soundfile``, plus a NeMo JSON-lines manifest.
 - :func:`save_tiny_target`: ``save_pretrained`` a tiny target so it loads offline with ``from_pretrained``.
@@ -30,7 +32,13 @@ from transformers import (
     Qwen3ASRProcessor,
     Qwen3Config,
     Qwen3ForCausalLM,
+    WhisperConfig,
+    WhisperFeatureExtractor,
+    WhisperForConditionalGeneration,
+    WhisperProcessor,
+    WhisperTokenizer,
 )
+from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -217,20 +225,96 @@ def _set_generation_defaults(model, tokenizer) -> None:
     model.generation_config.do_sample = False
 
 
+# Whisper's decoder vocabulary after the text tokens, in Whisper's order: end of text, start of transcript, one
+# token per language, the task tokens, then no-timestamps and the timestamp tokens <|0.00|>, <|0.02|>, ...
+WHISPER_EOT = "<|endoftext|>"
+WHISPER_SOT = "<|startoftranscript|>"
+WHISPER_NO_TIMESTAMPS = "<|notimestamps|>"
+WHISPER_TASK_TOKENS = ("<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>")
+WHISPER_NUM_TIMESTAMPS = 16
+WHISPER_CHUNK_SECONDS = 4  # real Whisper: 30 s (3000 mel frames, 1500 encoder positions)
+
+
+def build_whisper_tokenizer() -> WhisperTokenizer:
+    """Byte-level ``WhisperTokenizer``: 256 byte tokens (ids 0-255, no merges), then Whisper's special tokens in
+    Whisper's order (:data:`WHISPER_EOT` = 256, :data:`WHISPER_SOT` = 257, the 99+ language tokens, the task tokens,
+    ``<|notimestamps|>``) and :data:`WHISPER_NUM_TIMESTAMPS` timestamp tokens (never produced by text encoding:
+    the natural ``mask_token_id`` choices when decoding without timestamps)."""
+    byte_to_unicode = _bytes_to_unicode()
+    vocab = {byte_to_unicode[b]: b for b in range(256)}
+    languages = tuple(f"<|{code}|>" for code in LANGUAGES)
+    timestamps = tuple(f"<|{0.02 * i:.2f}|>" for i in range(WHISPER_NUM_TIMESTAMPS))
+    specials = (WHISPER_EOT, WHISPER_SOT, *languages, *WHISPER_TASK_TOKENS, WHISPER_NO_TIMESTAMPS, *timestamps)
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=[], pad_token=WHISPER_EOT, model_max_length=448)
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in specials if t != WHISPER_EOT]},
+                                 replace_extra_special_tokens=False)
+    ids = tokenizer.convert_tokens_to_ids(list(specials))
+    if ids != list(range(256, 256 + len(specials))):
+        raise RuntimeError(f"unexpected Whisper special token ids: {ids[:4]}...")
+    tokenizer.set_prefix_tokens(language="en", task="transcribe", predict_timestamps=False)
+    return tokenizer
+
+
+def build_whisper_target(
+    tokenizer: WhisperTokenizer | None = None,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    seed: int = 0,
+) -> tuple[WhisperForConditionalGeneration, WhisperProcessor]:
+    """Tiny random multilingual ``WhisperForConditionalGeneration`` (2-layer encoder, ``num_layers`` decoder
+    layers, :data:`WHISPER_CHUNK_SECONDS` s audio windows) and its ``WhisperProcessor``, float32, eval. The
+    generation config is the one real Whisper checkpoints ship (language and task tokens, no-timestamps token,
+    suppressed and begin-suppressed tokens), so ``generate`` applies Whisper's own logits processors."""
+    tokenizer = tokenizer if tokenizer is not None else build_whisper_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    eot, sot, no_ts = ids(WHISPER_EOT), ids(WHISPER_SOT), ids(WHISPER_NO_TIMESTAMPS)
+    frames = WHISPER_CHUNK_SECONDS * SAMPLING_RATE // 160
+    config = WhisperConfig(
+        vocab_size=len(tokenizer), num_mel_bins=NUM_MEL_BINS, d_model=hidden_size,
+        encoder_layers=2, encoder_attention_heads=num_heads, encoder_ffn_dim=2 * hidden_size,
+        decoder_layers=num_layers, decoder_attention_heads=num_heads, decoder_ffn_dim=2 * hidden_size,
+        max_source_positions=frames // 2, max_target_positions=448,
+        pad_token_id=eot, bos_token_id=eot, eos_token_id=eot, decoder_start_token_id=sot,
+        begin_suppress_tokens=[ids("Ġ"), eot], suppress_tokens=[], init_std=0.2,
+    )
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(config).to(torch.float32).eval()
+    gen = model.generation_config
+    gen.decoder_start_token_id, gen.eos_token_id, gen.pad_token_id, gen.bos_token_id = sot, eot, eot, eot
+    gen.is_multilingual = True
+    gen.lang_to_id = {f"<|{code}|>": ids(f"<|{code}|>") for code in LANGUAGES}
+    gen.task_to_id = {"translate": ids("<|translate|>"), "transcribe": ids("<|transcribe|>")}
+    gen.no_timestamps_token_id = no_ts
+    gen.language, gen.task = "en", "transcribe"  # no language detection: a random model guesses at random
+    # Whisper suppresses some punctuation and the special tokens that may not appear in a transcript
+    gen.suppress_tokens = [ids("#"), ids("("), ids(")"), *ids(list(WHISPER_TASK_TOKENS))]
+    gen.begin_suppress_tokens = [ids("Ġ"), eot]
+    gen.max_length = 448
+    gen.do_sample = False
+    feature_extractor = WhisperFeatureExtractor(feature_size=NUM_MEL_BINS, sampling_rate=SAMPLING_RATE,
+                                                chunk_length=WHISPER_CHUNK_SECONDS)
+    return model, WhisperProcessor(feature_extractor=feature_extractor, tokenizer=tokenizer)
+
+
 def save_tiny_target(out_dir: str | Path, kind: str = "qwen3_asr", **kw) -> Path:
-    """Build a tiny target (``kind``: ``"qwen3_asr"`` or ``"text"``; ``kw`` go to the builder) and
+    """Build a tiny target (``kind``: ``"qwen3_asr"``, ``"whisper"`` or ``"text"``; ``kw`` go to the builder) and
     ``save_pretrained`` the model with its processor (or tokenizer) into ``out_dir``; returns ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "qwen3_asr":
         model, processor = build_qwen3_asr_target(**kw)
         processor.save_pretrained(out_dir)
+    elif kind == "whisper":
+        model, processor = build_whisper_target(**kw)
+        processor.save_pretrained(out_dir)
     elif kind == "text":
         tokenizer = kw.pop("tokenizer", None) or build_tokenizer()
         model = build_text_target(tokenizer, **kw)
         tokenizer.save_pretrained(out_dir)
     else:
-        raise ValueError(f"save_tiny_target: unknown kind={kind!r}; use 'qwen3_asr' or 'text'")
+        raise ValueError(f"save_tiny_target: unknown kind={kind!r}; use 'qwen3_asr', 'whisper' or 'text'")
     model.save_pretrained(out_dir)
     return out_dir
 

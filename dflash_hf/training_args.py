@@ -7,6 +7,7 @@ torch, for `dflash-train --help`); this class combines them with `TrainingArgume
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import TrainingArguments
 
@@ -21,6 +22,7 @@ from .arguments import (
     DFlashPackingArguments,
     DFlashRunArguments,
 )
+from .checkpoints import check_checkpoint_dir, parse_resume_flag
 from .configuration_dflash import check_block_size, check_distinct_taps, check_target_layer_ids
 from .hub import check_draft_export
 
@@ -54,6 +56,7 @@ class DFlashTrainingArguments(
     logging_nan_inf_filter: bool = _override("logging_nan_inf_filter")
     push_to_hub: bool = _override("push_to_hub")
     hub_model_id: str | None = _override("hub_model_id")
+    resume_from_checkpoint: str | None = _override("resume_from_checkpoint")
 
     def __post_init__(self):
         if self.bf16 or self.fp16:
@@ -62,12 +65,14 @@ class DFlashTrainingArguments(
                 "parameter dtype of both the frozen target and the draft"
             )
         super().__post_init__()
+        self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
+        if isinstance(self.resume_from_checkpoint, (str, Path)):
+            check_checkpoint_dir(self.resume_from_checkpoint)  # before the target loads
         if self.variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
-        if self.label_source not in ("target_argmax", "ground_truth"):
-            raise ValueError(f"label_source must be target_argmax or ground_truth, got {self.label_source!r}")
+        self._check_objective()
         if self.target_argmax_chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
@@ -136,14 +141,25 @@ class DFlashTrainingArguments(
                 raise ValueError("anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
                                  "bound padded batches with num_anchors (up to batch * num_anchors blocks)")
 
-    def _check_dflash2(self) -> None:
+    def _check_objective(self) -> None:
+        from .labels import LABEL_SOURCES
+        from .losses import LOSSES
+        from .objective import fused_ce_conflict
+
+        for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
+        if self.label_top_k < 1:
+            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
         if self.use_fused_linear_ce is None:
-            self.use_fused_linear_ce = self.variant == "dflash"
-        if self.use_fused_linear_ce and self.variant == "dflash2":
-            raise ValueError(
-                "use_fused_linear_ce=true with variant=dflash2: DFlash2 needs the dense draft logits (its path "
-                "selector takes the top-k candidates of every slot); set use_fused_linear_ce=false"
-            )
+            self.use_fused_linear_ce = conflict is None
+        if self.use_fused_linear_ce and conflict:
+            raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
+
+    def _check_dflash2(self) -> None:
         if self.selector_loss_weight < 0:
             raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):

@@ -102,8 +102,8 @@ def run_mode(packing: bool, num_buckets: int, sources, model, processor, args, o
             break
         t1, c1 = time.perf_counter(), time.process_time()
         batch = trainer._prepare_inputs(batch)
-        plan = trainer.plan_blocks(batch, seed=stats["steps"])
-        loss = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
+        plan = trainer.objective.plan(trainer.target, batch, seed=stats["steps"])
+        loss = trainer.compute_loss(draft, dict(batch), plan=plan)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Training-step benchmark of DFlash drafts at realistic shapes (random weights), through the product path.
 
-Every timed step is `DFlashTrainer.compute_loss` -> `backward` -> gradient clipping -> AdamW step, what
+Every timed step is `DFlashObjective.loss` + `normalize` -> `backward` -> gradient clipping -> AdamW step, what
 `Trainer.train` runs per micro-batch. Two rates: the median of steps timed one by one (CUDA events, the device
 drained after each), and the pipelined mean of back-to-back steps with one synchronization at the end. Two modes:
 
@@ -8,7 +8,7 @@ drained after each), and the pipelined mean of back-to-back steps with one synch
   labels are the data tokens; blocks, mask, draft forward/backward, chunked lm_head + CE and AdamW are timed.
 - `full`: the whole step, the frozen target's forward with tap hooks and `target_argmax` labels included.
 
-Anchors are drawn on the CPU by `DFlashTrainer.plan_blocks` before the step (the trainer does it in
+Anchors are drawn on the CPU by `DFlashObjective.plan` before the step (the trainer does it in
 `get_batch_samples`, before any forward); that CPU time is reported separately as `plan_ms` (median of 5).
 
 FLOP counting (model FLOPs, what the math needs; recomputation is not counted):
@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_hf.blocks import build_blocks, dense_block_mask  # noqa: E402
 from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
+from dflash_hf.losses import MetricSums  # noqa: E402
 from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
 from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
 from dflash_hf.trainer import DFlashTrainer  # noqa: E402
@@ -403,15 +404,20 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     out_dir = tempfile.mkdtemp(prefix="dflash-bench-")
     trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir)
     cpu_batch = make_batch(shape, seq_len, batch, dcfg.mask_token_id, seed=1)
-    plan = trainer.plan_blocks(cpu_batch, seed=0)  # the first call pays one-time costs; plan_ms is the median after
-    plan_ms = statistics.median(_time_ms(lambda: trainer.plan_blocks(cpu_batch, seed=0), torch.device("cpu"), 0, 5))
+    objective, ft = trainer.objective, trainer.target
+    plan = objective.plan(ft, cpu_batch, seed=0)  # the first call pays one-time costs; plan_ms is the median after
+    plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batch, seed=0), torch.device("cpu"), 0, 5))
     dev_batch = {k: v.to(device) for k, v in cpu_batch.items()}
     optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
 
-    denom = plan.weight_sum.to(device)  # get_batch_samples hands the global denominator over on the device
+    denom = plan.denominator.to(device)  # get_batch_samples hands the global denominator over on the device
 
-    def step():
-        loss = trainer.compute_loss(draft, dict(dev_batch, dflash_prep=plan), num_items_in_batch=denom)
+    sums = MetricSums()
+
+    def step():  # what DFlashTrainer.compute_loss runs (metric sums included), without the Trainer
+        out = objective.loss(draft, ft, dev_batch, plan)
+        loss, skipped = objective.normalize(out, denom, training_step=True)
+        objective.record(sums, out, plan, skipped)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), trainer.args.max_grad_norm)  # as Trainer does
         optimizer.step()
@@ -420,7 +426,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     # FLOPs from the exact blocks and mask of this plan.
     blocks = build_blocks(
         cpu_batch["input_ids"], cpu_batch["input_ids"], plan.loss_mask, plan.doc_ids, plan.positions, plan.anchors,
-        dcfg.block_size, dcfg.mask_token_id, trainer.gamma,
+        dcfg.block_size, dcfg.mask_token_id, objective.gamma,
     )
     visible = int(dense_block_mask(plan.anchors, plan.doc_ids, dcfg.block_size).sum())
     n_blocks = plan.anchors.numel()

@@ -145,7 +145,7 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
         def train(self, resume_from_checkpoint=None):
             return SimpleNamespace(metrics={"train_loss": 1.0})
 
-        def evaluate(self):
+        def final_eval_metrics(self):
             return {"eval_dev_tau_est": 3.5}
 
         def export_draft(self):

@@ -17,7 +17,7 @@ from dflash_hf.cli.config import parse_with_config
 from dflash_hf.cli.train import check_target_path, make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.target import FrozenTarget
-from dflash_hf.trainer import build_draft
+from dflash_hf.assembly import build_draft
 from dflash_hf.training_args import DFlashDataArguments
 
 

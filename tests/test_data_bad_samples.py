@@ -37,11 +37,13 @@ def _check(target, root, lines, bad_line, pattern, **kw):
     manifest = _write(root, lines, bad_line)
     with pytest.raises(BadSampleError, match=pattern) as info:
         build_train_dataloader(manifest, processor, model.config, max_tokens=400, **kw)
-    assert "m-00000000" in str(info.value) and "Fix:" in str(info.value)
+    row = f"'m-00000000' ({manifest} line 1)"  # cut id and source row
+    assert f"bad sample {row}: field" in str(info.value) and "Fix:" in str(info.value)
+    assert "--skip_bad_samples true" in str(info.value)
     loader = build_train_dataloader(manifest, processor, model.config, max_tokens=400, skip_bad_samples=True, **kw)
     assert sum(len(b["input_ids"]) for b in loader) == len(lines)
-    assert loader.bad_samples.num_skipped == 1 and list(loader.bad_samples.skipped) == ["m-00000000"]
-    assert "skipped 1 bad samples: m-00000000" in loader.bad_samples.summary()
+    assert loader.bad_samples.num_skipped == 1 and list(loader.bad_samples.skipped) == [row]
+    assert f"skipped 1 bad samples: {row}" in loader.bad_samples.summary()
 
 
 def test_missing_audio(target, good):

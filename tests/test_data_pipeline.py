@@ -46,7 +46,8 @@ def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, target, fmt):
     (tmp_path / "m.json").write_text(json.dumps(line) + "\n")
     cut = next(iter(open_source(tmp_path / "m.json")))
     assert cut.id == "m-00000000" and cut.start == 0.25 and cut.duration == 1.0
-    assert cut.supervisions[0].language == "en" and cut.custom == {"context": "Say it:", "speaker": "s1"}
+    assert cut.supervisions[0].language == "en" and cut.custom == {"context": "Say it:", "speaker": "s1",
+                                                                    "dflash_origin": f"{tmp_path / 'm.json'} line 1"}
 
     loader = build_train_dataloader(tmp_path / "m.json", processor, model.config, max_tokens=500, shuffle=False,
                                     conversation=ConversationConfig(system_prompt="SYS"))

@@ -299,8 +299,8 @@ def test_trainer_loss_is_base_plus_weighted_selector(tmp_path):
     # A gradient-accumulation step of G micro-batches: base by the global denominator, selector by its
     # own micro-batch denominator over G (see DFlashTrainer.selector_loss).
     trainer.current_gradient_accumulation_steps = 2
-    plan = trainer.plan_blocks(batch, 0)
-    step = trainer.compute_loss(draft, {**batch, "dflash_prep": plan}, num_items_in_batch=2 * out.weight_sum)
+    plan = trainer.objective.plan(trainer.target, batch, 0)
+    step = trainer.compute_loss(draft, dict(batch), plan=plan, num_items_in_batch=2 * out.weight_sum)
     torch.testing.assert_close(step, out.loss_sum / (2 * out.weight_sum) + sel / 2)
     m = trainer.train_sums.reduce()
     for name in ("loss", "tau_est", "selector_loss", "selector_tau_est", "selector_accuracy", "candidate_recall"):

@@ -15,7 +15,8 @@ from utils import ListDataset, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
-from dflash_hf.evaluation import VALIDATION_METRICS_FILE, prompt_inputs, validate
+from dflash_hf.evaluation import prompt_inputs
+from dflash_hf.validation import VALIDATION_METRICS_FILE, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4

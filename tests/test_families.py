@@ -264,11 +264,11 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
     trainer = DFlashTrainer(args=args, target=model, processor=processor, train_dataset=[str(manifest)],
                             data_args=DFlashDataArguments(max_tokens=100_000, prompt="Transcribe."))
     batch = next(iter(trainer.get_train_dataloader()))
-    plan = trainer.plan_blocks(batch, 0)
+    plan = trainer.objective.plan(trainer.target, batch, 0)
     taps = trainer.target.capture(batch, trainer.model.config.target_layer_ids).taps
     assert plan.loss_mask.shape == taps.shape[:2]
     assert (taps.shape[1] > batch["input_ids"].shape[1]) == (name == "qwen2_audio_single_placeholder")
-    assert plan.weight_sum > 0 and torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
+    assert plan.denominator > 0 and torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
     trainer.train()
 
     loader = build_train_dataloader(manifest, processor, model.config, family=trainer.target.family,

@@ -125,12 +125,12 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
     trainer.target.capture = lambda batch, ids, keep_final=False: features
 
     def micro_batch(check: bool):
-        plan = trainer.plan_blocks(device_batch, seed=0)  # before the step, as get_batch_samples does
-        total = plan.weight_sum.to(trainer.args.device)
+        plan = trainer.objective.plan(trainer.target, device_batch, seed=0)  # before the step (get_batch_samples)
+        total = plan.denominator.to(trainer.args.device)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if check else "default")
         try:
-            loss = trainer.compute_loss(draft, dict(device_batch, dflash_prep=plan), num_items_in_batch=total)
+            loss = trainer.compute_loss(draft, dict(device_batch), plan=plan, num_items_in_batch=total)
             loss.backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -159,12 +159,12 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
             rows = random_rows(3 + i % 3, 250, resp_len=(10 + 9 * i, 20 + 11 * i), seed=i)
             batch = {k: v.to(trainer.args.device) for k, v in text_batch(rows, tok.pad_token_id).items()}
             trainer.args.attention_backend = "flex"
-            plan = trainer.plan_blocks(batch, seed=i)  # with the flex tile layout
-            loss = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
+            plan = trainer.objective.plan(trainer.target, batch, seed=i)  # with the flex tile layout
+            loss = trainer.compute_loss(draft, dict(batch), plan=plan)
             loss.backward()
             trainer.args.attention_backend = "sdpa"
             with torch.no_grad():
-                ref = trainer.compute_loss(draft, dict(batch, dflash_prep=plan))
+                ref = trainer.compute_loss(draft, dict(batch), plan=plan)
             assert abs(float(loss) - float(ref)) <= 1e-4 * abs(float(ref)), (i, float(loss), float(ref))
     eager_flex = [str(w.message) for w in got if "called without torch.compile" in str(w.message)]
     assert not eager_flex, eager_flex

@@ -92,7 +92,7 @@ def reference_labels(model, batch: dict) -> torch.Tensor:
 
 
 def _row_inputs(ft: FrozenTarget, batch: dict):
-    """Final-normed states and row-coordinate ids / loss mask / doc ids, as `DFlashTrainer.draft_forward`
+    """Final-normed states and row-coordinate ids / loss mask / doc ids, as `DFlashObjective.loss`
     prepares them (leading padding moved to the end)."""
     feats = ft.capture(batch, [1], keep_final=True)
     packed = "cu_seqlens" in batch
@@ -196,7 +196,7 @@ def test_chunk_size_zero_is_refused(target, tmp_path):
 
 @pytest.mark.parametrize("layout", ["left", "packed"])
 def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
-    """End to end through `DFlashTrainer.draft_forward` (target forward, row handling, labels)."""
+    """End to end through `DFlashObjective.loss` (target forward, row handling, labels)."""
     model, tok = target
     batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else _batch(tok, "left")
     args = DFlashTrainingArguments(
@@ -213,8 +213,8 @@ def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
         return seen[-1]
 
     trainer.target.argmax_labels = spy
-    plan = trainer.plan_blocks(batch, seed=0)
-    out = trainer.draft_forward(trainer.model, batch, plan)
+    plan = trainer.objective.plan(trainer.target, batch, seed=0)
+    out = trainer.objective.loss(trainer.model, trainer.target, batch, plan)
     ref = move_leading_padding(reference_labels(model, batch), plan.shifts)
     assert len(seen) == 1 and torch.equal(seen[0], ref)
     # block labels are the reference labels at a+k

@@ -139,8 +139,8 @@ def test_qwen3_asr_packed_taps_equal_each_document_alone(asr):
 # ---------------------------------------------------------------------------------------------- packed == padded
 def _loss_and_grads(trainer: DFlashTrainer, batch: dict):
     trainer.model.zero_grad()
-    plan = trainer.plan_blocks(batch, seed=0)
-    loss = trainer.compute_loss(trainer.model, dict(batch, dflash_prep=plan))
+    plan = trainer.objective.plan(trainer.target, batch, seed=0)
+    loss = trainer.compute_loss(trainer.model, dict(batch), plan=plan)
     loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in trainer.model.named_parameters()}
     return loss.detach(), grads, plan
@@ -166,7 +166,7 @@ def test_packed_and_padded_give_same_loss_and_gradients(tmp_path, kind, text_tar
     n_valid = int(valid_anchor_mask(plan_pack.loss_mask, plan_pack.doc_ids).sum())
     assert n_valid > 10 and int(plan_pack.anchors.ge(0).sum()) == int(plan_pad.anchors.ge(0).sum()) == n_valid
     assert plan_pack.doc_ids.max() == padded["input_ids"].shape[0] - 1
-    torch.testing.assert_close(plan_pack.weight_sum, plan_pad.weight_sum)
+    torch.testing.assert_close(plan_pack.denominator, plan_pad.denominator)
     assert loss_pack.item() > 0.1
     torch.testing.assert_close(loss_pack, loss_pad, **TOL)
     for k in g_pad:
@@ -184,8 +184,8 @@ def test_no_attention_leak_across_documents(tmp_path, text_target):
     trainer.model.norm.register_forward_hook(lambda _m, _a, out: hidden.__setitem__("h", out.detach()))
 
     def run(batch):
-        plan = trainer.plan_blocks(batch, seed=0)
-        trainer.draft_forward(trainer.model, batch, plan)
+        plan = trainer.objective.plan(trainer.target, batch, seed=0)
+        trainer.objective.loss(trainer.model, trainer.target, batch, plan)
         taps = trainer.target.capture(batch, trainer.draft_config.target_layer_ids).taps[0]
         return taps, hidden["h"][0].view(plan.anchors.shape[1], 4, -1), plan
 
@@ -210,7 +210,8 @@ def test_anchor_budget_caps_packed_micro_batch(tmp_path, text_target):
     packed = _packed_text(tok, _text_docs(tok, n=4, seed=3))
     capped = _trainer(tmp_path, model, _mask_id(tok), packing=True, num_anchors=6, anchor_budget=9)
     free = _trainer(tmp_path, model, _mask_id(tok), packing=True, num_anchors=6)
-    plan_free, plan = free.plan_blocks(packed, seed=1), capped.plan_blocks(packed, seed=1)
+    plan_free = free.objective.plan(free.target, packed, seed=1)
+    plan = capped.objective.plan(capped.target, packed, seed=1)
     per_doc = torch.bincount(plan_free.doc_ids[0, plan_free.anchors[0]], minlength=4)
     assert per_doc.tolist() == [6, 6, 6, 6]  # num_anchors applies per document
     chosen = plan.anchors[0][plan.anchors[0] >= 0]
@@ -227,10 +228,10 @@ def test_packing_checks_are_clear(tmp_path, text_target):
     docs = _text_docs(tok)
     trainer = _trainer(tmp_path, model, mask_id, packing=False)
     with pytest.raises(ValueError, match="packing=False"):
-        trainer.plan_blocks(_packed_text(tok, docs), seed=0)
+        trainer.objective.plan(trainer.target, _packed_text(tok, docs), seed=0)
     trainer = _trainer(tmp_path, model, mask_id, packing=True)
     with pytest.raises(ValueError, match="padded batch"):
-        trainer.plan_blocks(text_batch(docs, tok.pad_token_id), seed=0)
+        trainer.objective.plan(trainer.target, text_batch(docs, tok.pad_token_id), seed=0)
     unsafe = copy.deepcopy(model)
     unsafe.config._attn_implementation = "paged|sdpa"
     with pytest.raises(ValueError, match="attn_implementation"):

@@ -24,7 +24,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
-from dflash_hf.families import encode_batch, resolve_family
+from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
 
 logger = logging.getLogger("dflash_hf.generate_labels")
 
@@ -120,8 +120,9 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                 inputs = {k: v.to(args.device) for k, v in inputs.items()}
                 if "input_features" in inputs:
                     inputs["input_features"] = inputs["input_features"].to(model.dtype)
-                with torch.no_grad():
-                    sequences = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+                with torch.no_grad():  # prompt + new tokens for every family (Whisper's plain output drops the prompt)
+                    sequences = model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
+                                               do_sample=False, return_dict_in_generate=True).sequences
                 new_tokens = sequences[:, inputs["input_ids"].shape[1]:]
                 for (cut, record), ids in zip(cuts, new_tokens):
                     line = dict(record)

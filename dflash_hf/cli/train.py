@@ -135,7 +135,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         hint = f"embedding rows the tokenizer never produces: {free}" if free else "an unused reserved special token"
         raise ValueError(f"--mask_token_id is required: an id with an embedding row that the data never uses ({hint})")
     if args.validate_only:
-        from ..evaluation import validate
+        from ..validation import validate
 
         return validate(args, data_args.eval_sources(), target=target, processor=processor, data_args=data_args)
 
@@ -153,7 +153,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
     if data_args.eval_data:
-        metrics.update(trainer.evaluate())
+        metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
     export_dir = trainer.export_draft()
     loader = getattr(trainer, "speech_train_loader", None)
     if loader is not None:

@@ -29,7 +29,10 @@ The loader is already sharded by rank: hand it to the Trainer as is (do not let 
 it). It has no ``len``: train with ``max_steps``. ``loader.set_epoch(epoch)`` reshuffles;
 ``loader.state_dict()`` / ``loader.load_state_dict(state)`` resume mid-epoch (batches handed out so far, not
 the ones prefetched by workers); accelerate's ``skip_first_batches`` also works since iteration is
-deterministic. ``loader.bad_samples.num_skipped`` / ``.summary()`` report skipped samples (log it at the end).
+deterministic. ``loader.bad_samples.num_skipped`` / ``.summary()`` report skipped samples, one per source row (log
+it at the end). Sources are scanned line by line when opened, so malformed rows fail (or are counted) before
+training; lhotse audio sources of type ``command`` / ``url`` need ``DataSource(allow_command_audio_sources=True)``
+/ ``allow_url_audio_sources=True`` (docs/DATA.md).
 """
 
 from dflash_hf.data.bad_samples import BadSampleError, BadSamples
@@ -42,7 +45,7 @@ from dflash_hf.data.loader import (
     default_padding_side,
 )
 from dflash_hf.data.packing import PackingCollator, PackingSampler, pack_padded_batch
-from dflash_hf.data.sources import DataSource, NemoManifest, mix_sources, nemo_line_to_cut, open_source
+from dflash_hf.data.sources import DataSource, LhotseCuts, NemoManifest, mix_sources, nemo_line_to_cut, open_source
 from dflash_hf.data.validation import SampleValidator
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "ConversationRenderer",
     "CutDataLoader",
     "DataSource",
+    "LhotseCuts",
     "NemoManifest",
     "PackingCollator",
     "PackingSampler",

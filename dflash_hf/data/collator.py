@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from lhotse.augmentation.resample import Resample
 
-from dflash_hf.data.bad_samples import BadSampleError
+from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.families import TargetFamily, encode_batch
 
@@ -18,8 +18,8 @@ def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
     try:
         audio = cut.load_audio()
     except Exception as e:  # noqa: BLE001 - re-raised with the cut id and the fix
-        raise BadSampleError(f"bad sample {cut.id!r}: field 'audio_filepath': decoding failed "
-                             f"({type(e).__name__}: {e}). Fix: re-encode the audio as wav or flac") from e
+        raise BadSampleError(bad_sample_message(cut.id, "audio_filepath", f"decoding failed ({type(e).__name__}: {e})",
+                                                "re-encode the audio as wav or flac", origin_of(cut))) from e
     audio = np.asarray(audio, dtype=np.float32)[0]
     if cut.sampling_rate != sampling_rate:
         resampler = Resample(orig_freq=cut.sampling_rate, new_freq=sampling_rate)

@@ -13,6 +13,7 @@ audio), so it does not depend on audio expansion and is reusable by packed (THD)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from dflash_hf.families import TargetFamily, get_tokenizer
 
@@ -61,7 +62,10 @@ def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None
     if system:
         messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
     user = [{"type": "text", "text": context}] if context else []
-    user.append({"type": "audio"})
+    audio = {"type": "audio"}
+    if family.render_decoder is not None and cut.supervisions[0].language:
+        audio["language"] = cut.supervisions[0].language  # the decoder prompt names it (Whisper)
+    user.append(audio)
     messages.append({"role": "user", "content": user})
     messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
     return messages
@@ -74,6 +78,10 @@ class ConversationRenderer:
         self.family = family
         self.config = config or ConversationConfig()
         self.tokenizer = get_tokenizer(processor)
+        self._special_ids = set(self.tokenizer.all_special_ids)
+        if family.render_decoder is not None:  # encoder-decoder: the family renders the decoder's own prompt
+            self._apply = partial(family.render_decoder, self.tokenizer)
+            return
         owner = processor if family.render_with == "processor" else self.tokenizer
         if not getattr(owner, "chat_template", None):
             raise ValueError(
@@ -81,7 +89,6 @@ class ConversationRenderer:
                 "set one (processor.chat_template / tokenizer.chat_template) before training"
             )
         self._apply = owner.apply_chat_template
-        self._special_ids = set(self.tokenizer.all_special_ids)
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)

@@ -1,13 +1,16 @@
 """Data sources -> lazy lhotse CutSets.
 
-- NeMo ASR manifests (JSON lines): ``audio_filepath`` (absolute or relative to the manifest), ``duration``,
-  ``text``, optional ``offset`` and ``lang``; every other key is kept in ``cut.custom`` (e.g. ``context``).
-- lhotse CutSet files (``.jsonl`` / ``.jsonl.gz``), read lazily.
+- NeMo ASR manifests (JSON lines, plain or gzipped): ``audio_filepath`` (absolute or relative to the manifest),
+  ``duration``, ``text``, optional ``offset`` and ``lang``; every other key is kept in ``cut.custom`` (e.g.
+  ``context``).
+- lhotse CutSet files (``.jsonl`` / ``.jsonl.gz``) of MonoCuts, read lazily; audio sources of type ``command``
+  or ``url`` are refused unless allowed.
 - Hugging Face ``datasets``: an audio column holding paths, ``{"path", "bytes"}`` dicts (``Audio(decode=False)``)
   or ``{"array", "sampling_rate"}`` dicts, plus a text column; ``audio_column=None`` for text-only data.
 
 Several sources are mixed lazily with weights (``CutSet.mux``). Each cut has one supervision whose text is
 the assistant response; cut ids are ``<manifest stem>-<line index>`` unless the line has an ``id`` key.
+Each cut records its source row in ``cut.custom["dflash_origin"]`` (error messages and skip counts use it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +29,26 @@ import numpy as np
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 
-from dflash_hf.data.bad_samples import BadSamples
+from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
+GATED_SOURCE_TYPES = {
+    "command": ("allow_command_audio_sources", "lhotse would run this shell command to read the audio"),
+    "url": ("allow_url_audio_sources", "lhotse would download the audio from this address"),
+}
+"""lhotse audio source types refused unless the ``DataSource`` field (CLI flag) of the same name allows them."""
+
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+               type(None): "null"}
 
 
 @dataclass
 class DataSource:
-    """One input. Give ``path`` (NeMo manifest or lhotse cuts file; ``kind`` detected from the first line when
-    None) or ``hf_dataset`` (a ``datasets.Dataset`` or a ``save_to_disk`` directory). ``weight`` is the
-    relative sampling weight when several sources are mixed."""
+    """One input. Give ``path`` (NeMo manifest or lhotse cuts file, plain or gzipped; ``kind`` detected from the
+    first line when None) or ``hf_dataset`` (a ``datasets.Dataset`` or a ``save_to_disk`` directory).
+    ``weight`` is the relative sampling weight when several sources are mixed. lhotse cuts whose audio comes
+    from a shell command or a URL are refused unless ``allow_command_audio_sources`` /
+    ``allow_url_audio_sources`` is True."""
 
     path: str | None = None
     weight: float = 1.0
@@ -43,24 +58,104 @@ class DataSource:
     text_column: str = "text"
     context_column: str | None = "context"
     id_column: str | None = None
+    allow_command_audio_sources: bool = False
+    allow_url_audio_sources: bool = False
+
+
+def _describe(value: Any) -> str:
+    """``a JSON string '1.5'``: the JSON type and a short repr of a value read from a manifest."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"a JSON {_JSON_TYPES.get(type(value), type(value).__name__)} {shown}"
+
+
+def _seconds_problem(value: Any, *, positive: bool) -> str | None:
+    """Why ``value`` is not a usable number of seconds (None if it is)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {_describe(value)}, not a number of seconds"
+    if math.isnan(value):
+        return "is NaN, not a number of seconds"
+    if math.isinf(value):
+        return f"is {value}, not a finite number of seconds"
+    if value < 0 or (positive and value == 0):
+        return f"is {value}; it must be {'> 0' if positive else '>= 0'}"
+    return None
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _open_binary(path: str | Path):
+    """The file's bytes, gunzipped when it is gzip (by content, whatever its suffix)."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"data source {str(path)!r} is a directory; give the manifest or cuts file in it")
+    try:
+        return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data source {str(path)!r} does not exist; fix the path") from None
+
+
+def _manifest_stem(path: Path) -> str:
+    """``m`` for ``m.json``, ``m.jsonl.gz``: the default cut-id prefix."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return Path(name).stem
+
+
+def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -> Iterator[tuple[int, str, dict]]:
+    """``(line index, origin, record)`` for every non-blank line of a JSON-lines file (plain or gzipped) that
+    holds a JSON object; ``origin`` is ``"<path> line <N>"`` (1-based). Lines that are not UTF-8, not JSON or
+    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given)."""
+    index = -1
+    with _open_binary(path) as f:
+        try:
+            for index, raw in enumerate(f):
+                origin = f"{path} line {index + 1}"
+                cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
+                record = _parse_line(raw, index, bad, cut_id, origin)
+                if record is not None:
+                    yield index, origin, record
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            raise ValueError(f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
+                             f"{e}): the file is truncated or corrupt; re-create it") from e
+
+
+def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, origin: str) -> dict | None:
+    """The JSON object on one line; None for a blank line or one reported to ``bad``."""
+    try:
+        line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
+    except UnicodeDecodeError as e:
+        bad.report(cut_id, "<line>", f"is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})",
+                   "re-save the file as UTF-8", origin=origin)
+        return None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        bad.report(cut_id, "<line>", f"not valid JSON ({e})", "fix or remove the line", origin=origin)
+        return None
+    if not isinstance(record, dict):
+        bad.report(cut_id, "<line>", f"is {_describe(record)}, not a JSON object",
+                   "write one JSON object per line", origin=origin)
+        return None
+    return record
+
+
+class _IgnoredRows(BadSamples):
+    """A sink for rows that another pass reports (format detection looks only for the first good line)."""
+
+    def report(self, *args, **kwargs) -> None:
+        pass
 
 
 def detect_kind(path: str | Path) -> str:
-    """``"nemo"`` if the first JSON line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
-    (lines that are not JSON are skipped here and reported by the reader)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    record = None
-    try:
-        with opener(path, "rt") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    break
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        raise FileNotFoundError(f"data source {str(path)!r} does not exist; fix the path") from None
-    if not isinstance(record, dict):
+    """``"nemo"`` if the first JSON object line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
+    (other lines are skipped here and reported by the reader)."""
+    record = next((r for _, _, r in json_rows(path, _IgnoredRows())), None)
+    if record is None:
         raise ValueError(f"data source {str(path)!r} has no JSON object line; expected JSON lines")
     if "audio_filepath" in record:
         return "nemo"
@@ -72,29 +167,83 @@ def detect_kind(path: str | Path) -> str:
     )
 
 
-def nemo_line_to_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples) -> MonoCut | None:
-    """One NeMo manifest line -> MonoCut (reads only the audio header). None when skipped."""
+def _nemo_cut_id(record: dict, default_id: str) -> str:
+    cut_id = record.get("id")
+    return str(cut_id) if isinstance(cut_id, (str, int)) and not isinstance(cut_id, bool) else default_id
+
+
+def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | None = None) -> bool:
+    """Keys and value types of one NeMo manifest line (no file access); a problem goes to ``bad``."""
+    def fail(key: str, problem: str, fix: str) -> bool:
+        bad.report(cut_id, key, problem, fix, origin=origin)
+        return False
+
     for key in ("audio_filepath", "text"):
         if key not in record:
-            bad.report(cut_id, key, "missing from the manifest line", f"add '{key}' to every line")
-            return None
+            return fail(key, "missing from the manifest line", f"add '{key}' to every line")
+    path = record["audio_filepath"]
+    if not isinstance(path, str) or not path.strip():
+        return fail("audio_filepath", f"is {_describe(path)}, not a file path",
+                    "write the audio file's path as a non-empty JSON string")
+    if not isinstance(record["text"], str):
+        return fail("text", f"is {_describe(record['text'])}, not a string", "write the response as a JSON string")
+    for key, positive in (("duration", True), ("offset", False)):
+        if record.get(key) is not None:
+            problem = _seconds_problem(record[key], positive=positive)
+            if problem:
+                return fail(key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'}), or leave it "
+                            "out" + (" for the rest of the file" if positive else " for 0"))
+    if record.get("lang") is not None and not isinstance(record["lang"], str):
+        return fail("lang", f"is {_describe(record['lang'])}, not a string", "write a language code such as \"en\"")
+    if "id" in record and _nemo_cut_id(record, "") == "":
+        return fail("id", f"is {_describe(record['id'])}, not a string or integer", "write a unique string id")
+    return True
+
+
+def audio_path_problem(path: Path) -> str | None:
+    """Why ``path`` is not an audio file one can open (None if it is a file)."""
+    if path.is_dir():
+        return f"audio path {str(path)!r} is a directory, not an audio file"
+    if not path.is_file():
+        return f"audio file {str(path)!r} does not exist"
+    return None
+
+
+def nemo_line_to_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples,
+                     origin: str | None = None) -> MonoCut | None:
+    """One NeMo manifest line -> MonoCut (checks the line, reads only the audio header). None when skipped."""
+    if not check_nemo_record(record, cut_id, bad, origin):
+        return None
+    return _nemo_cut(record, cut_id, manifest_dir, bad, origin)
+
+
+def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None) -> MonoCut | None:
+    """A checked NeMo line -> MonoCut: the audio file must exist and have a readable header."""
     path = Path(record["audio_filepath"]).expanduser()
     if not path.is_absolute():
         path = manifest_dir / path
-    if not path.is_file():
-        bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} does not exist",
-                   "fix the path (relative paths are resolved against the manifest's directory)")
+    problem = audio_path_problem(path)
+    if problem:
+        bad.report(cut_id, "audio_filepath", problem,
+                   "point it at an audio file (relative paths are resolved against the manifest's directory)",
+                   origin=origin)
+        return None
+    if path.stat().st_size == 0:
+        bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is empty (0 bytes)",
+                   "replace the file or remove the line", origin=origin)
         return None
     try:
         recording = Recording.from_file(path, recording_id=str(path))
     except Exception as e:  # noqa: BLE001 - any decoder failure means the file is unusable
         bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is unreadable ({type(e).__name__}: {e})",
-                   "re-encode the file as wav or flac")
+                   "re-encode the file as wav or flac", origin=origin)
         return None
     offset = float(record.get("offset") or 0.0)
     duration = record.get("duration")
     duration = recording.duration - offset if duration is None else float(duration)
     extras = {k: v for k, v in record.items() if k not in NEMO_KEYS}
+    if origin is not None:
+        extras[ORIGIN_KEY] = origin
     return _make_cut(cut_id, recording, offset, duration, record["text"], record.get("lang"), extras)
 
 
@@ -108,27 +257,91 @@ def _make_cut(cut_id, recording, start, duration, text, language, custom) -> Mon
 
 
 class NemoManifest:
-    """Lazy, re-iterable NeMo manifest reader yielding MonoCuts (bad lines go to ``bad``)."""
+    """Lazy, re-iterable NeMo manifest reader (plain or gzipped) yielding MonoCuts (bad lines go to ``bad``).
+    ``check()`` reads every line once without touching audio, so malformed lines surface before training."""
 
     def __init__(self, path: str | Path, bad: BadSamples | None = None):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
 
+    def _records(self) -> Iterator[tuple[str, str, dict]]:
+        """``(cut id, origin, record)`` of the lines whose keys and types are right."""
+        prefix = _manifest_stem(self.path)
+        for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix):
+            cut_id = _nemo_cut_id(record, f"{prefix}-{index:08d}")
+            if check_nemo_record(record, cut_id, self.bad, origin):
+                yield cut_id, origin, record
+
+    def check(self) -> None:
+        for _ in self._records():
+            pass
+
     def __iter__(self) -> Iterator[MonoCut]:
         manifest_dir = self.path.parent
-        with open(self.path) as f:
-            for index, line in enumerate(f):
-                if not line.strip():
-                    continue
-                default_id = f"{self.path.stem}-{index:08d}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    self.bad.report(default_id, "<line>", f"not valid JSON ({e})", "fix or remove the line")
-                    continue
-                cut = nemo_line_to_cut(record, str(record.get("id", default_id)), manifest_dir, self.bad)
-                if cut is not None:
-                    yield cut
+        for cut_id, origin, record in self._records():
+            cut = _nemo_cut(record, cut_id, manifest_dir, self.bad, origin)
+            if cut is not None:
+                yield cut
+
+
+class LhotseCuts:
+    """Lazy, re-iterable reader of a lhotse cuts file (``.jsonl`` / ``.jsonl.gz``) yielding MonoCuts. Lines that
+    are not cuts go to ``bad``; audio sources of a gated type (``GATED_SOURCE_TYPES``) raise unless allowed,
+    whatever the skip policy. ``check()`` reads every line once (no audio access) before training."""
+
+    def __init__(self, path: str | Path, bad: BadSamples | None = None, *, allow_command_audio_sources: bool = False,
+                 allow_url_audio_sources: bool = False):
+        self.path = Path(path)
+        self.bad = bad if bad is not None else BadSamples(skip=False)
+        self.allowed = {"allow_command_audio_sources": allow_command_audio_sources,
+                        "allow_url_audio_sources": allow_url_audio_sources}
+
+    def _cut(self, record: dict, origin: str) -> MonoCut | None:
+        cut_id = record.get("id") if isinstance(record.get("id"), str) else None
+        report = self.bad.report
+        if record.get("type") != "MonoCut":
+            report(cut_id, "type", f"is {_describe(record.get('type'))}; only \"MonoCut\" cuts are supported",
+                   "store each utterance as a mono cut (MixedCut / MultiCut are not supported)", origin=origin)
+            return None
+        try:
+            cut = MonoCut.from_dict(record)
+        except Exception as e:  # noqa: BLE001 - any malformed cut is reported with its row
+            report(cut_id, "<cut>", f"is not a valid lhotse MonoCut ({type(e).__name__}: {e})",
+                   "write the file with lhotse (CutSet.to_file)", origin=origin)
+            return None
+        for key, value, positive in (("start", cut.start, False), ("duration", cut.duration, True)):
+            problem = _seconds_problem(value, positive=positive)
+            if problem:
+                report(cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})",
+                       origin=origin)
+                return None
+        self._check_sources(cut, origin)
+        cut.custom = {**(cut.custom or {}), ORIGIN_KEY: origin}
+        return cut
+
+    def _check_sources(self, cut: MonoCut, origin: str) -> None:
+        """Refuse audio sources of a gated type unless their flag allows them (never skipped: a security check)."""
+        for i, source in enumerate(cut.recording.sources if cut.recording is not None else []):
+            flag, what = GATED_SOURCE_TYPES.get(source.type, (None, None))
+            if flag is not None and not self.allowed[flag]:
+                raise BadSampleError(bad_sample_message(
+                    cut.id, f"recording.sources[{i}].type",
+                    f"is {source.type!r}: {what} ({str(source.source)[:80]!r}); refused by default",
+                    f"pass --{flag} true (DataSource({flag}=True)) only if you trust this file, or store the audio "
+                    "as local files", origin))
+
+    def _cuts(self) -> Iterator[MonoCut]:
+        for _, origin, record in json_rows(self.path, self.bad):
+            cut = self._cut(record, origin)
+            if cut is not None:
+                yield cut
+
+    def check(self) -> None:
+        for _ in self._cuts():
+            pass
+
+    def __iter__(self) -> Iterator[MonoCut]:
+        return self._cuts()
 
 
 class HFDatasetCuts:
@@ -156,16 +369,18 @@ class HFDatasetCuts:
     def __iter__(self) -> Iterator[MonoCut]:
         for index, row in enumerate(self.dataset):
             cut_id = str(row[self.id_column]) if self.id_column else f"{self.name}-{index:08d}"
+            origin = f"hf dataset {self.name!r} row {index}"
             custom = {"context": row[self.context_column]} if self.context_column else {}
+            custom[ORIGIN_KEY] = origin
             text = row[self.text_column]
             if self.audio_column is None:
                 yield _make_cut(cut_id, None, 0.0, 0.0, text, None, custom)
                 continue
-            recording = self._recording(cut_id, row[self.audio_column])
+            recording = self._recording(cut_id, row[self.audio_column], origin)
             if recording is not None:
                 yield _make_cut(cut_id, recording, 0.0, recording.duration, text, None, custom)
 
-    def _recording(self, cut_id: str, audio) -> Recording | None:
+    def _recording(self, cut_id: str, audio, origin: str) -> Recording | None:
         try:
             if isinstance(audio, str):
                 audio = {"path": audio}
@@ -180,20 +395,24 @@ class HFDatasetCuts:
                 return Recording.from_bytes(buffer.getvalue(), recording_id=cut_id)
             if audio.get("path"):
                 path = Path(audio["path"])
-                if not path.is_file():
-                    self.bad.report(cut_id, self.audio_column, f"audio file {str(path)!r} does not exist",
-                                    "fix the path in the dataset")
+                problem = audio_path_problem(path)
+                if problem:
+                    self.bad.report(cut_id, self.audio_column, problem, "point it at an audio file",
+                                    origin=origin)
                     return None
                 return Recording.from_file(path, recording_id=cut_id)
             raise ValueError("the dict has none of 'bytes', 'array', 'path'")
+        except BadSampleError:  # already reported (strict mode): not an unreadable-audio error
+            raise
         except Exception as e:  # noqa: BLE001 - reported with the cut id
             self.bad.report(cut_id, self.audio_column, f"audio is unreadable ({type(e).__name__}: {e})",
-                            "store a path, encoded bytes, or {'array', 'sampling_rate'}")
+                            "store a path, encoded bytes, or {'array', 'sampling_rate'}", origin=origin)
             return None
 
 
 def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) -> CutSet:
-    """A lazy CutSet for one source."""
+    """A lazy CutSet for one source. A manifest or cuts file is first read through once without audio access
+    (``check()``), so a malformed line is an error, or a counted skip, before training starts."""
     if not isinstance(source, DataSource):
         source = DataSource(path=str(source))
     bad = bad if bad is not None else BadSamples(skip=False)
@@ -210,10 +429,14 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
         raise ValueError("DataSource needs path= or hf_dataset=")
     kind = source.kind or detect_kind(source.path)
     if kind == "nemo":
-        return CutSet(NemoManifest(source.path, bad))
-    if kind == "lhotse":
-        return CutSet.from_jsonl_lazy(source.path)
-    raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
+        reader = NemoManifest(source.path, bad)
+    elif kind == "lhotse":
+        reader = LhotseCuts(source.path, bad, allow_command_audio_sources=source.allow_command_audio_sources,
+                            allow_url_audio_sources=source.allow_url_audio_sources)
+    else:
+        raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
+    reader.check()
+    return CutSet(reader)
 
 
 def mix_sources(sources: Sequence[DataSource | str | Path], *, seed: int = 0,

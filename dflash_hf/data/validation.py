@@ -3,13 +3,16 @@ count each sample occupies in the decoder (audio positions after expansion + tex
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from lhotse import CutSet
 
-from dflash_hf.data.bad_samples import BadSamples
+from dflash_hf.data.bad_samples import BadSamples, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, cut_to_messages
+from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, _add_special_tokens, audio_token_id
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
@@ -18,10 +21,11 @@ NUM_TOKENS_KEY = "dflash_num_tokens"
 class SampleValidator:
     """Checks one cut and stores its decoder token count in ``cut.custom["dflash_num_tokens"]``.
 
-    Checks: non-empty response text; audio present, file existing, mono; offset/duration inside the file
-    (``duration_tolerance`` seconds of slack, for rounded manifest durations: the cut is clipped to the file);
-    sampling rate equal to the family's (or resampled when ``resample_audio``); token count within
-    ``max_tokens``. Each failure goes to ``bad`` (error, or counted skip)."""
+    Checks: response text a non-empty string, context / system prompt strings; audio present, a non-empty
+    file, mono; offset/duration finite and inside the file (``duration_tolerance`` seconds of slack, for rounded
+    manifest durations: the cut is clipped to the file); sampling rate equal to the family's (or resampled when
+    ``resample_audio``); token count within ``max_tokens``. Each failure goes to ``bad`` (error, or counted
+    skip), named by the cut id and its source row."""
 
     def __init__(self, renderer: ConversationRenderer, family: TargetFamily, target_config, *,
                  max_tokens: int | None, bad: BadSamples, resample_audio: bool = True,
@@ -31,75 +35,115 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
 
+    def _report(self, cut, field: str, problem: str, fix: str) -> None:
+        self.bad.report(cut.id, field, problem, fix, origin=origin_of(cut))
+
     def __call__(self, cut):
-        report = self.bad.report
-        if not cut.supervisions:
-            report(cut.id, "text", "the cut has no supervision", "give every cut a supervision with the text")
-            return None
-        text = cut.supervisions[0].text
-        if text is None or not str(text).strip():
-            report(cut.id, "text", "the response text is empty", "remove the sample or fill in 'text'")
+        if not self._check_text(cut):
             return None
         if self.family.has_audio:
             cut = self._check_audio(cut)
             if cut is None:
                 return None
-        num_tokens = self.count_tokens(cut)
+        text_tokens, audio_positions = self.token_counts(cut)
+        num_tokens = text_tokens + audio_positions
+        limits = self.family.sample_problem  # the family's own limits (Whisper: 448 positions, one audio window)
+        problem = limits(self.target_config, num_tokens, cut.duration) if limits else None
+        if problem:
+            self._report(cut, *problem)
+            return None
         if self.max_tokens is not None and num_tokens > self.max_tokens:
-            report(cut.id, "duration", f"the sample needs {num_tokens} decoder tokens (audio {cut.duration:.2f} s "
-                   f"+ text), more than max_tokens={self.max_tokens}",
-                   "raise max_tokens, or split / drop the long sample")
+            self._report_too_long(cut, text_tokens, audio_positions)
             return None
         cut.custom = dict(cut.custom or {})
         cut.custom[NUM_TOKENS_KEY] = num_tokens
         return cut
 
+    def _check_text(self, cut) -> bool:
+        """The response, context and system prompt are strings; the response is not empty."""
+        if not cut.supervisions:
+            self._report(cut, "text", "the cut has no supervision", "give every cut a supervision with the text")
+            return False
+        text = cut.supervisions[0].text
+        if text is not None and not isinstance(text, str):
+            self._report(cut, "text", f"is not a string ({type(text).__name__} {text!r:.40})",
+                         "write the response text as a string")
+            return False
+        if text is None or not text.strip():
+            self._report(cut, "text", "the response text is empty", "remove the sample or fill in 'text'")
+            return False
+        config = self.renderer.config
+        for key in (config.context_key, config.system_prompt_key):
+            value = (cut.custom or {}).get(key)
+            if value is not None and not isinstance(value, str):
+                self._report(cut, key, f"is not a string ({type(value).__name__} {value!r:.40})",
+                             f"write '{key}' as a string, or leave it out")
+                return False
+        return True
+
+    def _report_too_long(self, cut, text_tokens: int, audio_positions: int) -> None:
+        """Blame the part that needs more tokens: the rendered text or the audio (``duration``)."""
+        field = "text" if text_tokens >= audio_positions else "duration"
+        audio = f" + {audio_positions} audio positions for {cut.duration:.2f} s" if self.family.has_audio else ""
+        shorten = "shorten the text" if field == "text" else "split the audio into shorter cuts"
+        self._report(cut, field, f"the sample needs {text_tokens + audio_positions} decoder tokens ({text_tokens} "
+                     f"rendered text tokens{audio}), more than the batch budget max_tokens={self.max_tokens}",
+                     f"{shorten}, or raise --max_tokens (--packing_max_tokens with --packing true)")
+
     def _check_audio(self, cut):
-        report = self.bad.report
+        report = functools.partial(self._report, cut)
         rec = cut.recording
         if rec is None:
-            report(cut.id, "audio_filepath", "the cut has no audio", "give every sample an audio file")
+            report("audio_filepath", "the cut has no audio", "give every sample an audio file")
             return None
         for source in rec.sources:
-            if source.type == "file" and not Path(source.source).is_file():
-                report(cut.id, "audio_filepath", f"audio file {source.source!r} does not exist", "fix the path")
+            problem = audio_path_problem(Path(source.source)) if source.type == "file" else None
+            if problem:
+                report("audio_filepath", problem, "point it at an audio file")
                 return None
+        if rec.num_samples <= 0 or rec.duration <= 0:
+            report("audio_filepath", f"audio of recording {rec.id!r} has no samples (an empty or header-only file)",
+                   "replace the file or remove the sample")
+            return None
         if rec.num_channels != 1:
-            report(cut.id, "audio_filepath", f"audio has {rec.num_channels} channels, targets take mono",
+            report("audio_filepath", f"audio has {rec.num_channels} channels, targets take mono",
                    "downmix the file to mono")
             return None
-        if cut.start < 0 or cut.start >= rec.duration:
-            report(cut.id, "offset", f"offset {cut.start} s is outside the {rec.duration:.3f} s file",
+        if not math.isfinite(cut.start) or cut.start < 0 or cut.start >= rec.duration:
+            report("offset", f"offset {cut.start} s is outside the {rec.duration:.3f} s file",
                    "fix 'offset' (seconds from the start of the file)")
             return None
-        if cut.duration <= 0:
-            report(cut.id, "duration", f"duration {cut.duration} s is not positive", "fix 'duration'")
+        if not math.isfinite(cut.duration) or cut.duration <= 0:
+            report("duration", f"duration {cut.duration} s is not a positive number", "fix 'duration'")
             return None
         overrun = cut.start + cut.duration - rec.duration
         if overrun > self.duration_tolerance:
-            report(cut.id, "duration", f"offset + duration = {cut.start + cut.duration:.3f} s runs past the end "
+            report("duration", f"offset + duration = {cut.start + cut.duration:.3f} s runs past the end "
                    f"of the {rec.duration:.3f} s file", "fix 'duration'/'offset' to lie inside the audio")
             return None
         if overrun > 0:
             cut = cut.truncate(duration=rec.duration - cut.start)
         if rec.sampling_rate != self.family.sampling_rate and not self.resample_audio:
-            report(cut.id, "sampling_rate", f"audio is {rec.sampling_rate} Hz, the target takes "
+            report("sampling_rate", f"audio is {rec.sampling_rate} Hz, the target takes "
                    f"{self.family.sampling_rate} Hz", f"resample the file to {self.family.sampling_rate} Hz or "
-                   "pass resample_audio=True")
+                   "pass --resample_audio true")
             return None
         return cut
 
-    def count_tokens(self, cut) -> int:
-        """Decoder positions of the rendered sample: text tokens + audio positions after expansion."""
+    def token_counts(self, cut) -> tuple[int, int]:
+        """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion)."""
         tokenizer = self.renderer.tokenizer
         text = self.renderer.render_text(cut_to_messages(cut, self.family, self.renderer.config))
         ids = tokenizer(text, add_special_tokens=_add_special_tokens(tokenizer, [text]))["input_ids"]
         if not self.family.has_audio:
-            return len(ids)
+            return len(ids), 0
         n_placeholders = sum(1 for i in ids if i == self.audio_id)
         num_samples = round(cut.duration * self.family.sampling_rate)
-        return len(ids) - n_placeholders + n_placeholders * self.family.audio_tokens(self.target_config,
-                                                                                         num_samples)
+        return len(ids) - n_placeholders, n_placeholders * self.family.audio_tokens(self.target_config, num_samples)
+
+    def count_tokens(self, cut) -> int:
+        """Decoder positions of the rendered sample: text tokens + audio positions after expansion."""
+        return sum(self.token_counts(cut))
 
 
 class ValidatedCuts:

@@ -1,0 +1,38 @@
+"""The label-source interface: `LabelSource` and what it returns (`Labels`, `SoftLabels`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class SoftLabels:
+    """Top-k soft labels: token ids and their probabilities (summing to 1 over the last dimension)."""
+
+    ids: torch.Tensor  # [..., k] long
+    probs: torch.Tensor  # [..., k] float32
+
+
+@dataclass
+class Labels:
+    ids: torch.Tensor  # [b, S] hard label per position (row coordinates)
+    soft: SoftLabels | None = None  # [b, S, k] soft labels, when the source has them
+
+
+@dataclass
+class LabelSource:
+    """Turns a micro-batch's target features into labels. `needs_final_hidden`: the target's final-normed states
+    must be captured (`FrozenTarget.capture(keep_final=True)`). `soft`: the source yields soft labels (the loss then
+    runs on dense chunked logits: the fused lm_head + CE takes hard labels only)."""
+
+    name: ClassVar[str]
+    needs_final_hidden: ClassVar[bool] = False
+    soft: ClassVar[bool] = False
+
+    def __call__(self, target, final_hidden: torch.Tensor | None, input_ids: torch.Tensor, plan) -> Labels:
+        """Labels of the micro-batch: `final_hidden` `[b, S, H]` and `input_ids` `[b, S]` in row coordinates on the
+        device, `plan` the micro-batch's `BlockPlan` (its CPU `loss_mask` and `doc_ids` locate label positions)."""
+        raise NotImplementedError

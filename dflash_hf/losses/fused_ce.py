@@ -1,0 +1,82 @@
+"""Fused frozen-`lm_head` + cross-entropy: `Σ w·CE(hidden @ Wᵀ, labels)` chunk-wise with the input gradient made in
+the forward pass, so a chunk's `[m, vocab]` logits are built once and never kept. Used by the `ce` loss with hard
+labels (`--use_fused_linear_ce`, the DFlash default): its slot weights must be known before the forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool):
+    """Per-row CE and argmax of one chunk of logits (float32 math), and `d(Σ w·CE)/d logits` in the logits'
+    dtype when asked."""
+    dtype = logits.dtype
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    pred = logits.argmax(-1)
+    if not need_grad:
+        return ce, pred, None
+    # softmax - onehot as one pointwise expression (an in-place scatter of -1 would make the compiled kernel
+    # materialize the float32 softmax of the whole chunk before it)
+    onehot = torch.arange(logits.shape[-1], device=logits.device)[None, :] == labels[:, None]
+    grad = (torch.exp(logits - lse[:, None]) - onehot.float()) * weights[:, None]
+    return ce, pred, grad.to(dtype)
+
+
+_compiled_ce_grad = None
+
+
+def _ce_grad(logits, labels, weights, need_grad):
+    """`_ce_and_logit_grad`, compiled on accelerators (one fused pass over each chunk's logits)."""
+    global _compiled_ce_grad
+    if logits.device.type == "cpu":
+        return _ce_and_logit_grad(logits, labels, weights, need_grad)
+    if _compiled_ce_grad is None:
+        # default dynamism: the row count becomes symbolic once chunks of two sizes were seen; the
+        # vocabulary stays static, so the reduction over it is specialized
+        _compiled_ce_grad = torch.compile(_ce_and_logit_grad)
+    return _compiled_ce_grad(logits, labels, weights, need_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """`Σ w·CE(hidden @ Wᵀ, labels)` chunk-wise, with `d/d hidden` computed in the forward pass: each chunk's
+    logits are made once (checkpointed chunks would make them twice) and never outlive their chunk; backward
+    only scales the stored `[M, H]` gradient. W (the frozen lm_head) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_size):
+        need_grad = ctx.needs_input_grad[0]
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        pred = torch.empty_like(labels)
+        grad = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = F.linear(hidden[rows], weight)
+            ce, pred[rows], g = _ce_grad(logits, labels[rows], weights[rows], need_grad)
+            loss = loss + (weights[rows] * ce).sum()
+            if need_grad:
+                grad[rows] = g @ weight
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def fused_lm_head_ce(
+    hidden: torch.Tensor,  # [M, H]
+    lm_head_weight: torch.Tensor,  # [V, H] frozen
+    labels: torch.Tensor,  # [M]
+    weights: torch.Tensor,  # [M] slot weights (no grad)
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(Σ w·CE, argmax)` of `lm_head(hidden)`, `chunk_size` rows of `[M, V]` logits at a time."""
+    if chunk_size <= 0:
+        raise ValueError(f"ce_chunk_size must be > 0, got {chunk_size}")
+    return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights.float(), chunk_size)
+

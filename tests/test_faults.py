@@ -1,0 +1,154 @@
+"""Fault injection through the real `dflash-train`: SIGKILL it at several points, resume with
+`--resume_from_checkpoint true`, and compare the final draft with an uninterrupted run bit for bit.
+
+The runs chain on one output directory (12 utterances = 6 micro-batches per data epoch, gradient
+accumulation 2, so 3 optimizer steps per epoch; 8 steps; a checkpoint every 2 steps):
+
+1. killed in the first epoch during gradient accumulation (after micro-batch 1 of step 3);
+2. resumed from checkpoint-2, killed during the save of checkpoint-4 (weights written, nothing else);
+3. resumed from checkpoint-2 (checkpoint-4 is incomplete and skipped), killed in the second epoch during
+   gradient accumulation (after micro-batch 1 of step 6);
+4. resumed from checkpoint-4 (second epoch) to the end.
+
+Run as `python tests/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
+variable `DFLASH_TEST_KILL` (`micro:STEP:M`: before micro-batch M after optimizer step STEP; `save:STEP`:
+inside the save of checkpoint-STEP, right after its weights are written). The process dies by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = Path(__file__).resolve()
+KILL_ENV = "DFLASH_TEST_KILL"
+TIMEOUT_S = 300
+
+
+def cli_args(root: Path) -> list[str]:
+    return [
+        "--target_name_or_path", str(root / "target"), "--train_data", str(root / "speech" / "manifest.jsonl"),
+        "--mask_token_id", "262", "--output_dir", str(root / "out"), "--max_steps", "8",
+        "--gradient_accumulation_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
+        "--learning_rate", "1e-3", "--logging_steps", "1", "--use_cpu", "true", "--seed", "3",
+        "--block_size", "4", "--num_draft_layers", "1", "--num_anchors", "16", "--max_tokens", "600",
+        "--prompt", "Transcribe.", "--label_source", "ground_truth", "--attention_backend", "sdpa",
+        "--report_to", "none", "--disable_tqdm", "true",
+    ]
+
+
+def dflash_train(root: Path, *extra: str, kill: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != KILL_ENV}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if kill:
+        env[KILL_ENV] = kill
+    cmd = [sys.executable, str(HERE), *cli_args(root), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def draft_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, w in a.items():
+        assert torch.equal(w, b[name]), f"{name}: max abs diff {(w - b[name]).abs().max().item():.3g}"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from dflash_hf import tiny
+
+    root = tmp_path_factory.mktemp("fault_assets")
+    tok = tiny.build_tokenizer()
+    tiny.save_tiny_target(root / "target", tokenizer=tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    tiny.synthesize_speech(root / "speech", 12, seed=0)
+    return root
+
+
+def _link_assets(assets: Path, root: Path) -> Path:
+    root.mkdir()
+    for name in ("target", "speech"):
+        (root / name).symlink_to(assets / name)
+    return root
+
+
+def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_for_bit(assets, tmp_path):
+    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    ref = dflash_train(ref_root)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = run_root / "out"
+
+    first = dflash_train(run_root, kill="micro:2:1")  # first epoch, during gradient accumulation
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+    saving = dflash_train(run_root, "--resume_from_checkpoint", "true", kill="save:4")  # during a save
+    assert saving.returncode == -signal.SIGKILL, saving.stderr[-3000:]
+    assert "resuming from" in saving.stderr and "checkpoint-2" in saving.stderr
+    assert (out / "checkpoint-4" / "model.safetensors").is_file()
+    assert not (out / "checkpoint-4" / "trainer_state.json").exists()  # the interrupted save
+
+    second = dflash_train(run_root, "--resume_from_checkpoint", "true", kill="micro:5:1")  # second epoch, in GA
+    assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
+    assert "skipped incomplete checkpoints ['checkpoint-4']" in second.stderr, second.stderr[-3000:]
+    for step in (2, 4):  # each resumed segment wrote the same checkpoints as the uninterrupted run
+        assert_bitwise_equal(draft_weights(ref_root / "out" / f"checkpoint-{step}"),
+                             draft_weights(out / f"checkpoint-{step}"))
+
+    last = dflash_train(run_root, "--resume_from_checkpoint", "true")  # from checkpoint-4: the second epoch
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-4'}" in last.stderr
+    assert_bitwise_equal(draft_weights(ref_root / "out" / "draft"), draft_weights(out / "draft"))
+
+
+def _install_kill(spec: str) -> None:
+    """Patch the trainer so that this process SIGKILLs itself at the kill point `spec`."""
+    from dflash_hf.trainer import DFlashTrainer
+
+    kind, *numbers = spec.split(":")
+    point = tuple(int(n) for n in numbers)
+
+    def die() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kind == "micro":
+        training_step, seen = DFlashTrainer.training_step, {}
+
+        def killing_training_step(self, *args, **kwargs):
+            step = self.state.global_step
+            if (step, seen.get(step, 0)) == point:
+                die()
+            seen[step] = seen.get(step, 0) + 1
+            return training_step(self, *args, **kwargs)
+
+        DFlashTrainer.training_step = killing_training_step
+    elif kind == "save":
+        save_model = DFlashTrainer.save_model
+
+        def killing_save_model(self, output_dir=None, _internal_call=False):
+            save_model(self, output_dir, _internal_call)
+            if _internal_call and (self.state.global_step,) == point:
+                die()
+
+        DFlashTrainer.save_model = killing_save_model
+    else:
+        raise ValueError(f"{KILL_ENV}={spec!r}: use micro:STEP:M or save:STEP")
+
+
+if __name__ == "__main__":
+    if os.environ.get(KILL_ENV):
+        _install_kill(os.environ[KILL_ENV])
+    from dflash_hf.cli.train import main
+
+    main(sys.argv[1:])

@@ -1,0 +1,293 @@
+"""Whisper (encoder-decoder) targets: training from manifests, decoder taps, lossless decoding, custom_generate."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from utils import tiny_text_target
+
+from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf.data import build_train_dataloader
+from dflash_hf.data.bad_samples import BadSampleError
+from dflash_hf.speculative import dflash_custom_generate
+from dflash_hf.target import FrozenTarget
+
+BLOCK = 4
+MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    return tiny.sharpen(model, seed=2), processor
+
+
+def _features(processor, seed: int, seconds: float = 1.0) -> torch.Tensor:
+    audio = np.random.default_rng(seed).standard_normal(int(seconds * 16000)).astype(np.float32) * 0.1
+    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+
+
+def _draft(target: FrozenTarget, block: int = BLOCK) -> DFlashDraftModel:
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=MASK, num_hidden_layers=1,
+                                          block_size=block)
+    cfg.vocab_size = target.vocab_size
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).eval()
+
+
+def _oracle(draft, reference: torch.Tensor, start: int):
+    """Make `draft` propose the reference continuation (every proposal accepted): `reference[0, start]` is the
+    first anchor; each cycle then advances by a whole block."""
+    state = {"pos": start}
+
+    def propose_block(hidden, lm_head, anchor_token, temperature, generator):
+        pos, n = state["pos"], hidden.shape[0] - 1
+        assert anchor_token == int(reference[0, pos])
+        tokens = reference[0, pos + 1 : pos + 1 + n]
+        state["pos"] = pos + n + 1
+        return torch.cat([tokens, tokens.new_zeros(n - len(tokens))]), None
+
+    draft.propose_block = propose_block
+    return draft
+
+
+def _manifest(tmp_path, rows_extra=None):
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 6, seed=0)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[0]["lang"] = "de"
+    for i, extra in (rows_extra or {}).items():
+        rows[i].update(extra)
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest
+
+
+def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervised(whisper, tmp_path):
+    model, processor = whisper
+    tok = processor.tokenizer
+    loader = build_train_dataloader(str(_manifest(tmp_path)), processor, model.config, max_tokens=400,
+                                    shuffle=False)
+    target = FrozenTarget(model)
+    assert target.family.name == "whisper"
+    languages = set()
+    for batch in loader:
+        assert batch["input_features"].shape[1:] == (tiny.NUM_MEL_BINS, 400)
+        ids, mask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        prompt = [tok.convert_ids_to_tokens(row) for row in ids[:, :4].tolist()]
+        assert {(p[0], p[2], p[3]) for p in prompt} == {("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>")}
+        languages |= {p[1] for p in prompt}
+        assert not mask[:, :4].any()  # the decoder prompt is never supervised
+        for row in range(ids.shape[0]):
+            real = int(am[row].sum())
+            assert mask[row, 5:real].all() and not mask[row, real:].any()
+            assert int(ids[row, real - 1]) == tok.eos_token_id  # <|endoftext|> is supervised
+            words = tok.decode(ids[row, 4 : real - 1])
+            assert words.startswith(" ") and set(words.split()) <= set(tiny.WORDS)  # " " + text, as Whisper writes
+        streams = target.streams(batch)
+        assert not streams.audio_mask.any() and torch.equal(streams.loss_mask, mask)
+    assert languages == {"<|en|>", "<|de|>"}  # lang from the manifest row, default English
+
+
+
+def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
+    model, processor = whisper
+    target = FrozenTarget(model)
+    ids = torch.tensor([[257, 258, 359, 363, 32, 104, 105, 256]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.zeros_like(ids),
+             "input_features": _features(processor, 0)}
+    layers = [0, 2, 3]
+    feats = target.capture(batch, layers, keep_final=True)
+    out = model(input_features=batch["input_features"], decoder_input_ids=ids, output_hidden_states=True)
+    h = 32
+    for j, layer in enumerate(layers[:-1]):
+        torch.testing.assert_close(feats.taps[..., j * h : (j + 1) * h], out.decoder_hidden_states[layer + 1])
+    last = feats.taps[..., 2 * h :]  # HF's last hidden state is post-norm: the tap is the raw layer output
+    torch.testing.assert_close(model.model.decoder.layer_norm(last), out.decoder_hidden_states[-1])
+    assert not torch.allclose(last, out.decoder_hidden_states[-1])
+    torch.testing.assert_close(target.lm_head(feats.final_hidden), out.logits)  # target_argmax's head
+    # a left-padded row keeps the decoder positions of its real tokens: the same taps as unpadded
+    padded = {"input_ids": torch.cat([torch.full((1, 3), 256), ids], 1), "loss_mask": torch.zeros(1, 11),
+              "attention_mask": torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1),
+              "input_features": batch["input_features"]}
+    torch.testing.assert_close(target.capture(padded, layers).taps[:, 3:], feats.taps, atol=1e-5, rtol=1e-5)
+    assert target.num_layers == 4 and target.text_config.num_hidden_layers == 4  # the decoder's depth
+    assert target.mask_token_candidates(processor.tokenizer, limit=3) == [364, 365, 366]
+
+
+def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
+    model, processor = whisper
+    target = FrozenTarget(model)
+    draft = _draft(target)
+    for seed in range(2):
+        feats = _features(processor, seed)
+        ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+        out = speculative_generate(draft, model, 24, input_features=feats)
+        assert torch.equal(out.sequences, ref), seed
+        assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+        assert out.num_target_forwards == len(out.acceptance_lengths) + 1
+        plain = model.generate(feats, max_new_tokens=24)
+        assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)),
+                           plain)
+    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied)
+    ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+    out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
+    assert torch.equal(out.sequences, ref)
+    assert out.acceptance_lengths[0] == BLOCK
+    # an audio decoder-only target (Qwen3-ASR) through custom_generate too
+    tok = tiny.build_tokenizer()
+    asr, asr_processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    tiny.sharpen(asr)
+    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
+    text = asr_processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    inputs = asr_processor(text=[text], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
+                           return_tensors="pt")
+    asr_draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(asr).text_config, mask_token_id=262,
+                                                                 num_hidden_layers=1, block_size=BLOCK)).eval()
+    assert torch.equal(asr.generate(**inputs, max_new_tokens=12, do_sample=False,
+                                    custom_generate=dflash_custom_generate(asr_draft)),
+                       asr.generate(**inputs, max_new_tokens=12, do_sample=False))
+    # an explicit decoder prompt (another language) is what generate takes as decoder_input_ids
+    prompt = torch.tensor([[257, 259, 359, 363]])
+    ref = model.generate(feats, decoder_input_ids=prompt, max_new_tokens=10, return_dict_in_generate=True).sequences
+    out = speculative_generate(draft, model, 10, input_features=feats, decoder_input_ids=prompt)
+    assert torch.equal(out.sequences, ref) and torch.equal(out.sequences[:, :4], prompt)
+
+
+def test_speculative_sampling_applies_whispers_logits_processors(whisper):
+    """At T > 0 the target's distribution is the processed one: suppressed tokens are never emitted, even though
+    the unsuppressed target prefers them and a random draft proposes anything."""
+    model, processor = whisper
+    feats = _features(processor, 1)
+    greedy = model.generate(feats, max_new_tokens=12, return_dict_in_generate=True).sequences[0, 4:].tolist()
+    model = copy.deepcopy(model)
+    banned = sorted(set(greedy) - {processor.tokenizer.eos_token_id})
+    model.generation_config.suppress_tokens = list(model.generation_config.suppress_tokens) + banned
+    draft = _draft(FrozenTarget(model))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        out = speculative_generate(draft, model, 12, temperature=1.0, generator=gen, input_features=feats)
+        assert out.sequences[0, :4].tolist() == [257, 258, 359, 363]
+        new = out.sequences[0, 4:].tolist()
+        assert 0 < len(new) <= 12 and not set(new) & set(banned), (new, banned)
+        assert new[0] not in model.generation_config.begin_suppress_tokens
+        assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+
+
+def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
+    """The target emits its end token in the middle of a block: decoding stops there and the cycle counts only
+    the tokens up to it (it used to go on to the next cycle and count the whole block)."""
+    model, _ = tiny_text_target()
+    target = FrozenTarget(tiny.sharpen(model))
+    prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(prompt)
+    free = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False)
+    new_tokens = free[0, 7:].tolist()
+    # the end token: a new token first seen mid-block (new token j is slot j % BLOCK of its cycle)
+    j = next(j for j in range(5, 12) if j % BLOCK and new_tokens[j] not in new_tokens[:j])
+    model.generation_config.eos_token_id = new_tokens[j]
+    ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False)
+    first_eos = 7 + j
+    assert ref.shape[1] == first_eos + 1
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1,
+                                          block_size=BLOCK)
+    draft = _oracle(DFlashDraftModel(cfg).eval(), free, 7)
+    out = speculative_generate(draft, model, 12, input_ids=prompt, attention_mask=am)
+    assert torch.equal(out.sequences, ref)
+    new = first_eos + 1 - 7
+    assert sum(out.acceptance_lengths) == new - 1  # the first new token comes from the prompt's forward
+    assert out.acceptance_lengths[:-1] == [BLOCK] * (len(out.acceptance_lengths) - 1)
+    assert out.acceptance_lengths[-1] < BLOCK  # the end token was accepted mid-block
+    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
+                                      custom_generate=custom), ref)
+    assert custom.acceptance_lengths == out.acceptance_lengths
+
+
+def test_too_long_transcripts_and_audio_are_bad_samples(whisper, tmp_path):
+    model, processor = whisper
+    long_text = _manifest(tmp_path / "a", {1: {"text": "yes " * 120}})
+    with pytest.raises(BadSampleError, match=r"field 'text'.*max_target_positions=448"):
+        build_train_dataloader(str(long_text), processor, model.config, max_tokens=4000)
+    bad_lang = _manifest(tmp_path / "b", {2: {"lang": "klingon"}})
+    with pytest.raises(ValueError, match="field 'lang'"):
+        build_train_dataloader(str(bad_lang), processor, model.config, max_tokens=4000)
+
+
+def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
+    from dflash_hf.cli import train as cli_train
+
+    target_dir = tiny.save_tiny_target(tmp_path / "target", kind="whisper", hidden_size=32, num_heads=2)
+    metrics = cli_train.run([
+        "--target_name_or_path", str(target_dir), "--train_data", str(_manifest(tmp_path)),
+        "--mask_token_id", str(MASK), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+        "--block_size", str(BLOCK), "--num_draft_layers", "1", "--use_cpu", "true", "--report_to", "none",
+        "--max_tokens", "400", "--label_source", "target_argmax", "--disable_tqdm", "true",
+        "--save_strategy", "no",
+    ])
+    assert np.isfinite(metrics["train_loss"]) and metrics["skipped_samples"] == 0
+    cfg = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
+    assert cfg["num_target_layers"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [2]
+    assert cfg["hidden_size"] == 32 and cfg["vocab_size"] == 380
+
+
+def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
+    from dflash_hf.cli import eval as cli_eval
+    from dflash_hf.cli import generate_labels
+
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    target_dir = tmp_path / "target"
+    tiny.sharpen(model, seed=2).save_pretrained(target_dir)
+    processor.save_pretrained(target_dir)
+    _draft(FrozenTarget(model)).save_pretrained(tmp_path / "draft")
+    manifest = _manifest(tmp_path)
+    out = tmp_path / "eval.json"
+    assert cli_eval.main(["--draft", str(tmp_path / "draft"), "--target", str(target_dir), "--data", str(manifest),
+                          "--num_samples", "2", "--max_new_tokens", "8", "--output_json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
+
+    labels = tmp_path / "labels.jsonl"
+    assert generate_labels.main(["--model", str(target_dir), "--manifest", str(manifest), "--output", str(labels),
+                                 "--batch_size", "4", "--max_new_tokens", "6"]) == 0
+    got = [json.loads(line) for line in labels.read_text().splitlines()]
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    assert len(got) == len(rows) and got[0]["lang"] == "de"
+    # each label is the target's own greedy transcript of that utterance (in its manifest language)
+    for row, line in zip(rows[:2], got[:2]):
+        import soundfile as sf
+
+        audio, _ = sf.read(manifest.parent / row["audio_filepath"], dtype="float32")
+        feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+        ids = model.generate(feats, language=row.get("lang", "en"), max_new_tokens=6)
+        assert line["text"] == processor.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
+
+
+def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
+    """The classic-bug gate on the decoder stream: a draft overfit on one utterance's greedy transcript accepts
+    whole blocks when decoding it (a tap, position, label or prompt offset would leave acceptance near 1)."""
+    from utils import ListDataset, make_args
+
+    from dflash_hf import DFlashTrainer
+
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    tiny.sharpen(model, seed=2, embed_std=1.0, layer_std=0.3)
+    feats = _features(processor, 0)
+    full = model.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
+    assert len(set(full[0, 4:].tolist())) > 10  # a varied transcript, not one repeated token
+    ids = full.clone()
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "input_features": feats,
+             "loss_mask": torch.arange(ids.shape[1])[None] >= 4}
+    block, steps = 8, 200
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=make_args(tmp_path, mask_token_id=MASK, block_size=block, num_draft_layers=1, max_steps=steps,
+                       per_device_train_batch_size=1, learning_rate=3e-3, label_source="target_argmax"),
+        target=model, train_dataset=ListDataset([0], steps), data_collator=lambda _: dict(batch),
+    )
+    trainer.train()
+    out = speculative_generate(trainer.model.eval(), model, 40, input_features=feats)
+    assert torch.equal(out.sequences, full)
+    assert out.tau >= 0.75 * block, out.acceptance_lengths
