@@ -48,8 +48,8 @@ TRAINER_OVERRIDES = {
     "hub_model_id": (None, "Hub repo (org/name) that --push_to_hub publishes the exported draft to."),
     "resume_from_checkpoint": (
         None,
-        "Resume training from this complete checkpoint-N directory, or true: from the last complete checkpoint "
-        "in output_dir (incomplete ones, from interrupted saves, are skipped).",
+        "Resume training from this complete checkpoint-N directory, or true: from the last complete checkpoint in "
+        "output_dir (incomplete ones, from interrupted saves, are skipped).",
     ),
 }
 
