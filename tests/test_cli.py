@@ -194,3 +194,18 @@ def test_console_argparse_error_is_status_2(capsys):
         console.run_command("dflash-train", ["--block_size", "many"])
     assert exit_info.value.code == 2
     assert "argument --block_size/--block-size: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    missing = str(tmp_path / "missing")
+    assert console.run_command("dflash-eval", ["--draft", missing, "--target", missing, "--data", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflash-eval: error: --draft '{missing}' does not exist") and "Traceback" not in err
+    assert console.run_command("dflash-demo", ["--config", missing]) == 2
+    assert f"dflash-demo: error: --config {missing} does not exist" in capsys.readouterr().err
+    assert set(console.COMMANDS) == {"dflash-train", "dflash-eval", "dflash-generate-labels", "dflash-demo"}
+    scripts = (ROOT / "pyproject.toml").read_text()
+    for prog, function in (("dflash-train", "train"), ("dflash-eval", "evaluate"),
+                           ("dflash-generate-labels", "generate_labels"), ("dflash-demo", "demo")):
+        assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts

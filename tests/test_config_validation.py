@@ -12,12 +12,12 @@ from transformers import Qwen3Config
 from utils import make_args, tiny_draft_config, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.assembly import build_draft
 from dflash_hf.cli import console
 from dflash_hf.cli.config import parse_with_config
 from dflash_hf.cli.train import check_target_path, make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.target import FrozenTarget
-from dflash_hf.assembly import build_draft
 from dflash_hf.training_args import DFlashDataArguments
 
 
