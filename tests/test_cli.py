@@ -22,6 +22,7 @@ from dflash_hf import DFlashDraftModel, arguments, configuration_dflash
 from dflash_hf.cli import console, options
 from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import add_config_option
+from dflash_hf.errors import DFlashUserError
 from dflash_hf.training_args import DFlashDataArguments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,8 +129,9 @@ def test_push_to_hub_needs_a_repo_id(tmp_path):
         make_args(tmp_path, push_to_hub=True, hub_model_id="me/d", validate_only=True)
 
 
-def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
-    """train() with the expensive parts faked: the Trainer never uploads, the export goes up with its card."""
+def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, callable]:
+    """`cli.train.train` with the expensive parts faked (target, Trainer) and HfApi replaced: no network.
+    `upload(folder_path)` plays `HfApi.upload_folder`. Returns what the fakes saw and a function running train()."""
     export = _export(tmp_path)
     target_dir = tmp_path / "target"
     target_dir.mkdir()
@@ -164,6 +166,7 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
         def upload_folder(self, *, repo_id, folder_path, **kwargs):
             seen["files"] = sorted(os.listdir(folder_path))
             seen["card"] = Path(folder_path, "README.md").read_text()
+            upload(folder_path)
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
     import dflash_hf.target
@@ -177,7 +180,12 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     args = make_args(tmp_path, target_name_or_path=str(target_dir), mask_token_id=5, push_to_hub=True,
                      hub_model_id="me/tiny-draft", hub_token="tok", hub_private_repo=True, max_steps=3)
     data_args = DFlashDataArguments(train_data=[str(manifest)], eval_data=[f"dev={manifest}"])
-    metrics = cli_train.train(args, data_args)
+    return seen, lambda: cli_train.train(args, data_args)
+
+
+def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
+    seen, run = _fake_training_run(tmp_path, monkeypatch, upload=lambda folder: None)
+    metrics = run()
     assert seen["trainer_push_to_hub"] is False  # no checkpoint uploads, no Trainer model card
     assert metrics["hub_commit_url"] == "https://huggingface.co/me/tiny-draft/commit/1"
     assert seen["repo"] == ("me/tiny-draft", True) and seen["token"] == "tok"
@@ -187,6 +195,17 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card
     assert "dev.jsonl; 3 steps, ground_truth labels." in card
+
+
+def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypatch, capsys):
+    def refuse(folder):
+        raise ConnectionError("401 Unauthorized")  # huggingface_hub HTTP errors are OSErrors too
+
+    _, run = _fake_training_run(tmp_path, monkeypatch, upload=refuse)
+    with pytest.raises(DFlashUserError, match=rf"uploading the draft to me/tiny-draft failed \(401 Unauthorized\)"
+                                              rf".*exported in {tmp_path / 'draft'}: log in"):
+        run()
+    assert '"eval_dev_tau_est": 3.5' in capsys.readouterr().out  # the run's results were printed first
 
 
 def test_console_argparse_error_is_status_2(capsys):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import DFlashUserError
 from .config import apply_config, option_actions, parse_with_config
 from .options import help_parser
 
@@ -107,9 +108,16 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         tau_est=tau_est,
         eval_name=names[0] if tau_est is not None else None,
     )
-    return push_draft_to_hub(
-        export_dir, repo_id, card_info=info, private=bool(args.hub_private_repo), token=args.hub_token
-    )
+    try:
+        return push_draft_to_hub(
+            export_dir, repo_id, card_info=info, private=bool(args.hub_private_repo), token=args.hub_token
+        )
+    except OSError as err:  # huggingface_hub's HTTP errors are OSErrors: no token, no access, offline
+        raise DFlashUserError(
+            f"push_to_hub: uploading the draft to {repo_id} failed ({err}). The trained draft is exported in "
+            f"{export_dir}: log in (`hf auth login`) or pass --hub_token, then publish it with "
+            "dflash_hf.hub.push_draft_to_hub"
+        ) from err
 
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
@@ -160,11 +168,12 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
-    if publish_to and trainer.is_world_process_zero():
-        metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
     if trainer.is_world_process_zero():
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
+        if publish_to:
+            metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
+            print(f"draft published: {metrics['hub_commit_url']}")
     return metrics
 
 
