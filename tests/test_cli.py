@@ -75,26 +75,33 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
-def test_help_and_argument_errors_do_not_load_torch():
+def test_help_and_argument_errors_do_not_load_torch(tmp_path):
+    missing = str(tmp_path / "missing")
+    cases = [["--help"], ["--gamma", "x"], ["--no_such_option", "1"], ["--variant", "dflash3"], [],
+             ["--target_name_or_path", missing, "--train_data", "t.jsonl"]]
     code = (
         "import sys\n"
-        "from dflash_hf.cli.train import main\n"
-        "for argv in (['--help'], ['--gamma', 'x'], ['--no_such_option', '1'], ['--variant', 'dflash3']):\n"
+        "from dflash_hf.cli.console import run_command\n"
+        f"for argv in {cases!r}:\n"
         "    try:\n"
-        "        main(argv)\n"
+        "        code = run_command('dflash-train', argv)\n"
         "    except SystemExit as e:\n"
-        "        print('exit', e.code, argv[0])\n"
+        "        code = e.code\n"
+        "    print('exit', code, argv[0] if argv else '-')\n"
         "print('heavy', sorted(m for m in ('torch', 'lhotse', 'transformers.trainer') if m in sys.modules))\n"
     )
     out = _run(code)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert ["exit 0 --help", "exit 2 --gamma", "exit 2 --no_such_option", "exit 2 --variant"] == [
-        line for line in lines if line.startswith("exit")
+    assert [line for line in lines if line.startswith("exit")] == [
+        "exit 0 --help", "exit 2 --gamma", "exit 2 --no_such_option", "exit 2 --variant", "exit 2 -",
+        "exit 2 --target_name_or_path",
     ]
     assert lines[-1] == "heavy []"
     assert "argument --gamma: invalid float value: 'x'" in out.stderr
     assert "unrecognized arguments: --no_such_option 1" in out.stderr
+    assert "dflash-train: error: --target_name_or_path is required" in out.stderr
+    assert f"dflash-train: error: --target_name_or_path {missing}: the directory does not exist" in out.stderr
 
 
 def test_bad_yaml_is_refused_before_torch_loads(tmp_path):

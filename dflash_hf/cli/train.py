@@ -120,12 +120,9 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         ) from err
 
 
-def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
-    """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
-    from ..families import get_tokenizer
-    from ..target import FrozenTarget, load_target
-    from ..trainer import DFlashTrainer
-
+def check_run_inputs(args, data_args) -> None:
+    """What every run needs: a target (an existing directory when given as a path) and data to train or
+    validate on. `args` / `data_args`: the parsed arguments (or the light parser's namespace for both)."""
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
     check_target_path(args.target_name_or_path)
@@ -134,6 +131,15 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
     elif not data_args.train_data:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
+
+
+def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
+    """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
+    from ..families import get_tokenizer
+    from ..target import FrozenTarget, load_target
+    from ..trainer import DFlashTrainer
+
+    check_run_inputs(args, data_args)
     target = FrozenTarget(
         load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family
     )
@@ -183,11 +189,12 @@ def option_names() -> list[str]:
 
 
 def check_command_line(argv: list[str]) -> None:
-    """Answer `--help` and reject bad options, bad option values and a bad `--config` file before torch loads
-    (`options.help_parser`); argparse exits (0 for help, 2 for an error) as usual."""
+    """Answer `--help` and reject bad options, bad option values, a bad `--config` file and a missing target or
+    data before torch loads (`options.help_parser`); argparse exits (0 for help, 2 for an error) as usual."""
     parser = help_parser()
     if parser is not None:
-        parser.parse_args(apply_config(parser, argv))
+        namespace = parser.parse_args(apply_config(parser, argv))
+        check_run_inputs(namespace, namespace)
 
 
 def run(argv: list[str] | None = None) -> dict:
