@@ -190,3 +190,21 @@ def test_exported_config_json_has_top_level_rope_theta(tmp_path):
     export = _export(tmp_path)
     raw = json.loads((export / "config.json").read_text())
     assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"]
+
+
+def test_run_inputs_are_required(tmp_path):
+    from types import SimpleNamespace
+
+    from dflash_hf.cli.train import check_run_inputs
+
+    def ns(**kw):
+        return SimpleNamespace(**({"target_name_or_path": str(tmp_path), "validate_only": False, "train_data": None,
+                                   "eval_data": None} | kw))
+
+    with pytest.raises(ValueError, match="--target_name_or_path is required"):
+        check_run_inputs(ns(target_name_or_path=None), ns())
+    with pytest.raises(ValueError, match="--train_data is required"):
+        check_run_inputs(ns(), ns())
+    with pytest.raises(ValueError, match="--validate_only true needs --eval_data"):
+        check_run_inputs(ns(validate_only=True), ns())
+    check_run_inputs(ns(), ns(train_data=["t.jsonl"]))
