@@ -2,6 +2,10 @@
 
     dflash-train --config examples/configs/adapt.yaml --target_name_or_path /models/qwen3-asr \\
         --train_data train.jsonl --eval_data dev=dev.jsonl --mask_token_id 151669 --output_dir runs/x
+    dflash-train ... --push_to_hub true --hub_model_id me/qwen3-asr-dflash   # publish the exported draft
+
+`--help` and argument errors are answered before torch loads (`cli.options`); a user error is one line and
+exit status 2 (`dflash_hf.errors`, `DFLASH_DEBUG=1` for the traceback).
 """
 
 from __future__ import annotations
