@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 from torch import nn
@@ -43,7 +44,7 @@ def apply_adaptation(model: nn.Module, args) -> nn.Module:
     if args.lora_r > 0:
         if is_peft_model(model):
             raise ValueError("lora_r > 0 but the model is already a PeftModel; pass the plain draft")
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         lora = LoraConfig(
             r=args.lora_r,
@@ -52,7 +53,7 @@ def apply_adaptation(model: nn.Module, args) -> nn.Module:
             target_modules=list(args.lora_target_modules),
             bias="none",
         )
-        return get_peft_model(model, lora)
+        return peft_model(model, lora)
     return model
 
 
@@ -60,6 +61,16 @@ def trainable_selection(model: nn.Module) -> dict:
     """What the optimizer holds: the names of the trainable parameters (and whether LoRA wraps the draft)."""
     names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     return {"lora": is_peft_model(model), "trainable_parameters": names}
+
+
+def peft_model(model: nn.Module, config) -> nn.Module:
+    """`peft.get_peft_model(model, config)`, without the FutureWarning of peft reading the
+    `is_gradient_checkpointing` alias that transformers >= 5.23 deprecated (peft's call, not ours)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, config)
 
 
 def save_selection(model: nn.Module, checkpoint_dir: str | Path) -> None:
@@ -102,6 +113,7 @@ __all__ = [
     "apply_adaptation",
     "check_resume_selection",
     "merged_draft",
+    "peft_model",
     "save_selection",
     "trainable_selection",
     "LORA_TARGETS",

@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # lhotse is imported only when speech data is used
 # tests/test_cli.py checks that they agree.
 DFLASH_VARIANTS = ("dflash", "dflash2")
 MAX_BLOCK_SIZE = 128
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_NUM_ANCHORS = 512
 # Linear layers of the draft that LoRA may target (the last two exist in DFlash2 drafts only).
 LORA_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc",
@@ -46,6 +48,11 @@ TRAINER_OVERRIDES = {
         "training. Checkpoints are not uploaded.",
     ),
     "hub_model_id": (None, "Hub repo (org/name) that --push_to_hub publishes the exported draft to."),
+    "ddp_find_unused_parameters": (
+        False,
+        "DDP: search for parameters without gradient every step. False: every trainable draft parameter takes part "
+        "in every step's loss (also on a rank without valid anchors).",
+    ),
     "resume_from_checkpoint": (
         None,
         "Resume training from this complete checkpoint-N directory, or true: from the last complete checkpoint in "
@@ -98,10 +105,16 @@ class DFlashObjectiveArguments:
 
     _argument_group_name = "DFlash objective: blocks, labels and loss"
 
-    block_size: int = field(
-        default=16, metadata={"help": f"Draft slots per anchor (anchor + B-1 predictions), 2..{MAX_BLOCK_SIZE}."}
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": f"Draft slots per anchor (anchor + B-1 predictions), 2..{MAX_BLOCK_SIZE}; default "
+                  f"{DEFAULT_BLOCK_SIZE}, or the init_from_pretrained export's block size."},
     )
-    num_anchors: int = field(default=512, metadata={"help": "Anchors (blocks) sampled per row."})
+    num_anchors: int | None = field(
+        default=None,
+        metadata={"help": f"Anchors (blocks) sampled per row; default {DEFAULT_NUM_ANCHORS}, or with validate_only the "
+                  "training run's (recorded in the export's dflash_config)."},
+    )
     anchor_pad_multiple: int = field(
         default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
     )

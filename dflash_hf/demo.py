@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from . import tiny
 from .cli.config import parse_with_config
 from .cli.train import train
 from .evaluation import decode_benchmark, prompt_inputs
+from .launch import configure_cpu_threads
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "demo.yaml"
@@ -149,19 +151,52 @@ def run(argv: list[str] | None = None) -> dict:
         "eval_dev_tau_est": metrics.get("eval_dev_tau_est"),
         **{f"decode_{k}": v for k, v in stats.as_dict().items()},
     }
+    summary.update(target_dir=str(target_dir), train_manifest=str(train_manifest), dev_manifest=str(dev_manifest),
+                   mask_token_id=mask_id, prompt=data_args.prompt, num_draft_layers=draft.config.num_hidden_layers,
+                   max_steps=args.max_steps)
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print("\n=== dflash_hf demo ===")
-    print(f"draft exported to   {summary['export_dir']} (block size {summary['block_size']})")
-    print(f"validation          loss {summary['eval_dev_loss']:.3f}   tau_est {summary['eval_dev_tau_est']:.2f}")
-    print(
-        f"speculative decode  tau {stats.tau:.2f} over {len(stats.acceptance_lengths)} cycles, "
-        f"{summary['decode_spec_tokens_per_s']:.0f} tok/s vs greedy {summary.get('decode_greedy_tokens_per_s', 0):.0f}"
-        f" tok/s, outputs identical: {summary.get('decode_outputs_identical')}"
-    )
+    print(summary_text(summary))
     return summary
 
 
+def summary_text(summary: dict) -> str:
+    """The demo's closing report: results, what the speed figures mean here, and the next step."""
+    return "\n".join([
+        "",
+        "=== dflash_hf demo ===",
+        f"draft exported to   {summary['export_dir']} (block size {summary['block_size']})",
+        f"validation          loss {summary['eval_dev_loss']:.3f}   tau_est {summary['eval_dev_tau_est']:.2f}",
+        f"speculative decode  tau {summary['decode_tau']:.2f} (accepted tokens + 1 per draft/verify cycle, over "
+        f"{summary['decode_cycles']} cycles), outputs identical to greedy: {summary.get('decode_outputs_identical')}",
+        f"speed               {summary['decode_spec_tokens_per_s']:.0f} tok/s speculative vs "
+        f"{summary.get('decode_greedy_tokens_per_s', 0):.0f} tok/s greedy",
+        "  The target here is tiny and on CPU: a target forward costs about as much as a draft forward and Python",
+        "  overhead dominates, so these tokens/s say nothing about real speed (speculative decoding can even be",
+        "  slower than greedy here). tau is what carries over; speedups need a real target, see docs/QUALITY.md.",
+        "reusable assets (the next step is dflash-train on them, or on your own target and manifests):",
+        f"  target + processor  {summary['target_dir']}",
+        f"  train manifest      {summary['train_manifest']}",
+        f"  dev manifest        {summary['dev_manifest']}",
+        "  " + " \\\n      ".join(next_step_command(summary)),
+    ])
+
+
+def next_step_command(summary: dict) -> list[str]:
+    """`dflash-train` on the demo's target and manifests, as lines of flags (shell-quoted)."""
+    q = shlex.quote
+    return [
+        f"dflash-train --target_name_or_path {q(summary['target_dir'])}",
+        f"--train_data {q(summary['train_manifest'])} --eval_data {q('dev=' + summary['dev_manifest'])}",
+        (f"--prompt {q(summary['prompt'])} " if summary["prompt"] else "")
+        + f"--mask_token_id {summary['mask_token_id']}",
+        f"--block_size {summary['block_size']} --num_draft_layers {summary['num_draft_layers']} "
+        f"--max_steps {summary['max_steps']} --use_cpu true",
+        "--attention_backend sdpa --output_dir runs/my-first-draft",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
+    configure_cpu_threads()
     run(argv)
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .adaptation import is_peft_model, merged_draft
+from .adaptation import is_peft_model, merged_draft, peft_model
 from .configuration_dflash import ARCHITECTURES, DFlashConfig
 from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
@@ -293,9 +293,7 @@ def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Mod
     config = copy.deepcopy(base.config)
     fresh = draft_class_for(config)(config)
     if peft:
-        from peft import get_peft_model
-
-        fresh = get_peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+        fresh = peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
     dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
     fresh.to(dtype).load_state_dict(state_dict, strict=True)
     return fresh

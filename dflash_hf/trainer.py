@@ -31,6 +31,7 @@ from .checkpoints import (
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .hub import export_draft
+from .launch import no_hf_progress_bars
 from .losses import MetricSums
 from .modeling_dflash import DFlashDecoderLayer
 from .objective import BlockPlan, DFlashObjective
@@ -218,7 +219,8 @@ class DFlashTrainer(Trainer):
             self.args.ignore_data_skip = self._user_ignores_data_skip
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call)
+        with no_hf_progress_bars():  # save_pretrained's "Writing model shards" bar would break the training bar
+            super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             save_selection(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir)
 
@@ -253,7 +255,8 @@ class DFlashTrainer(Trainer):
         # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
         state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
-            with reporting_full_disk(export_dir):
+            self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
+            with reporting_full_disk(export_dir), no_hf_progress_bars():
                 export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         return export_dir
@@ -381,7 +384,8 @@ class DFlashTrainer(Trainer):
         dataloader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
-            plan = self.objective.plan(self.target, batch, _seed(self.args.seed, -1, step, self.args.process_index))
+            # seeded by batch index only (not args.seed), so validate_only repeats any run's evaluation
+            plan = self.objective.plan(self.target, batch, _seed(-1, step, self.args.process_index))
             batch = self._prepare_inputs(batch)  # after planning: the plan is made from the host batch
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             out = self.objective.loss(model, self.target, batch, plan)

@@ -6,12 +6,15 @@ torch, for `dflash-train --help`); this class combines them with `TrainingArgume
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import TrainingArguments
 
 from .arguments import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_ANCHORS,
     DFLASH_VARIANTS,
     LORA_TARGETS,
     TRAINER_OVERRIDES,
@@ -24,9 +27,23 @@ from .arguments import (
 )
 from .checkpoints import check_checkpoint_dir, parse_resume_flag
 from .configuration_dflash import check_block_size, check_distinct_taps, check_target_layer_ids
-from .hub import check_draft_export
+from .hub import check_draft_export, resolve_draft_dir
+from .launch import check_launch
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
+
+
+def _export_settings(path: str) -> dict[str, int]:
+    """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json.
+    An unreadable export gives {}: `hub.check_draft_export` (in `_check_adaptation`) names the problem."""
+    try:
+        raw = json.loads((resolve_draft_dir(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    dflash_config = raw.get("dflash_config") or {}
+    found = {"block_size": raw.get("block_size", dflash_config.get("block_size")),
+             "num_anchors": dflash_config.get("num_anchors")}
+    return {k: v for k, v in found.items() if isinstance(v, int)}
 
 
 def _override(name: str):
@@ -57,6 +74,7 @@ class DFlashTrainingArguments(
     push_to_hub: bool = _override("push_to_hub")
     hub_model_id: str | None = _override("hub_model_id")
     resume_from_checkpoint: str | None = _override("resume_from_checkpoint")
+    ddp_find_unused_parameters: bool | None = _override("ddp_find_unused_parameters")
 
     def __post_init__(self):
         if self.bf16 or self.fp16:
@@ -64,7 +82,9 @@ class DFlashTrainingArguments(
                 "--bf16/--fp16 (autocast) are not used by dflash_hf: set --precision bf16, which sets the "
                 "parameter dtype of both the frozen target and the draft"
             )
+        check_launch(self)  # before the devices are set up
         super().__post_init__()
+        self._resolve_from_export()
         self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
         if isinstance(self.resume_from_checkpoint, (str, Path)):
             check_checkpoint_dir(self.resume_from_checkpoint)  # before the target loads
@@ -98,6 +118,16 @@ class DFlashTrainingArguments(
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+
+    def _resolve_from_export(self) -> None:
+        """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
+        training run's anchors recorded in its dflash_config, so a validation repeats the run's evaluation."""
+        recorded = _export_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
+        if self.block_size is None:
+            self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
+        if self.num_anchors is None:
+            self.num_anchors = recorded.get("num_anchors", DEFAULT_NUM_ANCHORS) if self.validate_only else (
+                DEFAULT_NUM_ANCHORS)
 
     def _check_hub(self) -> None:
         if not self.push_to_hub:

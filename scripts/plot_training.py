@@ -1,8 +1,10 @@
-"""Training curves of a dflash_hf run as PNGs: loss, per-slot accuracy, tau_est and real tau.
+"""Training curves of a dflash_hf run as PNGs: loss, accuracy, per-slot accuracy, tau_est and real tau.
 
 Reads `trainer_state.json` (its `log_history`; the run directory's own or its latest `checkpoint-*`) and/or
 TensorBoard event files (`report_to=tensorboard`) found under the given paths. Writes `loss.png`,
-`accuracy.png`, `tau_est.png` and `tau.png` (each only when the logs hold such series) into `--out_dir`.
+`accuracy.png`, `tau_est.png` and `tau.png` (curves over the step) and `acc_slot.png` (accuracy over the
+slot index, one curve per logged step, coloured from early to late, one panel for training and each
+validation set), each only when the logs hold such series, into `--out_dir`.
 
     python scripts/plot_training.py runs/my-draft --out_dir runs/my-draft/plots
 """
@@ -25,10 +27,14 @@ Series = dict[str, list[tuple[int, float]]]  # name (trainer log key, e.g. "eval
 # figure -> predicate on a log key (train keys bare, eval keys "eval_..."); real tau is "eval_tau" / "eval_{set}_tau"
 FIGURES = {
     "loss": lambda k: k == "loss" or (k.startswith("eval_") and k.endswith("_loss")),
-    "accuracy": lambda k: re.search(r"(^|_)acc_slot\d+$", k) is not None or k.endswith("accuracy"),
+    "accuracy": lambda k: k.endswith("accuracy"),
     "tau_est": lambda k: k.endswith("tau_est"),
     "tau": lambda k: k.startswith("eval_") and k.endswith("_tau"),
 }
+
+
+SLOT_KEY = re.compile(r"^(.*?)acc_slot(\d+)$")  # prefix ("" for training, "eval_dev_", ...) and slot index
+MAX_SLOT_CURVES = 8  # logged steps drawn per panel (evenly spaced, the last always included)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -95,6 +101,47 @@ def load_series(path: Path, source: str = "auto") -> Series:
     return series
 
 
+def slot_curves(series: Series, max_curves: int = MAX_SLOT_CURVES) -> dict[str, list[tuple[int, list[float]]]]:
+    """Per prefix (training "" or an eval set's "eval_{name}_"): (step, accuracy of slot 1..k) for at most
+    `max_curves` logged steps, evenly spaced over the run and always including the last."""
+    by_prefix: dict[str, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for key, points in series.items():
+        match = SLOT_KEY.match(key)
+        if match:
+            for step, value in points:
+                by_prefix[match.group(1)][step][int(match.group(2))] = value
+    curves = {}
+    for prefix, steps in sorted(by_prefix.items()):
+        ordered = sorted(steps)
+        if len(ordered) > max_curves:
+            picks = {round(i * (len(ordered) - 1) / (max_curves - 1)) for i in range(max_curves)}
+            ordered = [ordered[i] for i in sorted(picks)]
+        curves[prefix] = [(step, [steps[step][k] for k in sorted(steps[step])]) for step in ordered]
+    return curves
+
+
+def plot_slot_accuracy(series: Series, path: Path) -> bool:
+    """`acc_slot.png`: one panel per prefix, accuracy over the slot index, one curve per logged step."""
+    curves = slot_curves(series)
+    if not curves:
+        return False
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False, sharey=True)
+    cmap = plt.get_cmap("viridis")
+    for ax, (prefix, rows) in zip(axes[0], curves.items()):
+        for i, (step, values) in enumerate(rows):
+            colour = cmap(i / max(len(rows) - 1, 1))
+            ax.plot(range(1, len(values) + 1), values, marker="o", markersize=3, color=colour, label=f"step {step}")
+        ax.set_title(prefix.rstrip("_") or "train")
+        ax.set_xlabel("slot (1 = first prediction after the anchor)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def plot(series: Series, out_dir: Path) -> list[Path]:
     """One PNG per figure with at least one matching series; returns the written paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +163,8 @@ def plot(series: Series, out_dir: Path) -> list[Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    if plot_slot_accuracy(series, out_dir / "acc_slot.png"):
+        written.append(out_dir / "acc_slot.png")
     return written
 
 

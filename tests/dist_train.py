@@ -2,10 +2,11 @@
 logged losses and final draft weights.
 
 Launched as `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR CASE...` (CPU, gloo) or run in-process
-through `train_case` for the single-process reference. A case is `name:per_device_batch:grad_accum:rows`,
+through `train_case` for the single-process reference. A case is `name:per_device_batch:grad_accum:rows[:auto]`,
 `rows` = `all` (the 4 supervised rows) or `half_empty` (2 rows, the second with no supervised token, so
-with one row per rank one rank has no valid anchor in every step). Case `fsdp_target` (distributed only)
-checks the FSDP2-sharded frozen target against an unsharded copy.
+with one row per rank one rank has no valid anchor in every step); `auto` leaves `use_cpu` unset (a plain
+torchrun launch on a machine without CUDA). Case `fsdp_target` (distributed only) checks the FSDP2-sharded
+frozen target against an unsharded copy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def dataset(rows: str, vocab: int) -> list[dict]:
     return [{"prompt": p, "response": r} for p, r in pairs]
 
 
-def train_case(out_dir: str, name: str, per_device_batch: int, grad_accum: int, rows: str) -> dict:
+def train_case(
+    out_dir: str, name: str, per_device_batch: int, grad_accum: int, rows: str, use_cpu: bool = True
+) -> dict:
     target, tok = tiny_text_target(num_layers=4, hidden_size=64)
     torch.manual_seed(0)  # same fresh draft in every process and every run
 
@@ -45,7 +48,7 @@ def train_case(out_dir: str, name: str, per_device_batch: int, grad_accum: int, 
     with tempfile.TemporaryDirectory() as tmp:
         args = DFlashTrainingArguments(
             output_dir=tmp,
-            use_cpu=True,
+            use_cpu=use_cpu,
             max_steps=MAX_STEPS,
             per_device_train_batch_size=per_device_batch,
             gradient_accumulation_steps=grad_accum,
@@ -106,8 +109,8 @@ def main(argv: list[str]) -> None:
         if case == "fsdp_target":
             check_sharded_target(out_dir)
             continue
-        name, batch, accum, rows = case.split(":")
-        train_case(out_dir, name, int(batch), int(accum), rows)
+        name, batch, accum, rows, *device = case.split(":")
+        train_case(out_dir, name, int(batch), int(accum), rows, use_cpu=device != ["auto"])
 
 
 if __name__ == "__main__":

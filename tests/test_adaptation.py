@@ -75,7 +75,7 @@ def _optimizer_params(trainer: DFlashTrainer) -> set[int]:
 def test_projection_only_trains_only_fc_and_exports_block16(request, tmp_path, variant, checkpointing):
     setup = request.getfixturevalue("setup" if variant == "dflash" else "setup_dflash2")
     assert load_draft_strict(setup[2]).config.block_size == 8
-    trainer = _trainer(setup, tmp_path, variant=variant, projection_only=True, gradient_checkpointing=checkpointing)
+    trainer = _trainer(setup, tmp_path, variant=variant, projection_only=True, activation_checkpointing=checkpointing)
     draft = trainer.model
     assert draft.config.variant == variant
     assert draft.config.block_size == 16 and trainer.block_size == 16
@@ -116,7 +116,7 @@ def test_checkpoint_keeps_all_weights_and_resume_checks_selection(setup, tmp_pat
 
 
 def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
-    trainer = _trainer(setup, tmp_path, lora_r=4, lora_alpha=8, gradient_checkpointing=True)
+    trainer = _trainer(setup, tmp_path, lora_r=4, lora_alpha=8, activation_checkpointing=True)
     peft_model = trainer.model
     before = _snapshot(peft_model)
     trainer.train()
@@ -164,7 +164,7 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
         (dict(lora_r=4, projection_only=True, init_from_pretrained="x"), "exclusive"),
         (dict(lora_r=4, init_from_pretrained="x", lora_target_modules=["q_proj", "qkv"]), r"\['qkv'\].*choose from"),
         (dict(lora_r=-1), "lora_r must be >= 0"),
-        (dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
+        (dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True}), "use_reentrant"),
     ],
 )
 def test_adaptation_args_errors(tmp_path, overrides, match):

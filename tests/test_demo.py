@@ -1,15 +1,30 @@
-"""The embedded default job (`dflash-demo`, examples/configs/demo.yaml) at reduced size."""
+"""The embedded default job (`dflash-demo`, examples/configs/demo.yaml) at reduced size, its summary's next step,
+and README's "use the exported draft" snippet run as written on the demo's outputs."""
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from pathlib import Path
 
 from dflash_hf import demo
+from dflash_hf.cli import train as cli_train
+from dflash_hf.cli.config import parse_with_config
 from dflash_hf.hub import load_draft_strict
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_demo_config_runs_end_to_end_at_reduced_steps(tmp_path, capsys):
-    out = tmp_path / "demo"
+
+def readme_snippet(heading: str) -> str:
+    """The first python block of README's section `heading`."""
+    section = (ROOT / "README.md").read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_demo_config_runs_end_to_end_at_reduced_steps(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # README's snippet reads the demo's default paths, runs/demo/...
+    out = tmp_path / "runs" / "demo"
     summary = demo.run(
         [
             "--output_dir", str(out),
@@ -31,4 +46,20 @@ def test_demo_config_runs_end_to_end_at_reduced_steps(tmp_path, capsys):
     assert json.loads((out / "demo_summary.json").read_text()) == summary
     draft = load_draft_strict(out / "draft")
     assert draft.config.block_size == 8 and draft.config.num_hidden_layers == 2
-    assert "=== dflash_hf demo ===" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "=== dflash_hf demo ===" in printed
+    for path in ("target_dir", "train_manifest", "dev_manifest"):  # the reusable assets are named
+        assert summary[path] in printed and Path(summary[path]).exists()
+    assert "slower than greedy" in printed and "docs/QUALITY.md" in printed
+
+    # the printed next step is a valid dflash-train command on those assets
+    command = shlex.split(" ".join(demo.next_step_command(summary)))
+    assert command[0] == "dflash-train"
+    args, data_args = parse_with_config(cli_train.make_parser(), command[1:])
+    assert args.target_name_or_path == summary["target_dir"] and args.mask_token_id == summary["mask_token_id"]
+    assert data_args.train_data == [summary["train_manifest"]] and data_args.prompt == summary["prompt"]
+
+    # README's "use the exported draft" snippet, exactly as written
+    exec(compile(readme_snippet("Use the exported draft"), "README.md", "exec"), {})
+    decoded = capsys.readouterr().out
+    assert decoded.startswith("[") and "]" in decoded  # the transcript and the acceptance lengths

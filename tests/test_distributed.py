@@ -35,6 +35,7 @@ def ddp_runs(tmp_path_factory):
         "ddp_b2:2:1:all",  # 2 ranks x batch 2
         "ddp_ga2:1:2:all",  # 2 ranks x batch 1 x 2 accumulation steps
         "ddp_empty:1:1:half_empty",  # 2 ranks x batch 1; rank with the empty row has no valid anchor
+        "ddp_auto:2:1:all:auto",  # as ddp_b2 without use_cpu: no CUDA, so DDP on CPU (not 2 separate runs)
         "fsdp_target",  # FSDP2-sharded frozen target vs an unsharded copy
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -65,6 +66,7 @@ def test_ddp_batch_split_and_grad_accumulation_match_one_process(tmp_path, ddp_r
     _assert_same_run(ga, ref)  # 1 process: 4 micro-batches of 1 == 1 batch of 4
     _assert_same_run(ddp_runs["ddp_b2"], ref)  # 2 ranks x 2
     _assert_same_run(ddp_runs["ddp_ga2"], ref)  # 2 ranks x 1 x 2 accumulation steps
+    _assert_same_run(ddp_runs["ddp_auto"], ref)  # torchrun without --use_cpu on a machine without CUDA
 
 
 def test_rank_without_valid_anchor_joins_and_matches_one_process(tmp_path, ddp_runs):

@@ -11,6 +11,7 @@ rendered and processed exactly as in training; or, for text targets, JSON lines 
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from ..data import ConversationConfig
 from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
 from ..families import get_tokenizer, resolve_family
 from ..hub import load_draft_strict
+from ..launch import configure_cpu_threads
 from ..target import FrozenTarget, load_target, resolve_dtype
 from .config import parse_with_config
 from .train import load_processor
@@ -75,6 +77,13 @@ def _first_record(path: str) -> dict:
     raise ValueError(f"--data {path!r} is empty")
 
 
+def count_records(path: str) -> int:
+    """Non-empty lines of a JSON-lines file (gzip-compressed when it ends in .gz): the progress bar's total."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def text_prompts(path: str, tokenizer) -> Iterator[dict]:
     """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line."""
     with open(path) as f:
@@ -118,11 +127,11 @@ def evaluate(args: EvalArguments) -> dict:
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     prompts = load_prompts(args, load_processor(args.target), target.model.config)
+    total = count_records(args.data)  # rows; one without an assistant response gives no prompt
     if args.num_samples:
         prompts = itertools.islice(prompts, args.num_samples)
-    stats = decode_benchmark(
-        draft, target, prompts, args.max_new_tokens, progress=True, total=args.num_samples or None
-    )
+        total = min(total, args.num_samples)
+    stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total)
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
     return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), **asdict(args)}
@@ -142,6 +151,7 @@ def results_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
+    configure_cpu_threads()
     results = evaluate(args)
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -140,6 +140,7 @@ def check_run_inputs(args, data_args) -> None:
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
     from ..families import get_tokenizer
+    from ..mask_token import mask_token_candidates, missing_mask_token_message
     from ..target import FrozenTarget, load_target
     from ..trainer import DFlashTrainer
 
@@ -149,9 +150,12 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     )
     processor = load_processor(args.target_name_or_path)
     if args.mask_token_id is None and not args.init_from_pretrained:
-        free = target.mask_token_candidates(get_tokenizer(processor))
-        hint = f"embedding rows the tokenizer never produces: {free}" if free else "an unused reserved special token"
-        raise ValueError(f"--mask_token_id is required: an id with an embedding row that the data never uses ({hint})")
+        tokenizer = get_tokenizer(processor)
+        candidates = mask_token_candidates(
+            tokenizer, target.vocab_size, target_config=target.model.config,
+            extra_ids=target.mask_token_candidates(tokenizer),
+        )
+        raise ValueError(missing_mask_token_message(candidates))
     if args.validate_only:
         from ..validation import validate
 
@@ -209,6 +213,9 @@ def run(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     check_command_line(argv)
+    from ..launch import configure_cpu_threads
+
+    configure_cpu_threads()  # before any torch work: threads per process from the free cores
     run(argv)
     return 0
 
