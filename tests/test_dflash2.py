@@ -372,7 +372,8 @@ def test_export_contract_and_remote_code_round_trip(tmp_path):
     (tmp_path / "remote.py").write_text(REMOTE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"),
-               PYTHONPATH=sysconfig.get_paths()["purelib"])
+               PYTHONPATH=sysconfig.get_paths()["purelib"],
+               OMP_NUM_THREADS=str(torch.get_num_threads()))  # same reduction order as this process
     proc = subprocess.run([sys.executable, "-S", str(tmp_path / "remote.py"), str(tmp_path)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
