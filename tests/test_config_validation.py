@@ -12,12 +12,12 @@ from transformers import Qwen3Config
 from utils import make_args, tiny_draft_config, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.assembly import build_draft
 from dflash_hf.cli import console
 from dflash_hf.cli.config import parse_with_config
 from dflash_hf.cli.train import check_target_path, make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.target import FrozenTarget
-from dflash_hf.trainer import build_draft
 from dflash_hf.training_args import DFlashDataArguments
 
 
@@ -164,7 +164,8 @@ def test_cli_message_speaks_flags():
 
 def test_console_user_error_is_one_message_and_status_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    argv = ["--output_dir", str(tmp_path), "--gamma", "0"]
+    data = _write(tmp_path, "train.jsonl", "")
+    argv = ["--output_dir", str(tmp_path), "--target_name_or_path", str(tmp_path), "--train_data", data, "--gamma", "0"]
     assert console.run_command("dflash-train", argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash-train: error: gamma must be > 0") and "Traceback" not in err
@@ -189,3 +190,21 @@ def test_exported_config_json_has_top_level_rope_theta(tmp_path):
     export = _export(tmp_path)
     raw = json.loads((export / "config.json").read_text())
     assert raw["rope_theta"] == raw["rope_parameters"]["rope_theta"]
+
+
+def test_run_inputs_are_required(tmp_path):
+    from types import SimpleNamespace
+
+    from dflash_hf.cli.train import check_run_inputs
+
+    def ns(**kw):
+        return SimpleNamespace(**({"target_name_or_path": str(tmp_path), "validate_only": False, "train_data": None,
+                                   "eval_data": None} | kw))
+
+    with pytest.raises(ValueError, match="--target_name_or_path is required"):
+        check_run_inputs(ns(target_name_or_path=None), ns())
+    with pytest.raises(ValueError, match="--train_data is required"):
+        check_run_inputs(ns(), ns())
+    with pytest.raises(ValueError, match="--validate_only true needs --eval_data"):
+        check_run_inputs(ns(validate_only=True), ns())
+    check_run_inputs(ns(), ns(train_data=["t.jsonl"]))

@@ -20,6 +20,9 @@ COMMANDS = {
 
 
 def _option_names(module) -> list[str]:
+    """The module's own `option_names()` (light) when it has one, else its parser's options."""
+    if hasattr(module, "option_names"):
+        return module.option_names()
     from .config import option_actions
 
     return list(option_actions(module.make_parser()))

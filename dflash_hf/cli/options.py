@@ -44,12 +44,13 @@ class TrainerOption:
 
 
 def _literal(node: ast.AST | None, fallback: object = None) -> object:
+    """The value of a literal expression; `argparse.SUPPRESS` (shown as no default) for anything computed."""
     if node is None:
         return fallback
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return ast.unparse(node)
+        return argparse.SUPPRESS
 
 
 def _field_parts(value: ast.AST | None) -> tuple[object, str, bool]:
@@ -60,10 +61,10 @@ def _field_parts(value: ast.AST | None) -> tuple[object, str, bool]:
     default = _literal(kwargs.get("default"))
     if "default_factory" in kwargs:
         factory = kwargs["default_factory"]
-        default = _literal(factory.body) if isinstance(factory, ast.Lambda) else f"{ast.unparse(factory)}()"
+        default = _literal(factory.body) if isinstance(factory, ast.Lambda) else argparse.SUPPRESS
     metadata = _literal(kwargs.get("metadata"), {})
     help_text = metadata.get("help", "") if isinstance(metadata, dict) else ""
-    init = _literal(kwargs.get("init"), True) is not False
+    init = _literal(kwargs.get("init"), True) is not False  # a computed `init=` counts as an init field
     return default, help_text if isinstance(help_text, str) else "", init
 
 

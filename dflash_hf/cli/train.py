@@ -2,6 +2,10 @@
 
     dflash-train --config examples/configs/adapt.yaml --target_name_or_path /models/qwen3-asr \\
         --train_data train.jsonl --eval_data dev=dev.jsonl --mask_token_id 151669 --output_dir runs/x
+    dflash-train ... --push_to_hub true --hub_model_id me/qwen3-asr-dflash   # publish the exported draft
+
+`--help` and argument errors are answered before torch loads (`cli.options`); a user error is one line and
+exit status 2 (`dflash_hf.errors`, `DFLASH_DEBUG=1` for the traceback).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import apply_config, parse_with_config
+from ..errors import DFlashUserError
+from .config import apply_config, option_actions, parse_with_config
 from .options import help_parser
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -107,9 +112,29 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         tau_est=tau_est,
         eval_name=names[0] if tau_est is not None else None,
     )
-    return push_draft_to_hub(
-        export_dir, repo_id, card_info=info, private=bool(args.hub_private_repo), token=args.hub_token
-    )
+    try:
+        return push_draft_to_hub(
+            export_dir, repo_id, card_info=info, private=bool(args.hub_private_repo), token=args.hub_token
+        )
+    except OSError as err:  # huggingface_hub's HTTP errors are OSErrors: no token, no access, offline
+        raise DFlashUserError(
+            f"push_to_hub: uploading the draft to {repo_id} failed ({err}). The trained draft is exported in "
+            f"{export_dir}: log in (`hf auth login`) or pass --hub_token, then publish it with "
+            "dflash_hf.hub.push_draft_to_hub"
+        ) from err
+
+
+def check_run_inputs(args, data_args) -> None:
+    """What every run needs: a target (an existing directory when given as a path) and data to train or
+    validate on. `args` / `data_args`: the parsed arguments (or the light parser's namespace for both)."""
+    if not args.target_name_or_path:
+        raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
+    check_target_path(args.target_name_or_path)
+    if args.validate_only:
+        if not data_args.eval_data:
+            raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
+    elif not data_args.train_data:
+        raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
 
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
@@ -119,14 +144,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     from ..target import FrozenTarget, load_target
     from ..trainer import DFlashTrainer
 
-    if not args.target_name_or_path:
-        raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
-    check_target_path(args.target_name_or_path)
-    if args.validate_only:
-        if not data_args.eval_data:
-            raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
-    elif not data_args.train_data:
-        raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
+    check_run_inputs(args, data_args)
     target = FrozenTarget(
         load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family
     )
@@ -164,20 +182,27 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
-    if publish_to and trainer.is_world_process_zero():
-        metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
     if trainer.is_world_process_zero():
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
+        if publish_to:
+            metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
+            print(f"draft published: {metrics['hub_commit_url']}")
     return metrics
 
 
+def option_names() -> list[str]:
+    """The command's option names (for user-error messages), from the light parser when it is available."""
+    return list(option_actions(help_parser() or make_parser()))
+
+
 def check_command_line(argv: list[str]) -> None:
-    """Answer `--help` and reject bad options, bad option values and a bad `--config` file before torch loads
-    (`options.help_parser`); argparse exits (0 for help, 2 for an error) as usual."""
+    """Answer `--help` and reject bad options, bad option values, a bad `--config` file and a missing target or
+    data before torch loads (`options.help_parser`); argparse exits (0 for help, 2 for an error) as usual."""
     parser = help_parser()
     if parser is not None:
-        parser.parse_args(apply_config(parser, argv))
+        namespace = parser.parse_args(apply_config(parser, argv))
+        check_run_inputs(namespace, namespace)
 
 
 def run(argv: list[str] | None = None) -> dict:

@@ -1,0 +1,237 @@
+"""`dflash-train`'s command line: grouped help (DFlash groups first, `--config` documented), help and argument
+errors answered before torch loads, the same options as the real parser, user errors as exit status 2, and
+`--push_to_hub` publishing the exported draft (HfApi faked: no network)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import huggingface_hub
+import pytest
+import torch
+from transformers import TrainingArguments
+from utils import make_args, tiny_draft_config
+
+from dflash_hf import DFlashDraftModel, arguments, configuration_dflash
+from dflash_hf.cli import console, options
+from dflash_hf.cli import train as cli_train
+from dflash_hf.cli.config import add_config_option
+from dflash_hf.errors import DFlashUserError
+from dflash_hf.training_args import DFlashDataArguments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _help() -> str:
+    return options.help_parser().format_help()
+
+
+def test_help_lists_dflash_groups_first_then_trainer_sections():
+    text = _help()
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[:7] == [
+        "options",
+        "DFlash model and draft",
+        "DFlash objective: blocks, labels and loss",
+        "DFlash data",
+        "DFlash adaptation of a warm-started draft",
+        "DFlash packed batches",
+        "DFlash run: validation, real tau, compilation",
+    ]
+    assert all(t.startswith("TrainingArguments: ") for t in titles[7:]) and len(titles) > 20
+    assert "TrainingArguments: Hub Integration" in titles
+    assert "--config FILE.yaml" in text.split("DFlash model and draft:")[0]
+    assert text.index("--block_size") < text.index("--train_data") < text.index("--learning_rate")
+    assert "AdamW learning rate (DFlash default 6e-4)." in text  # DFlash defaults of inherited fields
+
+
+def test_every_dflash_option_has_help():
+    for group in arguments.HELP_GROUPS:
+        for f in dataclasses.fields(group):
+            assert f.metadata.get("help"), f"{group.__name__}.{f.name} has no help"
+
+
+def test_light_parser_has_exactly_the_real_options():
+    real = cli_train.make_parser()
+    add_config_option(real)
+    assert set(options.help_parser()._option_string_actions) == set(real._option_string_actions)
+    init_fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init and not f.name.startswith("_")}
+    assert init_fields <= {o.name for o in options.trainer_options()}
+
+
+def test_light_constants_mirror_the_config_module():
+    assert arguments.DFLASH_VARIANTS == configuration_dflash.DFLASH_VARIANTS
+    assert arguments.MAX_BLOCK_SIZE == configuration_dflash.MAX_BLOCK_SIZE
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + str(ROOT / "tests")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def test_help_and_argument_errors_do_not_load_torch(tmp_path):
+    missing = str(tmp_path / "missing")
+    cases = [["--help"], ["--gamma", "x"], ["--no_such_option", "1"], ["--variant", "dflash3"], [],
+             ["--target_name_or_path", missing, "--train_data", "t.jsonl"]]
+    code = (
+        "import sys\n"
+        "from dflash_hf.cli.console import run_command\n"
+        f"for argv in {cases!r}:\n"
+        "    try:\n"
+        "        code = run_command('dflash-train', argv)\n"
+        "    except SystemExit as e:\n"
+        "        code = e.code\n"
+        "    print('exit', code, argv[0] if argv else '-')\n"
+        "print('heavy', sorted(m for m in ('torch', 'lhotse', 'transformers.trainer') if m in sys.modules))\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line for line in lines if line.startswith("exit")] == [
+        "exit 0 --help", "exit 2 --gamma", "exit 2 --no_such_option", "exit 2 --variant", "exit 2 -",
+        "exit 2 --target_name_or_path",
+    ]
+    assert lines[-1] == "heavy []"
+    assert "argument --gamma: invalid float value: 'x'" in out.stderr
+    assert "unrecognized arguments: --no_such_option 1" in out.stderr
+    assert "dflash-train: error: --target_name_or_path is required" in out.stderr
+    assert f"dflash-train: error: --target_name_or_path {missing}: the directory does not exist" in out.stderr
+
+
+def test_bad_yaml_is_refused_before_torch_loads(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("num_anchors: 8.5\n")
+    code = (
+        "import sys\n"
+        "from dflash_hf.cli.console import run_command\n"
+        f"print('rc', run_command('dflash-train', ['--config', {str(config)!r}]))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = _run(code)
+    assert out.stdout.split() == ["rc", "2", "False"], out.stderr
+    assert f"--config {config} line 1: num_anchors: 8.5 is a number; give an integer" in out.stderr
+
+
+def _export(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    config = tiny_draft_config(
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=8, num_target_layers=4, hidden_size=32,
+        head_dim=8, vocab_size=40,
+    )
+    out = tmp_path / "draft"
+    DFlashDraftModel(config).save_pretrained(out)
+    return out
+
+
+def test_push_to_hub_needs_a_repo_id(tmp_path):
+    with pytest.raises(ValueError, match=r"push_to_hub=true publishes the exported draft to hub_model_id.*got None"):
+        make_args(tmp_path, push_to_hub=True)
+    with pytest.raises(ValueError, match="validate_only=true trains none"):
+        make_args(tmp_path, push_to_hub=True, hub_model_id="me/d", validate_only=True)
+
+
+def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, callable]:
+    """`cli.train.train` with the expensive parts faked (target, Trainer) and HfApi replaced: no network.
+    `upload(folder_path)` plays `HfApi.upload_folder`. Returns what the fakes saw and a function running train()."""
+    export = _export(tmp_path)
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps({"_name_or_path": "org/tiny-asr"}))
+    manifest = tmp_path / "dev.jsonl"
+    manifest.write_text("")
+    seen = {}
+
+    class FakeTrainer:
+        def __init__(self, *, args, **kwargs):
+            seen["trainer_push_to_hub"] = args.push_to_hub
+
+        def train(self, resume_from_checkpoint=None):
+            return SimpleNamespace(metrics={"train_loss": 1.0})
+
+        def final_eval_metrics(self):
+            return {"eval_dev_tau_est": 3.5}
+
+        def export_draft(self):
+            return str(export)
+
+        def is_world_process_zero(self):
+            return True
+
+    class FakeApi:
+        def __init__(self, token=None):
+            seen["token"] = token
+
+        def create_repo(self, repo_id, **kwargs):
+            seen["repo"] = (repo_id, kwargs["private"])
+
+        def upload_folder(self, *, repo_id, folder_path, **kwargs):
+            seen["files"] = sorted(os.listdir(folder_path))
+            seen["card"] = Path(folder_path, "README.md").read_text()
+            upload(folder_path)
+            return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
+
+    import dflash_hf.target
+    import dflash_hf.trainer
+
+    monkeypatch.setattr(dflash_hf.trainer, "DFlashTrainer", FakeTrainer)
+    monkeypatch.setattr(dflash_hf.target, "load_target", lambda *a, **k: None)
+    monkeypatch.setattr(dflash_hf.target, "FrozenTarget", lambda *a, **k: None)
+    monkeypatch.setattr(cli_train, "load_processor", lambda path: None)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    args = make_args(tmp_path, target_name_or_path=str(target_dir), mask_token_id=5, push_to_hub=True,
+                     hub_model_id="me/tiny-draft", hub_token="tok", hub_private_repo=True, max_steps=3)
+    data_args = DFlashDataArguments(train_data=[str(manifest)], eval_data=[f"dev={manifest}"])
+    return seen, lambda: cli_train.train(args, data_args)
+
+
+def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
+    seen, run = _fake_training_run(tmp_path, monkeypatch, upload=lambda folder: None)
+    metrics = run()
+    assert seen["trainer_push_to_hub"] is False  # no checkpoint uploads, no Trainer model card
+    assert metrics["hub_commit_url"] == "https://huggingface.co/me/tiny-draft/commit/1"
+    assert seen["repo"] == ("me/tiny-draft", True) and seen["token"] == "tok"
+    assert seen["files"] == ["README.md", "config.json", "configuration_dflash.py", "model.safetensors",
+                             "modeling_dflash.py"]
+    card = seen["card"]
+    assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
+    assert "| metric (dev) | value |" in card and "| 3.500 |" in card
+    assert "dev.jsonl; 3 steps, ground_truth labels." in card
+
+
+def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypatch, capsys):
+    def refuse(folder):
+        raise ConnectionError("401 Unauthorized")  # huggingface_hub HTTP errors are OSErrors too
+
+    _, run = _fake_training_run(tmp_path, monkeypatch, upload=refuse)
+    with pytest.raises(DFlashUserError, match=rf"uploading the draft to me/tiny-draft failed \(401 Unauthorized\)"
+                                              rf".*exported in {tmp_path / 'draft'}: log in"):
+        run()
+    assert '"eval_dev_tau_est": 3.5' in capsys.readouterr().out  # the run's results were printed first
+
+
+def test_console_argparse_error_is_status_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        console.run_command("dflash-train", ["--block_size", "many"])
+    assert exit_info.value.code == 2
+    assert "argument --block_size/--block-size: invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    missing = str(tmp_path / "missing")
+    assert console.run_command("dflash-eval", ["--draft", missing, "--target", missing, "--data", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dflash-eval: error: --draft '{missing}' does not exist") and "Traceback" not in err
+    assert console.run_command("dflash-demo", ["--config", missing]) == 2
+    assert f"dflash-demo: error: --config {missing} does not exist" in capsys.readouterr().err
+    assert set(console.COMMANDS) == {"dflash-train", "dflash-eval", "dflash-generate-labels", "dflash-demo"}
+    scripts = (ROOT / "pyproject.toml").read_text()
+    for prog, function in (("dflash-train", "train"), ("dflash-eval", "evaluate"),
+                           ("dflash-generate-labels", "generate_labels"), ("dflash-demo", "demo")):
+        assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts
