@@ -68,6 +68,9 @@ def test_light_parser_has_exactly_the_real_options():
 def test_light_constants_mirror_the_config_module():
     assert arguments.DFLASH_VARIANTS == configuration_dflash.DFLASH_VARIANTS
     assert arguments.MAX_BLOCK_SIZE == configuration_dflash.MAX_BLOCK_SIZE
+    assert arguments.DEFAULT_BLOCK_SIZE == configuration_dflash.DEFAULT_BLOCK_SIZE
+    objective = arguments.DFlashObjectiveArguments()
+    assert configuration_dflash.DFlash2Fields.of(objective) == configuration_dflash.DFlash2Fields()
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
