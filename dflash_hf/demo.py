@@ -201,4 +201,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .cli.console import demo
+
+    demo()

@@ -238,3 +238,13 @@ def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, 
     for prog, function in (("dflash-train", "train"), ("dflash-eval", "evaluate"),
                            ("dflash-generate-labels", "generate_labels"), ("dflash-demo", "demo")):
         assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts
+
+
+@pytest.mark.parametrize("module", ["dflash_hf.cli.train", "dflash_hf.cli.eval", "dflash_hf.cli.generate_labels",
+                                    "dflash_hf.demo"])
+def test_python_dash_m_runs_the_command(module):
+    """`python -m MODULE` (how benchmarks and devices without console scripts run them) must run the command:
+    an unknown option is an argument error (exit 2), not a silent exit 0."""
+    proc = subprocess.run([sys.executable, "-m", module, "--no_such_option_xyz"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

@@ -165,3 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    from .console import evaluate
+
+    evaluate()
