@@ -55,8 +55,9 @@ class TargetFamily:
       of a chat template.
     - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
       with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
-    - ``sample_problem``: ``sample_problem(config, num_tokens, duration) -> (field, problem, fix) | None``: the
-      family's own limits on one sample (Whisper: 448 decoder positions, one 30 s window of audio).
+    - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
+      family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
+    - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
     """
 
     name: str
@@ -72,6 +73,7 @@ class TargetFamily:
     render_decoder: Callable | None = field(default=None, repr=False)
     decoder_config: Callable | None = field(default=None, repr=False)
     sample_problem: Callable | None = field(default=None, repr=False)
+    max_positions: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:
@@ -220,29 +222,38 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
 WHISPER_DEFAULT_LANGUAGE = "en"
 
 
-def _whisper_language_token(tokenizer, language: str | None) -> str:
-    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English)."""
+def _whisper_language_token(tokenizer, language: str | None) -> str | None:
+    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English), or None when
+    the tokenizer has no such language token."""
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
     code = (language or WHISPER_DEFAULT_LANGUAGE).strip().lower()
     code = TO_LANGUAGE_CODE.get(code, code).strip("<|>")
     token = f"<|{code}|>"
-    if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
-        raise ValueError(f"field 'lang': {language!r} is not a language of this Whisper tokenizer (no {token} token); "
-                         "use a Whisper language code such as 'en' or 'de'")
-    return token
+    return None if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id) else token
 
 
 def _render_whisper(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **_) -> str:
-    """Whisper's decoder stream for a conversation from ``cut_to_messages``: ``<|startoftranscript|><|lang|>
-    <|transcribe|><|notimestamps|>``, then (for a full conversation) a space, the transcript and
-    ``<|endoftext|>`` (the space as Whisper itself writes it before the first word). ``lang`` comes from the
-    audio item's ``language`` (the manifest's ``lang``), default English."""
-    audio = [i for m in messages if m["role"] == "user" for i in m["content"] if i.get("type") == "audio"]
+    """Whisper's decoder stream for a conversation from ``cut_to_messages``: the user's text, if any, as Whisper's
+    previous-text prompt (``<|startofprev|>`` + a space + the text, as ``WhisperTokenizer.get_prompt_ids``
+    writes it), then ``<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>``, then (for a full
+    conversation) a space, the transcript and ``<|endoftext|>`` (the space as Whisper itself writes it before
+    the first word). ``lang`` comes from the audio item's ``language`` (the manifest's ``lang``), default
+    English. Everything before the transcript is context, never supervised."""
+    if any(m["role"] == "system" for m in messages):
+        raise ValueError("field 'system_prompt': Whisper has no system turn; remove the system prompt (the "
+                         "configured one or the sample's field), or give previous text as the 'context' field")
+    user = [i for m in messages if m["role"] == "user" for i in m["content"]]
+    audio = [i for i in user if i.get("type") == "audio"]
     if len(audio) != 1:
         raise ValueError(f"a Whisper sample has exactly one audio, this conversation has {len(audio)}")
     language = _whisper_language_token(tokenizer, audio[0].get("language"))
-    prompt = f"<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
+    if language is None:
+        raise ValueError(f"field 'lang': {audio[0].get('language')!r} is not a language of this Whisper tokenizer; "
+                         "use a Whisper language code such as 'en' or 'de'")
+    context = " ".join(i["text"].strip() for i in user if i.get("type") == "text" and i["text"].strip())
+    previous = f"<|startofprev|> {context}" if context else ""
+    prompt = f"{previous}<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
     answer = [m for m in messages if m["role"] == "assistant"]
     if not answer or add_generation_prompt:
         return prompt
@@ -268,14 +279,14 @@ def whisper_max_audio_seconds(config) -> float:
     return config.max_source_positions * 2 * HOP_LENGTH / SAMPLING_RATE
 
 
-def _whisper_sample_problem(config, num_tokens: int, duration: float):
-    limit = config.max_target_positions
-    if num_tokens > limit:
-        return ("text", f"the decoder stream needs {num_tokens} positions (prompt + transcript + end token), more "
-                f"than Whisper's max_target_positions={limit}", "shorten or split the transcript")
+def _whisper_sample_problem(config, tokenizer, cut):
+    language = cut.supervisions[0].language
+    if _whisper_language_token(tokenizer, language) is None:
+        return ("lang", f"{language!r} is not a language of this Whisper tokenizer",
+                "use a Whisper language code such as 'en' or 'de' (or leave 'lang' out for English)")
     seconds = whisper_max_audio_seconds(config)
-    if duration > seconds + 1e-6:
-        return ("duration", f"the audio lasts {duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
+    if cut.duration > seconds + 1e-6:
+        return ("duration", f"the audio lasts {cut.duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
                 "feature extractor would cut it)", f"split the audio into pieces of at most {seconds:g} s")
     return None
 
@@ -383,7 +394,7 @@ FAMILIES: dict[str, TargetFamily] = {
             name="whisper", model_types=("whisper",), expansion="encoder", audio_kwargs=("input_features",),
             encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
             render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
-            sample_problem=_whisper_sample_problem,
+            sample_problem=_whisper_sample_problem, max_positions=lambda config: config.max_target_positions,
             description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
         ),
     )

@@ -11,7 +11,7 @@ import torch
 from utils import tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
-from dflash_hf.data import build_train_dataloader
+from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
@@ -206,14 +206,35 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     assert custom.acceptance_lengths == out.acceptance_lengths
 
 
-def test_too_long_transcripts_and_audio_are_bad_samples(whisper, tmp_path):
+def test_too_long_transcripts_and_audio_and_unknown_languages_are_bad_samples(whisper, tmp_path):
     model, processor = whisper
-    long_text = _manifest(tmp_path / "a", {1: {"text": "yes " * 120}})
-    with pytest.raises(BadSampleError, match=r"field 'text'.*max_target_positions=448"):
-        build_train_dataloader(str(long_text), processor, model.config, max_tokens=4000)
-    bad_lang = _manifest(tmp_path / "b", {2: {"lang": "klingon"}})
-    with pytest.raises(ValueError, match="field 'lang'"):
-        build_train_dataloader(str(bad_lang), processor, model.config, max_tokens=4000)
+    long_audio = tiny.synthesize_speech(tmp_path / "long", 1, min_dur=4.5, max_dur=4.6)  # the tiny window: 4 s
+    cases = [
+        ({1: {"text": "yes " * 120}}, r"field 'text'.*more than the target's 448"),
+        ({2: {"lang": "klingon"}}, r"field 'lang'"),
+        ({3: json.loads(long_audio.read_text()) | {"audio_filepath": str(long_audio.parent / "audio/utt-0000.wav")}},
+         r"field 'duration'.*longer than Whisper's 4 s window"),
+    ]
+    for i, (extra, message) in enumerate(cases):
+        manifest = str(_manifest(tmp_path / str(i), extra))
+        with pytest.raises(BadSampleError, match=message):
+            build_train_dataloader(manifest, processor, model.config, max_tokens=4000)
+        loader = build_train_dataloader(manifest, processor, model.config, max_tokens=4000, skip_bad_samples=True)
+        assert sum(b["input_ids"].shape[0] for b in loader) == 5 and loader.bad_samples.num_skipped == 1
+
+
+def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
+    model, processor = whisper
+    tok = processor.tokenizer
+    manifest = _manifest(tmp_path, {i: {"context": "go left"} for i in range(6)})
+    batch = next(iter(build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)))
+    row = batch["input_ids"][0, : int(batch["attention_mask"][0].sum())]
+    sot = int((row == tok.convert_tokens_to_ids("<|startoftranscript|>")).nonzero())
+    assert tok.decode(row[: sot]) == "<|startofprev|> go left"
+    assert not batch["loss_mask"][0, : sot + 4].any()
+    with pytest.raises(ValueError, match="field 'system_prompt'"):
+        build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000,
+                               conversation=ConversationConfig(system_prompt="Be brief."))
 
 
 def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):

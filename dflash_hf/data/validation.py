@@ -44,11 +44,16 @@ class SampleValidator:
             cut = self._check_audio(cut)
             if cut is None:
                 return None
-        num_tokens = self.count_tokens(cut)
-        limits = self.family.sample_problem  # the family's own limits (Whisper: 448 positions, one audio window)
-        problem = limits(self.target_config, num_tokens, cut.duration) if limits else None
+        check = self.family.sample_problem  # the family's own checks (Whisper: language, one audio window)
+        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
         if problem:
             report(cut.id, *problem)
+            return None
+        num_tokens = self.count_tokens(cut)
+        limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
+        if limit is not None and num_tokens > limit:
+            report(cut.id, "text", f"the sample needs {num_tokens} decoder positions, more than the target's "
+                   f"{limit}", "shorten or split the transcript (or drop the sample)")
             return None
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             report(cut.id, "duration", f"the sample needs {num_tokens} decoder tokens (audio {cut.duration:.2f} s "
