@@ -452,18 +452,27 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
+def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False) -> dict:
+    """Encoder-decoder targets take the batch's token stream as the decoder's: ``input_ids`` / ``attention_mask``
+    become ``decoder_input_ids`` / ``decoder_attention_mask``; with ``position_ids`` (a forward, not ``generate``)
+    also ``decoder_position_ids`` counted over real tokens, so left padding keeps the positions of right padding.
+    Audio kwargs (``input_features``) are kept."""
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    if "input_ids" in inputs:
+        out["decoder_input_ids"] = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        out["decoder_attention_mask"] = mask
+        if position_ids:
+            out.setdefault("decoder_position_ids", (mask.long().cumsum(-1) - 1).clamp(min=0))
+    return out
+
+
 def generate_kwargs(family: TargetFamily, inputs: dict) -> dict:
     """Keywords of the target's ``generate`` (and of ``speculative_generate``) for prompts as :func:`encode_batch`
-    returns them: encoder-decoder families take the token stream as the decoder's (``decoder_input_ids``, with
-    ``decoder_attention_mask`` when rows are padded) and the audio as ``input_features``; others unchanged."""
-    if not family.is_encoder_decoder:
-        return dict(inputs)
-    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    out["decoder_input_ids"] = inputs["input_ids"]
-    mask = inputs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        out["decoder_attention_mask"] = mask
-    return out
+    returns them: the decoder's keywords for encoder-decoder families (:func:`decoder_stream_kwargs`), else
+    unchanged."""
+    return decoder_stream_kwargs(inputs) if family.is_encoder_decoder else dict(inputs)
 
 
 # ------------------------------------------------------------------------------------------ decoder streams

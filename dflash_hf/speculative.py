@@ -179,12 +179,13 @@ def _decode(
         k, bonus = accept_tokens(proposal, q, scores, target_t, generator)
         crop_cache(verifier.cache, a + k + 1)
         new = torch.cat([proposal[:k], torch.tensor([bonus], device=dev)]).to(seq.dtype)
+        grown, length, kept = torch.cat([seq, new.view(1, -1)], dim=1), seq.shape[1], k + 1
         for j in range(k + 1):  # the first stop token anywhere among the accepted ones ends decoding
-            seq = torch.cat([seq, new[j].view(1, 1)], dim=1)
-            if is_stop(seq, scores[j : j + 1]):
-                stopped = True
+            if is_stop(grown[:, : length + j + 1], scores[j : j + 1]):
+                stopped, kept = True, j + 1
                 break
-        accepted.append(j + 1)
+        seq = grown[:, : length + kept]
+        accepted.append(kept)
         pending, pending_pos = feats[:, : k + 1], torch.arange(a, a + k + 1, device=dev)
     return seq, accepted
 
@@ -286,11 +287,13 @@ class DFlashCustomGenerate:
             verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache())
             prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
             max_positions = None
+        if not stopping_criteria:
+            raise ValueError("DFlashCustomGenerate needs stopping criteria (generate passes its max length and end "
+                             "token); call it through target.generate(..., custom_generate=...)")
         sample = bool(getattr(generation_config, "do_sample", False))
-        stopping = stopping_criteria if stopping_criteria is not None else []
 
         def is_stop(seq, scores):
-            return any(bool(c(seq, scores).any()) for c in stopping)
+            return bool(stopping_criteria(seq, scores).any())
 
         seq, accepted = _decode(
             self.draft, verifier, prefill, input_ids, processors=logits_processor or LogitsProcessorList(),
