@@ -111,11 +111,12 @@ def _mel_frames(num_samples: int) -> int:
 
 
 def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
-    """Mirror ``apply_chat_template(tokenize=True)``: don't add the leading special token(s) (a BOS, Whisper's
-    start-of-transcript prefix) that the rendered texts already start with."""
+    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
+    Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
+    Whisper after the ``<|startofprev|>`` previous-text prompt)."""
     added = tokenizer("", add_special_tokens=True)["input_ids"]
     first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
-    return not (first and all(t.startswith(first) for t in texts))
+    return not (first and all(first in t for t in texts))
 
 
 def _select(out, keys: Sequence[str]) -> dict:

@@ -232,6 +232,18 @@ def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
     sot = int((row == tok.convert_tokens_to_ids("<|startoftranscript|>")).nonzero())
     assert tok.decode(row[: sot]) == "<|startofprev|> go left"
     assert not batch["loss_mask"][0, : sot + 4].any()
+    # the token budget counts the decoder stream as encoded (no second start-of-transcript prefix)
+    from dflash_hf.data import ConversationRenderer, open_source
+    from dflash_hf.data.bad_samples import BadSamples
+    from dflash_hf.data.validation import SampleValidator
+
+    family = FrozenTarget(model).family
+    validator = SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=None,
+                                bad=BadSamples())
+    counts = sorted(validator.count_tokens(cut) for cut in open_source(manifest))
+    lengths = [n for b in build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)
+               for n in b["attention_mask"].sum(-1).tolist()]
+    assert counts == sorted(lengths)
     with pytest.raises(ValueError, match="field 'system_prompt'"):
         build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000,
                                conversation=ConversationConfig(system_prompt="Be brief."))
