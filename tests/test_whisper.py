@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 from utils import tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
@@ -204,6 +205,18 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
                                       custom_generate=custom), ref)
     assert custom.acceptance_lengths == out.acceptance_lengths
+    # a user's own stopping criterion is checked after every accepted token too
+    model.generation_config.eos_token_id = None
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == new_tokens[j]
+
+    kw = dict(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
+              stopping_criteria=StoppingCriteriaList([StopOn()]))
+    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    assert torch.equal(model.generate(**kw, custom_generate=custom), model.generate(**kw))
+    assert sum(custom.acceptance_lengths) == new - 1
 
 
 def test_too_long_transcripts_and_audio_and_unknown_languages_are_bad_samples(whisper, tmp_path):
