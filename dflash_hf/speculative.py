@@ -306,12 +306,13 @@ class DFlashCustomGenerate:
     prepares the prompt, the encoder output (encoder-decoder targets), the logits processors and the stopping
     criteria as it does for greedy or sampled decoding, then hands them to this callable, which decodes with
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
-    distribution). One prompt at a time. After a call, `acceptance_lengths` and `num_target_forwards` describe
-    it."""
+    distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
+    and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off)."""
 
     def __init__(self, draft, generator: torch.Generator | None = None):
         self.draft = draft
         self.generator = generator
+        self._target: FrozenTarget | None = None
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
         self.num_target_forwards = 0
@@ -321,7 +322,9 @@ class DFlashCustomGenerate:
         _check_one_prompt(input_ids)
         if streamer is not None:
             raise ValueError("DFlashCustomGenerate does not stream; call generate without streamer")
-        ft = FrozenTarget(model)
+        if self._target is None or self._target.model is not model:
+            self._target = FrozenTarget(model)
+        ft = self._target
         kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KEYS}
         layer_ids = list(self.draft.config.target_layer_ids)
         if ft.is_encoder_decoder:
