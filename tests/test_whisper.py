@@ -132,11 +132,19 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
         plain = model.generate(feats, max_new_tokens=24)
         assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)),
                            plain)
-    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied)
+    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied);
+    # the encoder and each layer's cross-attention keys run once for the utterance, not once per cycle
     ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+    calls = {"encoder": 0, "cross_keys": 0}
+    hooks = [model.model.encoder.register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1)),
+             model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
+                 lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1))]
     out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
+    for h in hooks:
+        h.remove()
     assert torch.equal(out.sequences, ref)
-    assert out.acceptance_lengths[0] == BLOCK
+    assert out.acceptance_lengths[0] == BLOCK and len(out.acceptance_lengths) > 2
+    assert calls == {"encoder": 1, "cross_keys": 1}
     # an audio decoder-only target (Qwen3-ASR) through custom_generate too
     tok = tiny.build_tokenizer()
     asr, asr_processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
