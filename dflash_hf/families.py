@@ -55,8 +55,9 @@ class TargetFamily:
       of a chat template.
     - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
       with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
-    - ``sample_problem``: ``sample_problem(config, num_tokens, duration) -> (field, problem, fix) | None``: the
-      family's own limits on one sample (Whisper: 448 decoder positions, one 30 s window of audio).
+    - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
+      family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
+    - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
     """
 
     name: str
@@ -72,6 +73,7 @@ class TargetFamily:
     render_decoder: Callable | None = field(default=None, repr=False)
     decoder_config: Callable | None = field(default=None, repr=False)
     sample_problem: Callable | None = field(default=None, repr=False)
+    max_positions: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:
@@ -109,11 +111,12 @@ def _mel_frames(num_samples: int) -> int:
 
 
 def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
-    """Mirror ``apply_chat_template(tokenize=True)``: don't add the leading special token(s) (a BOS, Whisper's
-    start-of-transcript prefix) that the rendered texts already start with."""
+    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
+    Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
+    Whisper after the ``<|startofprev|>`` previous-text prompt)."""
     added = tokenizer("", add_special_tokens=True)["input_ids"]
     first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
-    return not (first and all(t.startswith(first) for t in texts))
+    return not (first and all(first in t for t in texts))
 
 
 def _select(out, keys: Sequence[str]) -> dict:
@@ -220,29 +223,38 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
 WHISPER_DEFAULT_LANGUAGE = "en"
 
 
-def _whisper_language_token(tokenizer, language: str | None) -> str:
-    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English)."""
+def _whisper_language_token(tokenizer, language: str | None) -> str | None:
+    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English), or None when
+    the tokenizer has no such language token."""
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
     code = (language or WHISPER_DEFAULT_LANGUAGE).strip().lower()
     code = TO_LANGUAGE_CODE.get(code, code).strip("<|>")
     token = f"<|{code}|>"
-    if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id):
-        raise ValueError(f"field 'lang': {language!r} is not a language of this Whisper tokenizer (no {token} token); "
-                         "use a Whisper language code such as 'en' or 'de'")
-    return token
+    return None if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id) else token
 
 
 def _render_whisper(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **_) -> str:
-    """Whisper's decoder stream for a conversation from ``cut_to_messages``: ``<|startoftranscript|><|lang|>
-    <|transcribe|><|notimestamps|>``, then (for a full conversation) a space, the transcript and
-    ``<|endoftext|>`` (the space as Whisper itself writes it before the first word). ``lang`` comes from the
-    audio item's ``language`` (the manifest's ``lang``), default English."""
-    audio = [i for m in messages if m["role"] == "user" for i in m["content"] if i.get("type") == "audio"]
+    """Whisper's decoder stream for a conversation from ``cut_to_messages``: the user's text, if any, as Whisper's
+    previous-text prompt (``<|startofprev|>`` + a space + the text, as ``WhisperTokenizer.get_prompt_ids``
+    writes it), then ``<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>``, then (for a full
+    conversation) a space, the transcript and ``<|endoftext|>`` (the space as Whisper itself writes it before
+    the first word). ``lang`` comes from the audio item's ``language`` (the manifest's ``lang``), default
+    English. Everything before the transcript is context, never supervised."""
+    if any(m["role"] == "system" for m in messages):
+        raise ValueError("field 'system_prompt': Whisper has no system turn; remove the system prompt (the "
+                         "configured one or the sample's field), or give previous text as the 'context' field")
+    user = [i for m in messages if m["role"] == "user" for i in m["content"]]
+    audio = [i for i in user if i.get("type") == "audio"]
     if len(audio) != 1:
         raise ValueError(f"a Whisper sample has exactly one audio, this conversation has {len(audio)}")
     language = _whisper_language_token(tokenizer, audio[0].get("language"))
-    prompt = f"<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
+    if language is None:
+        raise ValueError(f"field 'lang': {audio[0].get('language')!r} is not a language of this Whisper tokenizer; "
+                         "use a Whisper language code such as 'en' or 'de'")
+    context = " ".join(i["text"].strip() for i in user if i.get("type") == "text" and i["text"].strip())
+    previous = f"<|startofprev|> {context}" if context else ""
+    prompt = f"{previous}<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
     answer = [m for m in messages if m["role"] == "assistant"]
     if not answer or add_generation_prompt:
         return prompt
@@ -268,14 +280,14 @@ def whisper_max_audio_seconds(config) -> float:
     return config.max_source_positions * 2 * HOP_LENGTH / SAMPLING_RATE
 
 
-def _whisper_sample_problem(config, num_tokens: int, duration: float):
-    limit = config.max_target_positions
-    if num_tokens > limit:
-        return ("text", f"the decoder stream needs {num_tokens} positions (prompt + transcript + end token), more "
-                f"than Whisper's max_target_positions={limit}", "shorten or split the transcript")
+def _whisper_sample_problem(config, tokenizer, cut):
+    language = cut.supervisions[0].language
+    if _whisper_language_token(tokenizer, language) is None:
+        return ("lang", f"{language!r} is not a language of this Whisper tokenizer",
+                "use a Whisper language code such as 'en' or 'de' (or leave 'lang' out for English)")
     seconds = whisper_max_audio_seconds(config)
-    if duration > seconds + 1e-6:
-        return ("duration", f"the audio lasts {duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
+    if cut.duration > seconds + 1e-6:
+        return ("duration", f"the audio lasts {cut.duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
                 "feature extractor would cut it)", f"split the audio into pieces of at most {seconds:g} s")
     return None
 
@@ -383,7 +395,7 @@ FAMILIES: dict[str, TargetFamily] = {
             name="whisper", model_types=("whisper",), expansion="encoder", audio_kwargs=("input_features",),
             encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
             render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
-            sample_problem=_whisper_sample_problem,
+            sample_problem=_whisper_sample_problem, max_positions=lambda config: config.max_target_positions,
             description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
         ),
     )
@@ -441,18 +453,27 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
+def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False) -> dict:
+    """Encoder-decoder targets take the batch's token stream as the decoder's: ``input_ids`` / ``attention_mask``
+    become ``decoder_input_ids`` / ``decoder_attention_mask``; with ``position_ids`` (a forward, not ``generate``)
+    also ``decoder_position_ids`` counted over real tokens, so left padding keeps the positions of right padding.
+    Audio kwargs (``input_features``) are kept."""
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    if "input_ids" in inputs:
+        out["decoder_input_ids"] = inputs["input_ids"]
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        out["decoder_attention_mask"] = mask
+        if position_ids:
+            out.setdefault("decoder_position_ids", (mask.long().cumsum(-1) - 1).clamp(min=0))
+    return out
+
+
 def generate_kwargs(family: TargetFamily, inputs: dict) -> dict:
     """Keywords of the target's ``generate`` (and of ``speculative_generate``) for prompts as :func:`encode_batch`
-    returns them: encoder-decoder families take the token stream as the decoder's (``decoder_input_ids``, with
-    ``decoder_attention_mask`` when rows are padded) and the audio as ``input_features``; others unchanged."""
-    if not family.is_encoder_decoder:
-        return dict(inputs)
-    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    out["decoder_input_ids"] = inputs["input_ids"]
-    mask = inputs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        out["decoder_attention_mask"] = mask
-    return out
+    returns them: the decoder's keywords for encoder-decoder families (:func:`decoder_stream_kwargs`), else
+    unchanged."""
+    return decoder_stream_kwargs(inputs) if family.is_encoder_decoder else dict(inputs)
 
 
 # ------------------------------------------------------------------------------------------ decoder streams

@@ -21,7 +21,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
+from transformers import (
+    DynamicCache,
+    EncoderDecoderCache,
+    EosTokenCriteria,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MinPLogitsWarper,
+    StoppingCriteriaList,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .target import FrozenTarget
@@ -89,14 +101,58 @@ def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) 
     return n, int(torch.multinomial(p[n], 1, generator=generator))
 
 
+# Processors whose output row depends on its score row alone (not on the ids before it): applied to a whole block
+# at once. Any other processor runs position by position.
+ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+                       MinPLogitsWarper)
+
+
 def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Scores `[n, V]` for logits `[n, V]` whose row i follows `prefix[:, :L-n+1+i]` (`prefix` `[1, L]`): the
-    target's logits processors applied position by position, as `generate` applies them token by token."""
-    logits = logits.float()
-    if not processors:
-        return logits
-    start = prefix.shape[1] - logits.shape[0] + 1
-    return torch.cat([processors(prefix[:, : start + i], logits[i : i + 1]) for i in range(logits.shape[0])])
+    target's logits processors in their order, each row seeing the ids before it, as `generate` applies them
+    token by token (in float32, as `generate` does)."""
+    scores = logits.float()
+    start = prefix.shape[1] - scores.shape[0] + 1
+    for proc in processors:
+        if type(proc) in ROW_WISE_PROCESSORS:
+            scores = proc(prefix, scores)
+        else:
+            scores = torch.cat([proc(prefix[:, : start + i], scores[i : i + 1]) for i in range(scores.shape[0])])
+    return scores
+
+
+# first_stop(grown, length, scores): the index j of the first new token `grown[0, length + j]` that ends decoding
+# (`scores[j]` the scores it was chosen from), or None.
+FirstStop = Callable[[torch.Tensor, int, torch.Tensor], "int | None"]
+
+
+def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
+    """Stop at an end token or at `max_length` tokens (prompt included)."""
+
+    def first_stop(grown, length, scores):
+        for j, token in enumerate(grown[0, length:].tolist()):
+            if token in eos or (max_length is not None and length + j + 1 >= max_length):
+                return j
+        return None
+
+    return first_stop
+
+
+def _criteria_stop(criteria: StoppingCriteriaList) -> FirstStop:
+    """`generate`'s stopping criteria, checked after each new token as `generate` does (its usual max-length
+    and end-token criteria are read once instead of being run per token)."""
+    if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
+        lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
+        eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten().tolist()}
+        return _stop_at(eos, min(lengths) if lengths else None)
+
+    def first_stop(grown, length, scores):
+        for j in range(grown.shape[1] - length):
+            if bool(criteria(grown[:, : length + j + 1], scores[j : j + 1]).any()):
+                return j
+        return None
+
+    return first_stop
 
 
 @dataclass
@@ -131,13 +187,13 @@ def _decode(
     processors: LogitsProcessorList,
     sample: bool,
     draft_temperature: float,
-    is_stop: Callable[[torch.Tensor, torch.Tensor], bool],
+    first_stop: FirstStop,
     max_positions: int | None,
     generator,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
-    when `sample`); `is_stop(seq, scores_row)` says whether the last token of `seq` ends decoding.
+    when `sample`); `first_stop` finds the first new token that ends decoding.
     `max_positions` caps decoder positions (Whisper's 448). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
@@ -155,7 +211,7 @@ def _decode(
     expansion = pending.shape[1] - prompt.shape[1]
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
-    stopped = is_stop(seq, scores)
+    stopped = first_stop(seq, prompt.shape[1], scores) is not None
     while not stopped:
         a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
         width = bsz if max_positions is None else min(bsz, max_positions - a)
@@ -179,12 +235,11 @@ def _decode(
         k, bonus = accept_tokens(proposal, q, scores, target_t, generator)
         crop_cache(verifier.cache, a + k + 1)
         new = torch.cat([proposal[:k], torch.tensor([bonus], device=dev)]).to(seq.dtype)
-        for j in range(k + 1):  # the first stop token anywhere among the accepted ones ends decoding
-            seq = torch.cat([seq, new[j].view(1, 1)], dim=1)
-            if is_stop(seq, scores[j : j + 1]):
-                stopped = True
-                break
-        accepted.append(j + 1)
+        grown, length = torch.cat([seq, new.view(1, -1)], dim=1), seq.shape[1]
+        stop = first_stop(grown, length, scores)  # the first stop token anywhere among the accepted ones
+        stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
+        seq = grown[:, : length + kept]
+        accepted.append(kept)
         pending, pending_pos = feats[:, : k + 1], torch.arange(a, a + k + 1, device=dev)
     return seq, accepted
 
@@ -220,14 +275,10 @@ def speculative_generate(
     eos = _eos_ids(ft)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
     verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
-    limit = input_ids.shape[1] + max_new_tokens
-
-    def is_stop(seq, _scores):
-        return int(seq[0, -1]) in eos or seq.shape[1] >= limit
-
     seq, accepted = _decode(
         draft, verifier, ft.cast_features(target_inputs), input_ids, processors=processors, sample=temperature > 0,
-        draft_temperature=temperature, is_stop=is_stop, max_positions=None, generator=generator,
+        draft_temperature=temperature, first_stop=_stop_at(eos, input_ids.shape[1] + max_new_tokens),
+        max_positions=None, generator=generator,
     )
     return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards)
 
@@ -255,12 +306,13 @@ class DFlashCustomGenerate:
     prepares the prompt, the encoder output (encoder-decoder targets), the logits processors and the stopping
     criteria as it does for greedy or sampled decoding, then hands them to this callable, which decodes with
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
-    distribution). One prompt at a time. After a call, `acceptance_lengths` and `num_target_forwards` describe
-    it."""
+    distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
+    and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off)."""
 
     def __init__(self, draft, generator: torch.Generator | None = None):
         self.draft = draft
         self.generator = generator
+        self._target: FrozenTarget | None = None
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
         self.num_target_forwards = 0
@@ -270,7 +322,9 @@ class DFlashCustomGenerate:
         _check_one_prompt(input_ids)
         if streamer is not None:
             raise ValueError("DFlashCustomGenerate does not stream; call generate without streamer")
-        ft = FrozenTarget(model)
+        if self._target is None or self._target.model is not model:
+            self._target = FrozenTarget(model)
+        ft = self._target
         kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KEYS}
         layer_ids = list(self.draft.config.target_layer_ids)
         if ft.is_encoder_decoder:
@@ -286,16 +340,15 @@ class DFlashCustomGenerate:
             verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache())
             prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
             max_positions = None
+        if not stopping_criteria:
+            raise ValueError("DFlashCustomGenerate needs stopping criteria (generate passes its max length and end "
+                             "token); call it through target.generate(..., custom_generate=...)")
         sample = bool(getattr(generation_config, "do_sample", False))
-        stopping = stopping_criteria if stopping_criteria is not None else []
-
-        def is_stop(seq, scores):
-            return any(bool(c(seq, scores).any()) for c in stopping)
 
         seq, accepted = _decode(
             self.draft, verifier, prefill, input_ids, processors=logits_processor or LogitsProcessorList(),
             sample=sample, draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
-            is_stop=is_stop, max_positions=max_positions, generator=self.generator,
+            first_stop=_criteria_stop(stopping_criteria), max_positions=max_positions, generator=self.generator,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
         if generation_config is not None and generation_config.return_dict_in_generate:

@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 
 from .blocks import label_positions
-from .families import DecoderStreams, decoder_streams, resolve_family
+from .families import DecoderStreams, decoder_stream_kwargs, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
@@ -240,27 +240,13 @@ class FrozenTarget:
         given, and keeps attention inside each document (trailing padding forms its own segment)."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
         if self.is_encoder_decoder:
-            return self.cast_features(self.decoder_kwargs(kwargs))
+            return self.cast_features(decoder_stream_kwargs(kwargs, position_ids=True))
         if "cu_seqlens" in batch:
             if "position_ids" not in batch:
                 raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "
                                  "must emit position_ids restarting at 0 per document")
             kwargs.pop("attention_mask", None)
         return self.cast_features(kwargs)
-
-    @staticmethod
-    def decoder_kwargs(kwargs: dict) -> dict:
-        """Encoder-decoder targets: the batch's token stream is the decoder's, so `input_ids` / `attention_mask`
-        become `decoder_input_ids` / `decoder_attention_mask`, with decoder positions counted over real tokens
-        (so left padding keeps the positions of right padding)."""
-        out = dict(kwargs)
-        if "input_ids" in out:
-            out["decoder_input_ids"] = out.pop("input_ids")
-        mask = out.pop("attention_mask", None)
-        if mask is not None:
-            out["decoder_attention_mask"] = mask
-            out.setdefault("decoder_position_ids", (mask.long().cumsum(-1) - 1).clamp(min=0))
-        return out
 
     def cast_features(self, kwargs: dict) -> dict:
         """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a

@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 from utils import tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
-from dflash_hf.data import build_train_dataloader
+from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
@@ -131,11 +132,19 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
         plain = model.generate(feats, max_new_tokens=24)
         assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)),
                            plain)
-    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied)
+    # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied);
+    # the encoder and each layer's cross-attention keys run once for the utterance, not once per cycle
     ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
+    calls = {"encoder": 0, "cross_keys": 0}
+    hooks = [model.model.encoder.register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1)),
+             model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
+                 lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1))]
     out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
+    for h in hooks:
+        h.remove()
     assert torch.equal(out.sequences, ref)
-    assert out.acceptance_lengths[0] == BLOCK
+    assert out.acceptance_lengths[0] == BLOCK and len(out.acceptance_lengths) > 2
+    assert calls == {"encoder": 1, "cross_keys": 1}
     # an audio decoder-only target (Qwen3-ASR) through custom_generate too
     tok = tiny.build_tokenizer()
     asr, asr_processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
@@ -204,16 +213,61 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
                                       custom_generate=custom), ref)
     assert custom.acceptance_lengths == out.acceptance_lengths
+    # a user's own stopping criterion is checked after every accepted token too
+    model.generation_config.eos_token_id = None
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == new_tokens[j]
+
+    kw = dict(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
+              stopping_criteria=StoppingCriteriaList([StopOn()]))
+    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    assert torch.equal(model.generate(**kw, custom_generate=custom), model.generate(**kw))
+    assert sum(custom.acceptance_lengths) == new - 1
 
 
-def test_too_long_transcripts_and_audio_are_bad_samples(whisper, tmp_path):
+def test_too_long_transcripts_and_audio_and_unknown_languages_are_bad_samples(whisper, tmp_path):
     model, processor = whisper
-    long_text = _manifest(tmp_path / "a", {1: {"text": "yes " * 120}})
-    with pytest.raises(BadSampleError, match=r"field 'text'.*max_target_positions=448"):
-        build_train_dataloader(str(long_text), processor, model.config, max_tokens=4000)
-    bad_lang = _manifest(tmp_path / "b", {2: {"lang": "klingon"}})
-    with pytest.raises(ValueError, match="field 'lang'"):
-        build_train_dataloader(str(bad_lang), processor, model.config, max_tokens=4000)
+    long_audio = tiny.synthesize_speech(tmp_path / "long", 1, min_dur=4.5, max_dur=4.6)  # the tiny window: 4 s
+    cases = [
+        ({1: {"text": "yes " * 120}}, r"field 'text'.*more than the target's 448"),
+        ({2: {"lang": "klingon"}}, r"field 'lang'"),
+        ({3: json.loads(long_audio.read_text()) | {"audio_filepath": str(long_audio.parent / "audio/utt-0000.wav")}},
+         r"field 'duration'.*longer than Whisper's 4 s window"),
+    ]
+    for i, (extra, message) in enumerate(cases):
+        manifest = str(_manifest(tmp_path / str(i), extra))
+        with pytest.raises(BadSampleError, match=message):
+            build_train_dataloader(manifest, processor, model.config, max_tokens=4000)
+        loader = build_train_dataloader(manifest, processor, model.config, max_tokens=4000, skip_bad_samples=True)
+        assert sum(b["input_ids"].shape[0] for b in loader) == 5 and loader.bad_samples.num_skipped == 1
+
+
+def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
+    model, processor = whisper
+    tok = processor.tokenizer
+    manifest = _manifest(tmp_path, {i: {"context": "go left"} for i in range(6)})
+    batch = next(iter(build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)))
+    row = batch["input_ids"][0, : int(batch["attention_mask"][0].sum())]
+    sot = int((row == tok.convert_tokens_to_ids("<|startoftranscript|>")).nonzero())
+    assert tok.decode(row[: sot]) == "<|startofprev|> go left"
+    assert not batch["loss_mask"][0, : sot + 4].any()
+    # the token budget counts the decoder stream as encoded (no second start-of-transcript prefix)
+    from dflash_hf.data import ConversationRenderer, open_source
+    from dflash_hf.data.bad_samples import BadSamples
+    from dflash_hf.data.validation import SampleValidator
+
+    family = FrozenTarget(model).family
+    validator = SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=None,
+                                bad=BadSamples())
+    counts = sorted(validator.count_tokens(cut) for cut in open_source(manifest))
+    lengths = [n for b in build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)
+               for n in b["attention_mask"].sum(-1).tolist()]
+    assert counts == sorted(lengths)
+    with pytest.raises(ValueError, match="field 'system_prompt'"):
+        build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000,
+                               conversation=ConversationConfig(system_prompt="Be brief."))
 
 
 def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):

@@ -3,7 +3,8 @@
 A cut becomes: optional system turn (the cut's ``system_prompt`` custom field, else the configured one);
 a user turn with the cut's ``context`` custom field (else the configured default prompt; omitted when empty)
 followed by the audio; an assistant turn with ``cut.supervisions[0].text``. The target's own chat template
-renders it (the processor's, or the tokenizer's for families whose ``render_with == "tokenizer"``).
+renders it (the processor's, or the tokenizer's for families whose ``render_with == "tokenizer"``);
+encoder-decoder families (Whisper) render the decoder's own prompt with ``family.render_decoder`` instead.
 
 Supervision: the assistant response tokens and the assistant turn's closing end-of-turn token. It is
 computed on the rendered *suffix* after the generation prompt (the part of the text that comes after all

@@ -45,12 +45,17 @@ class SampleValidator:
             cut = self._check_audio(cut)
             if cut is None:
                 return None
-        text_tokens, audio_positions = self.token_counts(cut)
-        num_tokens = text_tokens + audio_positions
-        limits = self.family.sample_problem  # the family's own limits (Whisper: 448 positions, one audio window)
-        problem = limits(self.target_config, num_tokens, cut.duration) if limits else None
+        check = self.family.sample_problem  # the family's own checks (Whisper: language, one audio window)
+        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
         if problem:
             self._report(cut, *problem)
+            return None
+        text_tokens, audio_positions = self.token_counts(cut)
+        num_tokens = text_tokens + audio_positions
+        limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
+        if limit is not None and num_tokens > limit:
+            self._report(cut, "text", f"the sample needs {num_tokens} decoder positions, more than the target's "
+                         f"{limit}", "shorten or split the transcript (or drop the sample)")
             return None
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             self._report_too_long(cut, text_tokens, audio_positions)
