@@ -101,15 +101,20 @@ def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
     assert sorted(p.name for p in (tmp_path / "a" / "out").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
 
 
-def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path):
+@pytest.mark.parametrize("iterable", [False, True], ids=["map_style", "iterable"])
+def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path, iterable):
+    """The iterable dataset has no length: before the fix it failed as the lhotse loader did."""
     from datasets import Dataset
 
     model, tok = tiny_text_target()
     rows = Dataset.from_list([{"p": p, "r": r} for p, r in random_rows(8, 250, seed=4)])
+    if iterable:
+        rows = rows.to_iterable_dataset(num_shards=1)
 
     def trainer(name: str) -> DFlashTrainer:
         args = make_args(tmp_path / name, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), max_steps=10,
-                         per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3)
+                         per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3,
+                         logging_steps=1)
         collate = lambda items: text_batch([(x["p"], x["r"]) for x in items], tok.pad_token_id)  # noqa: E731
         return DFlashTrainer(args=args, target=model, train_dataset=rows, data_collator=collate)
 
@@ -118,6 +123,8 @@ def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path):
     resumed = trainer("b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-6"))  # epoch 1 of 4 steps
     assert_bitwise_equal(weights(straight), weights(resumed))
+    epochs = [h["epoch"] for h in resumed.state.log_history if "loss" in h]
+    assert epochs == sorted(epochs)
 
 
 def test_seed_sets_the_draft_initial_weights(tmp_path):
