@@ -262,6 +262,7 @@ class DFlashTrainer(Trainer):
     def get_train_dataloader(self):
         """Speech sources: the lhotse loader. A loader without a length (lhotse, an HF `IterableDataset`) reaches
         the Trainer as an `EpochStream`: its data position is restored here from the resumed checkpoint."""
+        self.train_position = None
         if is_speech_source(self.train_dataset):
             if self.args.max_steps <= 0:
                 raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
@@ -269,8 +270,7 @@ class DFlashTrainer(Trainer):
             self.train_position = self.speech_train_loader
         else:
             loader = _host_batches(super().get_train_dataloader())
-            if has_length(loader):
-                self.train_position = None
+            if not self._streams_epochs():
                 return loader
             self.train_position = ReplayedEpochs(loader)
         if self._resume_checkpoint and not self._user_ignores_data_skip:
@@ -312,12 +312,16 @@ class DFlashTrainer(Trainer):
         skipping, which counts `max_steps` as one epoch, must not apply to it. `ignore_data_skip` is set only for
         the call."""
         self._user_ignores_data_skip = self.args.ignore_data_skip
-        if is_speech_source(self.train_dataset) or not has_length(self.train_dataset):
+        if self._streams_epochs():
             self.args.ignore_data_skip = True
         try:
             yield
         finally:
             self.args.ignore_data_skip = self._user_ignores_data_skip
+
+    def _streams_epochs(self) -> bool:
+        """Whether the training data has no length, so it is trained on as an `EpochStream`."""
+        return is_speech_source(self.train_dataset) or not has_length(self.train_dataset)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
