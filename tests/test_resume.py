@@ -45,13 +45,18 @@ def speech_assets(root: Path):
     return model, processor, manifest
 
 
-def speech_trainer(root: Path, name: str, assets, **kw) -> DFlashTrainer:
+def speech_trainer(root: Path, name: str, assets, skip_bad_samples: bool = False, **kw) -> DFlashTrainer:
     model, processor, manifest = assets
+    if skip_bad_samples:  # the same data plus one row whose audio does not exist
+        lines = manifest.read_text() + json.dumps({"audio_filepath": "audio/missing.wav", "duration": 1.0,
+                                                   "text": "yes"}) + "\n"
+        manifest = manifest.with_name("with_bad_row.jsonl")
+        manifest.write_text(lines)
     packing = kw.get("packing", False)
     base = dict(mask_token_id=262, max_steps=STEPS, save_strategy="steps", save_steps=2, learning_rate=1e-3,
                 logging_steps=1, packing_max_tokens=600 if packing else None)
     args = make_args(root / name, **(base | kw))
-    data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.")
+    data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.", skip_bad_samples=skip_bad_samples)
     return DFlashTrainer(args=args, target=model, processor=processor, data_args=data_args,
                          train_dataset=[str(manifest)])
 
@@ -75,10 +80,11 @@ def asr(tmp_path_factory):
     return speech_assets(tmp_path_factory.mktemp("asr"))
 
 
-@pytest.mark.parametrize("case", ["padded", "workers", "packed"])
+@pytest.mark.parametrize("case", ["padded", "workers", "packed", "skipped"])
 def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     """Before the fix the Trainer took max_steps as one epoch and skipped batches of the wrong epoch."""
-    kw = {"padded": {}, "workers": {"dataloader_num_workers": 1}, "packed": {"packing": True}}[case]
+    kw = {"padded": {}, "workers": {"dataloader_num_workers": 1}, "packed": {"packing": True},
+          "skipped": {"skip_bad_samples": True}}[case]
     straight = speech_trainer(tmp_path, "a", asr, **kw)
     straight.train()
     checkpoint = tmp_path / "a" / "out" / f"checkpoint-{RESUME_AT}"
@@ -91,6 +97,9 @@ def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     epochs = logged_epochs(straight)
     assert list(epochs.values()) == sorted(epochs.values()) and epochs[STEPS] > 1  # monotonic data epochs
     assert logged_epochs(resumed) == epochs  # the resumed steps log the same epochs: never backwards (was 1.2, 1.1)
+    skipped = resumed.speech_train_loader.bad_samples.skipped
+    assert skipped == straight.speech_train_loader.bad_samples.skipped == state["skipped"]
+    assert len(skipped) == (case == "skipped")
 
 
 def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
@@ -141,6 +150,14 @@ def test_seed_sets_the_draft_initial_weights(tmp_path):
 
 
 def test_resume_flag_accepts_true_false_strings_and_checks_paths_before_training(tmp_path):
+    from dflash_hf.cli.config import parse_with_config
+    from dflash_hf.cli.train import make_parser
+
+    config = tmp_path / "run.yaml"
+    config.write_text("resume_from_checkpoint: true\n")
+    for argv in (["--resume_from_checkpoint", "True"], ["--config", str(config)]):  # CLI string, YAML boolean
+        args, _ = parse_with_config(make_parser(), [*argv, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+        assert args.resume_from_checkpoint is True
     assert parse_resume_flag("true") is True and parse_resume_flag("False") is False
     assert parse_resume_flag("") is None and parse_resume_flag("runs/x/checkpoint-4") == "runs/x/checkpoint-4"
     assert make_args(tmp_path, resume_from_checkpoint="true").resume_from_checkpoint is True
