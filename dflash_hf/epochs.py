@@ -24,6 +24,7 @@ class ResumableEpochs:
         self.batches_consumed = 0
         self.epoch_batches: list[int] = []  # batch count of each completed epoch (this rank)
         self._epoch_done = False  # the epoch's last batch has been handed out
+        self._restored = False  # load_state_dict ran: the next iteration continues from its position
 
     def _start_epoch(self, epoch: int) -> None:
         self.epoch, self.batches_consumed, self._epoch_done = epoch, 0, False
@@ -34,7 +35,7 @@ class ResumableEpochs:
     def _hand_out(self) -> Iterator:
         """The rest of the current epoch, counting batches as they are handed out. One batch of lookahead: the
         epoch's end is known when its last batch is handed out."""
-        self._epoch_done = False
+        self._epoch_done, self._restored = False, False
         batches = self._epoch_batches()
         batch = next(batches, _END)
         while batch is not _END:
@@ -44,6 +45,12 @@ class ResumableEpochs:
             yield batch
             batch = following
         self._epoch_done = True
+
+    def one_epoch(self) -> Iterator:
+        """The current epoch from its start, or, right after `load_state_dict`, from the restored position."""
+        if not self._restored:
+            self.batches_consumed = 0
+        return self._hand_out()
 
     def epochs(self) -> Iterator:
         """Endless: the rest of the current epoch, then every next epoch. An epoch without a single batch is an
@@ -78,6 +85,7 @@ class ResumableEpochs:
         self._start_epoch(state["epoch"])
         self.batches_consumed = state["batches_consumed"]
         self.epoch_batches = list(state.get("epoch_batches", []))
+        self._restored = True
 
 
 class ReplayedEpochs(ResumableEpochs):

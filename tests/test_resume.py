@@ -102,6 +102,25 @@ def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     assert len(skipped) == (case == "skipped")
 
 
+def test_loader_iteration_restarts_the_epoch_unless_a_position_was_restored(asr):
+    from dflash_hf.data import build_train_dataloader
+
+    model, processor, manifest = asr
+    loader = build_train_dataloader(str(manifest), processor, model.config, max_tokens=600, seed=1)
+    ids = lambda batches: [b["input_ids"].tolist() for b in batches]  # noqa: E731
+    full = ids(loader)
+    assert ids(loader) == full and loader.epoch_progress == 1.0  # a second pass of the same epoch: all of it
+    loader.load_state_dict({"epoch": 0, "batches_consumed": 2})
+    assert ids(loader) == full[2:]
+    loader.set_epoch(1)
+    stream, second, progress = loader.epochs(), [], []
+    while (batch := next(stream)) is not None and loader.epoch == 1:  # epoch 1, up to the first batch of epoch 2
+        second.append(batch["input_ids"].tolist())
+        progress.append(loader.epoch_progress)
+    assert second != full and loader.epoch_batches == [len(second)]  # reshuffled; its length recorded
+    assert progress[-1] == 2.0 and max(progress[:-1]) < 2.0  # the epoch ends with its last batch
+
+
 def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
     trainer = speech_trainer(tmp_path, "a", asr, save_strategy="epoch", max_steps=8)
     trainer.train()

@@ -91,7 +91,7 @@ class CutDataLoader(DataLoader, ResumableEpochs):
         return DataLoader.__iter__(self)
 
     def __iter__(self):
-        return self._hand_out()
+        return self.one_epoch()
 
     def state_dict(self) -> dict:
         return super().state_dict() | {"skipped": dict(self.bad_samples.skipped)}
