@@ -285,6 +285,29 @@ def test_final_evaluation_is_not_repeated_when_the_last_step_evaluated(tmp_path,
     assert "eval_loss" in trainer.final_eval_metrics() and calls == [2, 4, 4]  # no evaluation yet: one is run
 
 
+def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monkeypatch):
+    from dflash_hf.cli.train import run
+
+    tiny.save_tiny_target(tmp_path / "target", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=0)
+    calls, evaluate = [], DFlashTrainer.evaluate
+
+    def counted(self, eval_dataset=None, *args, **kwargs):
+        if eval_dataset is None:  # a whole evaluation (the per-set calls inside it pass their dataset)
+            calls.append(self.state.global_step)
+        return evaluate(self, eval_dataset, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashTrainer, "evaluate", counted)
+    metrics = run([
+        "--target_name_or_path", str(tmp_path / "target"), "--train_data", str(manifest), "--eval_data",
+        f"dev={manifest}", "--mask_token_id", "262", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+        "--eval_strategy", "steps", "--eval_steps", "2", "--use_cpu", "true", "--block_size", "4",
+        "--num_draft_layers", "1", "--max_tokens", "600", "--prompt", "Transcribe.", "--report_to", "none",
+        "--disable_tqdm", "true", "--label_source", "ground_truth", "--save_strategy", "no",
+    ])
+    assert calls == [2] and "eval_dev_loss" in metrics  # before: [2, 2], the last step evaluated twice
+
+
 # ------------------------------------------------------------------------------------------ DDP (2 ranks)
 DDP_TIMEOUT_S = 240
 
