@@ -227,6 +227,7 @@ class DFlashTrainer(Trainer):
             self.add_callback(RealTauCallback(self))
         self.add_callback(DataEpochCallback(self))
         self._resume_checkpoint: str | None = None  # set by train()
+        self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
         self._user_ignores_data_skip = args.ignore_data_skip
 
@@ -333,6 +334,7 @@ class DFlashTrainer(Trainer):
         written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
         run_dir = self._get_output_dir(trial=trial)
         folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._checkpoint_completed = False
         if self.args.should_save and folder.exists():  # an interrupted save of this step: start it afresh
             shutil.rmtree(folder)
         self.accelerator.wait_for_everyone()
@@ -340,17 +342,30 @@ class DFlashTrainer(Trainer):
         try:
             with reporting_full_disk(folder):
                 super()._save_checkpoint(model, trial)
-                if self.train_position is not None:
-                    state = self.train_position.state_dict() | {"world_size": self.args.world_size}
-                    save_data_state(folder, self.args.process_index, state)
-                self.accelerator.wait_for_everyone()
-                if self.args.should_save:
-                    mark_complete(folder, self.state.global_step)
+                self._complete_checkpoint(folder)
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _complete_checkpoint(self, folder: Path) -> None:
+        """Each rank's data position, then, once every rank is done, the completeness marker (once per save)."""
+        if self._checkpoint_completed:
+            return
+        self._checkpoint_completed = True
+        if self.train_position is not None:
+            state = self.train_position.state_dict() | {"world_size": self.args.world_size}
+            save_data_state(folder, self.args.process_index, state)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`hub_strategy` checkpoint pushes happen inside the save: complete the checkpoint first, so that the
+        pushed copy can be resumed (data position and marker included)."""
+        self._complete_checkpoint(Path(checkpoint_folder))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""

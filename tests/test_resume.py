@@ -240,6 +240,20 @@ def test_interrupted_save_keeps_the_previous_checkpoint_despite_rotation(tmp_pat
     assert chosen == out / "checkpoint-1" and skipped == [out / "checkpoint-2"]
 
 
+def test_checkpoint_pushed_to_the_hub_is_complete(tmp_path, monkeypatch):
+    """hub_strategy pushes run inside the Trainer's save, before it returns: the copy must already be complete."""
+    from transformers import Trainer
+
+    from dflash_hf.checkpoints import is_complete
+
+    pushed = []
+    monkeypatch.setattr(Trainer, "_push_from_checkpoint", lambda self, folder: pushed.append(is_complete(folder)))
+    trainer = _text_trainer(tmp_path, max_steps=2)
+    trainer.args.push_to_hub = True  # after __init__, which would create the Hub repository
+    trainer.train()
+    assert pushed == [True, True]
+
+
 @pytest.mark.parametrize(
     "error",
     [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1360"),
