@@ -14,6 +14,15 @@ from collections.abc import Iterator
 _END = object()
 
 
+def replay_error(epoch: int, consumed: int) -> ValueError:
+    """A restored position beyond the end of its epoch: the data or the batch settings changed since the save."""
+    return ValueError(
+        f"resume: epoch {epoch} of the training data has fewer than the {consumed} batches the checkpoint had "
+        "handed out; resume with the same data and batch settings (or set ignore_data_skip=true to restart the "
+        "data stream)"
+    )
+
+
 class ResumableEpochs:
     """Position of a loader in its epochs: the epoch, the batches handed out in it (not those prefetched by
     workers) and the batch counts of the epochs before it. A subclass iterates one epoch from the position
@@ -102,10 +111,7 @@ class ReplayedEpochs(ResumableEpochs):
         batches = iter(self.loader)
         for _ in range(self.batches_consumed):
             if next(batches, _END) is _END:
-                raise ValueError(
-                    f"resume: epoch {self.epoch} of the training data has fewer than the {self.batches_consumed} "
-                    "batches the checkpoint had handed out; resume with the same data and batch settings"
-                )
+                raise replay_error(self.epoch, self.batches_consumed)
         return batches
 
 

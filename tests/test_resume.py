@@ -112,6 +112,9 @@ def test_loader_iteration_restarts_the_epoch_unless_a_position_was_restored(asr)
     assert ids(loader) == full and loader.epoch_progress == 1.0  # a second pass of the same epoch: all of it
     loader.load_state_dict({"epoch": 0, "batches_consumed": 2})
     assert ids(loader) == full[2:]
+    loader.load_state_dict({"epoch": 0, "batches_consumed": len(full) + 1})  # the data changed since the save
+    with pytest.raises(ValueError, match=f"fewer than the {len(full) + 1} batches the checkpoint had handed out"):
+        ids(loader)
     loader.set_epoch(1)
     stream, second, progress = loader.epochs(), [], []
     while (batch := next(stream)) is not None and loader.epoch == 1:  # epoch 1, up to the first batch of epoch 2

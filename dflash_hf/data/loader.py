@@ -19,7 +19,7 @@ from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sources import DataSource, mix_sources
 from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, validated_cutset
-from dflash_hf.epochs import ResumableEpochs
+from dflash_hf.epochs import ResumableEpochs, replay_error
 from dflash_hf.families import TargetFamily, get_tokenizer, resolve_family
 
 
@@ -58,9 +58,13 @@ class ResumableBatchSampler:
 
     def __iter__(self):
         skip, self.skip = self.skip, 0
-        for index, cuts in enumerate(self.sampler):
-            if index >= skip:
+        seen = 0
+        for cuts in self.sampler:
+            seen += 1
+            if seen > skip:
                 yield cuts
+        if seen < skip:
+            raise replay_error(self.epoch, skip)
 
 
 class CutDataLoader(DataLoader, ResumableEpochs):
