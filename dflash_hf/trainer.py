@@ -16,7 +16,13 @@ from pathlib import Path
 
 import torch
 from transformers import DefaultFlowCallback, ProgressCallback, Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, enable_full_determinism, rotate_checkpoints, set_seed
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    enable_full_determinism,
+    has_length,
+    rotate_checkpoints,
+    set_seed,
+)
 
 from .adaptation import apply_adaptation, check_resume_selection, save_selection
 from .assembly import build_draft, host_batches, is_speech_source
@@ -30,6 +36,7 @@ from .checkpoints import (
 )
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
+from .epochs import EpochStream, ReplayedEpochs, ResumableEpochs
 from .hub import export_draft
 from .launch import no_hf_progress_bars
 from .losses import MetricSums
@@ -56,8 +63,8 @@ def seed_like_trainer(args: DFlashTrainingArguments) -> None:
 
 
 class DataEpochCallback(TrainerCallback):
-    """The Trainer sees a lhotse loader as one endless epoch (`EpochStream`); this callback logs the loader's
-    own data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
+    """The Trainer sees a loader without a length as one endless epoch (`EpochStream`); this callback logs the
+    data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
     strategies at the step in which a data epoch ends."""
 
     def __init__(self, trainer: DFlashTrainer):
@@ -68,10 +75,10 @@ class DataEpochCallback(TrainerCallback):
         self.epochs_done = int(state.epoch or 0)
 
     def on_step_end(self, args, state, control, **kwargs):
-        loader = getattr(self.trainer, "speech_train_loader", None)
-        if loader is None:
+        position = self.trainer.train_position
+        if position is None:
             return control
-        state.epoch = loader.epoch_progress
+        state.epoch = position.epoch_progress
         if int(state.epoch) > self.epochs_done:
             self.epochs_done = int(state.epoch)
             return DefaultFlowCallback().on_epoch_end(args, state, control)
@@ -132,6 +139,8 @@ class DFlashTrainer(Trainer):
             self.add_callback(RealTauCallback(self))
         self.add_callback(DataEpochCallback(self))
         self._resume_checkpoint: str | None = None  # set by train()
+        self._checkpoint_completed = False  # within a save: its marker is written
+        self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
         self._user_ignores_data_skip = args.ignore_data_skip
 
     # ------------------------------------------------------------------------------------------
@@ -164,19 +173,24 @@ class DFlashTrainer(Trainer):
         )
 
     def get_train_dataloader(self):
-        if not is_speech_source(self.train_dataset):
-            return host_batches(super().get_train_dataloader())
-        if self.args.max_steps <= 0:
-            raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
-        from .data.loader import EpochStream
-
-        loader = self._speech_loader(self.train_dataset, shuffle=True)
+        """Speech sources: the lhotse loader. A loader without a length (lhotse, an HF `IterableDataset`) reaches
+        the Trainer as an `EpochStream`: its data position is restored here from the resumed checkpoint."""
+        self.train_position = None
+        if is_speech_source(self.train_dataset):
+            if self.args.max_steps <= 0:
+                raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
+            self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
+            self.train_position = self.speech_train_loader
+        else:
+            loader = host_batches(super().get_train_dataloader())
+            if not self._streams_epochs():
+                return loader
+            self.train_position = ReplayedEpochs(loader)
         if self._resume_checkpoint and not self._user_ignores_data_skip:
-            loader.load_state_dict(
+            self.train_position.load_state_dict(
                 load_data_state(self._resume_checkpoint, self.args.process_index, self.args.world_size)
             )
-        self.speech_train_loader = loader
-        return EpochStream(loader)  # the loader keeps the data position; the Trainer skips nothing
+        return EpochStream(self.train_position)  # the Trainer counts and skips nothing
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -207,16 +221,20 @@ class DFlashTrainer(Trainer):
 
     @contextmanager
     def _loader_keeps_data_position(self):
-        """A lhotse loader restores its own position (`get_train_dataloader`); the Trainer's batch skipping, which
-        counts `max_steps` as one epoch, must not apply to it. `ignore_data_skip` is set only for the call."""
+        """A loader without a length gets its position restored in `get_train_dataloader`; the Trainer's batch
+        skipping, which counts `max_steps` as one epoch, must not apply to it. `ignore_data_skip` is set only for
+        the call."""
         self._user_ignores_data_skip = self.args.ignore_data_skip
-        speech = is_speech_source(self.train_dataset)
-        if speech:
+        if self._streams_epochs():
             self.args.ignore_data_skip = True
         try:
             yield
         finally:
             self.args.ignore_data_skip = self._user_ignores_data_skip
+
+    def _streams_epochs(self) -> bool:
+        """Whether the training data has no length, so it is trained on as an `EpochStream`."""
+        return is_speech_source(self.train_dataset) or not has_length(self.train_dataset)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         with no_hf_progress_bars():  # save_pretrained's "Writing model shards" bar would break the training bar
@@ -229,6 +247,7 @@ class DFlashTrainer(Trainer):
         written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
         run_dir = self._get_output_dir(trial=trial)
         folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._checkpoint_completed = False
         if self.args.should_save and folder.exists():  # an interrupted save of this step: start it afresh
             shutil.rmtree(folder)
         self.accelerator.wait_for_everyone()
@@ -236,18 +255,30 @@ class DFlashTrainer(Trainer):
         try:
             with reporting_full_disk(folder):
                 super()._save_checkpoint(model, trial)
-                loader = getattr(self, "speech_train_loader", None)
-                if loader is not None:
-                    state = loader.state_dict() | {"world_size": self.args.world_size}
-                    save_data_state(folder, self.args.process_index, state)
-                self.accelerator.wait_for_everyone()
-                if self.args.should_save:
-                    mark_complete(folder, self.state.global_step)
+                self._complete_checkpoint(folder)
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+
+    def _complete_checkpoint(self, folder: Path) -> None:
+        """Each rank's data position, then, once every rank is done, the completeness marker (once per save)."""
+        if self._checkpoint_completed:
+            return
+        self._checkpoint_completed = True
+        if self.train_position is not None:
+            state = self.train_position.state_dict() | {"world_size": self.args.world_size}
+            save_data_state(folder, self.args.process_index, state)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`hub_strategy` checkpoint pushes happen inside the save: complete the checkpoint first, so that the
+        pushed copy can be resumed (data position and marker included)."""
+        self._complete_checkpoint(Path(checkpoint_folder))
+        super()._push_from_checkpoint(checkpoint_folder)
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""

@@ -45,13 +45,18 @@ def speech_assets(root: Path):
     return model, processor, manifest
 
 
-def speech_trainer(root: Path, name: str, assets, **kw) -> DFlashTrainer:
+def speech_trainer(root: Path, name: str, assets, skip_bad_samples: bool = False, **kw) -> DFlashTrainer:
     model, processor, manifest = assets
+    if skip_bad_samples:  # the same data plus one row whose audio does not exist
+        lines = manifest.read_text() + json.dumps({"audio_filepath": "audio/missing.wav", "duration": 1.0,
+                                                   "text": "yes"}) + "\n"
+        manifest = manifest.with_name("with_bad_row.jsonl")
+        manifest.write_text(lines)
     packing = kw.get("packing", False)
     base = dict(mask_token_id=262, max_steps=STEPS, save_strategy="steps", save_steps=2, learning_rate=1e-3,
                 logging_steps=1, packing_max_tokens=600 if packing else None)
     args = make_args(root / name, **(base | kw))
-    data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.")
+    data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.", skip_bad_samples=skip_bad_samples)
     return DFlashTrainer(args=args, target=model, processor=processor, data_args=data_args,
                          train_dataset=[str(manifest)])
 
@@ -75,10 +80,11 @@ def asr(tmp_path_factory):
     return speech_assets(tmp_path_factory.mktemp("asr"))
 
 
-@pytest.mark.parametrize("case", ["padded", "workers", "packed"])
+@pytest.mark.parametrize("case", ["padded", "workers", "packed", "skipped"])
 def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     """Before the fix the Trainer took max_steps as one epoch and skipped batches of the wrong epoch."""
-    kw = {"padded": {}, "workers": {"dataloader_num_workers": 1}, "packed": {"packing": True}}[case]
+    kw = {"padded": {}, "workers": {"dataloader_num_workers": 1}, "packed": {"packing": True},
+          "skipped": {"skip_bad_samples": True}}[case]
     straight = speech_trainer(tmp_path, "a", asr, **kw)
     straight.train()
     checkpoint = tmp_path / "a" / "out" / f"checkpoint-{RESUME_AT}"
@@ -91,6 +97,31 @@ def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     epochs = logged_epochs(straight)
     assert list(epochs.values()) == sorted(epochs.values()) and epochs[STEPS] > 1  # monotonic data epochs
     assert logged_epochs(resumed) == epochs  # the resumed steps log the same epochs: never backwards (was 1.2, 1.1)
+    skipped = resumed.speech_train_loader.bad_samples.skipped
+    assert skipped == straight.speech_train_loader.bad_samples.skipped == state["skipped"]
+    assert len(skipped) == (case == "skipped")
+
+
+def test_loader_iteration_restarts_the_epoch_unless_a_position_was_restored(asr):
+    from dflash_hf.data import build_train_dataloader
+
+    model, processor, manifest = asr
+    loader = build_train_dataloader(str(manifest), processor, model.config, max_tokens=600, seed=1)
+    ids = lambda batches: [b["input_ids"].tolist() for b in batches]  # noqa: E731
+    full = ids(loader)
+    assert ids(loader) == full and loader.epoch_progress == 1.0  # a second pass of the same epoch: all of it
+    loader.load_state_dict({"epoch": 0, "batches_consumed": 2})
+    assert ids(loader) == full[2:]
+    loader.load_state_dict({"epoch": 0, "batches_consumed": len(full) + 1})  # the data changed since the save
+    with pytest.raises(ValueError, match=f"fewer than the {len(full) + 1} batches the checkpoint had handed out"):
+        ids(loader)
+    loader.set_epoch(1)
+    stream, second, progress = loader.epochs(), [], []
+    while (batch := next(stream)) is not None and loader.epoch == 1:  # epoch 1, up to the first batch of epoch 2
+        second.append(batch["input_ids"].tolist())
+        progress.append(loader.epoch_progress)
+    assert second != full and loader.epoch_batches == [len(second)]  # reshuffled; its length recorded
+    assert progress[-1] == 2.0 and max(progress[:-1]) < 2.0  # the epoch ends with its last batch
 
 
 def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
@@ -101,15 +132,20 @@ def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
     assert sorted(p.name for p in (tmp_path / "a" / "out").glob("checkpoint-*")) == ["checkpoint-6", "checkpoint-8"]
 
 
-def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path):
+@pytest.mark.parametrize("iterable", [False, True], ids=["map_style", "iterable"])
+def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path, iterable):
+    """The iterable dataset has no length: before the fix it failed as the lhotse loader did."""
     from datasets import Dataset
 
     model, tok = tiny_text_target()
     rows = Dataset.from_list([{"p": p, "r": r} for p, r in random_rows(8, 250, seed=4)])
+    if iterable:
+        rows = rows.to_iterable_dataset(num_shards=1)
 
     def trainer(name: str) -> DFlashTrainer:
         args = make_args(tmp_path / name, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), max_steps=10,
-                         per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3)
+                         per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3,
+                         logging_steps=1)
         collate = lambda items: text_batch([(x["p"], x["r"]) for x in items], tok.pad_token_id)  # noqa: E731
         return DFlashTrainer(args=args, target=model, train_dataset=rows, data_collator=collate)
 
@@ -118,6 +154,8 @@ def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path):
     resumed = trainer("b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-6"))  # epoch 1 of 4 steps
     assert_bitwise_equal(weights(straight), weights(resumed))
+    epochs = [h["epoch"] for h in resumed.state.log_history if "loss" in h]
+    assert epochs == sorted(epochs)
 
 
 def test_seed_sets_the_draft_initial_weights(tmp_path):
@@ -134,6 +172,14 @@ def test_seed_sets_the_draft_initial_weights(tmp_path):
 
 
 def test_resume_flag_accepts_true_false_strings_and_checks_paths_before_training(tmp_path):
+    from dflash_hf.cli.config import parse_with_config
+    from dflash_hf.cli.train import make_parser
+
+    config = tmp_path / "run.yaml"
+    config.write_text("resume_from_checkpoint: true\n")
+    for argv in (["--resume_from_checkpoint", "True"], ["--config", str(config)]):  # CLI string, YAML boolean
+        args, _ = parse_with_config(make_parser(), [*argv, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+        assert args.resume_from_checkpoint is True
     assert parse_resume_flag("true") is True and parse_resume_flag("False") is False
     assert parse_resume_flag("") is None and parse_resume_flag("runs/x/checkpoint-4") == "runs/x/checkpoint-4"
     assert make_args(tmp_path, resume_from_checkpoint="true").resume_from_checkpoint is True
@@ -197,6 +243,20 @@ def test_interrupted_save_keeps_the_previous_checkpoint_despite_rotation(tmp_pat
     assert chosen == out / "checkpoint-1" and skipped == [out / "checkpoint-2"]
 
 
+def test_checkpoint_pushed_to_the_hub_is_complete(tmp_path, monkeypatch):
+    """hub_strategy pushes run inside the Trainer's save, before it returns: the copy must already be complete."""
+    from transformers import Trainer
+
+    from dflash_hf.checkpoints import is_complete
+
+    pushed = []
+    monkeypatch.setattr(Trainer, "_push_from_checkpoint", lambda self, folder: pushed.append(is_complete(folder)))
+    trainer = _text_trainer(tmp_path, max_steps=2)
+    trainer.args.push_to_hub = True  # after __init__, which would create the Hub repository
+    trainer.train()
+    assert pushed == [True, True]
+
+
 @pytest.mark.parametrize(
     "error",
     [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1360"),
@@ -240,6 +300,29 @@ def test_final_evaluation_is_not_repeated_when_the_last_step_evaluated(tmp_path,
     assert calls == [2, 4] and final["eval_loss"] == last_eval["eval_loss"]
     trainer.state.log_history = [h for h in trainer.state.log_history if "eval_loss" not in h]
     assert "eval_loss" in trainer.final_eval_metrics() and calls == [2, 4, 4]  # no evaluation yet: one is run
+
+
+def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monkeypatch):
+    from dflash_hf.cli.train import run
+
+    tiny.save_tiny_target(tmp_path / "target", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=0)
+    calls, evaluate = [], DFlashTrainer.evaluate
+
+    def counted(self, eval_dataset=None, *args, **kwargs):
+        if eval_dataset is None:  # a whole evaluation (the per-set calls inside it pass their dataset)
+            calls.append(self.state.global_step)
+        return evaluate(self, eval_dataset, *args, **kwargs)
+
+    monkeypatch.setattr(DFlashTrainer, "evaluate", counted)
+    metrics = run([
+        "--target_name_or_path", str(tmp_path / "target"), "--train_data", str(manifest), "--eval_data",
+        f"dev={manifest}", "--mask_token_id", "262", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
+        "--eval_strategy", "steps", "--eval_steps", "2", "--use_cpu", "true", "--block_size", "4",
+        "--num_draft_layers", "1", "--max_tokens", "600", "--prompt", "Transcribe.", "--report_to", "none",
+        "--disable_tqdm", "true", "--label_source", "ground_truth", "--save_strategy", "no",
+    ])
+    assert calls == [2] and "eval_dev_loss" in metrics  # before: [2, 2], the last step evaluated twice
 
 
 # ------------------------------------------------------------------------------------------ DDP (2 ranks)

@@ -78,6 +78,10 @@ def _load_mapping(path: Path, name: str) -> dict[str, tuple[Any, int]]:
     return values
 
 
+# String options whose values include the words true / false (YAML reads those as booleans).
+BOOLEAN_WORD_OPTIONS = frozenset({"resume_from_checkpoint"})
+
+
 def _type_name(value: Any) -> str:
     """`value`'s YAML type with its article ("an integer", "a list")."""
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
@@ -105,7 +109,9 @@ def _scalar(value: Any, action: argparse.Action, where: str) -> Any:
     elif expected.startswith("boolean") and not isinstance(value, bool):
         raise ConfigFileError(f"{where}: {value!r} is {_type_name(value)}; give true or false")
     elif kind is str or kind is None:
-        if isinstance(value, bool):
+        if isinstance(value, bool) and action.dest in BOOLEAN_WORD_OPTIONS:
+            value = "true" if value else "false"
+        elif isinstance(value, bool):
             raise ConfigFileError(
                 f"{where}: YAML read {value!r} as a boolean; quote the value if it is a word (e.g. \"no\")"
             )

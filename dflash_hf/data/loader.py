@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -19,6 +19,7 @@ from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sources import DataSource, mix_sources
 from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, validated_cutset
+from dflash_hf.epochs import ResumableEpochs, replay_error
 from dflash_hf.families import TargetFamily, get_tokenizer, resolve_family
 
 
@@ -57,98 +58,51 @@ class ResumableBatchSampler:
 
     def __iter__(self):
         skip, self.skip = self.skip, 0
-        for index, cuts in enumerate(self.sampler):
-            if index >= skip:
+        seen = 0
+        for cuts in self.sampler:
+            seen += 1
+            if seen > skip:
                 yield cuts
+        if seen < skip:
+            raise replay_error(self.epoch, skip)
 
 
-_END = object()
-
-
-class CutDataLoader(DataLoader):
+class CutDataLoader(DataLoader, ResumableEpochs):
     """DataLoader over lhotse batches with a resumable position. Iterating it gives one epoch; ``state_dict()``
     records the epoch, the batches handed out in it (not those prefetched by workers), the batch counts of the
     epochs before it and the skipped samples; ``load_state_dict()`` makes the next iteration resume right after
-    them. Batches and their order depend only on ``(seed, epoch)``, so a restored position replays exactly.
-    ``epochs()`` streams the epochs back to back (what the Trainer trains on). ``bad_samples`` counts skips."""
+    them, skipping batches by their metadata only. Batches and their order depend only on ``(seed, epoch)``, so a
+    restored position replays exactly. ``epochs()`` streams the epochs back to back (what ``DFlashTrainer``
+    trains on, through :class:`~dflash_hf.epochs.EpochStream`). ``bad_samples`` counts skipped samples."""
 
     def __init__(self, batch_sampler: ResumableBatchSampler, collate_fn, bad_samples: BadSamples,
                  num_workers: int = 0, **kwargs):
         super().__init__(CutBatchDataset(), batch_sampler=batch_sampler, collate_fn=collate_fn,
                          num_workers=num_workers, **kwargs)
         self.bad_samples = bad_samples
-        self._consumed = 0
-        self._epoch_done = False  # the epoch's last batch has been handed out
-        self.epoch_batches: list[int] = []  # batch count of each completed epoch (this rank)
+        self._init_position()
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.batch_sampler.epoch:
-            self.batch_sampler.set_epoch(epoch)
-            self.batch_sampler.skip = 0
-            self._consumed = 0
-            self._epoch_done = False
+        if epoch != self.epoch:
+            self._start_epoch(epoch)
+
+    def _start_epoch(self, epoch: int) -> None:
+        super()._start_epoch(epoch)
+        self.batch_sampler.set_epoch(epoch)
+
+    def _epoch_batches(self):
+        self.batch_sampler.skip = self.batches_consumed
+        return DataLoader.__iter__(self)
 
     def __iter__(self):
-        # one batch of lookahead: the epoch's end is known when its last batch is handed out
-        self._consumed = self.batch_sampler.skip
-        self._epoch_done = False
-        batches = super().__iter__()
-        batch = next(batches, _END)
-        while batch is not _END:
-            following = next(batches, _END)
-            self._consumed += 1
-            self._epoch_done = following is _END
-            yield batch
-            batch = following
-        self._epoch_done = True
-
-    def epochs(self) -> Iterator[dict]:
-        """Endless stream: the rest of the current epoch, then every next epoch (``set_epoch(epoch + 1)`` at
-        each end). An epoch without a single batch is an error (the data would never yield one)."""
-        while True:
-            yield from self
-            if self._consumed == 0:
-                raise ValueError(
-                    f"epoch {self.batch_sampler.epoch} of the training data gave no batch on this rank (all samples "
-                    "skipped, or fewer batches than ranks); add data or lower the number of ranks"
-                )
-            self.epoch_batches.append(self._consumed)
-            self.set_epoch(self.batch_sampler.epoch + 1)
-
-    @property
-    def epoch_progress(self) -> float:
-        """Data epochs done, as a float: completed epochs plus the fraction of the current one handed out,
-        estimated from the previous epoch's batch count and kept below 1 until the epoch really ends (during
-        the first epoch, whose length is unknown, the fraction is 0)."""
-        epoch = self.batch_sampler.epoch
-        if self._epoch_done and self._consumed:
-            return float(epoch + 1)
-        last = self.epoch_batches[-1] if self.epoch_batches else 0
-        return round(epoch + (min(self._consumed, last - 1) / last if last > 1 else 0.0), 4)
+        return self.one_epoch()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.batch_sampler.epoch, "batches_consumed": self._consumed,
-                "epoch_batches": list(self.epoch_batches), "skipped": dict(self.bad_samples.skipped)}
+        return super().state_dict() | {"skipped": dict(self.bad_samples.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.batch_sampler.set_epoch(state["epoch"])
-        self.batch_sampler.skip = state["batches_consumed"]
-        self._consumed = state["batches_consumed"]
-        self._epoch_done = False
-        self.epoch_batches = list(state.get("epoch_batches", []))
+        super().load_state_dict(state)
         self.bad_samples.skipped.update(state.get("skipped", {}))
-
-
-class EpochStream:
-    """What the Trainer iterates for a :class:`CutDataLoader`: its epochs back to back from the loader's
-    current position. It has no length, ``set_epoch`` or sampler, so the Trainer neither counts nor skips
-    batches: the loader keeps and restores the data position itself."""
-
-    def __init__(self, loader: CutDataLoader):
-        self.loader = loader
-
-    def __iter__(self) -> Iterator[dict]:
-        return self.loader.epochs()
 
 
 def default_padding_side(processor) -> str:
