@@ -25,9 +25,10 @@ from . import tiny
 from .cli.config import parse_with_config
 from .cli.train import train
 from .evaluation import decode_benchmark, prompt_inputs
-from .launch import configure_cpu_threads
+from .launch import configure_cpu_threads, no_hf_progress_bars
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
+DEMO_THREADS = 1
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "demo.yaml"
 
 
@@ -41,6 +42,9 @@ class DemoArguments:
     decode_max_new_tokens: int = field(default=48, metadata={"help": "New tokens per decoded prompt."})
     target_teach_steps: int = field(
         default=150, metadata={"help": "Steps teaching the tiny target to transcribe (0: leave it random)."}
+    )
+    target_teach_learning_rate: float = field(
+        default=3e-3, metadata={"help": "AdamW learning rate of the tiny target's teaching steps."}
     )
 
 
@@ -89,9 +93,10 @@ def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[P
     dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1)
     if demo.target_teach_steps:
         torch.manual_seed(0)
-        teach_target(model, processor, train, demo.target_teach_steps, prompt)
+        teach_target(model, processor, train, demo.target_teach_steps, prompt, lr=demo.target_teach_learning_rate)
     target_dir = root / "target"
-    model.save_pretrained(target_dir)
+    with no_hf_progress_bars():
+        model.save_pretrained(target_dir)
     processor.save_pretrained(target_dir)
     return target_dir, train, dev, tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
 
@@ -196,7 +201,9 @@ def next_step_command(summary: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_cpu_threads()
+    # One thread (OMP_NUM_THREADS overrides): the tiny models' ops are too small to split; a second thread
+    # took 1.8x the CPU time for the same wall time on 2 cores, and oversubscribed them under load.
+    configure_cpu_threads(max_threads=DEMO_THREADS)
     run(argv)
 
 
