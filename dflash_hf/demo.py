@@ -46,19 +46,24 @@ class DemoArguments:
     target_teach_learning_rate: float = field(
         default=3e-3, metadata={"help": "AdamW learning rate of the tiny target's teaching steps."}
     )
+    target_teach_max_tokens: int = field(
+        default=3000, metadata={"help": "Token budget of one teaching batch (audio positions + text)."}
+    )
 
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DemoArguments, DFlashTrainingArguments, DFlashDataArguments))
 
 
-def teach_target(model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3) -> float:
+def teach_target(
+    model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3, max_tokens: int = 3000
+) -> float:
     """Teach the random tiny target to transcribe the synthetic speech (plain causal-LM loss on the
     response), so it behaves like a small ASR model with structured outputs. Returns the last loss."""
     from .data import ConversationConfig, build_train_dataloader
 
     loader = build_train_dataloader(
-        str(manifest), processor, model.config, max_tokens=3000, conversation=ConversationConfig(prompt=prompt)
+        str(manifest), processor, model.config, max_tokens=max_tokens, conversation=ConversationConfig(prompt=prompt)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -93,7 +98,8 @@ def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[P
     dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1)
     if demo.target_teach_steps:
         torch.manual_seed(0)
-        teach_target(model, processor, train, demo.target_teach_steps, prompt, lr=demo.target_teach_learning_rate)
+        teach_target(model, processor, train, demo.target_teach_steps, prompt, lr=demo.target_teach_learning_rate,
+                     max_tokens=demo.target_teach_max_tokens)
     target_dir = root / "target"
     with no_hf_progress_bars():
         model.save_pretrained(target_dir)
