@@ -25,9 +25,10 @@ from . import tiny
 from .cli.config import parse_with_config
 from .cli.train import train
 from .evaluation import decode_benchmark, prompt_inputs
-from .launch import configure_cpu_threads
+from .launch import configure_cpu_threads, no_hf_progress_bars
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
+DEMO_THREADS = 1
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "demo.yaml"
 
 
@@ -42,19 +43,27 @@ class DemoArguments:
     target_teach_steps: int = field(
         default=150, metadata={"help": "Steps teaching the tiny target to transcribe (0: leave it random)."}
     )
+    target_teach_learning_rate: float = field(
+        default=3e-3, metadata={"help": "AdamW learning rate of the tiny target's teaching steps."}
+    )
+    target_teach_max_tokens: int = field(
+        default=3000, metadata={"help": "Token budget of one teaching batch (audio positions + text)."}
+    )
 
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DemoArguments, DFlashTrainingArguments, DFlashDataArguments))
 
 
-def teach_target(model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3) -> float:
+def teach_target(
+    model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3, max_tokens: int = 3000
+) -> float:
     """Teach the random tiny target to transcribe the synthetic speech (plain causal-LM loss on the
     response), so it behaves like a small ASR model with structured outputs. Returns the last loss."""
     from .data import ConversationConfig, build_train_dataloader
 
     loader = build_train_dataloader(
-        str(manifest), processor, model.config, max_tokens=3000, conversation=ConversationConfig(prompt=prompt)
+        str(manifest), processor, model.config, max_tokens=max_tokens, conversation=ConversationConfig(prompt=prompt)
     )
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -89,9 +98,11 @@ def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[P
     dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1)
     if demo.target_teach_steps:
         torch.manual_seed(0)
-        teach_target(model, processor, train, demo.target_teach_steps, prompt)
+        teach_target(model, processor, train, demo.target_teach_steps, prompt, lr=demo.target_teach_learning_rate,
+                     max_tokens=demo.target_teach_max_tokens)
     target_dir = root / "target"
-    model.save_pretrained(target_dir)
+    with no_hf_progress_bars():
+        model.save_pretrained(target_dir)
     processor.save_pretrained(target_dir)
     return target_dir, train, dev, tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
 
@@ -196,7 +207,9 @@ def next_step_command(summary: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    configure_cpu_threads()
+    # One thread (OMP_NUM_THREADS overrides): the tiny models' ops are too small to split; a second thread
+    # took 1.8x the CPU time for the same wall time on 2 cores, and oversubscribed them under load.
+    configure_cpu_threads(max_threads=DEMO_THREADS)
     run(argv)
 
 

@@ -65,10 +65,10 @@ def check_launch(args) -> None:
         )
 
 
-def cpu_threads(local_world_size: int | None = None) -> int:
+def cpu_threads(local_world_size: int | None = None, max_threads: int | None = None) -> int:
     """Intra-op threads for one process: `OMP_NUM_THREADS` when set; else the cores this process may run on,
     shared by the processes of this machine (`LOCAL_WORLD_SIZE`), less the cores other work keeps busy (the
-    1-minute load average), at least 1."""
+    1-minute load average), at most `max_threads`, at least 1."""
     explicit = _env_int(THREADS_ENV, 0)
     if explicit > 0:
         return explicit
@@ -80,14 +80,14 @@ def cpu_threads(local_world_size: int | None = None) -> int:
     except OSError:
         busy = 0.0
     idle = int(cores - busy + 0.5)  # cores other processes leave free (this one has not started work yet)
-    return max(1, min(per_process, idle))
+    return max(1, min(per_process, idle, max_threads or per_process))
 
 
-def configure_cpu_threads() -> int:
+def configure_cpu_threads(max_threads: int | None = None) -> int:
     """Set torch's intra-op threads to :func:`cpu_threads` and return the count (console scripts call it)."""
     import torch
 
-    n = cpu_threads()
+    n = cpu_threads(max_threads=max_threads)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     logger.info("using %d CPU threads per process (set %s to override)", n, THREADS_ENV)

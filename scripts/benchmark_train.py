@@ -395,7 +395,9 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         draft = DFlashDraftModel(dcfg).to(dtype)
     draft.train()
     if config["ckpt"] == "1":
-        draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.23 names it activation_checkpointing_enable (the old name warns)
+        enable = getattr(draft, "activation_checkpointing_enable", None) or draft.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     if mode == "draft":
         taps = torch.randn(batch, seq_len, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
         target = FixedTapsTarget(tmodel, taps)

@@ -50,6 +50,7 @@ def test_cpu_threads_share_the_free_cores(monkeypatch):
     monkeypatch.setattr(launch.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert launch.cpu_threads() == 8
     assert launch.cpu_threads(local_world_size=2) == 4  # two ranks on this machine
+    assert launch.cpu_threads(max_threads=1) == 1  # the demo's tiny models
     monkeypatch.setattr(launch.os, "getloadavg", lambda: (6.6, 0.0, 0.0))
     assert launch.cpu_threads() == 1  # a busy machine: do not oversubscribe
     monkeypatch.setattr(launch.os, "getloadavg", lambda: (20.0, 0.0, 0.0))
