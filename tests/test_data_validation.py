@@ -267,3 +267,20 @@ def test_hf_dataset_rows_are_named_by_row(root):
     bad_samples = BadSamples(skip=True)
     assert [c.id for c in open_source(DataSource(hf_dataset=ds, path="hf"), bad_samples)] == ["hf-00000000"]
     assert sorted(bad_samples.skipped) == [f"'hf-0000000{i}' (hf dataset 'hf' row {i})" for i in (1, 2)]
+
+
+def test_dflash_train_names_a_bad_row_before_the_target_loads(root, tmp_path, monkeypatch):
+    """Strict mode: `dflash-train` reads the data's rows before it loads the (expensive) target."""
+    from dflash_hf import target as target_module
+    from dflash_hf.cli import train as cli_train
+    from dflash_hf.training_args import DFlashTrainingArguments
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data's rows were checked")
+
+    monkeypatch.setattr(target_module, "load_target", no_load)
+    manifest = _manifest(root, "train_bad_last.json", _row({**LINE, "duration": float("nan")}))
+    args = DFlashTrainingArguments(output_dir=str(tmp_path), target_name_or_path=str(root), mask_token_id=5,
+                                   use_cpu=True, max_steps=1)
+    with pytest.raises(BadSampleError, match=r"train_bad_last.json line 4\): field 'duration'"):
+        cli_train.train(args, DFlashDataArguments(train_data=[manifest]))

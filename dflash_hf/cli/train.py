@@ -137,6 +137,17 @@ def check_run_inputs(args, data_args) -> None:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
 
 
+def check_data_rows(data_args: DFlashDataArguments) -> None:
+    """Read every train and eval source once, without audio (`data.open_source`), so a malformed row (strict mode)
+    or a refused command/url audio source is an error before the target loads. With --skip_bad_samples true the
+    rows are counted by the trainer's own reading, not here."""
+    from ..data import BadSamples, open_source
+
+    sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
+    for source in sources:
+        open_source(source, BadSamples(skip=data_args.skip_bad_samples))
+
+
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
     from ..families import get_tokenizer
@@ -145,6 +156,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     from ..trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
+    check_data_rows(data_args)
     target = FrozenTarget(
         load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family
     )
