@@ -54,6 +54,7 @@ class RealTauCallback(TrainerCallback):
             dataset, tr.processor, tr.target.model.config, family=tr.target.family,
             conversation=tr.data_args.conversation(),
             padding_side=tr.data_args.padding_side or default_padding_side(tr.processor),
+            skip_bad_samples=tr.data_args.skip_bad_samples, resample_audio=tr.data_args.resample_audio,
         )
 
     def measure(self) -> dict[str, float]:

@@ -65,18 +65,23 @@ def dataset_rows(dataset) -> Iterable:
 
 
 def speech_rows_and_collator(
-    source, processor, target_config, *, family=None, conversation=None, padding_side: str = "left"
+    source, processor, target_config, *, family=None, conversation=None, padding_side: str = "left",
+    skip_bad_samples: bool = False, resample_audio: bool = True,
 ):
-    """Cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and the
-    padded collator that renders one cut as the target's processor would (dflash_hf.data). `family`: a
+    """Validated cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and
+    the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
+    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`). `family`: a
     `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
-    from .data import ConversationRenderer, PaddedCollator, open_source
+    from .data import BadSamples, ConversationRenderer, PaddedCollator, open_source
+    from .data.validation import SampleValidator, ValidatedCuts
     from .families import TargetFamily, resolve_family
 
     fam = family if isinstance(family, TargetFamily) else resolve_family(target_config, family)
     renderer = ConversationRenderer(processor, fam, conversation)
+    bad = BadSamples(skip=skip_bad_samples)
+    validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
     sources = source if isinstance(source, (list, tuple)) else [source]
-    rows = itertools.chain.from_iterable(open_source(s) for s in sources)
+    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
     return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
 
 

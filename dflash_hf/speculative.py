@@ -268,8 +268,12 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
-    if ft.is_encoder_decoder:
-        return _encoder_decoder_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs)
+    if ft.family.expansion != "model":
+        # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
+        # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
+        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs)
+    # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
+    # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
     _check_one_prompt(input_ids)
     eos = _eos_ids(ft)
@@ -283,12 +287,14 @@ def speculative_generate(
     return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards)
 
 
-def _encoder_decoder_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs):
-    """Whisper-style targets: the target's own `generate` (its forced prompt, logits processors, stopping
-    criteria and encoder pass) with :class:`DFlashCustomGenerate` doing the decoding."""
-    if "input_features" not in target_inputs:
-        raise ValueError("an encoder-decoder target (Whisper) needs input_features (what its processor returns)")
-    _check_one_prompt(target_inputs["input_features"])
+def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs):
+    """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
+    processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
+    key = "input_features" if ft.is_encoder_decoder else "input_ids"
+    if key not in target_inputs:
+        kind = "an encoder-decoder target (Whisper)" if ft.is_encoder_decoder else "a decoder-only target"
+        raise ValueError(f"{kind} needs {key} (what its processor returns)")
+    _check_one_prompt(target_inputs[key])
     decode = DFlashCustomGenerate(draft, generator=generator)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)

@@ -345,3 +345,25 @@ def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
     out = speculative_generate(trainer.model.eval(), model, 40, input_features=feats)
     assert torch.equal(out.sequences, full)
     assert out.tau >= 0.75 * block, out.acceptance_lengths
+
+
+def test_packing_is_refused_for_whisper(whisper):
+    """A packed decoder row would need one encoder input per document: refused, naming packing."""
+    from dflash_hf.data.packing import check_family_packable
+
+    with pytest.raises(ValueError, match=r"packing=True is not supported for the encoder-decoder family 'whisper'"):
+        check_family_packable(FrozenTarget(whisper[0]).family)
+
+
+def test_real_tau_rows_pass_the_sample_validator_and_skip_policy(whisper, tmp_path):
+    """The real-tau callback's and dflash-eval's rows go through training's validator: an unknown language is a
+    BadSampleError, or skipped with skip_bad_samples (before: it reached the collator unchecked)."""
+    from dflash_hf.evaluation import speech_rows_and_collator
+
+    model, processor = whisper
+    manifest = _manifest(tmp_path, {1: {"lang": "xx"}})
+    rows, _ = speech_rows_and_collator(str(manifest), processor, model.config)
+    with pytest.raises(BadSampleError, match="lang"):
+        list(rows)
+    rows, _ = speech_rows_and_collator(str(manifest), processor, model.config, skip_bad_samples=True)
+    assert len(list(rows)) == 5

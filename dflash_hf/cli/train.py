@@ -138,14 +138,16 @@ def check_run_inputs(args, data_args) -> None:
 
 
 def check_data_rows(data_args: DFlashDataArguments) -> None:
-    """Read every train and eval source once, without audio (`data.open_source`), so a malformed row (strict mode)
+    """Strict mode: read every train and eval source once, without audio (`data.open_source`), so a malformed row
     or a refused command/url audio source is an error before the target loads. With --skip_bad_samples true the
-    rows are counted by the trainer's own reading, not here."""
+    trainer's own reading counts the bad rows (and refuses such sources), still before the first step."""
+    if data_args.skip_bad_samples:
+        return
     from ..data import BadSamples, open_source
 
     sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
     for source in sources:
-        open_source(source, BadSamples(skip=data_args.skip_bad_samples))
+        open_source(source, BadSamples(skip=False))
 
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:

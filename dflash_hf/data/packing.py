@@ -36,6 +36,12 @@ PACKED_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "cu_s
 
 def check_family_packable(family: TargetFamily) -> None:
     """Packing needs decoder positions known before the forward: processor-side audio expansion (or text)."""
+    if family.is_encoder_decoder:
+        raise ValueError(
+            f"packing=True is not supported for the encoder-decoder family {family.name!r}: a packed decoder row "
+            "would need one encoder input per document and per-document decoder positions. Set packing=False "
+            "(padded batches of its short transcripts waste little)"
+        )
     if family.expansion == "model":
         raise ValueError(
             f"packing=True is not supported for family {family.name!r}: it expands audio inside the model, whose "
