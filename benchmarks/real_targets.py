@@ -808,10 +808,13 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
     hits = [r["id"] for r in rows if mask in tok(r["text"], add_special_tokens=False)["input_ids"]]
     if hits:
         raise RuntimeError(f"mask token {mask} occurs in generated labels {hits[:5]}; pick another mask token")
-    dev = cache / "data" / "prompts" / "dev.json"
-    write_jsonl(dev, rows[-16:])
-    to_text_cuts(out, out.with_name("train.cuts.jsonl.gz"))
-    to_text_cuts(dev, dev.with_name("dev.cuts.jsonl.gz"))
+    # The last lines (an eighth, at most 16) are the dev set for validation during training, not trained on.
+    n_dev = min(16, max(1, len(rows) // 8))
+    train, dev = out.with_name("train.labelled.json"), out.with_name("dev.json")
+    write_jsonl(train, rows[:-n_dev])
+    write_jsonl(dev, rows[-n_dev:])
+    to_text_cuts(train, out.with_name("train.cuts.jsonl.gz"))
+    to_text_cuts(dev, out.with_name("dev.cuts.jsonl.gz"))
     return out.with_name("train.cuts.jsonl.gz")
 
 
