@@ -995,6 +995,28 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
     return [tau_png, slot_png]
 
 
+TABLE_COLUMNS = ("configuration", "device, dtype", "prompts", "tau", "slot 1 / 2 / 4 / 7 accepted", "speculative tok/s",
+                 "greedy tok/s", "speedup", "prompt lookup tok/s", "identical")
+TABLE_HEADER = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + " --- |" * len(TABLE_COLUMNS)
+
+
+def results_table(paths: list[Path]) -> str:
+    """Markdown rows of docs/QUALITY.md from results JSON files."""
+    rows = [TABLE_HEADER]
+    for path in paths:
+        r = json.loads(path.read_text())
+        slots = r["per_slot_acceptance"]
+        picked = " / ".join(f"{slots[k - 1]:.2f}" for k in (1, 2, 4, 7) if k <= len(slots))
+        pl = r.get("prompt_lookup")
+        lookup = "-"
+        if pl:
+            lookup = f"{pl['tokens_per_s']:.1f}" + ("" if pl["outputs_identical_to_greedy"] else " (differs)")
+        rows.append(f"| {path.stem.split('_')[1]} | {r['device']}, {r['precision']} | {r['prompts']} | {r['tau']:.2f} "
+                    f"| {picked} | {r['spec_tokens_per_s']:.1f} | {r['greedy_tokens_per_s']:.1f} | "
+                    f"{r['speedup']:.2f}x | {lookup} | {'yes' if r['outputs_identical'] else 'NO'} |")
+    return "\n".join(rows)
+
+
 # -------------------------------------------------------------------------------------------------- pack/unpack
 
 
@@ -1096,6 +1118,8 @@ def make_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="redraw docs/figures/ from a results JSON")
     pl.add_argument("config", choices=sorted(CONFIGS))
     pl.add_argument("results", type=Path)
+    tb = sub.add_parser("table", help="markdown table of results JSON files (docs/QUALITY.md)")
+    tb.add_argument("results", type=Path, nargs="+")
     pk = sub.add_parser("pack", help="split a model directory into <= 40 MiB pieces with sha256")
     pk.add_argument("model_dir", type=Path)
     pk.add_argument("out_dir", type=Path)
@@ -1133,6 +1157,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.prompt_lookup_num_tokens)
     elif args.command == "plot":
         print(plot_config(cache, get_config(args.config), args.results))
+    elif args.command == "table":
+        print(results_table(args.results))
     elif args.command == "pack":
         print(pack(args.model_dir, args.out_dir, args.max_mib * 1024 * 1024))
     elif args.command == "unpack":
