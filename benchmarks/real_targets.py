@@ -701,12 +701,13 @@ def build_prompts(cache: Path, a: PromptArgs) -> dict[str, Path]:
     wanted = {"train": a.train, "eval": a.eval}
     if stamp_ok(stamp) and json.loads(stamp.read_text())["counts"] == wanted:
         return paths
-    rng = random.Random(a.seed)
     pools = {s: [r for r in corpus if r["split"] == s and len(r["text"].split()) <= 30] for s in ("train", "eval")}
     for split, n in wanted.items():
         if len(pools[split]) < n:
             raise ValueError(f"--{split} {n}: only {len(pools[split])} {split} sentences available")
-        pools[split] = rng.sample(pools[split], n)
+        # One generator per split: the eval prompts do not change with the number of train prompts.
+        pools[split] = random.Random(f"{a.seed}-{split}").sample(pools[split], n)
+    rng = random.Random(a.seed)
     train = [{"id": f"p-{r['id']}", "text": "", "context": rng.choice(PROMPT_TEMPLATES).format(text=r["text"]),
               "source": r["source"]} for r in pools["train"]]
     evals = [{"id": f"p-{r['id']}", "messages": [{"role": "user", "content": PROMPT_TEMPLATES[i % 4].format(
