@@ -756,10 +756,10 @@ COMMON_WHISPER = ["--mask_token_id", str(WHISPER_MASK_ID), "--num_draft_layers",
                   "--max_tokens", "4000", "--learning_rate", "6e-4", "--lr_scheduler_type", "cosine",
                   "--warmup_steps", "100", "--max_steps", "3000", "--eval_strategy", "steps", "--eval_steps", "250",
                   "--real_tau_steps", "500", "--real_tau_samples", "8"]
-# Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 60 steps.
-COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "32", "--max_tokens", "1024", "--learning_rate", "1e-3",
-               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "6",
-               "--max_steps", "60", "--eval_strategy", "steps", "--eval_steps", "20", "--real_tau_steps", "0"]
+# Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 100 steps of 2048 tokens.
+COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "64", "--max_tokens", "2048", "--learning_rate", "1e-3",
+               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "20",
+               "--max_steps", "100", "--eval_strategy", "steps", "--eval_steps", "25", "--real_tau_steps", "0"]
 
 CONFIGS = {
     c.name: c
