@@ -112,6 +112,12 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
+def cli(module: str) -> list[str]:
+    """Command line running ``module.main`` with the current interpreter (console scripts are not installed on
+    the device; ``dflash_hf.cli.eval`` has no ``__main__`` guard, so ``python -m`` would not run it)."""
+    return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"]
+
+
 def pip_download(requirements: list[str], dest: Path) -> list[Path]:
     """``pip download --no-deps`` each requirement into ``dest`` (skipped when its wheel is already there)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -695,12 +701,13 @@ def build_prompts(cache: Path, a: PromptArgs) -> dict[str, Path]:
     wanted = {"train": a.train, "eval": a.eval}
     if stamp_ok(stamp) and json.loads(stamp.read_text())["counts"] == wanted:
         return paths
-    rng = random.Random(a.seed)
     pools = {s: [r for r in corpus if r["split"] == s and len(r["text"].split()) <= 30] for s in ("train", "eval")}
     for split, n in wanted.items():
         if len(pools[split]) < n:
             raise ValueError(f"--{split} {n}: only {len(pools[split])} {split} sentences available")
-        pools[split] = rng.sample(pools[split], n)
+        # One generator per split: the eval prompts do not change with the number of train prompts.
+        pools[split] = random.Random(f"{a.seed}-{split}").sample(pools[split], n)
+    rng = random.Random(a.seed)
     train = [{"id": f"p-{r['id']}", "text": "", "context": rng.choice(PROMPT_TEMPLATES).format(text=r["text"]),
               "source": r["source"]} for r in pools["train"]]
     evals = [{"id": f"p-{r['id']}", "messages": [{"role": "user", "content": PROMPT_TEMPLATES[i % 4].format(
@@ -749,10 +756,10 @@ COMMON_WHISPER = ["--mask_token_id", str(WHISPER_MASK_ID), "--num_draft_layers",
                   "--max_tokens", "4000", "--learning_rate", "6e-4", "--lr_scheduler_type", "cosine",
                   "--warmup_steps", "100", "--max_steps", "3000", "--eval_strategy", "steps", "--eval_steps", "250",
                   "--real_tau_steps", "500", "--real_tau_samples", "8"]
-# Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 60 steps.
-COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "32", "--max_tokens", "1024", "--learning_rate", "1e-3",
-               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "6",
-               "--max_steps", "60", "--eval_strategy", "steps", "--eval_steps", "20", "--real_tau_steps", "0"]
+# Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 100 steps of 2048 tokens.
+COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "64", "--max_tokens", "2048", "--learning_rate", "1e-3",
+               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "20",
+               "--max_steps", "100", "--eval_strategy", "steps", "--eval_steps", "25", "--real_tau_steps", "0"]
 
 CONFIGS = {
     c.name: c
@@ -783,7 +790,7 @@ def smollm2_mask_id(cache: Path) -> int:
     return json.loads((cache / "smollm2" / "hf" / "converted.json").read_text())["mask_token_id"]
 
 
-def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -> Path:
+def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, dtype: str) -> Path:
     """The text target's own greedy responses to the train prompts (dflash-generate-labels), as lhotse cuts;
     the mask token must never occur in them."""
     from transformers import AutoTokenizer
@@ -792,19 +799,23 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str) -
     if not prompts.is_file():
         raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
     out = cache / "data" / "prompts" / "train.generated.json"
-    run([sys.executable, "-m", "dflash_hf.cli.generate_labels", "--model", target_dir(cache, cfg.target),
+    run([*cli("dflash_hf.cli.generate_labels"), "--model", target_dir(cache, cfg.target),
          "--manifest", prompts, "--output", out,
-         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device])
+         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device,
+         "--dtype", dtype])
     rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
     mask = smollm2_mask_id(cache)
     hits = [r["id"] for r in rows if mask in tok(r["text"], add_special_tokens=False)["input_ids"]]
     if hits:
         raise RuntimeError(f"mask token {mask} occurs in generated labels {hits[:5]}; pick another mask token")
-    dev = cache / "data" / "prompts" / "dev.json"
-    write_jsonl(dev, rows[-16:])
-    to_text_cuts(out, out.with_name("train.cuts.jsonl.gz"))
-    to_text_cuts(dev, dev.with_name("dev.cuts.jsonl.gz"))
+    # The last lines (an eighth, at most 16) are the dev set for validation during training, not trained on.
+    n_dev = min(16, max(1, len(rows) // 8))
+    train, dev = out.with_name("train.labelled.json"), out.with_name("dev.json")
+    write_jsonl(train, rows[:-n_dev])
+    write_jsonl(dev, rows[-n_dev:])
+    to_text_cuts(train, out.with_name("train.cuts.jsonl.gz"))
+    to_text_cuts(dev, out.with_name("dev.cuts.jsonl.gz"))
     return out.with_name("train.cuts.jsonl.gz")
 
 
@@ -834,7 +845,7 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
              "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
              "--disable_tqdm", "false", *(["--resume_from_checkpoint", resume[-1]] if resume else []), *extra]
     start = time.time()
-    run([sys.executable, "-m", "dflash_hf.cli.train", *flags])
+    run([*cli("dflash_hf.cli.train"), *flags])
     write_json(out / "train_done.json", {"seconds": time.time() - start, "flags": [str(f) for f in flags]})
     return draft
 
@@ -918,7 +929,7 @@ def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, prec
         data = cache / "data" / "prompts" / "eval.jsonl"
     eval_json = out_dir / f"eval_{device.replace(':', '')}_{precision}.json"
     if not eval_json.is_file():
-        run([sys.executable, "-m", "dflash_hf.cli.eval", "--draft", draft, "--target", target_dir(cache, cfg.target),
+        run([*cli("dflash_hf.cli.eval"), "--draft", draft, "--target", target_dir(cache, cfg.target),
              "--data", data,
              "--max_new_tokens", str(cfg.eval_max_new_tokens), "--num_samples", str(num_samples),
              "--precision", precision, "--device", device, "--output_json", eval_json])
@@ -966,7 +977,8 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "eval_dev_tau" else None, label=label)
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title=f"{cfg.name}: tau over training")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     ax.grid(alpha=0.3)
     tau_png = FIGURES_DIR / f"quality_{cfg.name}_tau.png"
     fig.tight_layout()
@@ -982,6 +994,28 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
     fig.savefig(slot_png, dpi=110)
     plt.close(fig)
     return [tau_png, slot_png]
+
+
+TABLE_COLUMNS = ("configuration", "device, dtype", "prompts", "tau", "slot 1 / 2 / 4 / 7 accepted", "speculative tok/s",
+                 "greedy tok/s", "speedup", "prompt lookup tok/s", "identical")
+TABLE_HEADER = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + " --- |" * len(TABLE_COLUMNS)
+
+
+def results_table(paths: list[Path]) -> str:
+    """Markdown rows of docs/QUALITY.md from results JSON files."""
+    rows = [TABLE_HEADER]
+    for path in paths:
+        r = json.loads(path.read_text())
+        slots = r["per_slot_acceptance"]
+        picked = " / ".join(f"{slots[k - 1]:.2f}" for k in (1, 2, 4, 7) if k <= len(slots))
+        pl = r.get("prompt_lookup")
+        lookup = "-"
+        if pl:
+            lookup = f"{pl['tokens_per_s']:.1f}" + ("" if pl["outputs_identical_to_greedy"] else " (differs)")
+        rows.append(f"| {path.stem.split('_')[1]} | {r['device']}, {r['precision']} | {r['prompts']} | {r['tau']:.2f} "
+                    f"| {picked} | {r['spec_tokens_per_s']:.1f} | {r['greedy_tokens_per_s']:.1f} | "
+                    f"{r['speedup']:.2f}x | {lookup} | {'yes' if r['outputs_identical'] else 'NO'} |")
+    return "\n".join(rows)
 
 
 # -------------------------------------------------------------------------------------------------- pack/unpack
@@ -1072,6 +1106,7 @@ def make_parser() -> argparse.ArgumentParser:
     lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target == "smollm2"))
     lab.add_argument("--batch_size", type=int, default=8)
     lab.add_argument("--device", default="cpu")
+    lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t = sub.add_parser("train", help="dflash-train a named configuration (extra flags after --)")
     t.add_argument("config", choices=sorted(CONFIGS))
     t.add_argument("extra", nargs=argparse.REMAINDER, help="more dflash-train flags, e.g. -- --precision bf16")
@@ -1084,6 +1119,8 @@ def make_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="redraw docs/figures/ from a results JSON")
     pl.add_argument("config", choices=sorted(CONFIGS))
     pl.add_argument("results", type=Path)
+    tb = sub.add_parser("table", help="markdown table of results JSON files (docs/QUALITY.md)")
+    tb.add_argument("results", type=Path, nargs="+")
     pk = sub.add_parser("pack", help="split a model directory into <= 40 MiB pieces with sha256")
     pk.add_argument("model_dir", type=Path)
     pk.add_argument("out_dir", type=Path)
@@ -1112,7 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
             defaults = PromptArgs()
             print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
     elif args.command == "labels":
-        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device))
+        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device, args.dtype))
     elif args.command == "train":
         extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
         print(train_config(cache, get_config(args.config), extra))
@@ -1121,6 +1158,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.prompt_lookup_num_tokens)
     elif args.command == "plot":
         print(plot_config(cache, get_config(args.config), args.results))
+    elif args.command == "table":
+        print(results_table(args.results))
     elif args.command == "pack":
         print(pack(args.model_dir, args.out_dir, args.max_mib * 1024 * 1024))
     elif args.command == "unpack":
