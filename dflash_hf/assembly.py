@@ -11,7 +11,7 @@ from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from .adaptation import apply_adaptation
 from .configuration_dflash import DFlash2Fields, DFlashConfig
-from .hub import check_warm_start, draft_class_for, load_draft_strict
+from .export import check_warm_start, draft_class_for, load_draft_strict
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments

@@ -37,7 +37,7 @@ from .checkpoints import (
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from .epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
-from .hub import export_draft
+from .export import export_draft
 from .launch import no_hf_progress_bars
 from .losses import MetricSums
 from .objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
