@@ -9,7 +9,8 @@ decoder positions one audio of ``n`` samples occupies (for token budgets). Encod
 cross-attention, and the family renders the decoder's own prompt instead of a chat template.
 
 :func:`decoder_streams` turns a collated batch into streams aligned 1:1 with the decoder's positions
-after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams").
+after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams"). The row type and the helpers rows share are
+in ``families_base.py``; the Whisper row in ``families_whisper.py``.
 """
 
 from __future__ import annotations
