@@ -1,17 +1,20 @@
 """What `DFlashTrainer` is assembled from, kept out of trainer.py so that callbacks and evaluation use it without
-importing the trainer: the draft built from the arguments and the target, and which datasets are speech sources."""
+importing the trainer: the draft built from the arguments and the target (after seeding as the Trainer does), which
+datasets are speech sources, and their lhotse loaders."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from accelerate.data_loader import DataLoaderShard
+from transformers.trainer_utils import enable_full_determinism, set_seed
 
+from .adaptation import apply_adaptation
 from .configuration_dflash import DFlash2Fields, DFlashConfig
-from .hub import check_warm_start, draft_class_for, load_draft_strict
-from .modeling_dflash import DFlashDraftModel
+from .export import check_warm_start, draft_class_for, load_draft_strict
+from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
-from .training_args import DFlashTrainingArguments
+from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
 def is_speech_source(dataset) -> bool:
@@ -23,12 +26,89 @@ def is_speech_source(dataset) -> bool:
     )
 
 
+def speech_loader(
+    source,
+    *,
+    processor,
+    target: FrozenTarget,
+    args: DFlashTrainingArguments,
+    data_args: DFlashDataArguments,
+    shuffle: bool,
+):
+    """The lhotse token-budget loader of a speech source for this rank (already sharded by rank, so not
+    re-prepared by accelerate)."""
+    from .data import build_train_dataloader
+
+    if processor is None:
+        raise ValueError("speech data needs the target's processor: pass DFlashTrainer(processor=...)")
+    da = data_args
+    return build_train_dataloader(
+        source,
+        processor,
+        target.model.config,
+        family=target.family,
+        max_tokens=args.packing_max_tokens if args.packing else da.max_tokens,
+        max_batch_size=da.max_batch_size,
+        conversation=da.conversation(),
+        padding_side=da.padding_side,
+        shuffle=shuffle,
+        seed=args.seed,
+        world_size=args.world_size,
+        rank=args.process_index,
+        num_buckets=da.num_buckets,
+        num_workers=args.dataloader_num_workers,
+        skip_bad_samples=da.skip_bad_samples,
+        resample_audio=da.resample_audio,
+        packing=args.packing,
+    )
+
+
 def host_batches(loader):
     """Keep an accelerate `DataLoaderShard`'s batches on the host: `get_batch_samples` plans anchors from host
     tensors (no device sync) and `DFlashTrainer._prepare_input` copies them to the device asynchronously."""
     if isinstance(loader, DataLoaderShard):
         loader.device = None
     return loader
+
+
+def seed_like_trainer(args: DFlashTrainingArguments) -> None:
+    """Seed every RNG as `Trainer.__init__` does, so a draft built (and adapted) before it is seeded too."""
+    if args.full_determinism:
+        enable_full_determinism(args.seed)
+    else:
+        set_seed(args.seed)
+
+
+def prepare_target(target, args: DFlashTrainingArguments) -> FrozenTarget:
+    """The frozen target (an HF model is wrapped in a `FrozenTarget`) in the training precision, checked for
+    packing before any draft is built."""
+    if not isinstance(target, FrozenTarget):
+        target = FrozenTarget(target, args.target_family)
+    target.model.to(resolve_dtype(args.precision))
+    if args.packing:
+        target.check_packing()  # before the draft is built
+    return target
+
+
+def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarget):
+    """The draft to train: `model` checked against the target, or `build_draft`'s (after seeding, so its initial
+    weights and LoRA's follow `--seed`), with its adaptation applied (`projection_only` filter or peft LoRA)."""
+    seed_like_trainer(args)
+    if model is None:
+        model = build_draft(args, target)
+    else:
+        cfg = model.config
+        target.validate(
+            mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
+        )
+    return apply_adaptation(model, args)
+
+
+def compile_draft_layers(model) -> None:
+    """`torch.compile` each draft decoder layer in place (`compile_draft_layers`)."""
+    for module in model.modules():
+        if isinstance(module, DFlashDecoderLayer):
+            module.compile()
 
 
 def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDraftModel:
@@ -57,4 +137,13 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
     return draft.to(resolve_dtype(args.precision))
 
 
-__all__ = ["build_draft", "host_batches", "is_speech_source"]
+__all__ = [
+    "build_draft",
+    "compile_draft_layers",
+    "draft_for_training",
+    "host_batches",
+    "is_speech_source",
+    "prepare_target",
+    "seed_like_trainer",
+    "speech_loader",
+]

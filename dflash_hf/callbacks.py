@@ -1,10 +1,11 @@
-"""Trainer callbacks: real acceptance length during training and a concise progress bar (docs/EVALUATION.md)."""
+"""Trainer callbacks: real acceptance length during training, a concise progress bar (docs/EVALUATION.md) and the
+data epoch of a loader without a length."""
 
 from __future__ import annotations
 
 import math
 
-from transformers import ProgressCallback, TrainerCallback
+from transformers import DefaultFlowCallback, ProgressCallback, TrainerCallback
 
 from .assembly import is_speech_source
 from .evaluation import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
@@ -111,4 +112,35 @@ class DFlashProgressCallback(ProgressCallback):
             self.training_bar.write(", ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)))
 
 
-__all__ = ["DFlashProgressCallback", "RealTauCallback"]
+class DataEpochCallback(TrainerCallback):
+    """The Trainer sees a loader without a length as one endless epoch (`EpochStream`); this callback logs the
+    data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
+    strategies at the step in which a data epoch ends. `trainer`: the `DFlashTrainer` (its `train_position`)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.epochs_done = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.epochs_done = int(state.epoch or 0)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        position = self.trainer.train_position
+        if position is None:
+            return control
+        state.epoch = position.epoch_progress
+        if int(state.epoch) > self.epochs_done:
+            self.epochs_done = int(state.epoch)
+            return DefaultFlowCallback().on_epoch_end(args, state, control)
+        return control
+
+
+def use_concise_progress_bar(trainer) -> None:
+    """Replace the Trainer's `ProgressCallback` by `DFlashProgressCallback` (loss / tau_est as the bar's postfix)."""
+    for cb in list(trainer.callback_handler.callbacks):
+        if type(cb) is ProgressCallback:
+            trainer.callback_handler.remove_callback(cb)
+            trainer.add_callback(DFlashProgressCallback(cb.max_str_len))
+
+
+__all__ = ["DataEpochCallback", "DFlashProgressCallback", "RealTauCallback", "use_concise_progress_bar"]

@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 logger = logging.getLogger("dflash_hf")
 
@@ -169,3 +170,22 @@ def reporting_full_disk(directory: str | Path) -> Iterator[None]:
             f"no space left on device while writing {directory} ({type(exc).__name__}: {exc}); free space there "
             "or set output_dir on a larger disk. The unfinished checkpoint is never used for resume",
         ) from exc
+
+
+@contextmanager
+def complete_only_save(run_dir: str, folder: Path, args, state, accelerator) -> Iterator[None]:
+    """Around the Trainer's save of `folder` (in `run_dir`), which writes the marker inside: an interrupted save of
+    the same step is removed first; the Trainer's own rotation is held back (`save_total_limit` unset during the
+    save), and older checkpoints are rotated away only once every rank is done; a full disk names `folder`."""
+    if args.should_save and folder.exists():  # an interrupted save of this step: start it afresh
+        shutil.rmtree(folder)
+    accelerator.wait_for_everyone()
+    limit, args.save_total_limit = args.save_total_limit, None
+    try:
+        with reporting_full_disk(folder):
+            yield
+    finally:
+        args.save_total_limit = limit
+    accelerator.wait_for_everyone()
+    if args.should_save:
+        rotate_checkpoints(run_dir, limit, state.best_model_checkpoint, use_mtime=True)

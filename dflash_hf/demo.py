@@ -148,7 +148,7 @@ def run(argv: list[str] | None = None) -> dict:
     data_args.eval_data = [f"dev={dev_manifest}"]
     metrics = train(args, data_args)
 
-    from .hub import load_draft_strict
+    from .export import load_draft_strict
     from .target import load_target
 
     draft = load_draft_strict(args.resolved_export_dir).eval()

@@ -10,6 +10,7 @@ no length, nothing for the Trainer to skip) and restores the position itself fro
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 _END = object()
 
@@ -124,3 +125,17 @@ class EpochStream:
 
     def __iter__(self) -> Iterator:
         return self.position.epochs()
+
+
+@contextmanager
+def trainer_skips_nothing(args, streams_epochs: bool) -> Iterator[bool]:
+    """A loader without a length (`streams_epochs`) has its position restored by `DFlashTrainer`; the Trainer's
+    batch skipping, which counts `max_steps` as one epoch, must not apply to it: `args.ignore_data_skip` is set
+    only for the block. Yields the user's own `ignore_data_skip`."""
+    user_ignores_data_skip = args.ignore_data_skip
+    if streams_epochs:
+        args.ignore_data_skip = True
+    try:
+        yield user_ignores_data_skip
+    finally:
+        args.ignore_data_skip = user_ignores_data_skip

@@ -9,122 +9,30 @@ decoder positions one audio of ``n`` samples occupies (for token budgets). Encod
 cross-attention, and the family renders the decoder's own prompt instead of a chat template.
 
 :func:`decoder_streams` turns a collated batch into streams aligned 1:1 with the decoder's positions
-after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams").
+after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams"). The row type and the helpers rows share are
+in ``families_base.py``; the Whisper row in ``families_whisper.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-HOP_LENGTH = 160  # 10 ms mel hop at 16 kHz: every family here uses it
-SAMPLING_RATE = 16000
-
-
-@dataclass
-class DecoderStreams:
-    """Streams aligned 1:1 with the decoder positions (``[b, S']`` each)."""
-
-    input_ids: torch.LongTensor
-    attention_mask: torch.LongTensor
-    loss_mask: torch.BoolTensor
-    audio_mask: torch.BoolTensor
-    position_ids: torch.LongTensor | None
-
-
-@dataclass(frozen=True)
-class TargetFamily:
-    """One row of :data:`FAMILIES`.
-
-    - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
-    - ``model_types``: config ``model_type`` values this row matches.
-    - ``expansion``: ``"processor"`` (placeholders expanded by the processor), ``"model"`` (one placeholder
-      per audio, expanded inside the model), ``"encoder"`` (encoder-decoder: the audio goes to the encoder, the
-      token stream is the decoder's) or ``"none"`` (text-only target).
-    - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
-    - ``encode``: ``encode(family, processor, config, texts, audios, padding_side) -> dict`` of tensors.
-    - ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
-    - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
-    - ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
-    - ``render_decoder``: encoder-decoder rows: ``render_decoder(tokenizer, messages, add_generation_prompt)``
-      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
-      of a chat template.
-    - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
-      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
-    - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
-      family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
-    - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    expansion: str
-    audio_kwargs: tuple[str, ...]
-    encode: Callable = field(repr=False)
-    audio_tokens: Callable | None = field(default=None, repr=False)
-    render_with: str = "processor"
-    sampling_rate: int = SAMPLING_RATE
-    chunk_seconds: float | None = None
-    description: str = ""
-    render_decoder: Callable | None = field(default=None, repr=False)
-    decoder_config: Callable | None = field(default=None, repr=False)
-    sample_problem: Callable | None = field(default=None, repr=False)
-    max_positions: Callable | None = field(default=None, repr=False)
-
-    @property
-    def has_audio(self) -> bool:
-        return self.expansion != "none"
-
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self.expansion == "encoder"
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def audio_token_id(family: TargetFamily, config) -> int | None:
-    """The audio placeholder id from the target config (``config.audio_token_id``; Qwen2-Audio and Granite
-    Speech alias it to ``audio_token_index``); None for text targets."""
-    if not family.has_audio or family.is_encoder_decoder:
-        return None
-    value = getattr(config, "audio_token_id", None)
-    if value is None:
-        raise ValueError(
-            f"family {family.name!r}: the target config ({type(config).__name__}) has no audio_token_id; "
-            "set config.audio_token_id to the id of the audio placeholder token"
-        )
-    return int(value)
-
-
-def get_tokenizer(processor):
-    """The tokenizer inside a processor (or the tokenizer itself for text targets)."""
-    return getattr(processor, "tokenizer", processor)
-
-
-def _mel_frames(num_samples: int) -> int:
-    return -(-num_samples // HOP_LENGTH)
-
-
-def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
-    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
-    Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
-    Whisper after the ``<|startofprev|>`` previous-text prompt)."""
-    added = tokenizer("", add_special_tokens=True)["input_ids"]
-    first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
-    return not (first and all(first in t for t in texts))
-
-
-def _select(out, keys: Sequence[str]) -> dict:
-    missing = [k for k in keys if k not in out]
-    if missing:
-        raise KeyError(f"processor output lacks {missing}; it returned {sorted(out.keys())}")
-    return {k: out[k] for k in keys}
-
+from .families_base import (
+    HOP_LENGTH,
+    SAMPLING_RATE,
+    DecoderStreams,
+    TargetFamily,
+    _add_special_tokens,
+    _mel_frames,
+    _select,
+    audio_token_id,
+    get_tokenizer,
+)
+from .families_whisper import WHISPER
 
 # ---------------------------------------------------------------------------------------------- encoders
 
@@ -203,93 +111,6 @@ def _encode_voxtral(family, processor, config, texts, audios, padding_side):
     if features:
         result["input_features"] = torch.cat(features)
     return result
-
-
-def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
-    """Encoder-decoder (Whisper): ``texts`` are rendered decoder streams (prompt, transcript, end token),
-    tokenized as they are; one audio per text, as features of one encoder window."""
-    if len(audios) != len(texts):
-        raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
-    tokenizer = get_tokenizer(processor)
-    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=False)
-    feats = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, return_tensors="pt")
-    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
-            "input_features": feats["input_features"]}
-
-
-# ---------------------------------------------------------------------------------- encoder-decoder rows
-
-WHISPER_DEFAULT_LANGUAGE = "en"
-
-
-def _whisper_language_token(tokenizer, language: str | None) -> str | None:
-    """``<|xx|>`` for a manifest ``lang`` (``"en"``, ``"english"`` or ``"<|en|>"``; default English), or None when
-    the tokenizer has no such language token."""
-    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
-
-    code = (language or WHISPER_DEFAULT_LANGUAGE).strip().lower()
-    code = TO_LANGUAGE_CODE.get(code, code).strip("<|>")
-    token = f"<|{code}|>"
-    return None if tokenizer.convert_tokens_to_ids(token) in (None, tokenizer.unk_token_id) else token
-
-
-def _render_whisper(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **_) -> str:
-    """Whisper's decoder stream for a conversation from ``cut_to_messages``: the user's text, if any, as Whisper's
-    previous-text prompt (``<|startofprev|>`` + a space + the text, as ``WhisperTokenizer.get_prompt_ids``
-    writes it), then ``<|startoftranscript|><|lang|><|transcribe|><|notimestamps|>``, then (for a full
-    conversation) a space, the transcript and ``<|endoftext|>`` (the space as Whisper itself writes it before
-    the first word). ``lang`` comes from the audio item's ``language`` (the manifest's ``lang``), default
-    English. Everything before the transcript is context, never supervised."""
-    if any(m["role"] == "system" for m in messages):
-        raise ValueError("field 'system_prompt': Whisper has no system turn; remove the system prompt (the "
-                         "configured one or the sample's field), or give previous text as the 'context' field")
-    user = [i for m in messages if m["role"] == "user" for i in m["content"]]
-    audio = [i for i in user if i.get("type") == "audio"]
-    if len(audio) != 1:
-        raise ValueError(f"a Whisper sample has exactly one audio, this conversation has {len(audio)}")
-    language = _whisper_language_token(tokenizer, audio[0].get("language"))
-    if language is None:
-        raise ValueError(f"field 'lang': {audio[0].get('language')!r} is not a language of this Whisper tokenizer; "
-                         "use a Whisper language code such as 'en' or 'de'")
-    context = " ".join(i["text"].strip() for i in user if i.get("type") == "text" and i["text"].strip())
-    previous = f"<|startofprev|> {context}" if context else ""
-    prompt = f"{previous}<|startoftranscript|>{language}<|transcribe|><|notimestamps|>"
-    answer = [m for m in messages if m["role"] == "assistant"]
-    if not answer or add_generation_prompt:
-        return prompt
-    text = "".join(i["text"] for i in answer[0]["content"] if i.get("type") == "text")
-    return f"{prompt} {text.lstrip()}{tokenizer.eos_token}"
-
-
-def _whisper_decoder_config(config):
-    """The Whisper decoder's dimensions under the usual config names (WhisperConfig maps them to the encoder)."""
-    from transformers import PretrainedConfig
-
-    return PretrainedConfig(
-        hidden_size=config.d_model, num_hidden_layers=config.decoder_layers,
-        num_attention_heads=config.decoder_attention_heads, num_key_value_heads=config.decoder_attention_heads,
-        intermediate_size=config.decoder_ffn_dim, vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_target_positions, hidden_act="silu",
-        pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id,
-    )
-
-
-def whisper_max_audio_seconds(config) -> float:
-    """One encoder window: ``max_source_positions`` after the stride-2 convolution, 10 ms mel hop (30 s)."""
-    return config.max_source_positions * 2 * HOP_LENGTH / SAMPLING_RATE
-
-
-def _whisper_sample_problem(config, tokenizer, cut):
-    language = cut.supervisions[0].language
-    if _whisper_language_token(tokenizer, language) is None:
-        return ("lang", f"{language!r} is not a language of this Whisper tokenizer",
-                "use a Whisper language code such as 'en' or 'de' (or leave 'lang' out for English)")
-    seconds = whisper_max_audio_seconds(config)
-    if cut.duration > seconds + 1e-6:
-        return ("duration", f"the audio lasts {cut.duration:.2f} s, longer than Whisper's {seconds:g} s window (the "
-                "feature extractor would cut it)", f"split the audio into pieces of at most {seconds:g} s")
-    return None
 
 
 # ------------------------------------------------------------------------------------- audio token counts
@@ -391,13 +212,7 @@ FAMILIES: dict[str, TargetFamily] = {
             audio_tokens=_granite_speech_tokens,
             description="Granite Speech: processor expands <|audio|> (feature extractor needs torchaudio)",
         ),
-        TargetFamily(
-            name="whisper", model_types=("whisper",), expansion="encoder", audio_kwargs=("input_features",),
-            encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
-            render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
-            sample_problem=_whisper_sample_problem, max_positions=lambda config: config.max_target_positions,
-            description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
-        ),
+        WHISPER,
     )
 }
 

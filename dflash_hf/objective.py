@@ -58,6 +58,23 @@ class BlockPlan:
         return BlockPlan(**moved)
 
 
+def stable_seed(*parts: int) -> int:
+    """A generator seed from integers (stable across processes, unlike hashing strings): plans are seeded by
+    (seed, optimizer step, micro-batch, rank), so a resumed run draws the same anchors without RNG state."""
+    seed = 0
+    for p in parts:
+        seed = (seed * 1_000_003 + int(p) + 7) % (2**61 - 1)
+    return seed
+
+
+def summed_denominator(plans) -> torch.Tensor:
+    """The planned denominators of `plans` (one optimizer step's micro-batches) summed on the host in float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for plan in plans:
+        total += plan.denominator.double().cpu()
+    return total
+
+
 def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | None:
     """Why the fused lm_head + CE cannot run with these options (None when it can)."""
     if variant == "dflash2":
@@ -289,4 +306,4 @@ class DFlashObjective:
         return metrics
 
 
-__all__ = ["BlockPlan", "DFlashObjective", "fused_ce_conflict"]
+__all__ = ["BlockPlan", "DFlashObjective", "fused_ce_conflict", "stable_seed", "summed_denominator"]

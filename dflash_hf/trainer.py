@@ -8,26 +8,26 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 
 from __future__ import annotations
 
-import math
-import shutil
+import itertools
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import DefaultFlowCallback, ProgressCallback, Trainer, TrainerCallback
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    enable_full_determinism,
-    has_length,
-    rotate_checkpoints,
-    set_seed,
-)
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
-from .adaptation import apply_adaptation, check_resume_selection, save_selection
-from .assembly import build_draft, host_batches, is_speech_source
-from .callbacks import DFlashProgressCallback, RealTauCallback
+from .adaptation import check_resume_selection, save_selection
+from .assembly import (
+    compile_draft_layers,
+    draft_for_training,
+    host_batches,
+    is_speech_source,
+    prepare_target,
+    speech_loader,
+)
+from .callbacks import DataEpochCallback, RealTauCallback, use_concise_progress_bar
 from .checkpoints import (
+    complete_only_save,
     load_data_state,
     mark_complete,
     reporting_full_disk,
@@ -36,53 +36,13 @@ from .checkpoints import (
 )
 from .configuration_dflash import DFlashConfig
 from .distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
-from .epochs import EpochStream, ReplayedEpochs, ResumableEpochs
-from .hub import export_draft
+from .epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
+from .export import export_draft
 from .launch import no_hf_progress_bars
 from .losses import MetricSums
-from .modeling_dflash import DFlashDecoderLayer
-from .objective import BlockPlan, DFlashObjective
-from .target import FrozenTarget, resolve_dtype
+from .objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
+from .reporting import eval_set_metrics, logged_eval_metrics, train_log_entries
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
-
-
-def _seed(*parts: int) -> int:
-    """A generator seed from integers (stable across processes, unlike hashing strings)."""
-    seed = 0
-    for p in parts:
-        seed = (seed * 1_000_003 + int(p) + 7) % (2**61 - 1)
-    return seed
-
-
-def seed_like_trainer(args: DFlashTrainingArguments) -> None:
-    """Seed every RNG as `Trainer.__init__` does, so a draft built (and adapted) before it is seeded too."""
-    if args.full_determinism:
-        enable_full_determinism(args.seed)
-    else:
-        set_seed(args.seed)
-
-
-class DataEpochCallback(TrainerCallback):
-    """The Trainer sees a loader without a length as one endless epoch (`EpochStream`); this callback logs the
-    data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
-    strategies at the step in which a data epoch ends."""
-
-    def __init__(self, trainer: DFlashTrainer):
-        self.trainer = trainer
-        self.epochs_done = 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.epochs_done = int(state.epoch or 0)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        position = self.trainer.train_position
-        if position is None:
-            return control
-        state.epoch = position.epoch_progress
-        if int(state.epoch) > self.epochs_done:
-            self.epochs_done = int(state.epoch)
-            return DefaultFlowCallback().on_epoch_end(args, state, control)
-        return control
 
 
 class DFlashTrainer(Trainer):
@@ -104,37 +64,19 @@ class DFlashTrainer(Trainer):
         through the standard Trainer path with `data_collator`."""
         self.processor = processor
         self.data_args = data_args or DFlashDataArguments()
-        if not isinstance(target, FrozenTarget):
-            target = FrozenTarget(target, args.target_family)
-        target.model.to(resolve_dtype(args.precision))
-        self.target = target
-        if args.packing:
-            target.check_packing()  # before the draft is built
-        seed_like_trainer(args)  # the draft's initial weights (and LoRA's) follow --seed
-        if model is None:
-            model = build_draft(args, target)
-        else:
-            cfg = model.config
-            target.validate(
-                mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
-            )
-        model = apply_adaptation(model, args)  # projection_only filter or peft LoRA
+        self.target = prepare_target(target, args)
+        model = draft_for_training(model, args, self.target)
         super().__init__(model=model, args=args, **kwargs)
         self.target.model.to(self.args.device)
         if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
             shard_frozen_target_layers(self.target)
         if args.compile_draft_layers and self.args.device.type == "cuda":
-            for module in self.model.modules():
-                if isinstance(module, DFlashDecoderLayer):
-                    module.compile()
+            compile_draft_layers(self.model)
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
-        for cb in list(self.callback_handler.callbacks):  # concise bar: loss / tau_est as postfix
-            if type(cb) is ProgressCallback:
-                self.callback_handler.remove_callback(cb)
-                self.add_callback(DFlashProgressCallback(cb.max_str_len))
+        use_concise_progress_bar(self)
         if args.real_tau_steps > 0:
             self.add_callback(RealTauCallback(self))
         self.add_callback(DataEpochCallback(self))
@@ -143,34 +85,10 @@ class DFlashTrainer(Trainer):
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
         self._user_ignores_data_skip = args.ignore_data_skip
 
-    # ------------------------------------------------------------------------------------------
-    # Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
-    # ------------------------------------------------------------------------------------------
+    # --- Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
     def _speech_loader(self, source, shuffle: bool):
-        from .data import build_train_dataloader
-
-        if self.processor is None:
-            raise ValueError("speech data needs the target's processor: pass DFlashTrainer(processor=...)")
-        da = self.data_args
-        return build_train_dataloader(
-            source,
-            self.processor,
-            self.target.model.config,
-            family=self.target.family,
-            max_tokens=self.args.packing_max_tokens if self.args.packing else da.max_tokens,
-            max_batch_size=da.max_batch_size,
-            conversation=da.conversation(),
-            padding_side=da.padding_side,
-            shuffle=shuffle,
-            seed=self.args.seed,
-            world_size=self.args.world_size,
-            rank=self.args.process_index,
-            num_buckets=da.num_buckets,
-            num_workers=self.args.dataloader_num_workers,
-            skip_bad_samples=da.skip_bad_samples,
-            resample_audio=da.resample_audio,
-            packing=self.args.packing,
-        )
+        return speech_loader(source, processor=self.processor, target=self.target, args=self.args,
+                             data_args=self.data_args, shuffle=shuffle)
 
     def get_train_dataloader(self):
         """Speech sources: the lhotse loader. A loader without a length (lhotse, an HF `IterableDataset`) reaches
@@ -206,9 +124,7 @@ class DFlashTrainer(Trainer):
                 return data.to(self.args.device, non_blocking=True)
         return super()._prepare_input(data)
 
-    # ------------------------------------------------------------------------------------------
-    # Checkpoints and export (the trainable selection is recorded so resumes can be checked)
-    # ------------------------------------------------------------------------------------------
+    # --- Checkpoints and export (the trainable selection is recorded so resumes can be checked)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`resume_from_checkpoint`: a complete checkpoint directory, or true (also the string "true") for the
         last complete one in `output_dir`; incomplete ones (interrupted saves) are skipped and logged."""
@@ -216,21 +132,8 @@ class DFlashTrainer(Trainer):
         if checkpoint:
             check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
         self._resume_checkpoint = checkpoint
-        with self._loader_keeps_data_position():
+        with trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip:
             return super().train(checkpoint, *args, **kwargs)
-
-    @contextmanager
-    def _loader_keeps_data_position(self):
-        """A loader without a length gets its position restored in `get_train_dataloader`; the Trainer's batch
-        skipping, which counts `max_steps` as one epoch, must not apply to it. `ignore_data_skip` is set only for
-        the call."""
-        self._user_ignores_data_skip = self.args.ignore_data_skip
-        if self._streams_epochs():
-            self.args.ignore_data_skip = True
-        try:
-            yield
-        finally:
-            self.args.ignore_data_skip = self._user_ignores_data_skip
 
     def _streams_epochs(self) -> bool:
         """Whether the training data has no length, so it is trained on as an `EpochStream`."""
@@ -248,19 +151,9 @@ class DFlashTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._checkpoint_completed = False
-        if self.args.should_save and folder.exists():  # an interrupted save of this step: start it afresh
-            shutil.rmtree(folder)
-        self.accelerator.wait_for_everyone()
-        limit, self.args.save_total_limit = self.args.save_total_limit, None
-        try:
-            with reporting_full_disk(folder):
-                super()._save_checkpoint(model, trial)
-                self._complete_checkpoint(folder)
-        finally:
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
+        with complete_only_save(run_dir, folder, self.args, self.state, self.accelerator):
+            super()._save_checkpoint(model, trial)
+            self._complete_checkpoint(folder)
 
     def _complete_checkpoint(self, folder: Path) -> None:
         """Each rank's data position, then, once every rank is done, the completeness marker (once per save)."""
@@ -298,15 +191,10 @@ class DFlashTrainer(Trainer):
         (`load_best_model_at_end`) is another draft, so it is evaluated anew."""
         step = self.state.global_step
         best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
-        done: dict[str, float] = {}
-        for entry in self.state.log_history:  # evaluate() logs each validation set with its *_runtime
-            if entry.get("step") == step and any(k.startswith("eval") and k.endswith("_runtime") for k in entry):
-                done.update({k: v for k, v in entry.items() if k.startswith("eval")})
+        done = logged_eval_metrics(self.state.log_history, step)
         return done if done and not best_loaded else self.evaluate()
 
-    # ------------------------------------------------------------------------------------------
-    # The objective: plans before the step, the loss of each micro-batch with its plan
-    # ------------------------------------------------------------------------------------------
+    # --- The objective: plans before the step, the loss of each micro-batch with its plan
     @property
     def draft_config(self) -> DFlashConfig:
         return self.accelerator.unwrap_model(self.model).config
@@ -317,21 +205,13 @@ class DFlashTrainer(Trainer):
 
     def _anchor_seed(self, micro_step: int) -> int:
         # Deterministic per (seed, optimizer step, micro-batch, rank): resumable without RNG state.
-        return _seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
+        return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batch_samples = []
-        for _ in range(num_batches):
-            try:
-                batch_samples.append(next(epoch_iterator))
-            except StopIteration:
-                break
+        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
         self._step_plans = [(b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in
                             enumerate(batch_samples)]
-        total = torch.zeros((), dtype=torch.float64)
-        for _, plan in self._step_plans:
-            total += plan.denominator.double().cpu()
-        total = total.to(device, non_blocking=True)
+        total = summed_denominator(plan for _, plan in self._step_plans).to(device, non_blocking=True)
         if self.args.world_size > 1:
             total = self.accelerator.reduce(total, reduction="sum")
         return batch_samples, total
@@ -364,9 +244,7 @@ class DFlashTrainer(Trainer):
     def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(value, reduction="sum")
 
-    # ------------------------------------------------------------------------------------------
-    # Logging and evaluation
-    # ------------------------------------------------------------------------------------------
+    # --- Logging and evaluation
     def _report(self, sums: MetricSums, prefix: str = "") -> dict[str, float]:
         """Metrics of all-reduced sums. For DFlash2, `loss` is the optimized objective
         `base + selector_loss_weight * selector` and the decayed CE alone is `base_loss`."""
@@ -383,18 +261,7 @@ class DFlashTrainer(Trainer):
             sums = self.train_sums
             sums.settle()
             metrics = self._report(sums)
-            # sums cover every rank: micro-batches / (GA * ranks) = optimizer steps in this logging window
-            steps = max(
-                sums.values.get("micro_batches", 1.0) / (self.args.gradient_accumulation_steps * self.args.world_size),
-                1.0,
-            )
-            logs["loss"] = round(metrics.pop("loss"), 6)
-            logs.update({k: round(v, 5) for k, v in metrics.items()})
-            logs["anchors_per_step"] = sums.values.get("anchors", 0.0) / steps
-            # every micro-batch of a skipped step (global denominator 0) on every rank counted one
-            logs["skipped_steps"] = sums.values.get("skipped", 0.0) / (
-                self.args.gradient_accumulation_steps * self.args.world_size
-            )
+            logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
             self.train_sums = MetricSums()
         super().log(logs, start_time)
 
@@ -416,17 +283,12 @@ class DFlashTrainer(Trainer):
         self.callback_handler.eval_dataloader = dataloader
         for step, batch in enumerate(dataloader):
             # seeded by batch index only (not args.seed), so validate_only repeats any run's evaluation
-            plan = self.objective.plan(self.target, batch, _seed(-1, step, self.args.process_index))
+            plan = self.objective.plan(self.target, batch, stable_seed(-1, step, self.args.process_index))
             batch = self._prepare_inputs(batch)  # after planning: the plan is made from the host batch
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             out = self.objective.loss(model, self.target, batch, plan)
             sums.add_block_loss(out)
-        metrics = self._report(sums, f"{metric_key_prefix}_")
-        if getattr(dataloader, "bad_samples", None) is not None:  # speech loader: rows skipped in this set
-            metrics[f"{metric_key_prefix}_skipped_samples"] = dataloader.bad_samples.num_skipped
-        metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
-        if not math.isfinite(metrics.get(f"{metric_key_prefix}_loss", 0.0)):
-            raise FloatingPointError(f"non-finite {metric_key_prefix}_loss")
+        metrics = eval_set_metrics(self._report(sums, f"{metric_key_prefix}_"), dataloader, metric_key_prefix, start)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -27,7 +27,7 @@ from .arguments import (
 )
 from .checkpoints import check_checkpoint_dir, parse_resume_flag
 from .configuration_dflash import DFlash2Fields, check_block_size, check_distinct_taps, check_target_layer_ids
-from .hub import check_draft_export, resolve_draft_dir
+from .export import check_draft_export, resolve_draft_dir
 from .launch import check_launch
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
@@ -35,7 +35,7 @@ __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
 
 def _export_settings(path: str) -> dict[str, int]:
     """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json.
-    An unreadable export gives {}: `hub.check_draft_export` (in `_check_adaptation`) names the problem."""
+    An unreadable export gives {}: `export.check_draft_export` (in `_check_adaptation`) names the problem."""
     try:
         raw = json.loads((resolve_draft_dir(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):

@@ -239,8 +239,8 @@ def test_no_import_circle_and_module_sizes():
     assert not circles, circles
     sizes = {m: len(p.read_text().splitlines()) for m, p in files.items()}
     assert sizes["dflash_hf.trainer"] < 300
-    big = {m: n for m, n in sizes.items() if n > 400 and m not in ("dflash_hf.hub", "dflash_hf.families",
-                                                                      "dflash_hf.modeling_dflash")}
+    # modeling_dflash.py is remote code copied into every export (the checkpoint contract): not split
+    big = {m: n for m, n in sizes.items() if n > 400 and m != "dflash_hf.modeling_dflash"}
     assert not big, big
 
 

@@ -23,8 +23,8 @@ from transformers import HfArgumentParser
 
 from ..data import ConversationConfig
 from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
+from ..export import load_draft_strict
 from ..families import get_tokenizer, resolve_family
-from ..hub import load_draft_strict
 from ..launch import configure_cpu_threads
 from ..target import FrozenTarget, load_target, resolve_dtype
 from .config import parse_with_config

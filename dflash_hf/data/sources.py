@@ -11,15 +11,12 @@
 Several sources are mixed lazily with weights (``CutSet.mux``). Each cut has one supervision whose text is
 the assistant response; cut ids are ``<manifest stem>-<line index>`` unless the line has an ``id`` key.
 Each cut records its source row in ``cut.custom["dflash_origin"]`` (error messages and skip counts use it).
+JSON-lines rows are scanned by ``json_rows.py``; the lhotse cuts reader is ``lhotse_cuts.py``.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
-import json
-import math
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,17 +26,11 @@ import numpy as np
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 
-from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
+from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
+from dflash_hf.data.json_rows import describe_value, detect_kind, json_rows, manifest_stem, seconds_problem
+from dflash_hf.data.lhotse_cuts import LhotseCuts
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
-GATED_SOURCE_TYPES = {
-    "command": ("allow_command_audio_sources", "lhotse would run this shell command to read the audio"),
-    "url": ("allow_url_audio_sources", "lhotse would download the audio from this address"),
-}
-"""lhotse audio source types refused unless the ``DataSource`` field (CLI flag) of the same name allows them."""
-
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
-               type(None): "null"}
 
 
 @dataclass
@@ -62,111 +53,6 @@ class DataSource:
     allow_url_audio_sources: bool = False
 
 
-def _describe(value: Any) -> str:
-    """``a JSON string '1.5'``: the JSON type and a short repr of a value read from a manifest."""
-    shown = repr(value)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    return f"a JSON {_JSON_TYPES.get(type(value), type(value).__name__)} {shown}"
-
-
-def _seconds_problem(value: Any, *, positive: bool) -> str | None:
-    """Why ``value`` is not a usable number of seconds (None if it is)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"is {_describe(value)}, not a number of seconds"
-    if math.isnan(value):
-        return "is NaN, not a number of seconds"
-    if math.isinf(value):
-        return f"is {value}, not a finite number of seconds"
-    if value < 0 or (positive and value == 0):
-        return f"is {value}; it must be {'> 0' if positive else '>= 0'}"
-    return None
-
-
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def _open_binary(path: str | Path):
-    """The file's bytes, gunzipped when it is gzip (by content, whatever its suffix)."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"data source {str(path)!r} is a directory; give the manifest or cuts file in it")
-    try:
-        return gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"data source {str(path)!r} does not exist; fix the path") from None
-
-
-def _manifest_stem(path: Path) -> str:
-    """``m`` for ``m.json``, ``m.jsonl.gz``: the default cut-id prefix."""
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    return Path(name).stem
-
-
-def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -> Iterator[tuple[int, str, dict]]:
-    """``(line index, origin, record)`` for every non-blank line of a JSON-lines file (plain or gzipped) that
-    holds a JSON object; ``origin`` is ``"<path> line <N>"`` (1-based). Lines that are not UTF-8, not JSON or
-    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given)."""
-    index = -1
-    with _open_binary(path) as f:
-        try:
-            for index, raw in enumerate(f):
-                origin = f"{path} line {index + 1}"
-                cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
-                record = _parse_line(raw, index, bad, cut_id, origin)
-                if record is not None:
-                    yield index, origin, record
-        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise ValueError(f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
-                             f"{e}): the file is truncated or corrupt; re-create it") from e
-
-
-def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, origin: str) -> dict | None:
-    """The JSON object on one line; None for a blank line or one reported to ``bad``."""
-    try:
-        line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
-    except UnicodeDecodeError as e:
-        bad.report(cut_id, "<line>", f"is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})",
-                   "re-save the file as UTF-8", origin=origin)
-        return None
-    if not line.strip():
-        return None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        bad.report(cut_id, "<line>", f"not valid JSON ({e})", "fix or remove the line", origin=origin)
-        return None
-    if not isinstance(record, dict):
-        bad.report(cut_id, "<line>", f"is {_describe(record)}, not a JSON object",
-                   "write one JSON object per line", origin=origin)
-        return None
-    return record
-
-
-class _IgnoredRows(BadSamples):
-    """A sink for rows that another pass reports (format detection looks only for the first good line)."""
-
-    def report(self, *args, **kwargs) -> None:
-        pass
-
-
-def detect_kind(path: str | Path) -> str:
-    """``"nemo"`` if the first JSON object line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
-    (other lines are skipped here and reported by the reader)."""
-    record = next((r for _, _, r in json_rows(path, _IgnoredRows())), None)
-    if record is None:
-        raise ValueError(f"data source {str(path)!r} has no JSON object line; expected JSON lines")
-    if "audio_filepath" in record:
-        return "nemo"
-    if "type" in record and ("recording" in record or "supervisions" in record):
-        return "lhotse"
-    raise ValueError(
-        f"data source {str(path)!r}: cannot tell the format from the first line (keys {sorted(record)}); "
-        "NeMo manifests need 'audio_filepath', lhotse cuts 'type'; or set DataSource(kind=...)"
-    )
-
-
 def _nemo_cut_id(record: dict, default_id: str) -> str:
     cut_id = record.get("id")
     return str(cut_id) if isinstance(cut_id, (str, int)) and not isinstance(cut_id, bool) else default_id
@@ -183,20 +69,21 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
             return fail(key, "missing from the manifest line", f"add '{key}' to every line")
     path = record["audio_filepath"]
     if not isinstance(path, str) or not path.strip():
-        return fail("audio_filepath", f"is {_describe(path)}, not a file path",
+        return fail("audio_filepath", f"is {describe_value(path)}, not a file path",
                     "write the audio file's path as a non-empty JSON string")
     if not isinstance(record["text"], str):
-        return fail("text", f"is {_describe(record['text'])}, not a string", "write the response as a JSON string")
+        return fail("text", f"is {describe_value(record['text'])}, not a string", "write the response as a JSON string")
     for key, positive in (("duration", True), ("offset", False)):
         if record.get(key) is not None:
-            problem = _seconds_problem(record[key], positive=positive)
+            problem = seconds_problem(record[key], positive=positive)
             if problem:
                 return fail(key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'}), or leave it "
                             "out" + (" for the rest of the file" if positive else " for 0"))
     if record.get("lang") is not None and not isinstance(record["lang"], str):
-        return fail("lang", f"is {_describe(record['lang'])}, not a string", "write a language code such as \"en\"")
+        return fail("lang", f"is {describe_value(record['lang'])}, not a string",
+                    "write a language code such as \"en\"")
     if "id" in record and _nemo_cut_id(record, "") == "":
-        return fail("id", f"is {_describe(record['id'])}, not a string or integer", "write a unique string id")
+        return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
     return True
 
 
@@ -266,7 +153,7 @@ class NemoManifest:
 
     def _records(self) -> Iterator[tuple[str, str, dict]]:
         """``(cut id, origin, record)`` of the lines whose keys and types are right."""
-        prefix = _manifest_stem(self.path)
+        prefix = manifest_stem(self.path)
         for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix):
             cut_id = _nemo_cut_id(record, f"{prefix}-{index:08d}")
             if check_nemo_record(record, cut_id, self.bad, origin):
@@ -282,66 +169,6 @@ class NemoManifest:
             cut = _nemo_cut(record, cut_id, manifest_dir, self.bad, origin)
             if cut is not None:
                 yield cut
-
-
-class LhotseCuts:
-    """Lazy, re-iterable reader of a lhotse cuts file (``.jsonl`` / ``.jsonl.gz``) yielding MonoCuts. Lines that
-    are not cuts go to ``bad``; audio sources of a gated type (``GATED_SOURCE_TYPES``) raise unless allowed,
-    whatever the skip policy. ``check()`` reads every line once (no audio access) before training."""
-
-    def __init__(self, path: str | Path, bad: BadSamples | None = None, *, allow_command_audio_sources: bool = False,
-                 allow_url_audio_sources: bool = False):
-        self.path = Path(path)
-        self.bad = bad if bad is not None else BadSamples(skip=False)
-        self.allowed = {"allow_command_audio_sources": allow_command_audio_sources,
-                        "allow_url_audio_sources": allow_url_audio_sources}
-
-    def _cut(self, record: dict, origin: str) -> MonoCut | None:
-        cut_id = record.get("id") if isinstance(record.get("id"), str) else None
-        report = self.bad.report
-        if record.get("type") != "MonoCut":
-            report(cut_id, "type", f"is {_describe(record.get('type'))}; only \"MonoCut\" cuts are supported",
-                   "store each utterance as a mono cut (MixedCut / MultiCut are not supported)", origin=origin)
-            return None
-        try:
-            cut = MonoCut.from_dict(record)
-        except Exception as e:  # noqa: BLE001 - any malformed cut is reported with its row
-            report(cut_id, "<cut>", f"is not a valid lhotse MonoCut ({type(e).__name__}: {e})",
-                   "write the file with lhotse (CutSet.to_file)", origin=origin)
-            return None
-        for key, value, positive in (("start", cut.start, False), ("duration", cut.duration, True)):
-            problem = _seconds_problem(value, positive=positive)
-            if problem:
-                report(cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})",
-                       origin=origin)
-                return None
-        self._check_sources(cut, origin)
-        cut.custom = {**(cut.custom or {}), ORIGIN_KEY: origin}
-        return cut
-
-    def _check_sources(self, cut: MonoCut, origin: str) -> None:
-        """Refuse audio sources of a gated type unless their flag allows them (never skipped: a security check)."""
-        for i, source in enumerate(cut.recording.sources if cut.recording is not None else []):
-            flag, what = GATED_SOURCE_TYPES.get(source.type, (None, None))
-            if flag is not None and not self.allowed[flag]:
-                raise BadSampleError(bad_sample_message(
-                    cut.id, f"recording.sources[{i}].type",
-                    f"is {source.type!r}: {what} ({str(source.source)[:80]!r}); refused by default",
-                    f"pass --{flag} true (DataSource({flag}=True)) only if you trust this file, or store the audio "
-                    "as local files", origin))
-
-    def _cuts(self) -> Iterator[MonoCut]:
-        for _, origin, record in json_rows(self.path, self.bad):
-            cut = self._cut(record, origin)
-            if cut is not None:
-                yield cut
-
-    def check(self) -> None:
-        for _ in self._cuts():
-            pass
-
-    def __iter__(self) -> Iterator[MonoCut]:
-        return self._cuts()
 
 
 class HFDatasetCuts:

@@ -1,0 +1,113 @@
+"""What every target family row is made of (`TargetFamily`, `DecoderStreams`) and the helpers the rows share;
+the rows themselves are in `families.py` (and `families_whisper.py` for the encoder-decoder row)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+HOP_LENGTH = 160  # 10 ms mel hop at 16 kHz: every family here uses it
+SAMPLING_RATE = 16000
+
+
+@dataclass
+class DecoderStreams:
+    """Streams aligned 1:1 with the decoder positions (``[b, S']`` each)."""
+
+    input_ids: torch.LongTensor
+    attention_mask: torch.LongTensor
+    loss_mask: torch.BoolTensor
+    audio_mask: torch.BoolTensor
+    position_ids: torch.LongTensor | None
+
+
+@dataclass(frozen=True)
+class TargetFamily:
+    """One row of :data:`FAMILIES`.
+
+    - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
+    - ``model_types``: config ``model_type`` values this row matches.
+    - ``expansion``: ``"processor"`` (placeholders expanded by the processor), ``"model"`` (one placeholder
+      per audio, expanded inside the model), ``"encoder"`` (encoder-decoder: the audio goes to the encoder, the
+      token stream is the decoder's) or ``"none"`` (text-only target).
+    - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
+    - ``encode``: ``encode(family, processor, config, texts, audios, padding_side) -> dict`` of tensors.
+    - ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
+    - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
+    - ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
+    - ``render_decoder``: encoder-decoder rows: ``render_decoder(tokenizer, messages, add_generation_prompt)``
+      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
+      of a chat template.
+    - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
+      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
+    - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
+      family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
+    - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    expansion: str
+    audio_kwargs: tuple[str, ...]
+    encode: Callable = field(repr=False)
+    audio_tokens: Callable | None = field(default=None, repr=False)
+    render_with: str = "processor"
+    sampling_rate: int = SAMPLING_RATE
+    chunk_seconds: float | None = None
+    description: str = ""
+    render_decoder: Callable | None = field(default=None, repr=False)
+    decoder_config: Callable | None = field(default=None, repr=False)
+    sample_problem: Callable | None = field(default=None, repr=False)
+    max_positions: Callable | None = field(default=None, repr=False)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.expansion != "none"
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.expansion == "encoder"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def audio_token_id(family: TargetFamily, config) -> int | None:
+    """The audio placeholder id from the target config (``config.audio_token_id``; Qwen2-Audio and Granite
+    Speech alias it to ``audio_token_index``); None for text targets."""
+    if not family.has_audio or family.is_encoder_decoder:
+        return None
+    value = getattr(config, "audio_token_id", None)
+    if value is None:
+        raise ValueError(
+            f"family {family.name!r}: the target config ({type(config).__name__}) has no audio_token_id; "
+            "set config.audio_token_id to the id of the audio placeholder token"
+        )
+    return int(value)
+
+
+def get_tokenizer(processor):
+    """The tokenizer inside a processor (or the tokenizer itself for text targets)."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def _mel_frames(num_samples: int) -> int:
+    return -(-num_samples // HOP_LENGTH)
+
+
+def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
+    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
+    Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
+    Whisper after the ``<|startofprev|>`` previous-text prompt)."""
+    added = tokenizer("", add_special_tokens=True)["input_ids"]
+    first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
+    return not (first and all(first in t for t in texts))
+
+
+def _select(out, keys: Sequence[str]) -> dict:
+    missing = [k for k in keys if k not in out]
+    if missing:
+        raise KeyError(f"processor output lacks {missing}; it returned {sorted(out.keys())}")
+    return {k: out[k] for k in keys}
