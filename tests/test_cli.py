@@ -186,6 +186,7 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
     monkeypatch.setattr(dflash_hf.target, "load_target", lambda *a, **k: None)
     monkeypatch.setattr(dflash_hf.target, "FrozenTarget", lambda *a, **k: None)
     monkeypatch.setattr(cli_train, "load_processor", lambda path: None)
+    monkeypatch.setattr(cli_train, "check_data_rows", lambda data_args: None)  # the faked run reads no data
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     args = make_args(tmp_path, target_name_or_path=str(target_dir), mask_token_id=5, push_to_hub=True,
                      hub_model_id="me/tiny-draft", hub_token="tok", hub_private_repo=True, max_steps=3)
