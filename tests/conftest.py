@@ -1,9 +1,21 @@
-"""Suite-wide fixtures."""
+"""Suite-wide fixtures and set-up for the three tiers (`unit/`, `integration/`, `gpu/`).
+
+`tests/` is put on `sys.path` so every tier imports the shared helpers as `from utils import ...` (and
+`dist_train`); scripts that a test starts as a separate process (torchrun workers, `python FILE`) insert it
+themselves.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 
 @pytest.fixture(autouse=True)

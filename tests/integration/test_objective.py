@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_labels import LargestAllocation, _batch, _row_inputs
-from utils import make_trainer, random_rows, text_batch, tiny_text_target
+from utils import (
+    REPO_ROOT,
+    LargestAllocation,
+    make_trainer,
+    mixed_padding_batch,
+    random_rows,
+    row_inputs,
+    text_batch,
+    tiny_text_target,
+)
 
 from dflash_hf import DFlashTrainingArguments
 from dflash_hf.blocks import slot_decay
@@ -22,7 +30,7 @@ from dflash_hf.losses.common import slot_cross_entropy
 from dflash_hf.losses.dpace import dpace_weights
 from dflash_hf.target import FrozenTarget
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dflash_hf"
+PACKAGE = REPO_ROOT / "dflash_hf"
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +137,7 @@ def test_target_distribution_loss_matches_reference(tmp_path, target):
     batch = text_batch(random_rows(3, 250, seed=10), tok.pad_token_id, "left")
     trainer = _trainer(tmp_path, target, label_source="target_distribution", label_top_k=3)
     out, hidden = _run(trainer, batch)
-    final, _, _, _, _ = _row_inputs(trainer.target, batch)
+    final, _, _, _, _ = row_inputs(trainer.target, batch)
     blocks, decay = out.blocks, slot_decay(4, trainer.objective.gamma)
     ref = 0.0
     for (r, n, k), z in _slot_logits(hidden, blocks, trainer).items():
@@ -144,7 +152,7 @@ def test_target_distribution_is_chunked(target, chunk):
     """No `[S, vocab]` tensor: at most `chunk` positions are projected to the vocabulary at a time."""
     model, tok = target
     ft = FrozenTarget(model)
-    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, _batch(tok, "left"))
+    final, ids, loss_mask, doc_ids, _ = row_inputs(ft, mixed_padding_batch(tok, "left"))
     with LargestAllocation() as probe:
         soft = topk_distribution(ft.lm_head, final, ids, loss_mask, doc_ids, top_k=4, chunk_size=chunk)
     assert 0 < probe.largest <= max(chunk * ft.vocab_size, ids.numel() * 4)

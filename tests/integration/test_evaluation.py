@@ -11,14 +11,13 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
-from utils import ListDataset, random_rows, text_batch, tiny_text_target
+from utils import REPO_ROOT, ListDataset, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
 from dflash_hf.evaluation import prompt_inputs
 from dflash_hf.validation import VALIDATION_METRICS_FILE, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4
 
 
@@ -134,7 +133,7 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(logged, rel=1e-5)
 
-    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "scripts" / "plot_training.py")
+    spec = importlib.util.spec_from_file_location("plot_training", REPO_ROOT / "scripts" / "plot_training.py")
     plot_training = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_training)
     assert plot_training.main([str(logdir), "--out_dir", str(tmp_path / "tb_plots")]) == 0

@@ -1,7 +1,7 @@
 """Resume and reproducibility: exact resume at any step (lhotse padded / packed, workers, HF datasets, 2 DDP
 ranks), --seed, the resume flag, complete-only checkpoints, a full disk, one final evaluation.
 
-Run as `torchrun --nproc_per_node 2 tests/test_resume.py OUT_DIR` it is the DDP worker of
+Run as `torchrun --nproc_per_node 2 tests/integration/test_resume.py OUT_DIR` it is the DDP worker of
 `test_ddp_speech_resume_past_the_first_epoch_is_exact`.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when torchrun starts this file
 
 from utils import ListDataset, make_args, random_rows, text_batch, tiny_text_target  # noqa: E402
 
