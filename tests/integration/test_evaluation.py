@@ -11,7 +11,7 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
-from utils import REPO_ROOT, ListDataset, random_rows, text_batch, tiny_text_target
+from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
@@ -27,15 +27,13 @@ def target():
 
 
 def _args(out: Path, tok, **kw) -> DFlashTrainingArguments:
+    """`make_args` with this file's run: output in `out`, a 1-layer draft, 3 steps, target-argmax labels."""
     base = dict(
         output_dir=str(out), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), block_size=BLOCK,
         num_draft_layers=1, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=3,
-        num_anchors=8, save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True,
-        attention_backend="sdpa", label_source="target_argmax", target_argmax_chunk_size=16, seed=0,
-        learning_rate=3e-3,
+        num_anchors=8, label_source="target_argmax", target_argmax_chunk_size=16, learning_rate=3e-3,
     )
-    base.update(kw)
-    return DFlashTrainingArguments(**base)
+    return make_args(out, **(base | kw))
 
 
 def _data(tok):

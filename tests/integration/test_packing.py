@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from utils import random_rows, text_batch, tiny_text_target
+from utils import make_args, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import valid_anchor_mask
@@ -54,14 +54,13 @@ def _text_docs(tok, n=3, seed=0):
 
 
 def _args(tmp_path, mask_id, packing: bool, **kw) -> DFlashTrainingArguments:
+    """`make_args` for these comparisons: a 1-layer draft, every anchor taken, target-argmax labels."""
     base = dict(
-        output_dir=str(tmp_path / f"out{int(packing)}"), mask_token_id=mask_id, block_size=4, num_draft_layers=1,
-        num_anchors=512, anchor_pad_multiple=1, label_source="target_argmax", save_strategy="no", use_cpu=True,
-        report_to="none", disable_tqdm=True, attention_backend="sdpa", seed=0, packing=packing,
+        output_dir=str(tmp_path / f"out{int(packing)}"), mask_token_id=mask_id, num_draft_layers=1, num_anchors=512,
+        anchor_pad_multiple=1, label_source="target_argmax", packing=packing,
         packing_max_tokens=4096 if packing else None,
     )
-    base.update(kw)
-    return DFlashTrainingArguments(**base)
+    return make_args(tmp_path, **(base | kw))
 
 
 def _trainer(tmp_path, target_model, mask_id, packing, draft=None, **kw) -> DFlashTrainer:
