@@ -102,17 +102,17 @@ def make_args(tmp_path, **kw) -> DFlashTrainingArguments:
     return DFlashTrainingArguments(**base)
 
 
-def make_trainer(tmp_path, model, tok, rows, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
-    """A trainer on hand-built text rows (right padding); `kw` are DFlashTrainingArguments fields."""
-    kw.setdefault("mask_token_id", tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+def make_trainer(tmp_path, model, tok=None, rows=None, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
+    """A trainer on hand-built text rows (right padding), or without training data when `rows` is None; `kw` are
+    `make_args` fields (`mask_token_id` defaults to `tok`'s mask token)."""
+    if "mask_token_id" not in kw:
+        kw["mask_token_id"] = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    data = {}
+    if rows is not None:
+        collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
+        data = dict(train_dataset=ListDataset(rows, repeat), data_collator=collate)
     torch.manual_seed(0)
-    return DFlashTrainer(
-        model=draft,
-        args=make_args(tmp_path, **kw),
-        target=model,
-        train_dataset=ListDataset(rows, repeat),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+    return DFlashTrainer(model=draft, args=make_args(tmp_path, **kw), target=model, **data)
 
 
 def assert_lossless_greedy(draft, model, num_prompts: int, max_new_tokens: int) -> None:
