@@ -3,19 +3,13 @@ and right padding and packed documents, independent of the chunk size, without `
 
 import pytest
 import torch
-from utils import LargestAllocation, mixed_padding_batch, row_inputs, tiny_text_target
+from utils import LargestAllocation, mixed_padding_batch, row_inputs
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import move_leading_padding
 from dflash_hf.target import FrozenTarget
 
 MASK_ID = 262
-
-
-@pytest.fixture(scope="module")
-def target():
-    model, tok = tiny_text_target(num_layers=4, hidden_size=64, seed=3)
-    return model, tok
 
 
 def _packed_batch(pad_id: int) -> tuple[dict, list[int]]:
@@ -84,8 +78,8 @@ def reference_labels(model, batch: dict) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["left", "right", "packed"])
-def test_argmax_labels_match_full_logit_reference(target, layout):
-    model, tok = target
+def test_argmax_labels_match_full_logit_reference(text_target_4x64, layout):
+    model, tok = text_target_4x64
     if layout == "packed":
         batch, docs = _packed_batch(tok.pad_token_id)
         assert _row_docs(batch)[0] == docs
@@ -112,8 +106,8 @@ def test_argmax_labels_match_full_logit_reference(target, layout):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 128])
-def test_argmax_labels_never_allocate_sequence_logits(target, chunk):
-    model, tok = target
+def test_argmax_labels_never_allocate_sequence_logits(text_target_4x64, chunk):
+    model, tok = text_target_4x64
     batch = mixed_padding_batch(tok, "left")
     ft = FrozenTarget(model)
     final, ids, loss_mask, doc_ids, _ = row_inputs(ft, batch)
@@ -128,9 +122,9 @@ def test_argmax_labels_never_allocate_sequence_logits(target, chunk):
     assert control.largest == final.shape[0] * final.shape[1] * vocab
 
 
-def test_capture_does_not_compute_sequence_logits(target):
+def test_capture_does_not_compute_sequence_logits(text_target_4x64):
     """The target forward itself keeps only the last position's logits (`logits_to_keep=1`)."""
-    model, tok = target
+    model, tok = text_target_4x64
     batch = mixed_padding_batch(tok, "right")
     ft = FrozenTarget(model)
     shapes = []
@@ -142,8 +136,8 @@ def test_capture_does_not_compute_sequence_logits(target):
     assert shapes == [(batch["input_ids"].shape[0], 1, ft.vocab_size)]
 
 
-def test_chunk_size_zero_is_refused(target, tmp_path):
-    model, tok = target
+def test_chunk_size_zero_is_refused(text_target_4x64, tmp_path):
+    model, tok = text_target_4x64
     ft = FrozenTarget(model)
     final, ids, loss_mask, doc_ids, _ = row_inputs(ft, mixed_padding_batch(tok, "right"))
     with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
@@ -155,9 +149,9 @@ def test_chunk_size_zero_is_refused(target, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["left", "packed"])
-def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
+def test_trainer_draft_forward_uses_reference_labels(text_target_4x64, tmp_path, layout):
     """End to end through `DFlashObjective.loss` (target forward, row handling, labels)."""
-    model, tok = target
+    model, tok = text_target_4x64
     batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else mixed_padding_batch(tok, "left")
     args = DFlashTrainingArguments(
         output_dir=str(tmp_path), block_size=4, num_draft_layers=1, mask_token_id=MASK_ID, num_anchors=4,
