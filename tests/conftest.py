@@ -1,8 +1,12 @@
-"""Suite-wide fixtures and set-up for the three tiers (`unit/`, `integration/`, `gpu/`).
+"""Suite-wide fixtures and set-up.
 
-`tests/` is put on `sys.path` so every tier imports the shared helpers as `from utils import ...` (and
-`dist_train`); scripts that a test starts as a separate process (torchrun workers, `python FILE`) insert it
-themselves.
+The tests come in three tiers: `unit/` (pure functions: no Trainer or CLI run, no other process;
+`unit/test_layout.py` checks), `integration/` (Trainer, CLI, torchrun and subprocess runs, fault injection) and
+`gpu/` (marked `gpu`, skipped without CUDA). Tests over 10 s on 2 CPU cores are marked `slow`. Shared helpers
+(batches, argument and trainer factories) live in `utils.py`, shared fixtures here.
+
+`tests/` is put on `sys.path` so every tier imports the helpers as `from utils import ...` (and `dist_train`);
+scripts that a test starts as a separate process (torchrun workers, `python FILE`) insert it themselves.
 """
 
 from __future__ import annotations
