@@ -2,7 +2,7 @@
 
 The tests come in three tiers: `unit/` (pure functions: no Trainer or CLI run, no other process;
 `unit/test_layout.py` checks), `integration/` (Trainer, CLI, torchrun and subprocess runs, fault injection) and
-`gpu/` (marked `gpu`, skipped without CUDA). Tests over 10 s on 2 CPU cores are marked `slow`. Shared helpers
+`gpu/` (marked `gpu`, skipped without CUDA). Tests over 5 s on 2 CPU cores are marked `slow`. Shared helpers
 (batches, argument and trainer factories) live in `utils.py`, shared fixtures here.
 
 `tests/` is put on `sys.path` so every tier imports the helpers as `from utils import ...` (and `dist_train`);

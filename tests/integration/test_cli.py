@@ -238,6 +238,7 @@ def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, 
         assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts
 
 
+@pytest.mark.slow  # a fresh interpreter per command: up to ~11 s
 @pytest.mark.parametrize("module", ["dflash_hf.cli.train", "dflash_hf.cli.eval", "dflash_hf.cli.generate_labels",
                                     "dflash_hf.demo"])
 def test_python_dash_m_runs_the_command(module):

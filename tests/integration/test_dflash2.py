@@ -329,6 +329,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter loads the export: ~10 s
 def test_export_contract_and_remote_code_round_trip(tmp_path):
     tcfg = text_config()
     v1, v2 = paired_drafts(tcfg, mask_id=262)

@@ -18,7 +18,7 @@ import torch
 from dist_train import MAX_STEPS, train_case
 from utils import TESTS_DIR
 
-pytestmark = pytest.mark.slow  # one torchrun launch shared by the module: ~20 s on 2 cores
+pytestmark = pytest.mark.slow  # one torchrun launch shared by the module: 14-20 s on 2 cores
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 TIMEOUT_S = 240  # a hung collective (a rank without anchors skipping the all-reduce) fails here
 

@@ -96,7 +96,7 @@ def uninterrupted_dflash_train(root: Path) -> None:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.slow  # five dflash-train runs: ~60 s on 2 cores
+@pytest.mark.slow  # five dflash-train runs: 30-60 s on 2 cores
 def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_for_bit(assets, tmp_path):
     ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
     uninterrupted_dflash_train(ref_root)

@@ -329,7 +329,7 @@ def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monk
 DDP_TIMEOUT_S = 240
 
 
-@pytest.mark.slow  # a torchrun launch of two ranks: ~18 s on 2 cores
+@pytest.mark.slow  # a torchrun launch of two ranks: 15-18 s on 2 cores
 def test_ddp_speech_resume_past_the_first_epoch_is_exact(tmp_path):
     tiny.synthesize_speech(tmp_path / "speech", 12, seed=0)  # once, before the ranks read it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
