@@ -1,6 +1,12 @@
 """Tiny random targets, an in-process byte-level tokenizer and synthetic speech.
 
-Everything here is built in-process from configs (no downloads), so tests and the demo run offline:
+Everything here is built in-process from configs (no downloads), so tests and the demo run offline.
+
+It ships inside the package, not under ``tests/``, because ``dflash-demo`` (:mod:`dflash_hf.demo`) needs it on an
+installed package without the repository: the demo trains against :func:`build_qwen3_asr_target` with
+:func:`build_tokenizer`'s mask token on :func:`synthesize_speech` utterances. The other builders (text and Whisper
+targets, :func:`save_tiny_target`, :func:`sharpen`) serve only the tests; they stay beside the shared tokenizer,
+special tokens and config helpers so that tests and demo build their targets one way.
 
 - :func:`build_tokenizer`: byte-level BPE (256 byte tokens, no merges) plus Qwen-style special tokens and a
   Qwen-style chat template that renders audio content items as ``<|audio_start|><|audio_pad|><|audio_end|>``

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset
 
 from dflash_hf import DFlashConfig, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
+from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding
+from dflash_hf.target import FrozenTarget
+
+TESTS_DIR = Path(__file__).resolve().parent
+"""`tests/`: the shared helpers and the scripts that tests launch (`dist_train.py`)."""
+REPO_ROOT = TESTS_DIR.parent
+"""The repository checkout (examples, scripts, README and CI files are read from it)."""
 
 
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
@@ -91,17 +102,17 @@ def make_args(tmp_path, **kw) -> DFlashTrainingArguments:
     return DFlashTrainingArguments(**base)
 
 
-def make_trainer(tmp_path, model, tok, rows, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
-    """A trainer on hand-built text rows (right padding); `kw` are DFlashTrainingArguments fields."""
-    kw.setdefault("mask_token_id", tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+def make_trainer(tmp_path, model, tok=None, rows=None, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
+    """A trainer on hand-built text rows (right padding), or without training data when `rows` is None; `kw` are
+    `make_args` fields (`mask_token_id` defaults to `tok`'s mask token)."""
+    if "mask_token_id" not in kw:
+        kw["mask_token_id"] = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    data = {}
+    if rows is not None:
+        collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
+        data = dict(train_dataset=ListDataset(rows, repeat), data_collator=collate)
     torch.manual_seed(0)
-    return DFlashTrainer(
-        model=draft,
-        args=make_args(tmp_path, **kw),
-        target=model,
-        train_dataset=ListDataset(rows, repeat),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+    return DFlashTrainer(model=draft, args=make_args(tmp_path, **kw), target=model, **data)
 
 
 def assert_lossless_greedy(draft, model, num_prompts: int, max_new_tokens: int) -> None:
@@ -114,3 +125,42 @@ def assert_lossless_greedy(draft, model, num_prompts: int, max_new_tokens: int) 
         out = speculative_generate(draft, model, max_new_tokens, input_ids=prompt, attention_mask=am)
         assert torch.equal(out.sequences, ref), seed
         assert all(1 <= a <= block for a in out.acceptance_lengths)
+
+
+def mixed_padding_batch(tok, padding_side: str) -> dict:
+    """Three random rows plus one with an empty prompt (its first real token supervised), padded on `padding_side`."""
+    rows = random_rows(3, 256, prompt_len=(4, 9), resp_len=(8, 20), seed=11)
+    rows.append(([], rows[0][1][:12]))  # first real token supervised: its predecessor is padding or nothing
+    return text_batch(rows, tok.pad_token_id, padding_side)
+
+
+def row_inputs(ft: FrozenTarget, batch: dict):
+    """Final-normed states and row-coordinate ids / loss mask / doc ids, as `DFlashObjective.loss`
+    prepares them (leading padding moved to the end)."""
+    feats = ft.capture(batch, [1], keep_final=True)
+    packed = "cu_seqlens" in batch
+    am = batch["attention_mask"]
+    shifts = torch.zeros(am.shape[0], dtype=torch.long) if packed else leading_padding(am)
+    am_rows = move_leading_padding(am, shifts)
+    final = move_leading_padding(feats.final_hidden, shifts)
+    ids = move_leading_padding(batch["input_ids"], shifts)
+    loss_mask = move_leading_padding(batch["loss_mask"].bool(), shifts) & am_rows.bool()
+    doc_ids = doc_ids_from(am_rows, batch.get("position_ids") if packed else None)
+    return final, ids, loss_mask, doc_ids, shifts
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest freshly allocated tensor (in elements) produced by any op; views of existing
+    storage do not count."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out

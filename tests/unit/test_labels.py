@@ -3,27 +3,13 @@ and right padding and packed documents, independent of the chunk size, without `
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from utils import random_rows, text_batch, tiny_text_target
+from utils import LargestAllocation, mixed_padding_batch, row_inputs
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
-from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding
+from dflash_hf.blocks import move_leading_padding
 from dflash_hf.target import FrozenTarget
 
 MASK_ID = 262
-
-
-@pytest.fixture(scope="module")
-def target():
-    model, tok = tiny_text_target(num_layers=4, hidden_size=64, seed=3)
-    return model, tok
-
-
-def _batch(tok, padding_side: str) -> dict:
-    rows = random_rows(3, 256, prompt_len=(4, 9), resp_len=(8, 20), seed=11)
-    rows.append(([], rows[0][1][:12]))  # first real token supervised: its predecessor is padding or nothing
-    return text_batch(rows, tok.pad_token_id, padding_side)
 
 
 def _packed_batch(pad_id: int) -> tuple[dict, list[int]]:
@@ -91,32 +77,17 @@ def reference_labels(model, batch: dict) -> torch.Tensor:
     return ref
 
 
-def _row_inputs(ft: FrozenTarget, batch: dict):
-    """Final-normed states and row-coordinate ids / loss mask / doc ids, as `DFlashObjective.loss`
-    prepares them (leading padding moved to the end)."""
-    feats = ft.capture(batch, [1], keep_final=True)
-    packed = "cu_seqlens" in batch
-    am = batch["attention_mask"]
-    shifts = torch.zeros(am.shape[0], dtype=torch.long) if packed else leading_padding(am)
-    am_rows = move_leading_padding(am, shifts)
-    final = move_leading_padding(feats.final_hidden, shifts)
-    ids = move_leading_padding(batch["input_ids"], shifts)
-    loss_mask = move_leading_padding(batch["loss_mask"].bool(), shifts) & am_rows.bool()
-    doc_ids = doc_ids_from(am_rows, batch.get("position_ids") if packed else None)
-    return final, ids, loss_mask, doc_ids, shifts
-
-
 @pytest.mark.parametrize("layout", ["left", "right", "packed"])
-def test_argmax_labels_match_full_logit_reference(target, layout):
-    model, tok = target
+def test_argmax_labels_match_full_logit_reference(text_target_4x64, layout):
+    model, tok = text_target_4x64
     if layout == "packed":
         batch, docs = _packed_batch(tok.pad_token_id)
         assert _row_docs(batch)[0] == docs
     else:
-        batch = _batch(tok, layout)
+        batch = mixed_padding_batch(tok, layout)
     ft = FrozenTarget(model)
     ref = reference_labels(model, batch)
-    final, ids, loss_mask, doc_ids, shifts = _row_inputs(ft, batch)
+    final, ids, loss_mask, doc_ids, shifts = row_inputs(ft, batch)
     assert bool(shifts.any()) == (layout == "left")
     ref_rows = move_leading_padding(ref, shifts)
     outs = [ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=c) for c in (1, 7, 128)]
@@ -134,29 +105,12 @@ def test_argmax_labels_match_full_logit_reference(target, layout):
         assert loss_mask[3, 0] and outs[0][3, 0] == ids[3, 0]
 
 
-class LargestAllocation(TorchDispatchMode):
-    """Records the largest freshly allocated tensor (in elements) produced by any op; views of existing
-    storage do not count."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        seen = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("chunk", [1, 7, 128])
-def test_argmax_labels_never_allocate_sequence_logits(target, chunk):
-    model, tok = target
-    batch = _batch(tok, "left")
+def test_argmax_labels_never_allocate_sequence_logits(text_target_4x64, chunk):
+    model, tok = text_target_4x64
+    batch = mixed_padding_batch(tok, "left")
     ft = FrozenTarget(model)
-    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, batch)
+    final, ids, loss_mask, doc_ids, _ = row_inputs(ft, batch)
     vocab = ft.vocab_size
     with LargestAllocation() as probe:
         ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=chunk)
@@ -168,10 +122,10 @@ def test_argmax_labels_never_allocate_sequence_logits(target, chunk):
     assert control.largest == final.shape[0] * final.shape[1] * vocab
 
 
-def test_capture_does_not_compute_sequence_logits(target):
+def test_capture_does_not_compute_sequence_logits(text_target_4x64):
     """The target forward itself keeps only the last position's logits (`logits_to_keep=1`)."""
-    model, tok = target
-    batch = _batch(tok, "right")
+    model, tok = text_target_4x64
+    batch = mixed_padding_batch(tok, "right")
     ft = FrozenTarget(model)
     shapes = []
     handle = ft.lm_head.register_forward_hook(lambda _m, _a, out: shapes.append(tuple(out.shape)))
@@ -182,10 +136,10 @@ def test_capture_does_not_compute_sequence_logits(target):
     assert shapes == [(batch["input_ids"].shape[0], 1, ft.vocab_size)]
 
 
-def test_chunk_size_zero_is_refused(target, tmp_path):
-    model, tok = target
+def test_chunk_size_zero_is_refused(text_target_4x64, tmp_path):
+    model, tok = text_target_4x64
     ft = FrozenTarget(model)
-    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, _batch(tok, "right"))
+    final, ids, loss_mask, doc_ids, _ = row_inputs(ft, mixed_padding_batch(tok, "right"))
     with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
         ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=0)
     with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
@@ -195,10 +149,10 @@ def test_chunk_size_zero_is_refused(target, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["left", "packed"])
-def test_trainer_draft_forward_uses_reference_labels(target, tmp_path, layout):
+def test_trainer_draft_forward_uses_reference_labels(text_target_4x64, tmp_path, layout):
     """End to end through `DFlashObjective.loss` (target forward, row handling, labels)."""
-    model, tok = target
-    batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else _batch(tok, "left")
+    model, tok = text_target_4x64
+    batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else mixed_padding_batch(tok, "left")
     args = DFlashTrainingArguments(
         output_dir=str(tmp_path), block_size=4, num_draft_layers=1, mask_token_id=MASK_ID, num_anchors=4,
         attention_backend="sdpa", target_argmax_chunk_size=5, report_to="none", use_cpu=True,

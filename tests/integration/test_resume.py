@@ -1,7 +1,7 @@
 """Resume and reproducibility: exact resume at any step (lhotse padded / packed, workers, HF datasets, 2 DDP
 ranks), --seed, the resume flag, complete-only checkpoints, a full disk, one final evaluation.
 
-Run as `torchrun --nproc_per_node 2 tests/test_resume.py OUT_DIR` it is the DDP worker of
+Run as `torchrun --nproc_per_node 2 tests/integration/test_resume.py OUT_DIR` it is the DDP worker of
 `test_ddp_speech_resume_past_the_first_epoch_is_exact`.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when torchrun starts this file
 
 from utils import ListDataset, make_args, random_rows, text_batch, tiny_text_target  # noqa: E402
 
@@ -329,6 +329,7 @@ def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monk
 DDP_TIMEOUT_S = 240
 
 
+@pytest.mark.slow  # a torchrun launch of two ranks: 15-18 s on 2 cores
 def test_ddp_speech_resume_past_the_first_epoch_is_exact(tmp_path):
     tiny.synthesize_speech(tmp_path / "speech", 12, seed=0)  # once, before the ranks read it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,

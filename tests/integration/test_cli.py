@@ -16,7 +16,7 @@ import huggingface_hub
 import pytest
 import torch
 from transformers import TrainingArguments
-from utils import make_args, tiny_draft_config
+from utils import REPO_ROOT, make_args, tiny_draft_config
 
 from dflash_hf import DFlashDraftModel, arguments, configuration_dflash
 from dflash_hf.cli import console, options
@@ -24,8 +24,6 @@ from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import add_config_option
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.training_args import DFlashDataArguments
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _help() -> str:
@@ -74,8 +72,8 @@ def test_light_constants_mirror_the_config_module():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + str(ROOT / "tests")}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + str(REPO_ROOT / "tests")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO_ROOT)
 
 
 def test_help_and_argument_errors_do_not_load_torch(tmp_path):
@@ -235,17 +233,18 @@ def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, 
     assert console.run_command("dflash-demo", ["--config", missing]) == 2
     assert f"dflash-demo: error: --config {missing} does not exist" in capsys.readouterr().err
     assert set(console.COMMANDS) == {"dflash-train", "dflash-eval", "dflash-generate-labels", "dflash-demo"}
-    scripts = (ROOT / "pyproject.toml").read_text()
+    scripts = (REPO_ROOT / "pyproject.toml").read_text()
     for prog, function in (("dflash-train", "train"), ("dflash-eval", "evaluate"),
                            ("dflash-generate-labels", "generate_labels"), ("dflash-demo", "demo")):
         assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts
 
 
+@pytest.mark.slow  # a fresh interpreter per command: up to ~11 s
 @pytest.mark.parametrize("module", ["dflash_hf.cli.train", "dflash_hf.cli.eval", "dflash_hf.cli.generate_labels",
                                     "dflash_hf.demo"])
 def test_python_dash_m_runs_the_command(module):
     """`python -m MODULE` (how benchmarks and devices without console scripts run them) must run the command:
     an unknown option is an argument error (exit 2), not a silent exit 0."""
     proc = subprocess.run([sys.executable, "-m", module, "--no_such_option_xyz"], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from utils import random_rows, text_batch, tiny_text_target
+from utils import make_trainer, random_rows, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.adaptation import SELECTION_FILE
@@ -41,26 +41,13 @@ def setup_dflash2(setup, tmp_path_factory):
 
 
 def _trainer(setup, out: Path, **overrides) -> DFlashTrainer:
+    """`make_trainer`: a block-16 warm start from the setup's export, its mask token taken from the export."""
     model, tok, base, rows = setup
     kwargs = dict(
-        output_dir=str(out),
-        init_from_pretrained=str(base),
-        block_size=16,
-        max_steps=3,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        num_anchors=4,
-        label_source="ground_truth",
-        attention_backend="sdpa",
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
+        output_dir=str(out), init_from_pretrained=str(base), mask_token_id=None, block_size=16, max_steps=3,
+        per_device_train_batch_size=2, learning_rate=1e-2, num_anchors=4,
     )
-    kwargs.update(overrides)
-    args = DFlashTrainingArguments(**kwargs)
-    return DFlashTrainer(
-        args=args, target=model, train_dataset=rows, data_collator=lambda b: text_batch(b, tok.pad_token_id)
-    )
+    return make_trainer(out, model, tok, rows, **(kwargs | overrides))
 
 
 def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from utils import random_rows, text_batch, tiny_text_target
+from utils import make_args, make_trainer, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import valid_anchor_mask
@@ -53,20 +53,23 @@ def _text_docs(tok, n=3, seed=0):
     return random_rows(n, 256, prompt_len=(4, 9), resp_len=(8, 16), seed=seed)
 
 
-def _args(tmp_path, mask_id, packing: bool, **kw) -> DFlashTrainingArguments:
+def _fields(tmp_path, mask_id, packing: bool, **kw) -> dict:
+    """`make_args` fields of these comparisons: a 1-layer draft, every anchor taken, target-argmax labels."""
     base = dict(
-        output_dir=str(tmp_path / f"out{int(packing)}"), mask_token_id=mask_id, block_size=4, num_draft_layers=1,
-        num_anchors=512, anchor_pad_multiple=1, label_source="target_argmax", save_strategy="no", use_cpu=True,
-        report_to="none", disable_tqdm=True, attention_backend="sdpa", seed=0, packing=packing,
+        output_dir=str(tmp_path / f"out{int(packing)}"), mask_token_id=mask_id, num_draft_layers=1, num_anchors=512,
+        anchor_pad_multiple=1, label_source="target_argmax", packing=packing,
         packing_max_tokens=4096 if packing else None,
     )
-    base.update(kw)
-    return DFlashTrainingArguments(**base)
+    return base | kw
+
+
+def _args(tmp_path, mask_id, packing: bool, **kw) -> DFlashTrainingArguments:
+    return make_args(tmp_path, **_fields(tmp_path, mask_id, packing, **kw))
 
 
 def _trainer(tmp_path, target_model, mask_id, packing, draft=None, **kw) -> DFlashTrainer:
-    torch.manual_seed(0)
-    return DFlashTrainer(model=draft, args=_args(tmp_path, mask_id, packing, **kw), target=target_model)
+    """`make_trainer` without training data (the tests feed batches to the objective) on `_args`' fields."""
+    return make_trainer(tmp_path, target_model, draft=draft, **_fields(tmp_path, mask_id, packing, **kw))
 
 
 # ---------------------------------------------------------------------------------------------- collator

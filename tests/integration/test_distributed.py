@@ -12,16 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from dist_train import MAX_STEPS, train_case
+from utils import TESTS_DIR
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dist_train import MAX_STEPS, train_case  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # one torchrun launch shared by the module: 14-20 s on 2 cores
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
 TIMEOUT_S = 240  # a hung collective (a rank without anchors skipping the all-reduce) fails here
 
@@ -31,7 +28,7 @@ def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "dist_train.py"), str(out),
+        str(TESTS_DIR / "dist_train.py"), str(out),
         "ddp_b2:2:1:all",  # 2 ranks x batch 2
         "ddp_ga2:1:2:all",  # 2 ranks x batch 1 x 2 accumulation steps
         "ddp_empty:1:1:half_empty",  # 2 ranks x batch 1; rank with the empty row has no valid anchor

@@ -4,13 +4,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from dflash_hf import tiny
 from dflash_hf.data import BadSampleError, build_train_dataloader, load_cut_audio, open_source
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
 
 
 @pytest.fixture()
@@ -30,10 +24,10 @@ def _write(root, lines, bad_line):
     return path
 
 
-def _check(target, root, lines, bad_line, pattern, **kw):
+def _check(asr_target, root, lines, bad_line, pattern, **kw):
     """Strict mode raises a message matching ``pattern`` (cut id + field + fix) before any batch is made;
     skip mode drops exactly the bad line, counts it and names it."""
-    model, processor = target
+    model, processor = asr_target
     manifest = _write(root, lines, bad_line)
     with pytest.raises(BadSampleError, match=pattern) as info:
         build_train_dataloader(manifest, processor, model.config, max_tokens=400, **kw)
@@ -46,55 +40,55 @@ def _check(target, root, lines, bad_line, pattern, **kw):
     assert f"skipped 1 bad samples: {row}" in loader.bad_samples.summary()
 
 
-def test_missing_audio(target, good):
+def test_missing_audio(asr_target, good):
     root, lines = good
-    _check(target, root, lines, {"audio_filepath": "nope.wav", "duration": 1.0, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "nope.wav", "duration": 1.0, "text": "x"},
            r"'audio_filepath'.*does not exist")
 
 
-def test_unreadable_audio(target, good):
+def test_unreadable_audio(asr_target, good):
     root, lines = good
     (root / "junk.wav").write_bytes(b"this is not audio at all" * 10)
-    _check(target, root, lines, {"audio_filepath": "junk.wav", "duration": 1.0, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "junk.wav", "duration": 1.0, "text": "x"},
            r"'audio_filepath'.*unreadable")
 
 
-def test_empty_text_and_missing_text(target, good):
+def test_empty_text_and_missing_text(asr_target, good):
     root, lines = good
-    _check(target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.0, "text": ""}, r"'text'.*empty")
-    _check(target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.0}, r"'text'.*missing")
+    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.0, "text": ""}, r"'text'.*empty")
+    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.0}, r"'text'.*missing")
 
 
-def test_invalid_json_line(target, good):
+def test_invalid_json_line(asr_target, good):
     root, lines = good
-    _check(target, root, lines, "{not json", r"'<line>'.*not valid JSON")
+    _check(asr_target, root, lines, "{not json", r"'<line>'.*not valid JSON")
 
 
-def test_duration_and_offset_outside_file(target, good):
+def test_duration_and_offset_outside_file(asr_target, good):
     root, lines = good
-    _check(target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.5, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.5, "text": "x"},
            r"'duration'.*runs past the end")
-    _check(target, root, lines, {"audio_filepath": "g0.wav", "offset": 0.8, "duration": 0.5, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "offset": 0.8, "duration": 0.5, "text": "x"},
            r"'duration'.*runs past the end")
-    _check(target, root, lines, {"audio_filepath": "g0.wav", "offset": 2.0, "duration": 0.5, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "offset": 2.0, "duration": 0.5, "text": "x"},
            r"'offset'.*outside")
 
 
-def test_rounded_duration_within_tolerance_is_clipped(target, good):
+def test_rounded_duration_within_tolerance_is_clipped(asr_target, good):
     root, lines = good
-    model, processor = target
+    model, processor = asr_target
     manifest = _write(root, lines, {"audio_filepath": "g0.wav", "duration": 1.02, "text": "x"})
     loader = build_train_dataloader(manifest, processor, model.config, max_tokens=400, max_batch_size=1,
                                     shuffle=False)
     assert sum(len(b["input_ids"]) for b in loader) == 4 and loader.bad_samples.num_skipped == 0
 
 
-def test_sample_rate_mismatch_refused_or_resampled(target, good):
+def test_sample_rate_mismatch_refused_or_resampled(asr_target, good):
     root, lines = good
     t = np.arange(8000) / 8000
     sf.write(root / "low.wav", (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 8000)
     bad_line = {"audio_filepath": "low.wav", "duration": 1.0, "text": "x"}
-    _check(target, root, lines, bad_line, r"'sampling_rate'.*8000 Hz", resample_audio=False)
+    _check(asr_target, root, lines, bad_line, r"'sampling_rate'.*8000 Hz", resample_audio=False)
     cut = next(iter(open_source(_write(root, lines, bad_line))))
     audio = load_cut_audio(cut, 16000)
     assert audio.shape == (16000,)
@@ -102,10 +96,10 @@ def test_sample_rate_mismatch_refused_or_resampled(target, good):
     assert abs(np.argmax(spectrum) - 440) <= 1  # 1 Hz bins over 1 s: the tone survives resampling
 
 
-def test_sample_longer_than_budget(target, good):
+def test_sample_longer_than_budget(asr_target, good):
     root, lines = good
     sf.write(root / "long.wav", np.zeros(16000 * 40, dtype=np.float32), 16000)
-    _check(target, root, lines, {"audio_filepath": "long.wav", "duration": 40.0, "text": "x"},
+    _check(asr_target, root, lines, {"audio_filepath": "long.wav", "duration": 40.0, "text": "x"},
            r"'duration'.*decoder tokens.*max_tokens=400")
 
 

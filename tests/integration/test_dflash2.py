@@ -10,14 +10,13 @@ import sys
 import sysconfig
 import textwrap
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from utils import assert_lossless_greedy, make_trainer, text_batch, tiny_text_target
+from utils import REPO_ROOT, assert_lossless_greedy, make_trainer, text_batch, tiny_text_target
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments, tiny
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
@@ -25,7 +24,6 @@ from dflash_hf.hub import load_draft_strict
 from dflash_hf.losses import MetricSums, block_loss, dflash2_block_loss
 from dflash_hf.speculative import accept_tokens
 
-REPO = Path(__file__).resolve().parents[1]
 DFLASH2_ONLY = ("attention_conv.", "mlp_conv.", "candidate_selector.")
 
 
@@ -331,6 +329,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter loads the export: ~10 s
 def test_export_contract_and_remote_code_round_trip(tmp_path):
     tcfg = text_config()
     v1, v2 = paired_drafts(tcfg, mask_id=262)
@@ -386,7 +385,7 @@ def test_export_contract_and_remote_code_round_trip(tmp_path):
 
 
 def test_conversion_script_bootstraps_identity_dflash2(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
     try:
         from convert_dflash_to_dflash2 import main
     finally:

@@ -206,6 +206,7 @@ def test_loss_invariant_to_micro_batch_split(tmp_path):
             torch.testing.assert_close(grads[k], ref[k], atol=1e-6, rtol=1e-4, msg=f"{k} ({bs}x{acc})")
 
 
+@pytest.mark.slow  # overfits to accept full blocks: ~8-10 s
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_overfit_one_sequence_then_accept_full_blocks(tmp_path, variant):
     """The classic-bug gate: labels shifted by one, `<=` in the context mask, wrong RoPE positions, a

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 from transformers import WhisperConfig, WhisperForConditionalGeneration
+from utils import REPO_ROOT
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "real_targets.py"
+_PATH = REPO_ROOT / "benchmarks" / "real_targets.py"
 _spec = importlib.util.spec_from_file_location("real_targets", _PATH)
 rt = importlib.util.module_from_spec(_spec)
 sys.modules["real_targets"] = rt

@@ -17,11 +17,6 @@ from dflash_hf.families import resolve_family
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     return {fmt: tiny.synthesize_speech(root / fmt, 10, seed=i, fmt=fmt) for i, fmt in enumerate(("wav", "flac"))}
@@ -36,8 +31,8 @@ def _ids(tok, s):
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac"])
-def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, target, fmt):
-    model, processor = target
+def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, asr_target, fmt):
+    model, processor = asr_target
     tok = processor.tokenizer
     audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
     sf.write(tmp_path / f"a.{fmt}", audio, 16000)
@@ -73,8 +68,8 @@ def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, target, fmt):
         model(**{k: v for k, v in batch.items() if k != "loss_mask"})
 
 
-def test_batches_follow_token_budget_padding_side_and_target_forward(target, corpus):
-    model, processor = target
+def test_batches_follow_token_budget_padding_side_and_target_forward(asr_target, corpus):
+    model, processor = asr_target
     loader = build_train_dataloader([corpus["wav"], corpus["flac"]], processor, model.config, max_tokens=160,
                                     seed=3)
     batches = _all_batches(loader)
@@ -93,8 +88,8 @@ def test_batches_follow_token_budget_padding_side_and_target_forward(target, cor
     assert (sup == processor.tokenizer.eos_token_id).sum() == len(b["input_ids"])  # one closing token per row
 
 
-def test_deterministic_seed_and_rank_sharding(target, corpus):
-    model, processor = target
+def test_deterministic_seed_and_rank_sharding(asr_target, corpus):
+    model, processor = asr_target
 
     def ids(**kw):
         loader = build_train_dataloader(corpus["wav"], processor, model.config, max_tokens=160, **kw)
@@ -108,8 +103,8 @@ def test_deterministic_seed_and_rank_sharding(target, corpus):
         ids(world_size=2, rank=2)
 
 
-def test_resume_mid_epoch_restores_position(target, corpus):
-    model, processor = target
+def test_resume_mid_epoch_restores_position(asr_target, corpus):
+    model, processor = asr_target
     kw = dict(max_tokens=120, seed=5)
     reference = _all_batches(build_train_dataloader(corpus["flac"], processor, model.config, **kw))
     assert len(reference) >= 4
@@ -130,10 +125,10 @@ def test_resume_mid_epoch_restores_position(target, corpus):
     assert [b["input_ids"].tolist() for b in epoch1] != [b["input_ids"].tolist() for b in reference]
 
 
-def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, target, corpus):
+def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, asr_target, corpus):
     from datasets import Dataset
 
-    model, processor = target
+    model, processor = asr_target
     lines = [json.loads(x) for x in corpus["wav"].read_text().splitlines()][:3]
     paths = [str(corpus["wav"].parent / x["audio_filepath"]) for x in lines]
     ds_paths = Dataset.from_dict({"audio": paths, "text": [x["text"] for x in lines]})
@@ -156,8 +151,8 @@ def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, target, corpus):
     assert len(texts) == 13 and sum("Ctx" in t for t in texts) == 3
 
 
-def test_lhotse_cutset_file_is_read_lazily(tmp_path, target, corpus):
-    model, processor = target
+def test_lhotse_cutset_file_is_read_lazily(tmp_path, asr_target, corpus):
+    model, processor = asr_target
     cuts = open_source(corpus["wav"]).to_eager()
     cuts.to_file(tmp_path / "cuts.jsonl.gz")
     lazy = open_source(tmp_path / "cuts.jsonl.gz")
@@ -181,8 +176,8 @@ def test_text_family_loader(tmp_path):
     assert tok.decode(b["input_ids"][1][b["loss_mask"][1]]) == "six<|im_end|>"
 
 
-def test_skip_summary_and_num_workers(tmp_path, target, corpus):
-    model, processor = target
+def test_skip_summary_and_num_workers(tmp_path, asr_target, corpus):
+    model, processor = asr_target
     lines = corpus["wav"].read_text().splitlines()
     bad = json.loads(lines[0])
     bad["text"] = "  "

@@ -11,14 +11,13 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
-from utils import ListDataset, random_rows, text_batch, tiny_text_target
+from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, tiny_text_target
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
 from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
 from dflash_hf.evaluation import prompt_inputs
 from dflash_hf.validation import VALIDATION_METRICS_FILE, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 4
 
 
@@ -28,15 +27,13 @@ def target():
 
 
 def _args(out: Path, tok, **kw) -> DFlashTrainingArguments:
+    """`make_args` with this file's run: output in `out`, a 1-layer draft, 3 steps, target-argmax labels."""
     base = dict(
         output_dir=str(out), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), block_size=BLOCK,
         num_draft_layers=1, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=3,
-        num_anchors=8, save_strategy="no", use_cpu=True, report_to="none", disable_tqdm=True,
-        attention_backend="sdpa", label_source="target_argmax", target_argmax_chunk_size=16, seed=0,
-        learning_rate=3e-3,
+        num_anchors=8, label_source="target_argmax", target_argmax_chunk_size=16, learning_rate=3e-3,
     )
-    base.update(kw)
-    return DFlashTrainingArguments(**base)
+    return make_args(out, **(base | kw))
 
 
 def _data(tok):
@@ -134,7 +131,7 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(logged, rel=1e-5)
 
-    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "scripts" / "plot_training.py")
+    spec = importlib.util.spec_from_file_location("plot_training", REPO_ROOT / "scripts" / "plot_training.py")
     plot_training = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_training)
     assert plot_training.main([str(logdir), "--out_dir", str(tmp_path / "tb_plots")]) == 0

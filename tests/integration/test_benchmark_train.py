@@ -2,11 +2,11 @@
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from utils import REPO_ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_train.py"
+SCRIPT = REPO_ROOT / "scripts" / "benchmark_train.py"
 FIELDS = {
     "shape", "mode", "config", "seq_len", "num_anchors", "blocks", "visible_pairs", "ms_per_step", "plan_ms",
     "tokens_per_s", "block_tokens_per_s", "model_tflop_per_step", "flops", "tflops", "mfu", "peak_gib",

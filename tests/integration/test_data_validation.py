@@ -32,11 +32,6 @@ def root(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
-
-
 def _manifest(root, name: str, bad: bytes, good=GOOD) -> str:
     """Good lines then ``bad`` as the last line (line len(good) + 1)."""
     path = root / name
@@ -93,10 +88,10 @@ def test_bad_nemo_row_is_named_at_open_or_skipped_and_counted(root, bad, field, 
     assert bad_samples.num_skipped == 1 and f"line 4): field {field!r}" in next(iter(bad_samples.skipped.values()))
 
 
-def test_malformed_rows_are_refused_before_training_even_past_the_bucket_estimate(root, target):
+def test_malformed_rows_are_refused_before_training_even_past_the_bucket_estimate(root, asr_target):
     """The up-front scan sees every row: a bad last row fails building the loader although the bucket estimate
     reads only the first cut and packing reads none."""
-    model, processor = target
+    model, processor = asr_target
     path = _manifest(root, "late.json", _row({**LINE, "text": 7}))
     for kw in ({"num_cuts_for_bins_estimate": 1}, {"packing": True}):
         with pytest.raises(BadSampleError, match=r"late.json line 4\): field 'text'"):
@@ -114,8 +109,8 @@ CUT_ROWS = [
 
 
 @pytest.mark.parametrize(("bad", "field", "problem"), CUT_ROWS, ids=[f for _, f, _ in CUT_ROWS])
-def test_bad_cut_names_the_right_field(root, target, bad, field, problem):
-    model, processor = target
+def test_bad_cut_names_the_right_field(root, asr_target, bad, field, problem):
+    model, processor = asr_target
     path = _manifest(root, "c.json", bad)
     with pytest.raises(BadSampleError) as info:
         build_train_dataloader(path, processor, model.config, max_tokens=400)
@@ -188,8 +183,8 @@ def test_bad_lhotse_cut_lines(root):
         assert [c.id for c in open_source(path, bad_samples)] == ["c0", "c1", "c2"] and bad_samples.num_skipped == 1
 
 
-def test_lhotse_supervision_text_that_is_not_a_string(root, target):
-    model, processor = target
+def test_lhotse_supervision_text_that_is_not_a_string(root, asr_target):
+    model, processor = asr_target
     cut = _cut_dict(root, 0, id="bad")
     cut["supervisions"][0]["text"] = 12
     path = _cuts_file(root, "text.jsonl", _row(cut))

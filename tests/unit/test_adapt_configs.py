@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import HfArgumentParser, get_scheduler
-from utils import tiny_draft_config
+from utils import REPO_ROOT, tiny_draft_config
 
 from dflash_hf import DFlashDraftModel, DFlashTrainingArguments
 from dflash_hf.cli.config import parse_with_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
+CONFIGS = REPO_ROOT / "examples" / "configs"
 
 
 def _parse(name: str, *flags: str) -> DFlashTrainingArguments:

@@ -8,17 +8,17 @@ import re
 import shlex
 from pathlib import Path
 
+from utils import REPO_ROOT
+
 from dflash_hf import demo
 from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import parse_with_config
 from dflash_hf.hub import load_draft_strict
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def readme_snippet(heading: str) -> str:
     """The first python block of README's section `heading`."""
-    section = (ROOT / "README.md").read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    section = (REPO_ROOT / "README.md").read_text().split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

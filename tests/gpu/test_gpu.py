@@ -3,7 +3,7 @@
 - Compiled FlexAttention against the dense-mask SDPA path: the same draft, features, blocks and frozen lm_head
   are run with a FlexAttention `BlockMask` (compiled flex on CUDA) and with the dense boolean mask (SDPA); the
   loss and every draft gradient must agree. Run as a script to print the measured differences as JSON:
-  `python tests/test_gpu.py`.
+  `python tests/gpu/test_gpu.py`.
 - The draft side of a training micro-batch (target-argmax labels, blocks, mask, draft, loss, metrics, backward)
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
 """
@@ -11,10 +11,15 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when run as a script
+
 from utils import make_trainer, random_rows, text_batch, tiny_draft_config, tiny_text_target
 
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors

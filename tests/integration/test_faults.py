@@ -12,7 +12,7 @@ accumulation 2, so 3 optimizer steps per epoch; 8 steps; a checkpoint every 2 st
 
 The uninterrupted reference is the same `dflash-train` entry point run in the test process (one thread).
 
-Run as `python tests/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
+Run as `python tests/integration/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
 variable `DFLASH_TEST_KILL` (`micro:STEP:M`: before micro-batch M after optimizer step STEP; `save:STEP`:
 inside the save of checkpoint-STEP, right after its weights are written). The process dies by SIGKILL.
 """
@@ -96,6 +96,7 @@ def uninterrupted_dflash_train(root: Path) -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # five dflash-train runs: 30-60 s on 2 cores
 def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_for_bit(assets, tmp_path):
     ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
     uninterrupted_dflash_train(ref_root)

@@ -4,16 +4,15 @@ the training run's evaluation, quiet checkpoint saves, CPU threads, README's sni
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
+from utils import REPO_ROOT
 
 from dflash_hf import DFlashTrainingArguments, launch, tiny
 from dflash_hf.cli import train as cli_train
 from dflash_hf.mask_token import mask_token_candidates
 from dflash_hf.training_args import DFlashDataArguments
 
-ROOT = Path(__file__).resolve().parents[1]
 DEMO_MASK_ID = 262  # <|dflash_mask|> of the tiny tokenizer
 
 
@@ -161,23 +160,23 @@ def test_dflash_eval_bar_has_a_total_without_num_samples(tmp_path, capfd):
 
 
 def test_readme_installs_what_ci_tests():
-    readme = (ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
     setup = readme.split("## Set up on a new machine\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     commands = setup.strip().splitlines()
     assert len(commands) == 2  # install + demo, then the test suite
     install = re.search(r"pip install (-e \S+ -c requirements-ci\.txt)", commands[0])
     assert install, commands[0]
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert f"pip install -q {install.group(1)}" in ci  # CI installs with README's command
     assert "pip install torch==2.13.0" in commands[0] and "torch==2.13.0" in ci
-    pins = [line for line in (ROOT / "requirements-ci.txt").read_text().splitlines() if "==" in line]
+    pins = [line for line in (REPO_ROOT / "requirements-ci.txt").read_text().splitlines() if "==" in line]
     assert any(p.startswith("transformers==") for p in pins)
 
 
 def test_per_slot_accuracy_plot_draws_one_curve_per_logged_step(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_training", ROOT / "scripts" / "plot_training.py")
+    spec = importlib.util.spec_from_file_location("plot_training", REPO_ROOT / "scripts" / "plot_training.py")
     plot_training = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_training)
     steps = range(10, 210, 10)  # 20 training logs, 2 evaluations, block 16 (15 slots)

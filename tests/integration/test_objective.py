@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_labels import LargestAllocation, _batch, _row_inputs
-from utils import make_trainer, random_rows, text_batch, tiny_text_target
+from utils import (
+    REPO_ROOT,
+    LargestAllocation,
+    make_trainer,
+    mixed_padding_batch,
+    random_rows,
+    row_inputs,
+    text_batch,
+    tiny_text_target,
+)
 
 from dflash_hf import DFlashTrainingArguments
 from dflash_hf.blocks import slot_decay
@@ -22,16 +30,11 @@ from dflash_hf.losses.common import slot_cross_entropy
 from dflash_hf.losses.dpace import dpace_weights
 from dflash_hf.target import FrozenTarget
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dflash_hf"
+PACKAGE = REPO_ROOT / "dflash_hf"
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_text_target(num_layers=4, hidden_size=64, seed=3)
-
-
-def _trainer(tmp_path, target, **kw):
-    model, tok = target
+def _trainer(tmp_path, text_target_4x64, **kw):
+    model, tok = text_target_4x64
     kw = dict(block_size=4, num_anchors=5, anchor_pad_multiple=1, label_source="target_argmax",
               use_fused_linear_ce=False) | kw
     return make_trainer(tmp_path, model, tok, random_rows(3, 250, seed=7), **kw)
@@ -66,12 +69,12 @@ def test_dpace_weights_closed_form():
     assert bool((w[:, 1:] <= w[:, :-1]).all())  # non-increasing along the block
 
 
-def test_dpace_loss_matches_reference(tmp_path, target):
+def test_dpace_loss_matches_reference(tmp_path, text_target_4x64):
     """Through the objective: loss_sum = Σ w·CE with D-PACE weights from the detached draft confidence, the
     denominator (planned and in the sums) = number of blocks; the default CE keeps the decay."""
-    model, tok = target
+    model, tok = text_target_4x64
     batch = text_batch(random_rows(3, 250, seed=8), tok.pad_token_id, "left")
-    trainer = _trainer(tmp_path, target, loss_type="dpace", dpace_alpha=0.3)
+    trainer = _trainer(tmp_path, text_target_4x64, loss_type="dpace", dpace_alpha=0.3)
     out, hidden = _run(trainer, batch)
     blocks = out.blocks
     logits = _slot_logits(hidden, blocks, trainer)
@@ -90,7 +93,7 @@ def test_dpace_loss_matches_reference(tmp_path, target):
     out.loss_sum.backward()
     assert all(p.grad is not None for p in trainer.model.parameters() if p.requires_grad)
 
-    ce_trainer = _trainer(tmp_path, target)
+    ce_trainer = _trainer(tmp_path, text_target_4x64)
     base, _ = _run(ce_trainer, batch)
     torch.testing.assert_close(base.weight_sum, (slot_decay(4, ce_trainer.objective.gamma) * blocks.valid).sum())
 
@@ -105,13 +108,13 @@ def test_soft_cross_entropy_with_one_hot_is_the_hard_ce():
                                                                                                    reduction="none"))
 
 
-def test_target_distribution_top1_equals_target_argmax(tmp_path, target):
+def test_target_distribution_top1_equals_target_argmax(tmp_path, text_target_4x64):
     """label_top_k=1 is the target_argmax CE: same labels, same loss and gradients."""
-    _, tok = target
+    _, tok = text_target_4x64
     batch = text_batch(random_rows(3, 250, seed=9), tok.pad_token_id, "right")
     runs = {}
     for source in ("target_argmax", "target_distribution"):
-        trainer = _trainer(tmp_path, target, label_source=source, label_top_k=1)
+        trainer = _trainer(tmp_path, text_target_4x64, label_source=source, label_top_k=1)
         out, _ = _run(trainer, batch)
         out.loss_sum.backward()
         runs[source] = (out, {k: p.grad.clone() for k, p in trainer.model.named_parameters()})
@@ -122,14 +125,14 @@ def test_target_distribution_top1_equals_target_argmax(tmp_path, target):
         torch.testing.assert_close(g_soft[k], g_hard[k], msg=k)
 
 
-def test_target_distribution_loss_matches_reference(tmp_path, target):
+def test_target_distribution_loss_matches_reference(tmp_path, text_target_4x64):
     """Slot k of the block at a learns the target's renormalized top-k distribution at a+k (from its final-normed
     state at a+k-1): loss_sum = Σ w · (-Σ_v p(v) log softmax(draft logits)(v)), by brute force."""
-    model, tok = target
+    model, tok = text_target_4x64
     batch = text_batch(random_rows(3, 250, seed=10), tok.pad_token_id, "left")
-    trainer = _trainer(tmp_path, target, label_source="target_distribution", label_top_k=3)
+    trainer = _trainer(tmp_path, text_target_4x64, label_source="target_distribution", label_top_k=3)
     out, hidden = _run(trainer, batch)
-    final, _, _, _, _ = _row_inputs(trainer.target, batch)
+    final, _, _, _, _ = row_inputs(trainer.target, batch)
     blocks, decay = out.blocks, slot_decay(4, trainer.objective.gamma)
     ref = 0.0
     for (r, n, k), z in _slot_logits(hidden, blocks, trainer).items():
@@ -140,11 +143,11 @@ def test_target_distribution_loss_matches_reference(tmp_path, target):
 
 
 @pytest.mark.parametrize("chunk", [1, 7])
-def test_target_distribution_is_chunked(target, chunk):
+def test_target_distribution_is_chunked(text_target_4x64, chunk):
     """No `[S, vocab]` tensor: at most `chunk` positions are projected to the vocabulary at a time."""
-    model, tok = target
+    model, tok = text_target_4x64
     ft = FrozenTarget(model)
-    final, ids, loss_mask, doc_ids, _ = _row_inputs(ft, _batch(tok, "left"))
+    final, ids, loss_mask, doc_ids, _ = row_inputs(ft, mixed_padding_batch(tok, "left"))
     with LargestAllocation() as probe:
         soft = topk_distribution(ft.lm_head, final, ids, loss_mask, doc_ids, top_k=4, chunk_size=chunk)
     assert 0 < probe.largest <= max(chunk * ft.vocab_size, ids.numel() * 4)
@@ -154,9 +157,9 @@ def test_target_distribution_is_chunked(target, chunk):
 
 @pytest.mark.parametrize("variant,loss_type,label_source", [("dflash", "dpace", "target_argmax"),
                                                              ("dflash2", "dpace", "target_distribution")])
-def test_trainer_trains_with_each_loss_and_label_source(tmp_path, target, variant, loss_type, label_source):
+def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x64, variant, loss_type, label_source):
     """Trainer.train with gradient accumulation: finite logged losses, the weights move; DFlash2 adds the selector."""
-    trainer = _trainer(tmp_path, target, variant=variant, loss_type=loss_type, label_source=label_source,
+    trainer = _trainer(tmp_path, text_target_4x64, variant=variant, loss_type=loss_type, label_source=label_source,
                        label_top_k=3, selector_top_k=4, per_device_train_batch_size=1, gradient_accumulation_steps=2,
                        max_steps=2, logging_steps=1, learning_rate=1e-2, use_fused_linear_ce=None)
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
@@ -167,13 +170,15 @@ def test_trainer_trains_with_each_loss_and_label_source(tmp_path, target, varian
     assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
 
 
-def test_objective_without_a_trainer_equals_compute_loss(tmp_path, target):
+def test_objective_without_a_trainer_equals_compute_loss(tmp_path, text_target_4x64):
     """A standalone DFlashObjective (FrozenTarget, draft, arguments) gives the trainer's compute_loss exactly; in
     Trainer.train every micro-batch is planned once, in get_batch_samples, and that plan reaches compute_loss."""
     from dflash_hf.objective import DFlashObjective
 
-    model, tok = target
-    trainer = _trainer(tmp_path, target, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1)
+    model, tok = text_target_4x64
+    trainer = _trainer(
+        tmp_path, text_target_4x64, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=1
+    )
     batch = text_batch(random_rows(2, 250, seed=12), tok.pad_token_id, "left")
     objective = DFlashObjective.from_args(trainer.args, trainer.model.config)
     ft = FrozenTarget(model)
