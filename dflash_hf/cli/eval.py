@@ -11,7 +11,6 @@ rendered and processed exactly as in training; or, for text targets, JSON lines 
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 from collections.abc import Iterator
@@ -66,39 +65,38 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser(EvalArguments)
 
 
+def _records(path: str) -> Iterator[tuple[str, dict]]:
+    """``(origin, record)`` of each JSON object line of a plain or gzipped JSON-lines file (detected by content,
+    as the data layer reads manifests); a line that is not a JSON object is an error naming the file and line."""
+    from ..data.bad_samples import BadSamples
+    from ..data.json_rows import json_rows
+
+    for _, origin, record in json_rows(path, BadSamples(skip=False)):
+        yield origin, record
+
+
 def _first_record(path: str) -> dict:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"--data {path!r}: first line is not JSON ({e}); expected JSON lines") from e
+    for _, record in _records(path):
+        return record
     raise ValueError(f"--data {path!r} is empty")
 
 
 def count_records(path: str) -> int:
-    """Non-empty lines of a JSON-lines file (gzip-compressed when it ends in .gz): the progress bar's total."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return sum(1 for line in f if line.strip())
+    """JSON object lines of a JSON-lines file (plain or gzipped): the progress bar's total."""
+    return sum(1 for _ in _records(path))
 
 
 def text_prompts(path: str, tokenizer) -> Iterator[dict]:
     """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line."""
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if "messages" in record:
-                text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-                enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
-            elif "prompt" in record:
-                enc = tokenizer(record["prompt"], return_tensors="pt")
-            else:
-                raise ValueError(f"--data {path!r} line {lineno}: needs a 'prompt' (text) or 'messages' (chat) key")
-            yield {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    for origin, record in _records(path):
+        if "messages" in record:
+            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+            enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+        elif "prompt" in record:
+            enc = tokenizer(record["prompt"], return_tensors="pt")
+        else:
+            raise ValueError(f"--data {origin}: needs a 'prompt' (text) or 'messages' (chat) key")
+        yield {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
 def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:

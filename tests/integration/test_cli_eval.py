@@ -93,3 +93,23 @@ def test_speech_manifest(tmp_path):
     text_prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     with pytest.raises(ValueError, match="speech model"):
         cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(text_prompts)])
+
+
+def test_gzipped_text_prompts_are_read_like_plain_ones(tmp_path):
+    """--data may be gzipped (detected by content, as manifests are): counting, the kind check and the prompts
+    read the same rows."""
+    import gzip
+
+    from dflash_hf import tiny
+    from dflash_hf.cli import eval as cli_eval
+
+    lines = b'{"prompt": "hello there"}\n\n{"prompt": "two"}\n'
+    plain, packed = tmp_path / "p.jsonl", tmp_path / "p.data"
+    plain.write_bytes(lines)
+    packed.write_bytes(gzip.compress(lines))
+    tok = tiny.build_tokenizer()
+    for path in (plain, packed):
+        assert cli_eval.count_records(str(path)) == 2
+        assert cli_eval._first_record(str(path)) == {"prompt": "hello there"}
+        lengths = [p["input_ids"].shape[1] for p in cli_eval.text_prompts(str(path), tok)]
+        assert lengths == [len(tok("hello there")["input_ids"]), len(tok("two")["input_ids"])]
