@@ -203,6 +203,8 @@ def _decode(
     target_t = 1.0 if sample else 0.0  # scores already carry the temperature
     dcache = DynamicCache()
 
+    if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
+        prefill = {**prefill, "logits_to_keep": 1}
     logits, pending = verifier(**prefill)
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)

@@ -264,6 +264,11 @@ class FrozenTarget:
             )
 
     @torch.no_grad()
+    @property
+    def keeps_last_logits_only(self) -> bool:
+        """Whether the target's forward takes `logits_to_keep` (then `logits_to_keep=1` skips `[S, vocab]` logits)."""
+        return "logits_to_keep" in self._forward_params
+
     def tapped_forward(self, layer_ids: list[int], *, keep_final: bool = False, head: bool = True,
                        **model_kwargs) -> tuple[object, TargetFeatures]:
         """One target forward with `model_kwargs` exactly as the model takes them; returns its output and the
@@ -283,7 +288,7 @@ class FrozenTarget:
         an encoder-decoder target runs once per utterance, under no_grad like the rest."""
         kwargs = self.target_inputs(batch)
         kwargs["use_cache"] = False
-        if "logits_to_keep" in self._forward_params:
+        if self.keeps_last_logits_only:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits
         return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
