@@ -23,6 +23,7 @@ DFLASH_VARIANTS = ("dflash", "dflash2")
 MAX_BLOCK_SIZE = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_ANCHORS = 512
+DEFAULT_NUM_DRAFT_LAYERS = 5
 # Linear layers of the draft that LoRA may target (the last two exist in DFlash2 drafts only).
 LORA_TARGETS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc",
@@ -85,7 +86,10 @@ class DFlashModelArguments:
         metadata={"help": "Parameter dtype of target AND draft (no autocast).", "choices": ("fp32", "bf16")},
     )
     variant: str = field(default="dflash", metadata={"help": "dflash or dflash2.", "choices": DFLASH_VARIANTS})
-    num_draft_layers: int = field(default=5, metadata={"help": "Decoder layers of a new draft."})
+    num_draft_layers: int = field(
+        default=DEFAULT_NUM_DRAFT_LAYERS,
+        metadata={"help": "Decoder layers of a new draft (a warm start keeps the export's)."},
+    )
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap, each once; default spreads 1..L-3."}
     )

@@ -10,8 +10,9 @@ from accelerate.data_loader import DataLoaderShard
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 from .adaptation import apply_adaptation
+from .arguments import DEFAULT_NUM_DRAFT_LAYERS
 from .configuration_dflash import DFlash2Fields, DFlashConfig
-from .export import check_warm_start, draft_class_for, load_draft_strict
+from .export import check_warm_start, check_warm_start_sizes, draft_class_for, load_draft_strict
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
@@ -119,6 +120,9 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids,
             mask_token_id=args.mask_token_id, vocab_size=target.vocab_size,
         )
+        given = {"num_draft_layers": args.num_draft_layers, **DFlash2Fields.of(args).as_dict()}
+        defaults = {"num_draft_layers": DEFAULT_NUM_DRAFT_LAYERS, **DFlash2Fields().as_dict()}
+        check_warm_start_sizes(draft.config, given, defaults)
     else:
         target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
         config = DFlashConfig.from_target_config(

@@ -232,6 +232,23 @@ def check_warm_start(
         )
 
 
+def check_warm_start_sizes(config: DFlashConfig, given: dict[str, int], defaults: dict[str, int],
+                           source: str = "init_from_pretrained") -> None:
+    """Draft sizes (`num_draft_layers`, the DFlash2 fields) come from the warm-started export. A value given that
+    differs from both the export's and the default is refused (it cannot be honoured); a default that differs
+    from the export's is logged as replaced by the export's."""
+    saved = {"num_draft_layers": config.num_hidden_layers}
+    if config.variant == "dflash2":
+        saved.update(DFlash2Fields.of(config.dflash_config).as_dict())
+    for name, value in saved.items():
+        if name not in given or given[name] == value:
+            continue
+        if given[name] != defaults.get(name):
+            raise ValueError(f"{name}={given[name]} differs from the warm-started draft's {value} ({source} keeps "
+                             f"its architecture); drop {name} or set it to {value}")
+        logger.info("%s: %s=%s from the export (not the default %s)", source, name, value, given[name])
+
+
 def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
     """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
 
@@ -344,6 +361,7 @@ def convert_dflash_to_dflash2(
 __all__ = [
     "load_draft_strict",
     "check_warm_start",
+    "check_warm_start_sizes",
     "check_draft_export",
     "export_draft",
     "resolve_draft_dir",

@@ -164,3 +164,18 @@ def test_published_style_config_loads(export):
     loaded = load_draft_strict(path)
     _assert_same_weights(draft, loaded)
     assert loaded.rotary_emb.rope_theta == 10000.0 and loaded.config.target_layer_ids == [1, 2]
+
+
+def test_warm_start_sizes_refuse_a_given_value_the_export_cannot_honour(caplog):
+    """A warm start keeps the export's draft sizes: a value given that differs from it (and from the default) is
+    refused; the default is replaced by the export's value with a log line."""
+    from dflash_hf.export import check_warm_start_sizes
+
+    config = tiny_draft_config({"mask_token_id": 5, "target_layer_ids": [0, 1]})  # 2 layers
+    defaults = {"num_draft_layers": 5}
+    check_warm_start_sizes(config, {"num_draft_layers": 2}, defaults)
+    with caplog.at_level(logging.INFO, logger="dflash_hf.hub"):
+        check_warm_start_sizes(config, {"num_draft_layers": 5}, defaults)
+    assert "num_draft_layers=2 from the export" in caplog.text
+    with pytest.raises(ValueError, match=r"num_draft_layers=3 differs from the warm-started draft's 2"):
+        check_warm_start_sizes(config, {"num_draft_layers": 3}, defaults)
