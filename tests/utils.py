@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -164,3 +167,20 @@ class LargestAllocation(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
                 self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
         return out
+
+
+def run_torchrun(cmd: list[str], timeout_s: float) -> None:
+    """Run a `torch.distributed.run` command (one thread per rank) to completion. On a timeout, kill torchrun and
+    every rank (a rank hung in a collective) and fail; a non-zero exit fails with the end of its stderr."""
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank
+        proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout_s} s (a rank hung in a collective?)")
+    assert proc.returncode == 0, stderr[-4000:]

@@ -8,15 +8,12 @@ the runs must agree up to float32 reduction order: logged losses within 1e-5 rel
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 from dist_train import MAX_STEPS, train_case
-from utils import TESTS_DIR
+from utils import TESTS_DIR, run_torchrun
 
 pytestmark = pytest.mark.slow  # one torchrun launch shared by the module: 14-20 s on 2 cores
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-5
@@ -35,16 +32,7 @@ def ddp_runs(tmp_path_factory):
         "ddp_auto:2:1:all:auto",  # as ddp_b2 without use_cpu: no CUDA, so DDP on CPU (not 2 separate runs)
         "fsdp_target",  # FSDP2-sharded frozen target vs an unsharded copy
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
-        proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S} s (a rank hung in a collective?)")
-    assert proc.returncode == 0, stderr[-4000:]
+    run_torchrun(cmd, TIMEOUT_S)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
 
 

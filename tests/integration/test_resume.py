@@ -10,9 +10,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when torchrun starts this file
 
-from utils import ListDataset, make_args, random_rows, text_batch, tiny_text_target  # noqa: E402
+from utils import ListDataset, make_args, random_rows, run_torchrun, text_batch, tiny_text_target  # noqa: E402
 
 from dflash_hf import DFlashTrainer, tiny  # noqa: E402
 from dflash_hf.checkpoints import (  # noqa: E402
@@ -334,16 +331,7 @@ def test_ddp_speech_resume_past_the_first_epoch_is_exact(tmp_path):
     tiny.synthesize_speech(tmp_path / "speech", 12, seed=0)  # once, before the ranks read it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
            str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=DDP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"torchrun did not finish in {DDP_TIMEOUT_S} s")
-    assert proc.returncode == 0, stderr[-4000:]
+    run_torchrun(cmd, DDP_TIMEOUT_S)
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["resumed_from_epoch"] >= 1  # the checkpoint lies past the first data epoch
