@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 
 from .blocks import label_positions
+from .configuration_dflash import check_target_layer_ids
 from .families import DecoderStreams, decoder_stream_kwargs, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -177,12 +178,7 @@ class FrozenTarget:
         self, *, mask_token_id: int | None, target_layer_ids: list[int] | None, hidden_size: int | None = None
     ) -> None:
         if target_layer_ids is not None:
-            bad = [i for i in target_layer_ids if not 0 <= i < self.num_layers]
-            if bad:
-                raise ValueError(
-                    f"target_layer_ids {bad} out of range: the target has {self.num_layers} decoder layers "
-                    f"(valid 0..{self.num_layers - 1})"
-                )
+            check_target_layer_ids(target_layer_ids, self.num_layers)
         if hidden_size is not None and hidden_size != self.hidden_size:
             raise ValueError(
                 f"draft hidden_size {hidden_size} != target hidden size {self.hidden_size}; the draft reads "
