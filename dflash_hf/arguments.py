@@ -93,6 +93,13 @@ class DFlashModelArguments:
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap, each once; default spreads 1..L-3."}
     )
+    draft_encoder_context: bool = field(
+        default=False,
+        metadata={"help": "Encoder-decoder targets (Whisper) only, OUTSIDE the published DFlash contract (engines "
+                  "implementing it cannot serve the draft): each draft layer also cross-attends to the target's "
+                  "encoder frames, initialized from the cross-attention of the target's top decoder layers. "
+                  "docs/QUALITY.md measures what it buys."},
+    )
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Reserved token id with a row in the target embedding, unused by the data."}
     )

@@ -14,6 +14,7 @@ from .arguments import DEFAULT_NUM_DRAFT_LAYERS
 from .configuration_dflash import DFlash2Fields, DFlashConfig
 from .export import check_warm_start, check_warm_start_sizes, draft_class_for, load_draft_strict
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
+from .modeling_dflash_encoder import copy_cross_attention
 from .target import FrozenTarget, resolve_dtype
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
@@ -102,7 +103,37 @@ def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarge
         target.validate(
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
         )
+        check_encoder_context(cfg, target)
     return apply_adaptation(model, args)
+
+
+def check_encoder_context(config: DFlashConfig, target: FrozenTarget, source: str = "draft") -> None:
+    """An encoder-context draft (outside the published contract) needs an encoder-decoder target of its width."""
+    if not config.encoder_context:
+        return
+    if target.encoder_hidden_size is None:
+        raise ValueError(f"field 'draft_encoder_context': the {source} attends to encoder frames, but the target "
+                         f"(family {target.family.name!r}) has no encoder; it is for encoder-decoder targets "
+                         "(Whisper): drop the flag or use a draft without encoder context")
+    if config.encoder_hidden_size != target.encoder_hidden_size:
+        raise ValueError(f"dflash_config.encoder_hidden_size is {config.encoder_hidden_size} but the target's "
+                         f"encoder frames are {target.encoder_hidden_size} wide: the {source} was trained for "
+                         "another target")
+
+
+def init_encoder_context(draft: DFlashDraftModel, target: FrozenTarget) -> None:
+    """Each draft layer's encoder cross-attention from the target's top decoder layers' (draft layer i from target
+    layer L - n + i), so a fresh draft starts reading the audio as the target's own decoder does."""
+    n, total = len(draft.layers), len(target.layers)
+    if n > total:
+        raise ValueError(f"field 'draft_encoder_context': {n} draft layers but the target decoder has {total} to "
+                         f"initialize their cross-attention from; use num_draft_layers <= {total}")
+    layers = list(target.layers)[total - n:]
+    for mine, theirs in zip(draft.layers, layers):
+        if not (hasattr(theirs, "encoder_attn") and hasattr(theirs, "encoder_attn_layer_norm")):
+            raise ValueError("field 'draft_encoder_context': the target's decoder layers have no Whisper-style "
+                             "encoder_attn / encoder_attn_layer_norm to initialize the draft's cross-attention from")
+        copy_cross_attention(mine.encoder_attn, theirs.encoder_attn, theirs.encoder_attn_layer_norm)
 
 
 def compile_draft_layers(model) -> None:
@@ -120,11 +151,18 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             draft.config, variant=args.variant, target_layer_ids=args.target_layer_ids,
             mask_token_id=args.mask_token_id, vocab_size=target.vocab_size,
         )
+        if args.draft_encoder_context and not draft.config.encoder_context:
+            raise ValueError(f"field 'draft_encoder_context': the init_from_pretrained export "
+                             f"{args.init_from_pretrained} has no encoder context, and a warm start keeps the export's "
+                             "layers; drop the flag or train a fresh draft with it")
         given = {"num_draft_layers": args.num_draft_layers, **DFlash2Fields.of(args).as_dict()}
         defaults = {"num_draft_layers": DEFAULT_NUM_DRAFT_LAYERS, **DFlash2Fields().as_dict()}
         check_warm_start_sizes(draft.config, given, defaults)
     else:
         target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
+        if args.draft_encoder_context and target.encoder_hidden_size is None:
+            raise ValueError(f"field 'draft_encoder_context': the target (family {target.family.name!r}) has no "
+                             "encoder; the opt-in is for encoder-decoder targets (Whisper): drop the flag")
         config = DFlashConfig.from_target_config(
             target.text_config,
             mask_token_id=args.mask_token_id,
@@ -132,17 +170,22 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             num_hidden_layers=args.num_draft_layers,
             block_size=args.block_size,
             target_layer_ids=args.target_layer_ids,
+            encoder_hidden_size=target.encoder_hidden_size if args.draft_encoder_context else None,
             **DFlash2Fields.of(args).as_dict(),
         )
         config.vocab_size = target.vocab_size
         draft = draft_class_for(config)(config)
+        if config.encoder_context:
+            init_encoder_context(draft, target)
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
+    check_encoder_context(cfg, target, "init_from_pretrained export" if args.init_from_pretrained else "draft")
     return draft.to(resolve_dtype(args.precision))
 
 
 __all__ = [
     "build_draft",
+    "check_encoder_context",
     "compile_draft_layers",
     "draft_for_training",
     "host_batches",

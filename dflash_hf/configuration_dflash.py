@@ -123,7 +123,8 @@ class DFlashConfig(Qwen3Config):
         block_size (`int`): draft slots per anchor (the anchor token plus `block_size - 1` predictions).
         num_target_layers (`int`): decoder layers of the target the taps index into.
         dflash_config (`dict`): `block_size`, `mask_token_id`, `target_layer_ids` and, for DFlash2,
-            `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`.
+            `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. With the encoder-context
+            opt-in (outside the published contract, see `encoder_hidden_size`) also `encoder_hidden_size`.
         variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel`.
     """
 
@@ -164,6 +165,17 @@ class DFlashConfig(Qwen3Config):
     def num_taps(self) -> int:
         return len(self.dflash_config["target_layer_ids"])
 
+    @property
+    def encoder_hidden_size(self) -> int | None:
+        """Width of an encoder-decoder target's encoder frames the draft attends to (the encoder-context opt-in,
+        `--draft_encoder_context`), or None: the published DFlash contract, where the audio reaches the draft only
+        through the tapped decoder states. Engines implementing the contract cannot serve a draft that has it."""
+        return self.dflash_config.get("encoder_hidden_size")
+
+    @property
+    def encoder_context(self) -> bool:
+        return self.encoder_hidden_size is not None
+
     def loss_gamma(self, gamma: float | None = None) -> float:
         """The slot decay gamma of the loss: `gamma` if given, else the recipe default for this block size."""
         return gamma if gamma is not None else default_gamma(self.block_size)
@@ -184,10 +196,12 @@ class DFlashConfig(Qwen3Config):
         num_hidden_layers: int = 5,
         block_size: int = DEFAULT_BLOCK_SIZE,
         target_layer_ids: list[int] | None = None,
+        encoder_hidden_size: int | None = None,
         **overrides,
     ) -> DFlashConfig:
         """Draft config whose dimensions default from the target's text (decoder) config. `overrides`: draft
-        config fields, and for DFlash2 any of the `DFlash2Fields` (`conv_kernel_size`, ...; defaults there)."""
+        config fields, and for DFlash2 any of the `DFlash2Fields` (`conv_kernel_size`, ...; defaults there).
+        `encoder_hidden_size`: the encoder-context opt-in (outside the published contract), None = off."""
         dflash2 = DFlash2Fields(**{k: overrides.pop(k) for k in DFLASH2_FIELDS if k in overrides})
         if variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {variant!r}")
@@ -208,6 +222,8 @@ class DFlashConfig(Qwen3Config):
         dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
         if variant == "dflash2":
             dflash_config.update(dflash2.as_dict())
+        if encoder_hidden_size is not None:
+            dflash_config["encoder_hidden_size"] = encoder_hidden_size
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
         fields = dict(
@@ -249,6 +265,10 @@ class DFlashConfig(Qwen3Config):
             raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
         if self.variant == "dflash2":
             self.check_dflash2()
+        width = dc.get("encoder_hidden_size")
+        if width is not None and (not isinstance(width, int) or width < 1):
+            raise ValueError(f"dflash_config.encoder_hidden_size must be a positive int (the target encoder's width) "
+                             f"or absent, got {width!r}")
 
     def check_dflash2(self) -> None:
         """DFlash2's `dflash_config` fields are all present and consistent with the draft's dimensions."""

@@ -72,6 +72,18 @@ def _fmt(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.3f}"
 
 
+_CONTRACT_SERVING = (
+    "The files follow the published DFlash draft contract (`config.json` with `block_size` and `dflash_config`,\n"
+    "`model.safetensors`, remote code), so engines that load DFlash drafts load this one unchanged."
+)
+_ENCODER_CONTEXT_SERVING = (
+    "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
+    "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Engines that implement the contract cannot\n"
+    "serve it; decode it with `dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`). For\n"
+    "reference only, the contract's engine configs would read:"
+)
+
+
 def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
     """README.md of a published draft: metadata, draft facts, data, validation tau, how to serve it."""
     variant = ARCHITECTURES[config.variant]
@@ -94,10 +106,14 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
         dc = config.dflash_config
         rows.append(("convolution (kernel, group)", f"{dc['conv_kernel_size']}, {dc['conv_group_size']}"))
         rows.append(("path selector (rank, top-k)", f"{dc['selector_rank']}, {dc['selector_top_k']}"))
+    if config.encoder_context:
+        rows.append(("encoder context (outside the contract)", f"cross-attention to {config.encoder_hidden_size}-wide "
+                     "target encoder frames in every layer"))
     header = "\n".join(meta)
     draft_table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     measured_on = f" ({info.eval_name})" if info.eval_name else ""
     spec_tokens = config.block_size - 1
+    serving = _CONTRACT_SERVING if not config.encoder_context else _ENCODER_CONTEXT_SERVING
     return f"""{header}
 
 # {repo_id.split("/")[-1]}
@@ -130,9 +146,7 @@ Acceptance length = accepted draft tokens + 1 bonus token per draft/verify cycle
 
 ## Serving
 
-The files follow the published DFlash draft contract (`config.json` with `block_size` and `dflash_config`,
-`model.safetensors`, remote code), so engines that load DFlash drafts load this one unchanged. A
-vLLM-style speculative config:
+{serving} A vLLM-style speculative config:
 
 ```bash
 vllm serve {info.target_id}{revision_flag} \\

@@ -1,6 +1,7 @@
 """DFlash block-diffusion drafts (Qwen3-style decoder layers reading frozen target features).
 
-Remote-code safe: imports only torch, transformers and `configuration_dflash`.
+Remote-code safe: imports only torch, transformers, `configuration_dflash` and `modeling_dflash_encoder` (the
+encoder-context opt-in for encoder-decoder targets, outside the published contract).
 
 A draft predicts a *block* of `B` tokens in one forward: slot 0 holds the anchor token (the last
 verified token), slots 1..B-1 hold the mask token and predict the tokens at the same positions.
@@ -23,6 +24,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_dflash import DFlashConfig
+from .modeling_dflash_encoder import DFlashEncoderAttention, EncoderKV
 
 try:  # FlexAttention is optional (torch >= 2.6: BlockMask seq_lengths)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -150,18 +152,24 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm Qwen3-style layer; DFlash2 subclasses wrap both sublayers with convolutions."""
+    """Pre-norm Qwen3-style layer; DFlash2 subclasses wrap both sublayers with convolutions. With the encoder-context
+    opt-in, a cross-attention sublayer to the encoder frames sits between self-attention and MLP."""
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = DFlashAttention(config, layer_idx)
+        self.encoder_attn = DFlashEncoderAttention(config) if config.encoder_context else None
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None):
+    def attend_encoder(self, hidden: torch.Tensor, encoder_kv: EncoderKV | None) -> torch.Tensor:
+        return hidden if self.encoder_attn is None else hidden + self.encoder_attn(hidden, encoder_kv)
+
+    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_kv=None):
         x = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(x, ctx, cos, sin, attention_mask, past_key_values)
+        hidden = self.attend_encoder(hidden, encoder_kv)
         x = self.post_attention_layernorm(hidden)
         return hidden + self.mlp(x)
 
@@ -207,6 +215,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """Raw concatenated taps `[b, S, n_taps*H]` -> context features `[b, S, H]`."""
         return self.hidden_norm(self.fc(target_hidden))
 
+    def encoder_key_values(self, encoder_hidden_states: torch.Tensor) -> list[EncoderKV]:
+        """Per-layer keys and values of the encoder frames `[b, F, E]` (encoder-context drafts; once per utterance)."""
+        if not self.config.encoder_context:
+            raise ValueError("this draft has no encoder context (dflash_config.encoder_hidden_size is unset)")
+        frames = encoder_hidden_states.to(self.fc.weight.dtype)
+        return [layer.encoder_attn.key_values(frames) for layer in self.layers]
+
     def forward(
         self,
         position_ids: torch.LongTensor,  # [b, S+Q]: context positions, then slot positions
@@ -215,11 +230,20 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         target_hidden: torch.Tensor | None = None,  # [b, S, n_taps*H] raw concatenated taps
         past_key_values=None,
         use_cache: bool = False,
+        encoder_hidden_states: torch.Tensor | None = None,  # [b, F, E] encoder frames (encoder-context drafts)
+        encoder_key_values: list[EncoderKV] | None = None,  # or their per-layer keys/values, computed once
         **kwargs,
     ) -> torch.Tensor:
         """Returns the final-normed draft hidden `[b, Q, H]` of the block slots."""
         if noise_embedding is None or target_hidden is None:
             raise ValueError("DFlash draft forward needs `noise_embedding` and `target_hidden`")
+        if (encoder_hidden_states is not None or encoder_key_values is not None) != self.config.encoder_context:
+            raise ValueError(
+                "an encoder-context draft (dflash_config.encoder_hidden_size set) needs `encoder_hidden_states` or "
+                "`encoder_key_values`; a draft without encoder context takes neither"
+            )
+        if encoder_key_values is None and encoder_hidden_states is not None:
+            encoder_key_values = self.encoder_key_values(encoder_hidden_states)
         if position_ids.shape[-1] != target_hidden.shape[1] + noise_embedding.shape[1]:
             raise ValueError(
                 f"position_ids has {position_ids.shape[-1]} positions; expected context "
@@ -230,8 +254,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(hidden.shape[0], -1)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx, cos, sin, attention_mask, past_key_values)
+        for i, layer in enumerate(self.layers):
+            kv = None if encoder_key_values is None else encoder_key_values[i]
+            hidden = layer(hidden, ctx, cos, sin, attention_mask, past_key_values, kv)
         return self.norm(hidden)
 
 
@@ -290,11 +315,12 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DFlash2DynamicConv(config)
         self.mlp_conv = DFlash2DynamicConv(config)
 
-    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None):
+    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_kv=None):
         x = self.input_layernorm(hidden)
         hidden = hidden + self.attention_conv(
             x, lambda y: self.self_attn(y, ctx, cos, sin, attention_mask, past_key_values)
         )
+        hidden = self.attend_encoder(hidden, encoder_kv)
         return hidden + self.mlp_conv(self.post_attention_layernorm(hidden), self.mlp)
 
 

@@ -114,6 +114,7 @@ class DFlashObjective:
     selector_loss_weight: float = 1.0  # DFlash2: loss = base + weight * selector
     slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
     label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
+    encoder_context: bool = False  # the draft attends to the encoder frames (dflash_config.encoder_hidden_size)
 
     @classmethod
     def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
@@ -137,6 +138,7 @@ class DFlashObjective:
             selector_loss_weight=args.selector_loss_weight,
             slot_loss=make_loss(args.loss_type, **options),
             label_source=label_source,
+            encoder_context=config.encoder_context,
         )
 
     # --------------------------------------------------------------------------------------------
@@ -220,21 +222,26 @@ class DFlashObjective:
             ids, labels.ids, on_dev.loss_mask, on_dev.doc_ids, on_dev.positions, on_dev.anchors,
             self.block_size, self.mask_token_id, self.gamma, valid_index=on_dev.valid_index, valid=on_dev.valid,
         )
-        hidden = self.run_draft(draft, target, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout)
+        encoder = feats.encoder_hidden if self.encoder_context else None
+        hidden = self.run_draft(draft, target, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout,
+                                encoder)
         head, chunk, loss, soft = target.lm_head.weight, self.ce_chunk_size, self.slot_loss, labels.soft
         if self.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = extract_model_from_parallel(draft).candidate_selector
             return dflash2_block_loss(hidden, blocks, head, selector, chunk, loss, soft)
         return block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft)
 
-    def run_draft(self, draft, target, taps, positions, doc_ids, blocks: Blocks, layout: FlexLayout | None = None):
-        """Draft hidden of every slot: `[b, N, B, H]`."""
+    def run_draft(self, draft, target, taps, positions, doc_ids, blocks: Blocks, layout: FlexLayout | None = None,
+                  encoder_hidden: torch.Tensor | None = None):
+        """Draft hidden of every slot: `[b, N, B, H]`. `encoder_hidden` `[b, F, E]`: the encoder frames an
+        encoder-context draft attends to (None for a contract draft)."""
         b, n, bs = blocks.ids.shape
         mask = attention_mask_for(self.backend(taps.device), blocks.anchors, doc_ids, bs, layout)
         with torch.no_grad():
             noise = target.embed_tokens(blocks.ids.view(b, n * bs))
         pos = torch.cat([positions, blocks.positions.view(b, n * bs)], dim=1)
-        hidden = draft(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps)
+        extra = {} if encoder_hidden is None else {"encoder_hidden_states": encoder_hidden}
+        hidden = draft(position_ids=pos, attention_mask=mask, noise_embedding=noise, target_hidden=taps, **extra)
         return hidden.view(b, n, bs, -1)
 
     # --------------------------------------------------------------------------------------------

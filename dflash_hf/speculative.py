@@ -202,6 +202,14 @@ def _decode(
     draft_dtype = next(draft.parameters()).dtype
     target_t = 1.0 if sample else 0.0  # scores already carry the temperature
     dcache = DynamicCache()
+    draft_kwargs = {}
+    if cfg.encoder_context:  # the opt-in outside the contract: the draft reads the encoder frames, once per utterance
+        encoder_outputs = verifier.step_kwargs.get("encoder_outputs")
+        if encoder_outputs is None:
+            raise ValueError("this draft attends to encoder frames (dflash_config.encoder_hidden_size), but the target "
+                             "is not an encoder-decoder model; use a draft without encoder context")
+        with torch.no_grad():
+            draft_kwargs["encoder_key_values"] = draft.encoder_key_values(encoder_outputs[0])
 
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}
@@ -227,6 +235,7 @@ def _decode(
             target_hidden=pending.to(draft_dtype),
             past_key_values=dcache,
             use_cache=True,
+            **draft_kwargs,
         )[0]
         crop_cache(dcache, a)  # keep the context, drop the block
         proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample

@@ -100,6 +100,7 @@ def _decoder_of(model: nn.Module) -> nn.Module:
 class TargetFeatures:
     taps: torch.Tensor  # [b, S, n_taps*H] raw outputs of the tapped layers (pre final norm)
     final_hidden: torch.Tensor | None  # [b, S, H] final-normed last layer (for target_argmax)
+    encoder_hidden: torch.Tensor | None = None  # [b, F, E] an encoder-decoder target's encoder output
 
 
 class FrozenTarget:
@@ -131,6 +132,11 @@ class FrozenTarget:
     @property
     def is_encoder_decoder(self) -> bool:
         return self.family.is_encoder_decoder
+
+    @property
+    def encoder_hidden_size(self) -> int | None:
+        """Width of an encoder-decoder target's encoder output frames (`d_model`), None for a decoder-only target."""
+        return self.model.config.d_model if self.is_encoder_decoder else None
 
     @property
     def num_layers(self) -> int:
@@ -269,14 +275,15 @@ class FrozenTarget:
                        **model_kwargs) -> tuple[object, TargetFeatures]:
         """One target forward with `model_kwargs` exactly as the model takes them; returns its output and the
         features of `layer_ids` (raw decoder-layer outputs, before the final norm, concatenated) plus, with
-        `keep_final`, the final-normed last layer. `head=False` runs an encoder-decoder target's base model
-        (no `[S, vocab]` logits)."""
+        `keep_final`, the final-normed last layer, and an encoder-decoder target's encoder output. `head=False`
+        runs an encoder-decoder target's base model (no `[S, vocab]` logits)."""
         store: dict = {}
         model = self.model if head or not self.is_encoder_decoder else self.model.base_model
         with self._hooks(layer_ids, store, keep_final):
             out = model(**model_kwargs)
         taps = torch.cat([store[i] for i in layer_ids], dim=-1)
-        return out, TargetFeatures(taps=taps, final_hidden=store.get("final"))
+        encoder = getattr(out, "encoder_last_hidden_state", None)
+        return out, TargetFeatures(taps=taps, final_hidden=store.get("final"), encoder_hidden=encoder)
 
     @torch.no_grad()
     def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:

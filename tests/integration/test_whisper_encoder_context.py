@@ -1,0 +1,123 @@
+"""The encoder-context opt-in for Whisper drafts (outside the published contract): built from the target's own
+cross-attention, trained through the objective, exported with its remote code and card note, decoded losslessly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, WhisperForConditionalGeneration
+from utils import make_args, tiny_text_target
+
+from dflash_hf import speculative_generate, tiny
+from dflash_hf.assembly import build_draft, check_encoder_context
+from dflash_hf.export import export_draft, load_draft_strict
+from dflash_hf.hub import DraftCardInfo, build_model_card
+from dflash_hf.speculative import dflash_custom_generate
+from dflash_hf.target import FrozenTarget
+
+MASK = 364  # a timestamp token, never produced when decoding without timestamps
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    return tiny.sharpen(model, seed=2), processor
+
+
+def _features(processor, seed: int) -> torch.Tensor:
+    audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
+    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+
+
+def _draft(tmp_path, model, **kw):
+    args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, **kw)
+    torch.manual_seed(0)
+    return build_draft(args, FrozenTarget(model)).eval()
+
+
+def test_fresh_draft_takes_the_cross_attention_of_the_targets_top_decoder_layers(whisper, tmp_path):
+    model, _ = whisper
+    draft = _draft(tmp_path, model)
+    assert draft.config.encoder_hidden_size == model.config.d_model
+    top = model.model.decoder.layers[-2:]
+    for mine, theirs in zip(draft.layers, top):
+        assert torch.equal(mine.encoder_attn.q_proj.weight, theirs.encoder_attn.q_proj.weight)
+        assert torch.equal(mine.encoder_attn.o_proj.bias, theirs.encoder_attn.out_proj.bias)
+        assert torch.equal(mine.encoder_attn.k_proj.weight, theirs.encoder_attn.k_proj.weight)
+        assert torch.equal(mine.encoder_attn.layer_norm.weight, theirs.encoder_attn_layer_norm.weight)
+
+
+def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whisper, tmp_path):
+    model, processor = whisper
+    draft = _draft(tmp_path, model)
+    cfg = draft.config
+    taps = torch.randn(1, 5, cfg.num_taps * cfg.hidden_size)
+    noise = torch.randn(1, 4, cfg.hidden_size)
+    pos = torch.arange(9)[None]
+    frames = [model.model.encoder(_features(processor, s)).last_hidden_state for s in (0, 1)]
+    with torch.no_grad():
+        a = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0])
+        cached = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps,
+                       encoder_key_values=draft.encoder_key_values(frames[0]))
+        b = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[1])
+    assert torch.equal(a, cached)
+    assert not torch.allclose(a, b)  # other audio, other proposals
+    with pytest.raises(ValueError, match="encoder_hidden_states"):
+        draft(position_ids=pos, noise_embedding=noise, target_hidden=taps)
+
+
+def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp_path):
+    from dflash_hf.cli import train as cli_train
+
+    target_dir = tiny.save_tiny_target(tmp_path / "target", kind="whisper", hidden_size=32, num_heads=2)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=0)
+    metrics = cli_train.run([
+        "--target_name_or_path", str(target_dir), "--train_data", str(manifest), "--mask_token_id", str(MASK),
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--block_size", "4", "--num_draft_layers", "1",
+        "--use_cpu", "true", "--report_to", "none", "--max_tokens", "400", "--disable_tqdm", "true",
+        "--save_strategy", "no", "--draft_encoder_context", "true", "--learning_rate", "1e-2",
+    ])
+    assert np.isfinite(metrics["train_loss"])
+    export = tmp_path / "out" / "draft"
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["dflash_config"]["encoder_hidden_size"] == 32
+    assert (export / "modeling_dflash_encoder.py").is_file()  # the remote code travels with the export
+    strict = load_draft_strict(export)
+    remote = AutoModel.from_pretrained(export, trust_remote_code=True)
+    trained = {k: v for k, v in strict.state_dict().items() if "encoder_attn" in k}
+    assert trained and all(torch.equal(v, remote.state_dict()[k]) for k, v in trained.items())
+    start = WhisperForConditionalGeneration.from_pretrained(target_dir).model.decoder.layers[-1].encoder_attn
+    assert not torch.equal(strict.layers[0].encoder_attn.q_proj.weight, start.q_proj.weight)  # trained from its init
+
+    card = build_model_card(strict.config, "me/draft", DraftCardInfo(target_id="tiny-whisper"))
+    assert "Outside the published DFlash contract" in card and "encoder context" in card
+
+    model, processor = whisper
+    draft = _draft(tmp_path, model)
+    for seed in (0, 1):
+        feats = _features(processor, seed)
+        reference = model.generate(feats, max_new_tokens=20, return_dict_in_generate=True).sequences
+        out = speculative_generate(draft, model, 20, input_features=feats)
+        assert torch.equal(out.sequences, reference)
+        assert torch.equal(model.generate(feats, max_new_tokens=20, custom_generate=dflash_custom_generate(draft)),
+                           model.generate(feats, max_new_tokens=20))
+
+
+def test_encoder_context_is_refused_for_decoder_only_targets(tmp_path):
+    model = tiny_text_target()
+    with pytest.raises(ValueError, match="draft_encoder_context"):
+        build_draft(make_args(tmp_path, mask_token_id=5, draft_encoder_context=True), FrozenTarget(model))
+
+
+def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_width(whisper, tmp_path):
+    model, _ = whisper
+    draft = _draft(tmp_path, model)
+    draft.config.dflash_config["encoder_hidden_size"] = 48
+    with pytest.raises(ValueError, match="encoder_hidden_size is 48"):
+        check_encoder_context(draft.config, FrozenTarget(model))
+    export_draft(_draft(tmp_path, model), tmp_path / "ctx")
+    with pytest.raises(ValueError, match="draft_encoder_context"):
+        check_encoder_context(load_draft_strict(tmp_path / "ctx").config, FrozenTarget(tiny_text_target()))
