@@ -107,7 +107,7 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
 
 
 def test_encoder_context_is_refused_for_decoder_only_targets(tmp_path):
-    model = tiny_text_target()
+    model = tiny_text_target()[0]
     with pytest.raises(ValueError, match="draft_encoder_context"):
         build_draft(make_args(tmp_path, mask_token_id=5, draft_encoder_context=True), FrozenTarget(model))
 
@@ -120,4 +120,4 @@ def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_wid
         check_encoder_context(draft.config, FrozenTarget(model))
     export_draft(_draft(tmp_path, model), tmp_path / "ctx")
     with pytest.raises(ValueError, match="draft_encoder_context"):
-        check_encoder_context(load_draft_strict(tmp_path / "ctx").config, FrozenTarget(tiny_text_target()))
+        check_encoder_context(load_draft_strict(tmp_path / "ctx").config, FrozenTarget(tiny_text_target()[0]))
