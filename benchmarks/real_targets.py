@@ -756,6 +756,7 @@ COMMON_WHISPER = ["--mask_token_id", str(WHISPER_MASK_ID), "--num_draft_layers",
                   "--max_tokens", "4000", "--learning_rate", "6e-4", "--lr_scheduler_type", "cosine",
                   "--warmup_steps", "100", "--max_steps", "3000", "--eval_strategy", "steps", "--eval_steps", "250",
                   "--real_tau_steps", "500", "--real_tau_samples", "8"]
+COMMON_WHISPER_CTX = COMMON_WHISPER + ["--draft_encoder_context", "true"]
 # Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 100 steps of 2048 tokens.
 COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "64", "--max_tokens", "2048", "--learning_rate", "1e-3",
                "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "20",
@@ -767,6 +768,16 @@ CONFIGS = {
         RunConfig("whisper-dflash-b8", "whisper-base", COMMON_WHISPER + ["--block_size", "8"]),
         RunConfig("whisper-dflash-b16", "whisper-base", COMMON_WHISPER + ["--block_size", "16"]),
         RunConfig("whisper-dflash2-b8", "whisper-base", COMMON_WHISPER + ["--block_size", "8", "--variant", "dflash2"]),
+        # The encoder-context opt-in (outside the published contract): the draft also reads the encoder frames.
+        RunConfig("whisper-ctx-dflash-b8", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "8"]),
+        RunConfig("whisper-ctx-dflash-b16", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "16"]),
+        RunConfig("whisper-ctx-dflash2-b8", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2"]),
+        # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
+        RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
+        RunConfig("whisper-ctx-dflash-b8-softlabels", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--label_source", "target_distribution"]),
         RunConfig("smollm2-dflash-b8", "smollm2", COMMON_SMOL + ["--block_size", "8"], eval_max_new_tokens=64,
                   prompt_lookup=True, label_max_new_tokens=96),
     ]

@@ -231,6 +231,12 @@ class DFlashRunArguments:
     )
     real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
     real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Stop training after this many minutes of this process's training loop (checked after "
+                  "each optimizer step, agreed across ranks), then save a checkpoint and export as at max_steps. "
+                  "The schedule still follows max_steps. None = no limit."},
+    )
     compile_draft_layers: bool = field(
         default=False,
         metadata={

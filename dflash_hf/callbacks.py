@@ -4,11 +4,16 @@ data epoch of a loader without a length."""
 from __future__ import annotations
 
 import math
+import time
 
+import torch
 from transformers import DefaultFlowCallback, ProgressCallback, TrainerCallback
+from transformers.utils import logging
 
 from .assembly import is_speech_source
 from .evaluation import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
+
+logger = logging.get_logger(__name__)
 
 
 class RealTauCallback(TrainerCallback):
@@ -83,6 +88,30 @@ class RealTauCallback(TrainerCallback):
                 self.trainer.log(metrics)
                 control.should_log = should_log
         return control
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """`max_train_minutes`: after the optimizer step that crosses the budget, stop, save a checkpoint and let the
+    run export as at `max_steps`. Ranks agree (the maximum of their verdicts), so every rank stops at the same step."""
+
+    def __init__(self, minutes: float):
+        if not minutes > 0:
+            raise ValueError(f"max_train_minutes must be > 0 (or unset), got {minutes}")
+        self.seconds = 60.0 * minutes
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = torch.tensor(float(time.monotonic() - self.start >= self.seconds), device=args.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+        if over.item() > 0 and not control.should_training_stop:
+            logger.warning("max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
+                           self.seconds / 60, state.global_step, state.max_steps)
+            control.should_training_stop = True
+            control.should_save = args.save_strategy != "no"
 
 
 class DFlashProgressCallback(ProgressCallback):

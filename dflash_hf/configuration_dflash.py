@@ -224,6 +224,7 @@ class DFlashConfig(Qwen3Config):
             dflash_config.update(dflash2.as_dict())
         if encoder_hidden_size is not None:
             dflash_config["encoder_hidden_size"] = encoder_hidden_size
+            dflash_config["outside_published_contract"] = ["encoder_hidden_size"]  # said in the config itself
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
         fields = dict(

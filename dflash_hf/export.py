@@ -26,8 +26,8 @@ logger = logging.getLogger("dflash_hf.hub")  # the name these messages have alwa
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Files a draft export may hold besides its weights; anything else is noted and ignored on load.
-EXPORT_FILES = ("config.json", "configuration_dflash.py", "modeling_dflash.py", "modeling_dflash_encoder.py",
-                "README.md", "generation_config.json")
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
+EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json")
 # safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")

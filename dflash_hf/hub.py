@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .configuration_dflash import ARCHITECTURES, DFlashConfig
 from .export import (
+    REMOTE_CODE_FILES,
     WEIGHTS_INDEX_NAME,
     check_draft_export,
     check_warm_start,
@@ -181,7 +182,7 @@ def _stage_upload(export_dir: Path, staging: Path, config: DFlashConfig, repo_id
     """Copy exactly the files serving needs into `staging`, plus the generated README.md."""
     weights = weight_file_paths(export_dir)
     index = [export_dir / WEIGHTS_INDEX_NAME] if (export_dir / WEIGHTS_INDEX_NAME).is_file() else []
-    code = [export_dir / name for name in ("configuration_dflash.py", "modeling_dflash.py")]
+    code = [export_dir / name for name in REMOTE_CODE_FILES]
     absent = [p.name for p in code if not p.is_file()]
     if absent or "auto_map" not in json.loads((export_dir / "config.json").read_text()):
         raise FileNotFoundError(
@@ -211,7 +212,7 @@ def push_draft_to_hub(
     """Publish a draft export with a generated model card.
 
     The export is first validated as a strict warm start would (contract tensors only, no quantized
-    weights). Uploaded: config.json, the weights, configuration_dflash.py, modeling_dflash.py, README.md;
+    weights). Uploaded: config.json, the weights, the remote code (`REMOTE_CODE_FILES`), README.md;
     other files of the export dir are not. With `dry_run_dir`, the exact folder is written there and
     nothing touches the network. Returns the commit URL (or the dry-run folder).
     """

@@ -25,7 +25,7 @@ from .assembly import (
     prepare_target,
     speech_loader,
 )
-from .callbacks import DataEpochCallback, RealTauCallback, use_concise_progress_bar
+from .callbacks import DataEpochCallback, RealTauCallback, TimeBudgetCallback, use_concise_progress_bar
 from .checkpoints import (
     complete_only_save,
     load_data_state,
@@ -80,6 +80,8 @@ class DFlashTrainer(Trainer):
         if args.real_tau_steps > 0:
             self.add_callback(RealTauCallback(self))
         self.add_callback(DataEpochCallback(self))
+        if args.max_train_minutes is not None:
+            self.add_callback(TimeBudgetCallback(args.max_train_minutes))
         self._resume_checkpoint: str | None = None  # set by train()
         self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length

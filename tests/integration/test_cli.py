@@ -199,7 +199,7 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     assert metrics["hub_commit_url"] == "https://huggingface.co/me/tiny-draft/commit/1"
     assert seen["repo"] == ("me/tiny-draft", True) and seen["token"] == "tok"
     assert seen["files"] == ["README.md", "config.json", "configuration_dflash.py", "model.safetensors",
-                             "modeling_dflash.py"]
+                             "modeling_dflash.py", "modeling_dflash_encoder.py"]
     card = seen["card"]
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card

@@ -209,3 +209,14 @@ def test_mask_token_candidates_are_embedding_rows_the_tokenizer_never_produces()
     assert target.mask_token_candidates(tok) == []  # the tiny embedding is exactly the vocabulary
     model.resize_token_embeddings(len(tok) + 8)
     assert FrozenTarget(model).mask_token_candidates(tok, limit=3) == [len(tok), len(tok) + 1, len(tok) + 2]
+
+
+def test_max_train_minutes_stops_after_the_step_that_crosses_it_and_saves(tmp_path):
+    rows = random_rows(8, 250, seed=2)
+    trainer = _trainer(tmp_path, rows, max_steps=50, per_device_train_batch_size=2, save_strategy="steps",
+                       save_steps=100, max_train_minutes=1e-9)
+    trainer.train()
+    assert trainer.state.global_step == 1  # the first step crosses the budget; the schedule still says 50
+    assert (tmp_path / "out" / "checkpoint-1" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="max_train_minutes must be > 0"):
+        _trainer(tmp_path / "bad", rows, max_train_minutes=0.0)

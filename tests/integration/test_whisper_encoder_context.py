@@ -84,6 +84,7 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
     export = tmp_path / "out" / "draft"
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["dflash_config"]["encoder_hidden_size"] == 32
+    assert cfg["dflash_config"]["outside_published_contract"] == ["encoder_hidden_size"]
     assert (export / "modeling_dflash_encoder.py").is_file()  # the remote code travels with the export
     strict = load_draft_strict(export)
     remote = AutoModel.from_pretrained(export, trust_remote_code=True)

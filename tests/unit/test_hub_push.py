@@ -16,7 +16,8 @@ from utils import tiny_draft_config
 from dflash_hf import DFlash2DraftModel
 from dflash_hf.hub import DraftCardInfo, push_draft_to_hub
 
-UPLOAD = ["README.md", "config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py"]
+UPLOAD = ["README.md", "config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py",
+          "modeling_dflash_encoder.py"]
 REPO = "someone/tiny-asr-dflash2-b16"
 
 
