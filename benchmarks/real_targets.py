@@ -780,6 +780,11 @@ CONFIGS = {
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--label_source", "target_distribution"]),
         RunConfig("smollm2-dflash-b8", "smollm2", COMMON_SMOL + ["--block_size", "8"], eval_max_new_tokens=64,
                   prompt_lookup=True, label_max_new_tokens=96),
+        # Objective comparison (issue 17) on the text LLM, on the same generated labels: label source and loss type.
+        *(RunConfig(f"smollm2-dflash-b8-{tag}", "smollm2", COMMON_SMOL + ["--block_size", "8", *flags],
+                    eval_max_new_tokens=64, label_max_new_tokens=96)
+          for tag, flags in (("argmax", ["--label_source", "target_argmax"]), ("dpace", ["--loss_type", "dpace"]),
+                             ("softlabels", ["--label_source", "target_distribution"]))),
     ]
 }
 

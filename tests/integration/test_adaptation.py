@@ -116,7 +116,7 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
 
     export = Path(trainer.export_draft(str(tmp_path / "export")))
     assert sorted(os.listdir(export)) == ["config.json", "configuration_dflash.py", "model.safetensors",
-                                          "modeling_dflash.py"]
+                                          "modeling_dflash.py", "modeling_dflash_encoder.py"]
     plain = load_draft_strict(export).eval()
     assert type(plain) is DFlashDraftModel and plain.config.block_size == 16
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:

@@ -84,7 +84,8 @@ def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
     trainer.train()
     export = trainer.export_draft(str(tmp_path / "export"))
     files = sorted(os.listdir(export))
-    assert files == ["config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py"]
+    assert files == ["config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py",
+                     "modeling_dflash_encoder.py"]
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4
