@@ -259,7 +259,6 @@ class FrozenTarget:
                 f"{list(PACKED_ATTN_IMPLEMENTATIONS)} (CPU: 'sdpa'), or set packing=False"
             )
 
-    @torch.no_grad()
     @property
     def keeps_last_logits_only(self) -> bool:
         """Whether the target's forward takes `logits_to_keep` (then `logits_to_keep=1` skips `[S, vocab]` logits)."""
