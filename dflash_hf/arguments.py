@@ -244,6 +244,15 @@ class DFlashRunArguments:
             "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
         },
     )
+    compile_target: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the forward of each frozen target decoder layer on CUDA, with dynamic shapes "
+            "(one compile for all batch shapes; the tap hooks stay outside the compiled code, so taps and "
+            "target_argmax labels are the eager target's). The audio encoder stays eager. The first step "
+            "compiles (tens of seconds)."
+        },
+    )
 
 
 @dataclass

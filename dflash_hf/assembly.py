@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from accelerate.data_loader import DataLoaderShard
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -87,9 +88,22 @@ def prepare_target(target, args: DFlashTrainingArguments) -> FrozenTarget:
     if not isinstance(target, FrozenTarget):
         target = FrozenTarget(target, args.target_family)
     target.model.to(resolve_dtype(args.precision))
+    if args.compile_target and args.device.type == "cuda":
+        compile_target_layers(target)
     if args.packing:
         target.check_packing()  # before the draft is built
     return target
+
+
+def compile_target_layers(target: FrozenTarget) -> None:
+    """`torch.compile` the forward of each frozen decoder layer in place (`compile_target`), with dynamic shapes
+    (new sequence lengths and batch sizes reuse the kernels). Only `forward` is compiled: the module call, and with it
+    the tap hooks of `FrozenTarget.capture`, stays eager, so taps are captured exactly as from the eager target.
+    Idempotent (a target shared by two trainers is compiled once)."""
+    for layer in target.layers:
+        if not getattr(layer, "_dflash_compiled_forward", False):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+            layer._dflash_compiled_forward = True
 
 
 def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarget):
@@ -187,6 +201,7 @@ __all__ = [
     "build_draft",
     "check_encoder_context",
     "compile_draft_layers",
+    "compile_target_layers",
     "draft_for_training",
     "host_batches",
     "is_speech_source",

@@ -19,6 +19,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 NON_TARGET_KEYS = frozenset(
     {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"}
 )
+# Families whose packed forward takes a prebuilt 4D decoder mask unchanged (checked against transformers' own mask).
+PREBUILT_PACKED_MASK_FAMILIES = frozenset({"text", "qwen3_asr"})
 # Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
 # (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
 PACKED_ATTN_IMPLEMENTATIONS = (
@@ -237,9 +239,10 @@ class FrozenTarget:
         return decoder_streams(self.family, self.model, batch)
 
     def target_inputs(self, batch: dict) -> dict:
-        """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without `attention_mask` and with
+        """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without its 2D `attention_mask` and with
         `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
-        given, and keeps attention inside each document (trailing padding forms its own segment)."""
+        given, and keeps attention inside each document (trailing padding forms its own segment); where
+        `packed_sdpa_mask` applies, that 4D mask is given instead."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
         if self.is_encoder_decoder:
             return self.cast_features(decoder_stream_kwargs(kwargs, position_ids=True))
@@ -248,7 +251,27 @@ class FrozenTarget:
                 raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "
                                  "must emit position_ids restarting at 0 per document")
             kwargs.pop("attention_mask", None)
+            mask = self.packed_sdpa_mask(batch)
+            if mask is not None:
+                kwargs["attention_mask"] = mask
         return self.cast_features(kwargs)
+
+    def packed_sdpa_mask(self, batch: dict) -> torch.Tensor | None:
+        """The decoder's 4D boolean mask `[1, 1, T, T]` of a packed row (causal within each run of consecutive
+        positions), built on the device, without the host read of the positions that transformers' own detection
+        makes (`find_packed_sequence_indices`, one sync per forward); the same segments and values as transformers'
+        sdpa mask, so the taps do not change. None (transformers builds it) for decoders other than sdpa, families
+        not checked against transformers' path, and a row of one document without padding (transformers then
+        uses no mask); `cu_seqlens` and `max_seqlen` tell that on the host."""
+        impl = getattr(self.decoder.config, "_attn_implementation", None)
+        max_seqlen, pos = batch.get("max_seqlen"), batch["position_ids"]
+        if impl != "sdpa" or self.family.name not in PREBUILT_PACKED_MASK_FAMILIES or not isinstance(max_seqlen, int):
+            return None
+        if batch["cu_seqlens"].numel() == 2 and max_seqlen == pos.shape[-1]:
+            return None
+        segment = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # transformers' segments
+        causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=pos.device).tril()
+        return (segment[:, None, :, None] == segment[:, None, None, :]) & causal
 
     def cast_features(self, kwargs: dict) -> dict:
         """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a
@@ -265,7 +288,6 @@ class FrozenTarget:
                 f"{list(PACKED_ATTN_IMPLEMENTATIONS)} (CPU: 'sdpa'), or set packing=False"
             )
 
-    @torch.no_grad()
     @property
     def keeps_last_logits_only(self) -> bool:
         """Whether the target's forward takes `logits_to_keep` (then `logits_to_keep=1` skips `[S, vocab]` logits)."""

@@ -31,7 +31,9 @@ MFU = model FLOP/s over the bf16 matmul rate measured in the same run (an `n^3` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -43,18 +45,91 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3ASRConfig,
+    Qwen3ASRForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    TrainerCallback,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_hf.blocks import build_blocks, dense_block_mask  # noqa: E402
 from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
+from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
+from dflash_hf.families import FAMILIES  # noqa: E402
 from dflash_hf.losses import MetricSums  # noqa: E402
 from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
 from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
 from dflash_hf.trainer import DFlashTrainer  # noqa: E402
 from dflash_hf.training_args import DFlashTrainingArguments  # noqa: E402
 
+# The real targets of the quality benchmark (their checkpoints' config.json, trimmed to the fields that shape the
+# model), built with random weights.
+WHISPER_BASE = dict(
+    vocab_size=51865, num_mel_bins=80, d_model=512, encoder_layers=6, encoder_attention_heads=8,
+    encoder_ffn_dim=2048, decoder_layers=6, decoder_attention_heads=8, decoder_ffn_dim=2048,
+    max_source_positions=1500, max_target_positions=448, activation_function="gelu", scale_embedding=False,
+    pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, decoder_start_token_id=50258,
+    tie_word_embeddings=True,
+)
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, hidden_act="silu", max_position_embeddings=8192,
+    rms_norm_eps=9.999999747378752e-06, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+)
+# Qwen3-ASR-1.7B-shaped: transformers' Qwen3-ASR audio encoder (24 layers, d_model 1024, 128 mel bins, 100-frame
+# chunks) projecting to a Qwen3-1.7B decoder.
+QWEN3_1_7B_TEXT = dict(
+    model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=151645, eos_token_id=151645,
+)
+QWEN3_ASR_1_7B = dict(
+    audio_config=dict(
+        model_type="qwen3_asr_encoder", num_mel_bins=128, encoder_layers=24, encoder_attention_heads=16,
+        encoder_ffn_dim=4096, d_model=1024, output_dim=2048, n_window=50, n_window_infer=800,
+        downsample_hidden_size=480, max_position_embeddings=13,
+    ),
+    text_config=QWEN3_1_7B_TEXT, audio_token_id=151676, pad_token_id=151645, eos_token_id=151645,
+    tie_word_embeddings=True,
+)
+# CPU-sized versions of the same architectures (`--tiny` with `--shape tiny-...`): the GPU rows' code path.
+TINY_WHISPER = dict(
+    WHISPER_BASE, vocab_size=600, d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
+    decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=50,
+    pad_token_id=500, bos_token_id=500, eos_token_id=500, decoder_start_token_id=501,
+)
+TINY_LLAMA = dict(
+    SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16,
+)
+TINY_QWEN3_ASR = dict(
+    audio_config=dict(
+        QWEN3_ASR_1_7B["audio_config"], num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2,
+        encoder_ffn_dim=64, d_model=32, output_dim=64, n_window_infer=100, downsample_hidden_size=8,
+    ),
+    text_config=dict(
+        QWEN3_1_7B_TEXT, vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=510, eos_token_id=510,
+    ),
+    audio_token_id=520, pad_token_id=510, eos_token_id=510, tie_word_embeddings=True,
+)
+# Speech rows: `durations` of the utterances (s, uniform). Whisper: `batch_size` utterances, each on 30 s of padded
+# features (one encoder window), decoder rows of `tokens` (4 prompt tokens, unsupervised, then the transcript).
+# Qwen3-ASR: `num_batches` micro-batches cycled through the timed steps, each filled up to `max_tokens` decoder
+# positions: padded with duration bucketing (batch k holds utterances of the k-th duration bucket) or packed
+# (utterances of any duration back to back in one row).
+_WHISPER_ROWS = dict(durations=(5.0, 20.0), tokens=(20, 40), num_anchors=16)
+_ASR_ROWS = dict(durations=(5.0, 20.0), num_batches=4, max_tokens=8192, num_anchors=32, tokens_per_second=3.0)
+_TINY_ASR_ROWS = dict(_ASR_ROWS, durations=(0.5, 2.0), max_tokens=384, num_anchors=8, tokens_per_second=6.0)
 SHAPES = {
     "qwen3-1.7b": dict(
         hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -68,6 +143,15 @@ SHAPES = {
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, vocab_size=512, seq_len=96, num_anchors=16,
     ),
+    "smollm2-135m": dict(kind="llama", config=SMOLLM2_135M, seq_len=1024, num_anchors=256, batch_size=8),
+    "whisper-base": dict(kind="whisper", config=WHISPER_BASE, batch_size=64, **_WHISPER_ROWS),
+    "qwen3-asr-1.7b": dict(kind="qwen3_asr", config=QWEN3_ASR_1_7B, packed=False, **_ASR_ROWS),
+    "qwen3-asr-1.7b-packed": dict(kind="qwen3_asr", config=QWEN3_ASR_1_7B, packed=True, **_ASR_ROWS),
+    "tiny-smollm2": dict(kind="llama", config=TINY_LLAMA, seq_len=96, num_anchors=16, batch_size=2),
+    "tiny-whisper": dict(kind="whisper", config=TINY_WHISPER, batch_size=6, durations=(0.2, 1.0), tokens=(12, 24),
+                         num_anchors=4),
+    "tiny-qwen3-asr": dict(kind="qwen3_asr", config=TINY_QWEN3_ASR, packed=False, **_TINY_ASR_ROWS),
+    "tiny-qwen3-asr-packed": dict(kind="qwen3_asr", config=TINY_QWEN3_ASR, packed=True, **_TINY_ASR_ROWS),
 }
 GPU_CONFIGS = (
     "attn=flex,ce=2048",
@@ -95,14 +179,15 @@ def parse_config(spec: str) -> dict:
 
 
 class FixedTapsTarget(FrozenTarget):
-    """The frozen target with its forward replaced by fixed random taps: times the draft side alone."""
+    """The frozen target with its forward replaced by fixed random taps (one tensor per decoder-stream shape,
+    made before timing): times the draft side alone."""
 
-    def __init__(self, model, taps: torch.Tensor):
+    def __init__(self, model, taps: dict[tuple[int, int], torch.Tensor]):
         super().__init__(model)
         self.taps = taps
 
     def capture(self, batch, layer_ids, keep_final=False) -> TargetFeatures:
-        return TargetFeatures(taps=self.taps, final_hidden=None)
+        return TargetFeatures(taps=self.taps[tuple(batch["input_ids"].shape)], final_hidden=None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,38 +323,148 @@ def target_flops(tcfg: Qwen3Config, seq_len: int, batch: int, supervised: int) -
 # ------------------------------------------------------------------------------------------------
 # Setup
 # ------------------------------------------------------------------------------------------------
-def build_target(shape: dict, dtype: torch.dtype, device: torch.device) -> Qwen3ForCausalLM:
-    tcfg = Qwen3Config(
-        hidden_size=shape["hidden_size"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["intermediate_size"],
-        vocab_size=shape["vocab_size"],
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        attn_implementation="sdpa",
-    )
+def _random_init(cls, config, dtype: torch.dtype, device: torch.device):
+    """`cls(config)` with random weights, built directly in `dtype` on `device`, frozen (eval, no grad)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = Qwen3ForCausalLM(tcfg)
+            model = cls(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
 
 
-def make_batch(shape: dict, seq_len: int, batch: int, mask_token_id: int, seed: int) -> dict:
-    """Random ids (never the mask, pad or eos ids); the first eighth of each row is the unsupervised prompt."""
+def build_target(shape: dict, dtype: torch.dtype, device: torch.device):
+    """The frozen target of `shape` with random weights (sdpa attention, as training loads it)."""
+    kind = shape.get("kind", "qwen3")
+    if kind == "qwen3":
+        tcfg = Qwen3Config(
+            hidden_size=shape["hidden_size"],
+            num_hidden_layers=shape["num_hidden_layers"],
+            num_attention_heads=shape["num_attention_heads"],
+            num_key_value_heads=shape["num_key_value_heads"],
+            head_dim=shape["head_dim"],
+            intermediate_size=shape["intermediate_size"],
+            vocab_size=shape["vocab_size"],
+            max_position_embeddings=32768,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+            attn_implementation="sdpa",
+        )
+        return _random_init(Qwen3ForCausalLM, tcfg, dtype, device)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "whisper": (WhisperConfig, WhisperForConditionalGeneration),
+        "qwen3_asr": (Qwen3ASRConfig, Qwen3ASRForConditionalGeneration),
+    }[kind]
+    return _random_init(model_cls, config_cls(**shape["config"], attn_implementation="sdpa"), dtype, device)
+
+
+def _text_id_limit(target: FrozenTarget, mask_token_id: int) -> int:
+    """Random text ids are drawn below this: no special id (pad, eos, audio placeholder) and no mask id."""
+    cfg = target.model.config
+    specials = [i for ids in target.special_ids().values() for i in ids]
+    specials += [v for v in (getattr(cfg, "audio_token_id", None), getattr(cfg, "decoder_start_token_id", None))
+                 if v is not None]
+    return min([mask_token_id, *(i for i in specials if i >= 3)])  # ids below 3 are never drawn
+
+
+def make_batch(shape: dict, seq_len: int, batch: int, mask_token_id: int, seed: int, low: int = 2) -> dict:
+    """Random ids in `[low, mask_token_id)`; the first eighth of each row is the unsupervised prompt."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, mask_token_id, (batch, seq_len), generator=g)
+    ids = torch.randint(low, mask_token_id, (batch, seq_len), generator=g)
     loss_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
     loss_mask[:, seq_len // 8 :] = True
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+
+
+def _padded_rows(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> dict:
+    """Right-padded `input_ids` / `attention_mask` / `loss_mask` of (ids, supervised) rows."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    lm = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, (row_ids, sup) in enumerate(rows):
+        ids[r, : len(row_ids)] = torch.tensor(row_ids)
+        am[r, : len(row_ids)] = 1
+        lm[r, : len(row_ids)] = torch.tensor(sup)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm}
+
+
+def whisper_batch(shape: dict, target: FrozenTarget, n: int, mask_token_id: int, g: torch.Generator):
+    """`n` utterances of `durations` seconds: features of one padded 30 s encoder window each (random
+    mel values), decoder rows of `tokens` tokens (longer for longer audio): the 4-token prompt (start of
+    transcript and 3 prompt ids, unsupervised), the transcript and the end token (supervised)."""
+    cfg = target.model.config
+    (lo_s, hi_s), (lo_t, hi_t) = shape["durations"], shape["tokens"]
+    durations = (lo_s + (hi_s - lo_s) * torch.rand(n, generator=g)).tolist()
+    limit = _text_id_limit(target, mask_token_id)
+    rows = []
+    for d in durations:
+        length = round(lo_t + (d - lo_s) / (hi_s - lo_s) * (hi_t - lo_t))
+        text = torch.randint(3, limit, (length - 2,), generator=g).tolist()
+        ids = [cfg.decoder_start_token_id, *text, cfg.eos_token_id]
+        rows.append((ids, [False] * 4 + [True] * (length - 4)))
+    batch = _padded_rows(rows, cfg.pad_token_id)
+    batch["input_features"] = torch.randn(n, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+    return batch, sum(durations)  # (batch, audio seconds)
+
+
+def qwen3_asr_batches(shape: dict, target: FrozenTarget, mask_token_id: int, g: torch.Generator):
+    """`num_batches` micro-batches of utterances of `durations` seconds, each filled up to `max_tokens` decoder
+    positions. A row is an 8-token prompt, one `audio_token_id` per encoder frame (the processor's expansion),
+    4 tokens, then the transcript (`tokens_per_second`) and the end token (supervised). Padded: batch k takes
+    durations of the k-th of `num_batches` equal duration buckets, rows until the padded batch would exceed
+    `max_tokens`; packed: durations of the whole range back to back in one row (`pack_padded_batch`, what the
+    packing collator runs). Features: random mel values, the mask covering each utterance's frames, padded to
+    whole 100-frame chunks. Returns `[(batch, audio seconds)]`."""
+    cfg = target.model.config
+    family = FAMILIES["qwen3_asr"]
+    lo, hi = shape["durations"]
+    k = shape["num_batches"]
+    limit = _text_id_limit(target, mask_token_id)
+    chunk = 2 * cfg.audio_config.n_window
+    out = []
+    for b in range(k):
+        span = (lo + (hi - lo) * b / k, lo + (hi - lo) * (b + 1) / k) if not shape["packed"] else (lo, hi)
+        rows, durations = [], []
+        while True:
+            d = span[0] + (span[1] - span[0]) * float(torch.rand((), generator=g))
+            samples = int(d * family.sampling_rate)
+            n_text = round(shape["tokens_per_second"] * d)
+            ids = (torch.randint(3, limit, (8,), generator=g).tolist() + [cfg.audio_token_id]
+                   * family.audio_tokens(cfg, samples) + torch.randint(3, limit, (4 + n_text,), generator=g).tolist()
+                   + [cfg.eos_token_id])
+            sup = [False] * (len(ids) - n_text - 1) + [True] * (n_text + 1)
+            width = max([len(ids), *(len(r[0]) for r in rows)])
+            used = sum(len(r[0]) for r in rows) + len(ids) if shape["packed"] else width * (len(rows) + 1)
+            if rows and used > shape["max_tokens"]:
+                break
+            rows.append((ids, sup))
+            durations.append(samples)
+        batch = _padded_rows(rows, cfg.pad_token_id)
+        frames = [max(n, 8000) // 160 for n in durations]  # the feature extractor's frames (clips < 0.5 s padded)
+        width = math.ceil(max(frames) / chunk) * chunk
+        batch["input_features"] = torch.randn(len(rows), cfg.audio_config.num_mel_bins, width, generator=g)
+        batch["input_features_mask"] = (torch.arange(width)[None] < torch.tensor(frames)[:, None]).long()
+        if shape["packed"]:
+            batch = pack_padded_batch(batch, shape["max_tokens"], pad_token_id=cfg.pad_token_id)
+        out.append((batch, sum(durations) / family.sampling_rate))
+    return out
+
+
+def make_batches(shape: dict, target: FrozenTarget, seq_len: int, batch_size: int, mask_token_id: int, seed: int):
+    """The micro-batches one timed cycle runs, each with the audio seconds it holds (0 for text)."""
+    kind = shape.get("kind", "qwen3")
+    g = torch.Generator().manual_seed(seed)
+    if kind == "whisper":
+        return [whisper_batch(shape, target, batch_size, mask_token_id, g)]
+    if kind == "qwen3_asr":
+        return qwen3_asr_batches(shape, target, mask_token_id, g)
+    low = 2 if kind == "qwen3" else 3  # qwen3 rows: pad 0, eos 1
+    return [(make_batch(shape, seq_len, batch_size, _text_id_limit(target, mask_token_id), seed, low), 0.0)]
 
 
 class LoopTimer(TrainerCallback):
@@ -311,11 +506,16 @@ class SyncWatch(TrainerCallback):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _train_on(trainer: DFlashTrainer, batch: dict, steps: int, callback: TrainerCallback) -> None:
-    """`trainer.train()` for `steps` optimizer steps on `batch` repeated (the collator hands out the CPU batch;
-    the Trainer moves it, plans anchors, clips, steps AdamW and logs as in a real run)."""
+def _clone(batch: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _train_on(trainer: DFlashTrainer, batches: list[dict], steps: int, callback: TrainerCallback) -> None:
+    """`trainer.train()` for `steps` optimizer steps on `batches` in turn (the collator hands out the CPU batches;
+    the Trainer moves them, plans anchors, clips, steps AdamW and logs as in a real run)."""
+    cycle = itertools.cycle(batches)
     trainer.train_dataset = [0] * steps
-    trainer.data_collator = lambda items: {k: v.clone() for k, v in batch.items()}
+    trainer.data_collator = lambda items: _clone(next(cycle))
     trainer.args.max_steps = steps
     trainer.add_callback(callback)
     try:
@@ -324,10 +524,10 @@ def _train_on(trainer: DFlashTrainer, batch: dict, steps: int, callback: Trainer
         trainer.remove_callback(callback)
 
 
-def trainer_loop_ms(trainer: DFlashTrainer, batch: dict, warmup: int, steps: int) -> float:
+def trainer_loop_ms(trainer: DFlashTrainer, batches: list[dict], warmup: int, steps: int) -> float:
     """Milliseconds per optimizer step of `Trainer.train` after `warmup` steps."""
     timer = LoopTimer(warmup)
-    _train_on(trainer, batch, warmup + steps, timer)
+    _train_on(trainer, batches, warmup + steps, timer)
     return timer.ms_per_step
 
 
@@ -338,12 +538,12 @@ def _sync_warning_sites(caught) -> dict[str, int]:
     return dict(sites.most_common())
 
 
-def sync_sites(trainer: DFlashTrainer, batch: dict, steps: int = 3) -> dict[str, int]:
+def sync_sites(trainer: DFlashTrainer, batches: list[dict], steps: int = 3) -> dict[str, int]:
     """Where `Trainer.train` steps synchronize with the device: `file:line` of each synchronizing call site
     (CUDA sync debug mode) in steps 2..`steps`, with counts."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train_on(trainer, batch, steps, SyncWatch(1))
+        _train_on(trainer, batches, steps, SyncWatch(1))
     return _sync_warning_sites(caught)
 
 
@@ -359,8 +559,12 @@ def step_sync_sites(fn) -> dict[str, int]:
     return _sync_warning_sites(caught)
 
 
-def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str) -> DFlashTrainer:
+def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str, *,
+                 packing_max_tokens: int | None = None, compile_target: bool = False) -> DFlashTrainer:
     args = DFlashTrainingArguments(
+        packing=packing_max_tokens is not None,
+        packing_max_tokens=packing_max_tokens,
+        compile_target=compile_target,
         output_dir=out_dir,
         optim="adamw_torch_fused" if target.device.type == "cuda" else "adamw_torch",
         learning_rate=6e-4,
@@ -381,14 +585,33 @@ def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_d
     return DFlashTrainer(model=draft, args=args, target=target)
 
 
+def target_forward_flops(target: FrozenTarget, batch: dict, layer_ids: list[int]) -> int:
+    """FLOPs of one tapped target forward as executed (padding and the audio encoder included), counted by
+    `torch.utils.flop_counter` (matmuls, convolutions, attention): for targets without a closed-form count.
+    Compiled layers (`--compile-target`) run eagerly here: the counter sees every operator, nothing compiles."""
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
+        target.capture(batch, layer_ids, keep_final=True)
+    return counter.get_total_flops()
+
+
+def _cycle(items: list, warmup: int, steps: int) -> tuple[int, int]:
+    """Warm-up and timed step counts rounded up to whole cycles over `items` (each micro-batch timed equally
+    often, each shape compiled before timing)."""
+    n = len(items)
+    return max(warmup, n) if n == 1 else math.ceil(max(warmup, n) / n) * n, math.ceil(steps / n) * n
+
+
 def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflops) -> dict:
     config = parse_config(spec)
-    seq_len, batch, num_anchors = args.seq_len or shape["seq_len"], args.batch_size, args.num_anchors
-    num_anchors = num_anchors or shape["num_anchors"]
-    tcfg = tmodel.config
+    seq_len = args.seq_len or shape.get("seq_len")
+    batch_size = args.batch_size or shape.get("batch_size", 1)
+    num_anchors = args.num_anchors or shape["num_anchors"]
+    frozen = FrozenTarget(tmodel)  # the decoder's dimensions (text_config) and special ids
+    tcfg = frozen.text_config
     dcfg = DFlashConfig.from_target_config(
-        tcfg, mask_token_id=tcfg.vocab_size - 1, num_hidden_layers=args.draft_layers, block_size=args.block_size
+        tcfg, mask_token_id=frozen.vocab_size - 1, num_hidden_layers=args.draft_layers, block_size=args.block_size
     )
+    dcfg.vocab_size = frozen.vocab_size
     torch._dynamo.reset()  # each case compiles from scratch (static shapes), not on top of the previous ones
     torch.manual_seed(0)
     with torch.device(device):
@@ -398,25 +621,32 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         # transformers >= 5.23 names it activation_checkpointing_enable (the old name warns)
         enable = getattr(draft, "activation_checkpointing_enable", None) or draft.gradient_checkpointing_enable
         enable({"use_reentrant": False})
+    items = make_batches(shape, frozen, seq_len, batch_size, dcfg.mask_token_id, seed=1)
+    cpu_batches = [b for b, _ in items]
     if mode == "draft":
-        taps = torch.randn(batch, seq_len, dcfg.num_taps * dcfg.hidden_size, device=device, dtype=dtype)
+        width = dcfg.num_taps * dcfg.hidden_size
+        taps = {tuple(b["input_ids"].shape): torch.randn(*b["input_ids"].shape, width, device=device, dtype=dtype)
+                for b in cpu_batches}
         target = FixedTapsTarget(tmodel, taps)
     else:
         target = FrozenTarget(tmodel)
     out_dir = tempfile.mkdtemp(prefix="dflash-bench-")
-    trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir)
-    cpu_batch = make_batch(shape, seq_len, batch, dcfg.mask_token_id, seed=1)
+    packing = shape["max_tokens"] if shape.get("packed") else None
+    trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir, packing_max_tokens=packing,
+                           compile_target=args.compile_target)
     objective, ft = trainer.objective, trainer.target
-    plan = objective.plan(ft, cpu_batch, seed=0)  # the first call pays one-time costs; plan_ms is the median after
-    plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batch, seed=0), torch.device("cpu"), 0, 5))
-    dev_batch = {k: v.to(device) for k, v in cpu_batch.items()}
+    plans = [objective.plan(ft, b, seed=0) for b in cpu_batches]  # the first call pays one-time costs
+    plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batches[0], seed=0), torch.device("cpu"),
+                                         0, 5))
+    # get_batch_samples hands the global denominator over on the device
+    prepared = [({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}, p, p.denominator.to(device))
+                for b, p in zip(cpu_batches, plans)]
     optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
-
-    denom = plan.denominator.to(device)  # get_batch_samples hands the global denominator over on the device
-
+    cycle = itertools.cycle(prepared)
     sums = MetricSums()
 
     def step():  # what DFlashTrainer.compute_loss runs (metric sums included), without the Trainer
+        dev_batch, plan, denom = next(cycle)
         out = objective.loss(draft, ft, dev_batch, plan)
         loss, skipped = objective.normalize(out, denom, training_step=True)
         objective.record(sums, out, plan, skipped)
@@ -425,33 +655,50 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # FLOPs from the exact blocks and mask of this plan.
-    blocks = build_blocks(
-        cpu_batch["input_ids"], cpu_batch["input_ids"], plan.loss_mask, plan.doc_ids, plan.positions, plan.anchors,
-        dcfg.block_size, dcfg.mask_token_id, objective.gamma,
-    )
-    visible = int(dense_block_mask(plan.anchors, plan.doc_ids, dcfg.block_size).sum())
-    n_blocks = plan.anchors.numel()
-    flops = draft_flops(dcfg, seq_len, batch, n_blocks, visible, int(blocks.valid.sum()))
-    if mode == "full":
-        flops.update(target_flops(tcfg, seq_len, batch, int(plan.loss_mask[:, 1:].sum())))
+    # FLOPs from the exact blocks and mask of each plan, per step (mean over the cycle).
+    per_batch = []
+    for plan in plans:
+        blocks = build_blocks(
+            plan.input_ids, plan.input_ids, plan.loss_mask, plan.doc_ids, plan.positions, plan.anchors,
+            dcfg.block_size, dcfg.mask_token_id, objective.gamma,
+        )
+        visible = int(dense_block_mask(plan.anchors, plan.doc_ids, dcfg.block_size).sum())
+        rows, width = plan.input_ids.shape
+        flops = draft_flops(dcfg, width, rows, plan.anchors.numel(), visible, int(blocks.valid.sum()))
+        if mode == "full":
+            supervised = int(plan.loss_mask[:, 1:].sum())
+            if shape.get("kind", "qwen3") == "qwen3":
+                flops.update(target_flops(tmodel.config, width, rows, supervised))
+            else:
+                dev_batch = prepared[len(per_batch)][0]
+                flops["target_forward"] = target_forward_flops(ft, dev_batch, objective.target_layer_ids)
+                flops["target_argmax_labels"] = 2 * supervised * frozen.hidden_size * frozen.vocab_size
+        per_batch.append((flops, visible, plan.anchors.numel(), rows, width))
+    n_items = len(items)
+    flops = {k: sum(f[k] for f, *_ in per_batch) // n_items for k in per_batch[0][0]}
+    visible = sum(v for _, v, *_ in per_batch) // n_items
+    n_blocks = sum(nb for _, _, nb, *_ in per_batch) / n_items
     total = sum(flops.values())
+    samples = sum(int(p.doc_ids.amax(-1).add(1).sum()) for p in plans) / n_items  # documents per step
+    tokens = sum(int(b["attention_mask"].sum()) for b in cpu_batches) / n_items  # real decoder tokens per step
+    audio_s = sum(a for _, a in items) / n_items
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     static = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    times = _time_ms(step, device, args.warmup, args.steps)
-    ms = statistics.median(times)
-    pipelined = _pipelined_ms(step, device, args.steps)
+    warmup, steps = _cycle(items, args.warmup, args.steps)
+    times = _time_ms(step, device, warmup, steps)
+    ms, mean_ms = statistics.median(times), statistics.fmean(times)
+    pipelined = _pipelined_ms(step, device, steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     loop = {}
     if args.trainer_loop:
-        loop_ms = trainer_loop_ms(trainer, cpu_batch, args.warmup, args.steps)
+        loop_ms = trainer_loop_ms(trainer, cpu_batches, warmup, steps)
         loop_mfu = total / (loop_ms * 1e-3) / 1e12 / ceiling_tflops
         loop = {"ms_trainer_loop": round(loop_ms, 3), "mfu_trainer_loop": round(loop_mfu, 4)}
         if device.type == "cuda":
-            loop["trainer_sync_sites"] = sync_sites(trainer, cpu_batch)
+            loop["trainer_sync_sites"] = sync_sites(trainer, cpu_batches)
     profiled = {}
     if args.profile and device.type == "cuda":
         tag = f"{name}_{mode}_{spec}".replace(",", "_").replace("=", "-")
@@ -460,18 +707,29 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         profiled["step_sync_sites"] = step_sync_sites(step)
     shutil.rmtree(out_dir, ignore_errors=True)
     tflops = total / (ms * 1e-3) / 1e12
+    speech = {}
+    if audio_s:
+        speech = {
+            "audio_s_per_step": round(audio_s, 2),
+            # audio seconds trained per second of step time = audio hours per GPU-hour
+            "audio_hours_per_gpu_hour": round(audio_s / (mean_ms * 1e-3), 1),
+            "audio_hours_per_gpu_hour_pipelined": round(audio_s / (pipelined * 1e-3), 1),
+            "micro_batches": [{"rows": r, "width": w, "blocks": nb} for _, _, nb, r, w in per_batch],
+        }
     return {
         "shape": name,
         "mode": mode,
         "config": spec,
-        "seq_len": seq_len,
-        "batch_size": batch,
+        "compile_target": args.compile_target,
+        "seq_len": round(sum(w for *_, w in per_batch) / n_items, 1) if n_items > 1 else per_batch[0][4],
+        "batch_size": round(sum(r for *_, r, _ in per_batch) / n_items, 1) if n_items > 1 else per_batch[0][3],
         "num_anchors": num_anchors,
         "block_size": args.block_size,
         "draft_layers": args.draft_layers,
-        "blocks": n_blocks,
+        "blocks": round(n_blocks, 1) if n_items > 1 else int(n_blocks),
         "visible_pairs": visible,
         "ms_per_step": round(ms, 3),
+        "ms_mean": round(mean_ms, 3),
         "ms_min": round(min(times), 3),
         "ms_max": round(max(times), 3),
         "ms_pipelined": round(pipelined, 3),
@@ -479,8 +737,11 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         **loop,
         **profiled,
         "plan_ms": round(plan_ms, 3),
-        "tokens_per_s": round(batch * seq_len / (ms * 1e-3), 1),
+        "samples_per_step": samples,
+        "samples_per_s": round(samples / (mean_ms * 1e-3), 1),
+        "tokens_per_s": round(tokens / (ms * 1e-3), 1),
         "block_tokens_per_s": round(n_blocks * args.block_size / (ms * 1e-3), 1),
+        **speech,
         "model_tflop_per_step": round(total / 1e12, 6),
         "matmul_tflops": round(ceiling_tflops, 4),
         "flops": flops,
@@ -498,14 +759,16 @@ def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> d
         out = Path(tmp) / "case.json"
         argv = [
             "--shape", name, "--modes", mode, "--configs" if mode == "draft" else "--full-configs", spec,
-            "--no-isolate", "--out", str(out), "--batch-size", str(args.batch_size), "--block-size",
-            str(args.block_size), "--draft-layers", str(args.draft_layers), "--warmup", str(args.warmup),
+            "--no-isolate", "--out", str(out), "--block-size", str(args.block_size), "--draft-layers",
+            str(args.draft_layers), "--warmup", str(args.warmup),
             "--steps", str(args.steps),
         ]
-        optional = {"--seq-len": args.seq_len, "--num-anchors": args.num_anchors, "--dtype": args.dtype,
+        optional = {"--seq-len": args.seq_len, "--num-anchors": args.num_anchors, "--batch-size": args.batch_size,
+                    "--dtype": args.dtype,
                     "--matmul-size": args.matmul_size, "--profile": args.profile}
         argv += [x for flag, value in optional.items() if value is not None for x in (flag, str(value))]
         argv += ["--trainer-loop"] if args.trainer_loop else []
+        argv += ["--compile-target"] if args.compile_target else []
         done = subprocess.run([sys.executable, __file__, *argv], check=False)
         rows = json.loads(out.read_text())["results"] if out.exists() else []
     if rows:
@@ -515,14 +778,18 @@ def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> d
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", nargs="+", default=["qwen3-1.7b", "qwen3-8b"], choices=sorted(SHAPES))
-    p.add_argument("--tiny", action="store_true", help="CPU regression run: tiny shape, fp32, sdpa configs.")
+    p.add_argument("--shape", nargs="+", default=None, choices=sorted(SHAPES),
+                   help="default: qwen3-1.7b qwen3-8b (with --tiny: tiny); the tiny-* shapes are CPU-sized versions "
+                   "of smollm2-135m, whisper-base and qwen3-asr-1.7b(-packed)")
+    p.add_argument("--tiny", action="store_true", help="CPU regression run: fp32, sdpa configs, the tiny shape unless "
+                   "--shape names tiny-* shapes.")
     p.add_argument("--modes", nargs="+", default=["draft", "full"], choices=["draft", "full"])
     p.add_argument("--configs", nargs="+", default=None, help="e.g. attn=flex,ce=2048,ckpt=0,compile=none")
     p.add_argument("--full-configs", nargs="+", default=None, help="configs for mode full (default: the first)")
     p.add_argument("--seq-len", type=int, default=None, help="default: per shape (1024 for 1.7B, 3072 for 8B)")
     p.add_argument("--num-anchors", type=int, default=None, help="default: per shape (256 for 1.7B, 512 for 8B)")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows of the text shapes, utterances of whisper-base (default: per shape, 1 for qwen3)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
@@ -537,14 +804,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-isolate", action="store_true", help="CUDA: run every case in this process (default: "
                    "one fresh process per case, so compiled state of one case cannot affect the next)")
     p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
+    p.add_argument("--compile-target", "--compile_target", dest="compile_target", action="store_true",
+                   help="compile_target=true: torch.compile the frozen target's decoder layers (CUDA; mode full)")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = make_parser().parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    if args.tiny:
-        args.shape = ["tiny"]
+    if args.shape is None:
+        args.shape = ["tiny"] if args.tiny else ["qwen3-1.7b", "qwen3-8b"]
+    elif args.tiny and not all(name.startswith("tiny") for name in args.shape):
+        raise ValueError(f"--tiny runs on the CPU: --shape must name tiny shapes, got {args.shape}")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     configs = args.configs or list(GPU_CONFIGS if device.type == "cuda" else CPU_CONFIGS)
     full_configs = args.full_configs or configs[:1]

@@ -43,3 +43,18 @@ def test_config_spec_parsing(bench):
         bench.parse_config("attention=flex")
     with pytest.raises(ValueError, match="attn is flex"):
         bench.parse_config("attn=dense")
+
+
+def test_tiny_speech_rows_run_the_real_target_families(bench):
+    """The CPU-sized versions of the whisper-base and packed Qwen3-ASR rows: the encoder runs in the full step,
+    every packed micro-batch of the cycle is timed, and the speech rates are reported."""
+    argv = ["--tiny", "--shape", "tiny-whisper", "tiny-qwen3-asr-packed", "--modes", "full", "--warmup", "0",
+            "--steps", "1", "--configs", "attn=sdpa,ce=64"]
+    rows = {r["shape"]: r for r in bench.main(argv)["results"]}
+    assert not any("error" in r for r in rows.values())
+    whisper, asr = rows["tiny-whisper"], rows["tiny-qwen3-asr-packed"]
+    assert whisper["batch_size"] == whisper["samples_per_step"] == 6 and len(whisper["micro_batches"]) == 1
+    assert asr["batch_size"] == 1 and asr["samples_per_step"] > 1 and len(asr["micro_batches"]) == 4
+    for row in rows.values():
+        assert FIELDS <= set(row) and row["audio_s_per_step"] > 0 and row["audio_hours_per_gpu_hour"] > 0
+        assert row["flops"]["target_forward"] > 0 and row["samples_per_s"] > 0

@@ -107,8 +107,10 @@ def test_text_target_packed_taps_equal_each_document_alone(text_target):
     docs = _text_docs(tok)
     packed = _packed_text(tok, docs)
     ft = FrozenTarget(model)
-    # Packed rows reach the target with position_ids and no attention_mask / cu_seqlens / max_seqlen / loss_mask.
-    assert sorted(ft.target_inputs(packed)) == ["input_ids", "position_ids"]
+    # Packed rows reach the target with position_ids and no 2D attention_mask / cu_seqlens / max_seqlen / loss_mask;
+    # the sdpa decoder gets the packed row's 4D mask prebuilt (FrozenTarget.packed_sdpa_mask).
+    inputs = ft.target_inputs(packed)
+    assert sorted(inputs) == ["attention_mask", "input_ids", "position_ids"] and inputs["attention_mask"].dim() == 4
     layers = [0, 1, 2]
     taps = ft.capture(packed, layers, keep_final=True)
     cu = packed["cu_seqlens"].tolist()
