@@ -347,6 +347,7 @@ def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: i
 
 
 def run_profile(args: ProfileArguments) -> dict:
+    commit = git_commit()  # before the run: the code that was imported
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
@@ -366,7 +367,7 @@ def run_profile(args: ProfileArguments) -> dict:
     wall = stats.as_dict()
     return {
         "name": run_name(args),
-        "commit": git_commit(),
+        "commit": commit,
         "command": shlex.join([sys.executable, *sys.argv]),
         "device": device_name(device),
         "torch": torch.__version__,
