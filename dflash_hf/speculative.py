@@ -29,6 +29,7 @@ from transformers import (
     MaxLengthCriteria,
     MinPLogitsWarper,
     StoppingCriteriaList,
+    SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -124,6 +125,9 @@ def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tup
 # at once. Any other processor runs position by position.
 ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
                        MinPLogitsWarper)
+# Processors that change only the row whose prefix holds `begin_index` ids (Whisper's begin-suppressed tokens): run on
+# that row alone, when the block has it.
+BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor,)
 
 
 def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -135,6 +139,10 @@ def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: to
     for proc in processors:
         if type(proc) in ROW_WISE_PROCESSORS:
             scores = proc(prefix, scores)
+        elif type(proc) in BEGIN_INDEX_PROCESSORS:
+            i = proc.begin_index - start
+            if 0 <= i < scores.shape[0]:
+                scores = torch.cat([scores[:i], proc(prefix[:, : start + i], scores[i : i + 1]), scores[i + 1 :]])
         else:
             scores = torch.cat([proc(prefix[:, : start + i], scores[i : i + 1]) for i in range(scores.shape[0])])
     return scores
