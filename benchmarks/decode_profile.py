@@ -357,6 +357,7 @@ def run_profile(args: ProfileArguments) -> dict:
             draft.to(device=device, dtype=dtype)
         else:
             ft, draft, prompts = real_setup(args, device)
+    prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
         stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts))
