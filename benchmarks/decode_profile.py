@@ -64,6 +64,7 @@ from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
+SCRIPT_PATH = Path(__file__).resolve()
 TINY_KINDS = ("text", "whisper")
 TINY_BLOCK = 4
 TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
@@ -346,7 +347,7 @@ def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: i
     return breakdown(clock.seconds, cycles, tokens), sequences
 
 
-def run_profile(args: ProfileArguments) -> dict:
+def run_profile(args: ProfileArguments, command: str) -> dict:
     commit = git_commit()  # before the run: the code that was imported
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -369,7 +370,7 @@ def run_profile(args: ProfileArguments) -> dict:
     return {
         "name": run_name(args),
         "commit": commit,
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": command,
         "device": device_name(device),
         "torch": torch.__version__,
         "precision": args.precision,
@@ -429,7 +430,8 @@ def results_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = make_parser().parse_args_into_dataclasses(args=argv)
-    results = run_profile(args)
+    command = shlex.join([sys.executable, *(sys.argv if argv is None else [str(SCRIPT_PATH), *argv])])
+    results = run_profile(args, command)
     out = Path(args.output_json) if args.output_json else (
         RESULTS_DIR / f"decode_profile_{results['name']}_{results['device'].split()[0].replace(':', '')}_"
                       f"{args.precision}.json")

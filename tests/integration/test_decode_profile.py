@@ -45,7 +45,9 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
     assert sum(parts.values()) == pytest.approx(seconds["host"], rel=1e-6, abs=1e-9)
     assert all(parts[name] > 0 for name in ("scores", "accept", "stop", "crop"))
     assert sum(prof["fraction"].values()) == pytest.approx(1.0)
-    assert results["command"] and results["commit"] and results["device"].startswith("cpu")
+    assert results["command"].endswith(f"decode_profile.py --tiny {kind} --num_prompts 2 --max_new_tokens 10 "
+                                      f"--progress false --output_json {out}")
+    assert results["commit"] and results["device"].startswith("cpu")
     # the package's functions are restored after the instrumented pass
     assert speculative._Verifier.__call__.__qualname__ == "_Verifier.__call__"
     assert speculative.propose_block.__module__ == "dflash_hf.speculative"
