@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import StoppingCriteria
 from utils import REPO_ROOT
 
 from dflash_hf import speculative
@@ -68,9 +69,11 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
     """Inside the decode loop, only the prompt's first token and each cycle's acceptance are read back to the host
     (a device-to-host read synchronizes the GPU): no per-token `int`/`bool`/`.tolist()` of device values."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import StoppingCriteriaList
     from utils import tiny_text_target
 
     from dflash_hf import DFlashConfig, DFlashDraftModel, tiny
+    from dflash_hf.speculative import dflash_custom_generate
     from dflash_hf.target import FrozenTarget
 
     reads, decoding = [], []
@@ -122,6 +125,19 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
     cycles = len(out.acceptance_lengths)
     assert cycles > 2
     assert len(reads) == 1 + cycles, reads  # the prompt's first token, then one read per cycle
+    # a user's stopping criterion: evaluated for every new token, read back once per check
+    reads.clear()
+    criteria = StoppingCriteriaList([NeverStop()])
+    custom = dflash_custom_generate(draft)
+    assert torch.equal(model.generate(**kw, max_new_tokens=12, do_sample=False, stopping_criteria=criteria,
+                                      custom_generate=custom), ref)
+    cycles = len(custom.acceptance_lengths)
+    assert len(reads) == 2 + 2 * cycles, reads  # prompt: token + its check; each cycle: acceptance + its check
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] < 0
 
 
 def test_begin_suppression_applies_to_the_row_at_its_begin_index_only():
