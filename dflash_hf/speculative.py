@@ -29,6 +29,7 @@ from transformers import (
     MaxLengthCriteria,
     MinPLogitsWarper,
     StoppingCriteriaList,
+    SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -101,10 +102,32 @@ def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) 
     return n, int(torch.multinomial(p[n], 1, generator=generator))
 
 
+def _accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
+    """Greedy acceptance with one device-to-host copy: the number of accepted draft tokens `k`, the new tokens
+    (the target's argmax at block positions `0..k`: the accepted draft tokens equal it, the last is the bonus) on
+    the device and the same ids on the host."""
+    t = target_scores.argmax(-1)
+    k = (draft_tokens == t[: draft_tokens.shape[0]]).long().cumprod(0).sum()
+    host = torch.cat([k.view(1), t]).tolist()
+    return host[0], t[: host[0] + 1], host[1 : host[0] + 2]
+
+
+def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tuple[int, torch.Tensor, list[int]]:
+    """`k`, the new tokens on the device and on the host (accepted draft tokens then the bonus or corrected one)."""
+    if temperature <= 0:
+        return _accept_greedy(draft_tokens, target_scores)
+    k, bonus = accept_tokens(draft_tokens, q_probs, target_scores, temperature, generator)
+    new_ids = draft_tokens[:k].tolist() + [bonus]
+    return k, torch.tensor(new_ids, device=draft_tokens.device), new_ids
+
+
 # Processors whose output row depends on its score row alone (not on the ids before it): applied to a whole block
 # at once. Any other processor runs position by position.
 ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
                        MinPLogitsWarper)
+# Processors that change only the row whose prefix holds `begin_index` ids (Whisper's begin-suppressed tokens): run on
+# that row alone, when the block has it.
+BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor,)
 
 
 def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -116,21 +139,26 @@ def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: to
     for proc in processors:
         if type(proc) in ROW_WISE_PROCESSORS:
             scores = proc(prefix, scores)
+        elif type(proc) in BEGIN_INDEX_PROCESSORS:
+            i = proc.begin_index - start
+            if 0 <= i < scores.shape[0]:
+                scores = torch.cat([scores[:i], proc(prefix[:, : start + i], scores[i : i + 1]), scores[i + 1 :]])
         else:
             scores = torch.cat([proc(prefix[:, : start + i], scores[i : i + 1]) for i in range(scores.shape[0])])
     return scores
 
 
-# first_stop(grown, length, scores): the index j of the first new token `grown[0, length + j]` that ends decoding
-# (`scores[j]` the scores it was chosen from), or None.
-FirstStop = Callable[[torch.Tensor, int, torch.Tensor], "int | None"]
+# first_stop(grown, length, scores, new_ids): the index j of the first new token `grown[0, length + j]` that ends
+# decoding (`scores[j]` the scores it was chosen from; `new_ids` the new tokens `grown[0, length:]` on the host), or
+# None.
+FirstStop = Callable[[torch.Tensor, int, torch.Tensor, list[int]], "int | None"]
 
 
 def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
     """Stop at an end token or at `max_length` tokens (prompt included)."""
 
-    def first_stop(grown, length, scores):
-        for j, token in enumerate(grown[0, length:].tolist()):
+    def first_stop(grown, length, scores, new_ids):
+        for j, token in enumerate(new_ids):
             if token in eos or (max_length is not None and length + j + 1 >= max_length):
                 return j
         return None
@@ -140,17 +168,16 @@ def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
 
 def _criteria_stop(criteria: StoppingCriteriaList) -> FirstStop:
     """`generate`'s stopping criteria, checked after each new token as `generate` does (its usual max-length
-    and end-token criteria are read once instead of being run per token)."""
+    and end-token criteria are read once instead of being run per token; others run on every new token's
+    prefix, read back in one device-to-host copy)."""
     if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
         lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten().tolist()}
         return _stop_at(eos, min(lengths) if lengths else None)
 
-    def first_stop(grown, length, scores):
-        for j in range(grown.shape[1] - length):
-            if bool(criteria(grown[:, : length + j + 1], scores[j : j + 1]).any()):
-                return j
-        return None
+    def first_stop(grown, length, scores, new_ids):
+        hits = torch.cat([criteria(grown[:, : length + j + 1], scores[j : j + 1]) for j in range(len(new_ids))])
+        return next((j for j, hit in enumerate(hits.tolist()) if hit), None)
 
     return first_stop
 
@@ -176,6 +203,20 @@ class _Verifier:
 
     def step(self, ids: torch.Tensor):
         return self(**{self.ids_key: ids})
+
+
+class _Positions:
+    """Decoder positions `[1, n]` as slices of one `arange`, made once and grown by doubling (no new tensor per
+    cycle)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.all = torch.arange(0, device=device)[None]
+
+    def span(self, start: int, stop: int) -> torch.Tensor:
+        if stop > self.all.shape[1]:
+            self.all = torch.arange(max(stop, 2 * self.all.shape[1]), device=self.device)[None]
+        return self.all[:, start:stop]
 
 
 def _decode(
@@ -216,19 +257,21 @@ def _decode(
     logits, pending = verifier(**prefill)
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)
-    pending_pos = torch.arange(pending.shape[1], device=dev)
+    # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
+    # and the first decoder position of `pending` (the draft's positions run from there to the block's end).
+    anchor, pending_start = int(nxt), 0
+    positions = _Positions(dev)
+    masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
-    stopped = first_stop(seq, prompt.shape[1], scores) is not None
+    stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
     while not stopped:
         a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
         width = bsz if max_positions is None else min(bsz, max_positions - a)
-        anchor = int(seq[0, -1])
-        block_ids = torch.full((1, width), mask_id, device=dev, dtype=torch.long)
-        block_ids[0, 0] = anchor
-        pos = torch.cat([pending_pos, torch.arange(a, a + width, device=dev)])[None]
+        block_ids = torch.cat([seq[:, -1:], masks[:, : width - 1]], dim=1)
+        pos = positions.span(pending_start, a + width)  # the pending features' positions, then the block's
         hidden = draft(
             position_ids=pos,
             noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
@@ -242,16 +285,17 @@ def _decode(
                                     else 0.0, generator)
         verify_ids = torch.cat([block_ids[:, :1], proposal.view(1, -1)], dim=1)
         logits, feats = verifier.step(verify_ids)
-        scores = _processed(processors, torch.cat([seq, proposal.view(1, -1).to(seq.dtype)], dim=1), logits)
-        k, bonus = accept_tokens(proposal, q, scores, target_t, generator)
+        # the ids before each block row, for the processors (none: nothing reads them)
+        block_prefix = torch.cat([seq, proposal.view(1, -1).to(seq.dtype)], dim=1) if processors else seq
+        scores = _processed(processors, block_prefix, logits)
+        k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
         crop_cache(verifier.cache, a + k + 1)
-        new = torch.cat([proposal[:k], torch.tensor([bonus], device=dev)]).to(seq.dtype)
-        grown, length = torch.cat([seq, new.view(1, -1)], dim=1), seq.shape[1]
-        stop = first_stop(grown, length, scores)  # the first stop token anywhere among the accepted ones
+        grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
+        stop = first_stop(grown, length, scores, new_ids)  # the first stop token anywhere among the accepted ones
         stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
         seq = grown[:, : length + kept]
         accepted.append(kept)
-        pending, pending_pos = feats[:, : k + 1], torch.arange(a, a + k + 1, device=dev)
+        anchor, pending, pending_start = new_ids[kept - 1], feats[:, : k + 1], a
     return seq, accepted
 
 

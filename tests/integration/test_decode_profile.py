@@ -1,0 +1,158 @@
+"""benchmarks/decode_profile.py on the tiny target, and the host reads of the speculative decode loop."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import StoppingCriteria
+from utils import REPO_ROOT
+
+from dflash_hf import speculative
+
+SCRIPT = REPO_ROOT / "benchmarks" / "decode_profile.py"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    spec = importlib.util.spec_from_file_location("decode_profile", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through the module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.parametrize("kind", ["text", "whisper"])
+def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kind):
+    out = tmp_path / "profile.json"
+    results = profile.main(["--tiny", kind, "--num_prompts", "2", "--max_new_tokens", "10", "--progress", "false",
+                            "--output_json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert results["outputs_identical"] and results["instrumented_outputs_identical"]
+    wall, prof = results["wall_clock"], results["instrumented"]
+    assert wall["outputs_identical"] and wall["prompts"] == 2
+    assert prof["tokens"] == wall["spec_tokens"] and prof["cycles"] == wall["cycles"] > 0
+    seconds = prof["seconds"]
+    assert set(seconds) == {"setup", "prefill", "draft", "proposal", "verify", "host"}
+    assert sum(seconds.values()) == pytest.approx(prof["total_s"], rel=1e-6)
+    assert all(seconds[name] > 0 for name in ("prefill", "draft", "proposal", "verify"))
+    assert seconds["host"] >= 0 and seconds["setup"] >= 0  # the measured phases lie inside the call
+    parts = prof["host_parts_seconds"]
+    assert sum(parts.values()) == pytest.approx(seconds["host"], rel=1e-6, abs=1e-9)
+    assert all(parts[name] > 0 for name in ("scores", "accept", "stop", "crop"))
+    assert sum(prof["fraction"].values()) == pytest.approx(1.0)
+    assert results["command"].endswith(f"decode_profile.py --tiny {kind} --num_prompts 2 --max_new_tokens 10 "
+                                      f"--progress false --output_json {out}")
+    assert results["commit"] and results["device"].startswith("cpu")
+    # the package's functions are restored after the instrumented pass
+    assert speculative._Verifier.__call__.__qualname__ == "_Verifier.__call__"
+    assert speculative.propose_block.__module__ == "dflash_hf.speculative"
+
+
+def test_bad_arguments_are_named(profile):
+    with pytest.raises(ValueError, match="--tiny must be one of"):
+        profile.main(["--tiny", "qwen"])
+    with pytest.raises(ValueError, match="drop --target"):
+        profile.main(["--tiny", "text", "--target", "x"])
+    with pytest.raises(ValueError, match="give --data, --draft, --target"):
+        profile.main([])
+    with pytest.raises(ValueError, match="--num_prompts must be >= 1"):
+        profile.main(["--tiny", "text", "--num_prompts", "0"])
+
+
+def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
+    """Inside the decode loop, only the prompt's first token and each cycle's acceptance are read back to the host
+    (a device-to-host read synchronizes the GPU): no per-token `int`/`bool`/`.tolist()` of device values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import StoppingCriteriaList
+    from utils import tiny_text_target
+
+    from dflash_hf import DFlashConfig, DFlashDraftModel, tiny
+    from dflash_hf.speculative import dflash_custom_generate
+    from dflash_hf.target import FrozenTarget
+
+    reads, decoding = [], []
+    torch_dir = str(Path(torch.__file__).parent)
+
+    def record_if_from_speculative(kind: str) -> None:
+        frame = sys._getframe(2)
+        while frame.f_code.co_filename.startswith(torch_dir):  # torch's own wrappers in between
+            frame = frame.f_back
+        if frame.f_code.co_filename == speculative.__file__:
+            reads.append((kind, frame.f_lineno))
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:  # int(), bool(), .item() of a tensor
+                record_if_from_speculative("scalar")
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        if decoding:
+            record_if_from_speculative("tolist")
+        return tolist(self)
+
+    decode = speculative._decode
+
+    def decode_counted(*args, **kwargs):
+        decoding.append(True)
+        try:
+            with ScalarReads():
+                return decode(*args, **kwargs)
+        finally:
+            decoding.clear()
+
+    model, tok = tiny_text_target(seed=1)
+    tiny.sharpen(model, seed=1)
+    cfg = DFlashConfig.from_target_config(FrozenTarget(model).text_config, num_hidden_layers=1, block_size=4,
+                                          mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(cfg).eval()
+    prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt))
+    ref = model.generate(**kw, max_new_tokens=12, do_sample=False)
+    monkeypatch.setattr(speculative, "_decode", decode_counted)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    out = speculative.speculative_generate(draft, model, 12, **kw)
+    assert torch.equal(out.sequences, ref)
+    cycles = len(out.acceptance_lengths)
+    assert cycles > 2
+    assert len(reads) == 1 + cycles, reads  # the prompt's first token, then one read per cycle
+    # a user's stopping criterion: evaluated for every new token, read back once per check
+    reads.clear()
+    criteria = StoppingCriteriaList([NeverStop()])
+    custom = dflash_custom_generate(draft)
+    assert torch.equal(model.generate(**kw, max_new_tokens=12, do_sample=False, stopping_criteria=criteria,
+                                      custom_generate=custom), ref)
+    cycles = len(custom.acceptance_lengths)
+    assert len(reads) == 2 + 2 * cycles, reads  # prompt: token + its check; each cycle: acceptance + its check
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] < 0
+
+
+def test_begin_suppression_applies_to_the_row_at_its_begin_index_only():
+    """`_processed` runs Whisper's begin-suppression on the one block row whose prefix is `begin_index` ids long,
+    and gives what running it on every row (as `generate` does token by token) gives."""
+    from transformers import LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
+
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    prefix = torch.arange(12)[None]  # row i follows prefix[:, :9 + i]
+    for begin_index in (8, 9, 10, 12, 13):
+        processors = LogitsProcessorList([SuppressTokensLogitsProcessor([3]),
+                                          SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)])
+        expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
+        got = speculative._processed(processors, prefix, logits)
+        assert torch.equal(got, expected), begin_index
+        assert bool(got[:, 3].isinf().all())
+        row = begin_index - 9
+        assert bool(got[:, 5].isinf().any()) == (0 <= row < 4)
