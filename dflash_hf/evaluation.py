@@ -157,7 +157,8 @@ def decode_benchmark(
     stats = DecodeStats(compared=compare_greedy)
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
         n_prompt = inputs["input_ids"].shape[1]
-        inputs = generate_kwargs(ft.family, {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})
+        on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        inputs = generate_kwargs(ft.family, ft.cast_features(on_device))  # float features in the target's dtype
         if warmup and i == 0:
             speculative_generate(draft, ft, max_new_tokens, **inputs)
             if compare_greedy:

@@ -367,3 +367,16 @@ def test_real_tau_rows_pass_the_sample_validator_and_skip_policy(whisper, tmp_pa
         list(rows)
     rows, _ = speech_rows_and_collator(str(manifest), processor, model.config, skip_bad_samples=True)
     assert len(list(rows)) == 5
+
+
+def test_decode_benchmark_gives_a_bf16_whisper_its_features_in_bf16(whisper):
+    from dflash_hf.evaluation import decode_benchmark
+
+    model, processor = whisper
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    draft = _draft(FrozenTarget(bf16)).to(torch.bfloat16)
+    prompt = torch.tensor([[257, 258, 359, 363]])
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt), "input_features": _features(processor, 0)}
+    assert inputs["input_features"].dtype == torch.float32  # as the collator emits them
+    stats = decode_benchmark(draft, bf16, [inputs], 8, warmup=False)
+    assert stats.prompts == 1 and not stats.mismatches and stats.spec_tokens > 0
