@@ -40,6 +40,7 @@ DFLASH_MASK_ID = 8  # SmolLM2's `<issue_start>`: kept free for the DFlash mask t
 # SmolLM2's own special tokens reused as the audio markers (its tokenizer fills the whole embedding: no resize)
 AUDIO_BOS, AUDIO_TOKEN, AUDIO_EOS = "<jupyter_start>", "<jupyter_text>", "<jupyter_code>"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
 LLM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -373,7 +374,7 @@ class AudioCache:
         return self.audio[row["id"]]
 
 
-def train(model_dir: Path, manifest: Path, out: Path, steps: int = 600, batch_size: int = 16, lr: float = 1e-3,
+def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_size: int = 32, lr: float = 1e-3,
           lora_rank: int = 16, lora_lr: float | None = None, device: str = "auto", precision: str = "bf16",
           warmup: int = 30, seed: int = 0, instruction: str = INSTRUCTION, encoder_batch_size: int = 32,
           log_every: int = 10, max_minutes: float | None = None) -> Path:
@@ -409,8 +410,9 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 600, batch_si
     if lora:
         params.append({"params": lora, "lr": lora_lr or lr / 5})
     opt = torch.optim.AdamW(params, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    horizon = {"steps": steps}  # shortened once the step time is known when --max_minutes would cut the run
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(s, horizon["steps"]) / horizon["steps"])))
     model.eval()  # no dropout anywhere; grads still flow to the projector / LoRA
     autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -425,9 +427,17 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 600, batch_si
     t0 = time.time()
     done = 0
     for step in bar:
+        if step >= horizon["steps"]:
+            break
         if max_minutes is not None and time.time() - t0 > 60 * max_minutes:
             print(f"--max_minutes {max_minutes} reached after {step} steps")
             break
+        if max_minutes is not None and step == PROBE_STEPS:
+            fit = int(PROBE_STEPS * 60 * max_minutes / (time.time() - t0))
+            if fit < horizon["steps"]:
+                print(f"--max_minutes {max_minutes}: about {fit} of {steps} steps fit; the cosine ends there")
+                horizon["steps"] = max(fit, PROBE_STEPS + 1)
+                bar.total = horizon["steps"]
         if pos + batch_size > len(order):
             order, pos = random.sample(range(len(rows)), len(rows)), 0
         chunk = [rows[i] for i in order[pos : pos + batch_size]]
@@ -442,7 +452,7 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 600, batch_si
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % log_every == 0 or step == steps - 1:
+        if step % log_every == 0 or step == horizon["steps"] - 1:
             curve.append({"step": step + 1, "loss": round(loss.item(), 4), "seconds": round(time.time() - t0, 1)})
             bar.set_postfix(loss=f"{loss.item():.3f}")
         done = step + 1
@@ -453,7 +463,8 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 600, batch_si
     model.to("cpu").save_pretrained(out)
     processor.save_pretrained(out)
     recipe = {"model": str(model_dir), "train_manifest": str(manifest), "clips": len(rows), "steps": done,
-              "steps_planned": steps, "max_minutes": max_minutes, "batch_size": batch_size, "lr": lr,
+              "steps_planned": steps,
+              "steps_scheduled": horizon["steps"], "max_minutes": max_minutes, "batch_size": batch_size, "lr": lr,
               "lora_rank": lora_rank, "lora_lr": (lora_lr or lr / 5) if lora else None,
               "warmup": warmup, "schedule": "linear warmup + cosine", "precision": precision, "device": device,
               "instruction": instruction, "seed": seed, "encoder_seconds": round(encode_seconds, 1),
@@ -600,8 +611,8 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", type=Path, required=True, help="assembled dir")
     t.add_argument("--train", type=Path, required=True, help="NeMo manifest (audio_filepath, text, ...)")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--steps", type=int, default=600)
-    t.add_argument("--batch_size", type=int, default=16)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch_size", type=int, default=32)
     t.add_argument("--lr", type=float, default=1e-3, help="projector learning rate")
     t.add_argument("--lora_rank", type=int, default=16, help="LoRA rank on the LLM linears; 0 = projector only")
     t.add_argument("--lora_lr", type=float, default=None, help="LoRA learning rate (default lr / 5)")

@@ -148,3 +148,11 @@ def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
         assert tok.decode(batch["input_ids"][i][sup]) == row["text"] + tok.eos_token
         assert int((batch["input_ids"][i] == processor.audio_token_id).sum()) == [5, 3][i]
         assert torch.equal(batch["labels"][i][sup], batch["input_ids"][i][sup])
+
+
+def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
+    assembled, _, manifest, _ = trained
+    out = sl.train(assembled, manifest, tmp_path / "t", steps=50, batch_size=2, lora_rank=0, device="cpu",
+                   precision="fp32", max_minutes=1e-6)
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
