@@ -349,7 +349,7 @@ def merge_lora(model):
 
 
 class AudioCache:
-    """Tower outputs per clip id, computed once per process (the encoder is frozen)."""
+    """Tower outputs per audio file, computed once per process (the encoder is frozen)."""
 
     def __init__(self, model, processor, batch_size: int):
         self.model, self.processor, self.batch_size = model, processor, batch_size
@@ -358,7 +358,7 @@ class AudioCache:
 
     @torch.no_grad()
     def fill(self, rows: list[dict], desc: str = "encoder") -> None:
-        todo = [r for r in rows if r["id"] not in self.frames]
+        todo = list({r["audio_filepath"]: r for r in rows if r["audio_filepath"] not in self.frames}.values())
         for i in tqdm(range(0, len(todo), self.batch_size), desc=desc, unit="batch", disable=not todo):
             chunk = todo[i : i + self.batch_size]
             audios = [self.get_audio(r) for r in chunk]
@@ -366,12 +366,16 @@ class AudioCache:
                                                      return_attention_mask=True, return_tensors="pt",
                                                      device=str(self.model.device))
             for r, h in zip(chunk, encode_audio(self.model, feats["input_features"], feats["attention_mask"])):
-                self.frames[r["id"]] = h.detach()
+                self.frames[r["audio_filepath"]] = h.detach()
+
+    def of(self, rows: list[dict]) -> list[torch.Tensor]:
+        return [self.frames[r["audio_filepath"]] for r in rows]
 
     def get_audio(self, row: dict) -> np.ndarray:
-        if row["id"] not in self.audio:
-            self.audio[row["id"]] = load_audio(row["audio_filepath"])
-        return self.audio[row["id"]]
+        path = row["audio_filepath"]
+        if path not in self.audio:
+            self.audio[path] = load_audio(path)
+        return self.audio[path]
 
 
 def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_size: int = 32, lr: float = 1e-3,
@@ -442,10 +446,10 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
             order, pos = random.sample(range(len(rows)), len(rows)), 0
         chunk = [rows[i] for i in order[pos : pos + batch_size]]
         pos += batch_size
-        batch = encode_training_batch(processor, chunk, [len(cache.frames[r["id"]]) for r in chunk], instruction)
+        batch = encode_training_batch(processor, chunk, [len(f) for f in cache.of(chunk)], instruction)
         with autocast:
             logits = forward_with_audio(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                        [cache.frames[r["id"]] for r in chunk])
+                                        cache.of(chunk))
         loss = lm_loss(logits, batch["labels"].to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
@@ -481,7 +485,7 @@ def check_cached_forward(model, processor, family, rows, cache, instruction, aut
     call gives and the model's own logits: guards it on any transformers version before training starts."""
     from dflash_hf.families import encode_batch
 
-    n_frames = [len(cache.frames[r["id"]]) for r in rows]
+    n_frames = [len(f) for f in cache.of(rows)]
     mine = encode_training_batch(processor, rows, n_frames, instruction)
     full = [render(processor, r["text"], instruction)[0] for r in rows]
     ref = encode_batch(family, processor, model.config, full, [cache.get_audio(r) for r in rows], "right")
@@ -490,7 +494,7 @@ def check_cached_forward(model, processor, family, rows, cache, instruction, aut
     dev = model.device
     with autocast:
         logits = forward_with_audio(model, mine["input_ids"].to(dev), mine["attention_mask"].to(dev),
-                                    [cache.frames[r["id"]] for r in rows])
+                                    cache.of(rows))
         want = model(**{k: v.to(dev) for k, v in ref.items()}).logits
     keep = mine["attention_mask"].bool().to(dev)
     err = (logits[keep].float() - want[keep].float()).abs().max().item()
