@@ -156,3 +156,19 @@ def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
                    precision="fp32", max_minutes=1e-6)
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
+
+
+def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
+    from dflash_hf.families import resolve_family
+
+    assembled, _, manifest, _ = trained
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()
+    processor = tf.AutoProcessor.from_pretrained(assembled)
+    rows = sl.read_manifest(manifest)[:2]
+    cache = sl.AudioCache(model, processor, 2)
+    family = resolve_family(model.config, "qwen2_audio")
+    sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)  # the real path passes
+    right = sl.encode_audio
+    monkeypatch.setattr(sl, "encode_audio", lambda *a: [f * 1.5 for f in right(*a)])
+    with pytest.raises(RuntimeError, match="differs from the model's forward"):
+        sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)
