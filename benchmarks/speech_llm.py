@@ -260,35 +260,44 @@ def render(processor, text: str | None, instruction: str = INSTRUCTION) -> tuple
     return full, prompt
 
 
-def encode_training_batch(processor, rows: list[dict], n_frames: list[int], instruction: str = INSTRUCTION) -> dict:
-    """Right-padded ``input_ids`` / ``attention_mask`` with the audio placeholder expanded to ``n_frames`` tokens
-    per clip (what the processor does, without its feature extraction), and ``labels``: the transcript and the
-    end-of-turn token only (-100 elsewhere)."""
+def encode_row(processor, row: dict, n_frames: int, instruction: str = INSTRUCTION) -> tuple[list[int], list[int]]:
+    """Ids of one conversation with the audio placeholder expanded to ``n_frames`` tokens (what the processor does,
+    without its feature extraction) and its labels: the transcript and the end-of-turn token, -100 elsewhere."""
     tok = processor.tokenizer
-    seqs, labels = [], []
-    for row, n in zip(rows, n_frames, strict=True):
-        full, prompt = render(processor, row["text"], instruction)
-        suffix = full[len(prompt):]
-        supervised = suffix[: suffix.index(row["text"]) + len(row["text"])] + tok.eos_token
-        if not suffix.startswith(supervised):
-            raise ValueError(f"{row['id']}: the assistant turn does not end with {tok.eos_token!r}: {suffix!r}")
-        if prompt.count(processor.audio_token) != 1:
-            raise ValueError(f"the prompt must hold one {processor.audio_token!r}: {prompt!r}")
-        ids_prompt = tok(prompt.replace(processor.audio_token, processor.audio_token * n),
-                         add_special_tokens=False)["input_ids"]
-        ids_sup = tok(supervised, add_special_tokens=False)["input_ids"]
-        ids_rest = tok(suffix[len(supervised):], add_special_tokens=False)["input_ids"]
-        seqs.append(ids_prompt + ids_sup + ids_rest)
-        labels.append([-100] * len(ids_prompt) + ids_sup + [-100] * len(ids_rest))
-    width = max(map(len, seqs))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    out = {"input_ids": torch.full((len(seqs), width), pad), "labels": torch.full((len(seqs), width), -100),
-           "attention_mask": torch.zeros(len(seqs), width, dtype=torch.long)}
-    for i, (s, lab) in enumerate(zip(seqs, labels)):
-        out["input_ids"][i, : len(s)] = torch.tensor(s)
-        out["attention_mask"][i, : len(s)] = 1
-        out["labels"][i, : len(s)] = torch.tensor(lab)
+    full, prompt = render(processor, row["text"], instruction)
+    suffix = full[len(prompt):]
+    supervised = suffix[: suffix.index(row["text"]) + len(row["text"])] + tok.eos_token
+    if not suffix.startswith(supervised):
+        raise ValueError(f"{row['id']}: the assistant turn does not end with {tok.eos_token!r}: {suffix!r}")
+    if prompt.count(processor.audio_token) != 1:
+        raise ValueError(f"the prompt must hold one {processor.audio_token!r}: {prompt!r}")
+    ids_prompt = tok(prompt.replace(processor.audio_token, processor.audio_token * n_frames),
+                     add_special_tokens=False)["input_ids"]
+    ids_sup = tok(supervised, add_special_tokens=False)["input_ids"]
+    ids_rest = tok(suffix[len(supervised):], add_special_tokens=False)["input_ids"]
+    return ids_prompt + ids_sup + ids_rest, [-100] * len(ids_prompt) + ids_sup + [-100] * len(ids_rest)
+
+
+def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    """Right-padded ``input_ids`` / ``attention_mask`` / ``labels`` of :func:`encode_row` outputs."""
+    width = max(len(ids) for ids, _ in examples)
+    out = {"input_ids": torch.full((len(examples), width), pad_id), "labels": torch.full((len(examples), width), -100),
+           "attention_mask": torch.zeros(len(examples), width, dtype=torch.long)}
+    for i, (ids, labels) in enumerate(examples):
+        out["input_ids"][i, : len(ids)] = torch.tensor(ids)
+        out["attention_mask"][i, : len(ids)] = 1
+        out["labels"][i, : len(ids)] = torch.tensor(labels)
     return out
+
+
+def pad_id_of(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def encode_training_batch(processor, rows: list[dict], n_frames: list[int], instruction: str = INSTRUCTION) -> dict:
+    """:func:`pad_batch` of :func:`encode_row` for each row."""
+    examples = [encode_row(processor, r, n, instruction) for r, n in zip(rows, n_frames, strict=True)]
+    return pad_batch(examples, pad_id_of(processor.tokenizer))
 
 
 # -------------------------------------------------------------------------------------------------------- model
@@ -399,6 +408,8 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"--precision must be fp32 or bf16, got {precision!r}")
     rows = read_manifest(manifest)
+    if batch_size > len(rows):
+        raise ValueError(f"--batch_size {batch_size} exceeds the {len(rows)} clips of --train {manifest}; lower it")
     device = resolve_device(device)
     torch.manual_seed(seed)
     random.seed(seed)
@@ -426,6 +437,9 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
         cache.fill(rows)
     encode_seconds = time.time() - start
     check_cached_forward(model, processor, family, rows[:2], cache, instruction)
+    examples = [encode_row(processor, r, len(f), instruction)  # rendered once: the text side is fixed too
+                for r, f in zip(tqdm(rows, desc="tokenize", unit="clip"), cache.of(rows))]
+    pad_id = pad_id_of(processor.tokenizer)
     curve, order, pos = [], [], 0
     bar = tqdm(range(steps), desc="train", unit="step")
     t0 = time.time()
@@ -444,9 +458,10 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
                 bar.total = horizon["steps"]
         if pos + batch_size > len(order):
             order, pos = random.sample(range(len(rows)), len(rows)), 0
-        chunk = [rows[i] for i in order[pos : pos + batch_size]]
+        idx = order[pos : pos + batch_size]
+        chunk = [rows[i] for i in idx]
         pos += batch_size
-        batch = encode_training_batch(processor, chunk, [len(f) for f in cache.of(chunk)], instruction)
+        batch = pad_batch([examples[i] for i in idx], pad_id)
         with autocast:
             logits = forward_with_audio(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                         cache.of(chunk))

@@ -135,6 +135,8 @@ def test_bad_inputs_name_the_flag(parts, tmp_path):
     bad.write_text(json.dumps({"audio_filepath": "a.wav", "text": ""}) + "\n")
     with pytest.raises(ValueError, match="'text'"):
         sl.read_manifest(bad)
+    with pytest.raises(ValueError, match="--batch_size 4 exceeds the 3 clips"):
+        sl.train(root / "llm", manifest, tmp_path / "t", batch_size=4, device="cpu")
 
 
 def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
