@@ -22,6 +22,7 @@ See benchmarks/README.md ("Speech LLM from real parts").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -366,7 +367,9 @@ class AudioCache:
         self.audio: dict[str, np.ndarray] = {}
 
     @torch.no_grad()
-    def fill(self, rows: list[dict], desc: str = "encoder") -> None:
+    def fill(self, rows: list[dict], autocast=None, desc: str = "encoder") -> None:
+        """Tower outputs of every new audio file; ``autocast`` (a context) wraps the tower only: the feature
+        extractor must run in fp32 (its numpy conversion refuses bf16)."""
         todo = list({r["audio_filepath"]: r for r in rows if r["audio_filepath"] not in self.frames}.values())
         for i in tqdm(range(0, len(todo), self.batch_size), desc=desc, unit="batch", disable=not todo):
             chunk = todo[i : i + self.batch_size]
@@ -374,7 +377,9 @@ class AudioCache:
             feats = self.processor.feature_extractor(audios, sampling_rate=SAMPLING_RATE, padding="max_length",
                                                      return_attention_mask=True, return_tensors="pt",
                                                      device=str(self.model.device))
-            for r, h in zip(chunk, encode_audio(self.model, feats["input_features"], feats["attention_mask"])):
+            with autocast or contextlib.nullcontext():
+                frames = encode_audio(self.model, feats["input_features"], feats["attention_mask"])
+            for r, h in zip(chunk, frames):
                 self.frames[r["audio_filepath"]] = h.detach()
 
     def of(self, rows: list[dict]) -> list[torch.Tensor]:
@@ -433,8 +438,7 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
 
     start = time.time()
     cache = AudioCache(model, processor, encoder_batch_size)
-    with autocast:
-        cache.fill(rows)
+    cache.fill(rows, autocast)
     encode_seconds = time.time() - start
     check_cached_forward(model, processor, family, rows[:2], cache, instruction)
     examples = [encode_row(processor, r, len(f), instruction)  # rendered once: the text side is fixed too

@@ -106,7 +106,7 @@ def test_dflash_loads_and_trains_on_it(trained, tmp_path):
 
 def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
     _, out, manifest, _ = trained
-    res = sl.wer(out, manifest, num_samples=2, batch_size=2, device="cpu", precision="fp32", max_new_tokens=4,
+    res = sl.wer(out, manifest, num_samples=2, batch_size=2, device="cpu", precision="bf16", max_new_tokens=4,
                  output=tmp_path / "wer.json")
     assert json.loads((tmp_path / "wer.json").read_text())["num_samples"] == 2
     assert len(res["samples"]) == 2 and all(isinstance(s["hyp"], str) for s in res["samples"])
@@ -155,7 +155,7 @@ def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
 def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
     assembled, _, manifest, _ = trained
     out = sl.train(assembled, manifest, tmp_path / "t", steps=50, batch_size=2, lora_rank=0, device="cpu",
-                   precision="fp32", max_minutes=1e-6)
+                   precision="bf16", max_minutes=1e-6)  # bf16: the device default (feature extraction stays fp32)
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
 
