@@ -146,6 +146,9 @@ def assemble(whisper_dir: Path, llm_dir: Path, out: Path, audio_bos: str = AUDIO
         WhisperForConditionalGeneration,
     )
 
+    if (out / "assembled.json").is_file() and (out / "config.json").is_file():
+        print(f"{out} is assembled (assembled.json exists); delete it to rebuild")
+        return out
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     ids = special_token_ids(tokenizer, {"audio_bos_token": audio_bos, "audio_token": audio_token,
                                         "audio_eos_token": audio_eos})
