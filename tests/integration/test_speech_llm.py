@@ -1,0 +1,177 @@
+"""benchmarks/speech_llm.py: a Qwen2-Audio assembled from a tiny random Whisper and a tiny random Llama, trained a
+few steps, saved, then loaded and trained on by dflash_hf unchanged (both Qwen2-Audio family rows). No downloads."""
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from utils import REPO_ROOT
+
+from dflash_hf import tiny
+from dflash_hf.target import FrozenTarget, load_target
+
+_PATH = REPO_ROOT / "benchmarks" / "speech_llm.py"
+_spec = importlib.util.spec_from_file_location("speech_llm", _PATH)
+sl = importlib.util.module_from_spec(_spec)
+sys.modules["speech_llm"] = sl
+_spec.loader.exec_module(sl)
+
+TOKENS = dict(audio_bos=tiny.AUDIO_START, audio_token=tiny.AUDIO_PAD, audio_eos=tiny.AUDIO_END)
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """Directories of a tiny Whisper (16 mel bins, 30 s input) and a tiny Llama with the tiny tokenizer."""
+    root = tmp_path_factory.mktemp("parts")
+    torch.manual_seed(0)
+    wcfg = tf.WhisperConfig(vocab_size=64, num_mel_bins=16, d_model=16, encoder_layers=1, decoder_layers=1,
+                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                            decoder_ffn_dim=32, max_source_positions=1500, max_target_positions=16,
+                            decoder_start_token_id=1, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    whisper = tf.WhisperForConditionalGeneration(wcfg)
+    with torch.no_grad():  # layer norms and biases are 1 / 0 at init: make every tensor distinguishable
+        for name, p in whisper.named_parameters():
+            if "layer_norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p))
+    whisper.save_pretrained(root / "whisper")
+    tf.WhisperFeatureExtractor(feature_size=16, sampling_rate=16000).save_pretrained(root / "whisper")
+    tok = tiny.build_tokenizer()
+    lcfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                          tie_word_embeddings=True)
+    tf.LlamaForCausalLM(lcfg).save_pretrained(root / "llm")
+    tok.save_pretrained(root / "llm")
+    manifest = tiny.synthesize_speech(root / "speech", 3, seed=4, min_dur=0.6, max_dur=1.2)
+    return root, whisper, tok, manifest
+
+
+@pytest.fixture(scope="module")
+def trained(parts):
+    root, whisper, tok, manifest = parts
+    mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    assembled = sl.assemble(root / "whisper", root / "llm", root / "assembled", reserved_ids=(mask_id,), **TOKENS)
+    out = sl.train(assembled, manifest, root / "trained", steps=6, batch_size=3, lr=3e-2, lora_rank=2,
+                   lora_lr=1e-2, device="cpu", precision="fp32", warmup=1, log_every=1, encoder_batch_size=3)
+    return assembled, out, manifest, mask_id
+
+
+def test_assembled_tower_is_the_whisper_encoder(parts, trained):
+    _, whisper, tok, _ = parts
+    assembled, out, _, _ = trained
+    report = json.loads((assembled / "assembled.json").read_text())
+    assert sl.assemble(parts[0] / "whisper", parts[0] / "llm", assembled) == assembled  # done: skipped
+    assert report["unmapped_whisper_tensors"] == [] and report["mapped"] == len(whisper.model.encoder.state_dict())
+    for path in (assembled, out):  # training leaves the tower untouched
+        model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(path)
+        assert model.config.audio_token_id == tok.convert_tokens_to_ids(tiny.AUDIO_PAD)
+        tower = model.model.audio_tower.state_dict()
+        for name, tensor in whisper.model.encoder.state_dict().items():
+            assert torch.equal(tower[name], tensor), name
+
+
+def test_training_lowers_the_loss_and_merges_lora(trained):
+    assembled, out, _, _ = trained
+    recipe = json.loads((out / "recipe.json").read_text())
+    losses = [p["loss"] for p in recipe["loss_curve"]]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    before = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).state_dict()
+    after = tf.Qwen2AudioForConditionalGeneration.from_pretrained(out).state_dict()
+    assert set(before) == set(after)  # LoRA merged: no adapter tensors saved
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any("multi_modal_projector" in k for k in changed)
+    assert any("language_model" in k and "q_proj" in k for k in changed)
+    assert not any("audio_tower" in k or "embed_tokens" in k for k in changed)
+
+
+def test_dflash_loads_and_trains_on_it(trained, tmp_path):
+    from dflash_hf.cli import train as cli_train
+
+    _, out, manifest, mask_id = trained
+    model = load_target(str(out))
+    for family in ("qwen2_audio", "qwen2_audio_single_placeholder"):
+        FrozenTarget(model, family=family)
+        metrics = cli_train.run([
+            "--target_name_or_path", str(out), "--target_family", family, "--train_data", str(manifest),
+            "--prompt", sl.INSTRUCTION, "--mask_token_id", str(mask_id), "--output_dir", str(tmp_path / family),
+            "--max_steps", "1", "--block_size", "4", "--num_draft_layers", "1", "--use_cpu", "true",
+            "--report_to", "none", "--label_source", "target_argmax", "--disable_tqdm", "true",
+            "--save_strategy", "no",
+        ])
+        assert np.isfinite(metrics["train_loss"]) and metrics["skipped_samples"] == 0
+
+
+def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
+    _, out, manifest, _ = trained
+    res = sl.wer(out, manifest, num_samples=2, batch_size=2, device="cpu", precision="bf16", max_new_tokens=4,
+                 output=tmp_path / "wer.json")
+    assert json.loads((tmp_path / "wer.json").read_text())["num_samples"] == 2
+    assert len(res["samples"]) == 2 and all(isinstance(s["hyp"], str) for s in res["samples"])
+
+
+def test_word_error_rate():
+    assert sl.normalize("Hello, World! It's a well-known fact.") == ["hello", "world", "it's", "a", "well", "known",
+                                                                     "fact"]
+    assert sl.word_errors("a b c".split(), "a b c".split()) == 0
+    assert sl.word_errors("a b c".split(), "a x c d".split()) == 2  # one substitution, one insertion
+    assert sl.word_errors("a b c".split(), []) == 3
+    assert sl.word_errors([], "a b".split()) == 2
+    assert sl.corpus_wer(["The cat sat.", "on the mat"], ["the cat sat", "on a mat mat"]) == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match="no words"):
+        sl.corpus_wer(["..."], ["x"])
+
+
+def test_bad_inputs_name_the_flag(parts, tmp_path):
+    root, _, _, manifest = parts
+    with pytest.raises(ValueError, match="--audio_token"):
+        sl.assemble(root / "whisper", root / "llm", tmp_path / "x", **(TOKENS | {"audio_token": "<nope>"}))
+    with pytest.raises(ValueError, match="reserved"):
+        sl.assemble(root / "whisper", root / "llm", tmp_path / "x", reserved_ids=(tiny.build_tokenizer()
+                    .convert_tokens_to_ids(tiny.AUDIO_PAD),), **TOKENS)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"audio_filepath": "a.wav", "text": ""}) + "\n")
+    with pytest.raises(ValueError, match="'text'"):
+        sl.read_manifest(bad)
+    with pytest.raises(ValueError, match="--batch_size 4 exceeds the 3 clips"):
+        sl.train(root / "llm", manifest, tmp_path / "t", batch_size=4, device="cpu")
+
+
+def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
+    assembled, _, manifest, _ = trained
+    processor = tf.AutoProcessor.from_pretrained(assembled)
+    rows = sl.read_manifest(manifest)[:2]
+    batch = sl.encode_training_batch(processor, rows, [5, 3])
+    tok = processor.tokenizer
+    for i, row in enumerate(rows):
+        sup = batch["labels"][i] != -100
+        assert tok.decode(batch["input_ids"][i][sup]) == row["text"] + tok.eos_token
+        assert int((batch["input_ids"][i] == processor.audio_token_id).sum()) == [5, 3][i]
+        assert torch.equal(batch["labels"][i][sup], batch["input_ids"][i][sup])
+
+
+def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
+    assembled, _, manifest, _ = trained
+    out = sl.train(assembled, manifest, tmp_path / "t", steps=50, batch_size=2, lora_rank=0, device="cpu",
+                   precision="bf16", max_minutes=1e-6)  # bf16: the device default (feature extraction stays fp32)
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
+
+
+def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
+    from dflash_hf.families import resolve_family
+
+    assembled, _, manifest, _ = trained
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()
+    processor = tf.AutoProcessor.from_pretrained(assembled)
+    rows = sl.read_manifest(manifest)[:2]
+    cache = sl.AudioCache(model, processor, 2)
+    family = resolve_family(model.config, "qwen2_audio")
+    sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)  # the real path passes
+    right = sl.encode_audio
+    monkeypatch.setattr(sl, "encode_audio", lambda *a: [f * 1.5 for f in right(*a)])
+    with pytest.raises(RuntimeError, match="differs from the model's forward"):
+        sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)
