@@ -71,9 +71,22 @@ TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when deco
 MEASURED = ("prefill", "draft", "proposal", "verify")
 HOST_PARTS = ("scores", "accept", "stop", "crop")
 PHASES = ("setup", *MEASURED, "host")
-# Functions of dflash_hf.speculative timed as host parts (those the installed version has).
-HOST_FUNCTIONS = {"_processed": "scores", "accept_tokens": "accept", "_accept_greedy": "accept",
+# Functions the decode loop of dflash_hf.speculative calls, timed as host parts (those the installed version has).
+# Acceptance is the loop's `_accept` where it exists (it calls the greedy or sampling rule); older loops called
+# `accept_tokens` / `_accept_greedy` themselves.
+HOST_FUNCTIONS = {"_processed": "scores", "_accept": "accept", "accept_tokens": "accept", "_accept_greedy": "accept",
                   "crop_cache": "crop"}
+
+
+def host_functions(module) -> dict[str, str]:
+    """The host parts to time in `module`: `_accept` replaces the rules it dispatches to (no nested timing)."""
+    names = dict(HOST_FUNCTIONS)
+    if hasattr(module, "_accept"):
+        names.pop("accept_tokens")
+        names.pop("_accept_greedy")
+    else:
+        names.pop("_accept")
+    return {k: v for k, v in names.items() if hasattr(module, k)}
 
 
 @dataclass
@@ -173,7 +186,8 @@ def instrumented(draft, clock: PhaseClock):
     decode is the prefill), the decode loop (`_decode`, with its stop check) and the host parts of
     `dflash_hf.speculative`, restoring everything afterwards."""
     sp = speculative
-    originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *HOST_FUNCTIONS) if hasattr(sp, name)}
+    hosts = host_functions(sp)
+    originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
     verifier_call = sp._Verifier.__call__
     decode = originals["_decode"]
 
@@ -201,9 +215,8 @@ def instrumented(draft, clock: PhaseClock):
         sp._Verifier.__call__ = verifier_timed
         sp._decode = decode_timed
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
-        for name, part in HOST_FUNCTIONS.items():
-            if name in originals:
-                setattr(sp, name, clock.timed(part, originals[name]))
+        for name, part in hosts.items():
+            setattr(sp, name, clock.timed(part, originals[name]))
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)
         stack.callback(draft.register_forward_hook(draft_end).remove)
         yield

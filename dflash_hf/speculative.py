@@ -17,27 +17,24 @@ output are the model's own; the encoder runs once per utterance and the cross-at
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import (
-    DynamicCache,
-    EncoderDecoderCache,
-    EosTokenCriteria,
-    LogitsProcessorList,
-    MaxLengthCriteria,
-    MinPLogitsWarper,
-    StoppingCriteriaList,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from .target import FrozenTarget
+from .verification import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
+    FirstStop,
+    _accept,
+    _criteria_stop,
+    _eos_ids,
+    _pick,
+    _processed,
+    _stop_at,
+    accept_tokens,
+    propose_block,
+)
 
 
 @dataclass
@@ -57,129 +54,6 @@ def crop_cache(cache, length: int) -> None:
     remove = cache.get_seq_length() - length
     if remove > 0:
         cache.crop(-remove)
-
-
-def _eos_ids(target: FrozenTarget) -> set[int]:
-    return target.special_ids().get("eos_token_id", set())
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens and (for sampling) their distributions from `[n, V]` logits."""
-    if temperature <= 0:
-        return logits.argmax(-1), None
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs
-
-
-def propose_block(draft, hidden: torch.Tensor, lm_head: torch.nn.Module, anchor_token: int, temperature, generator):
-    """Draft tokens for slots 1..B-1 from the draft hidden `[B, H]` (variants may override with
-    `draft.propose_block`, e.g. DFlash2's selector walk)."""
-    custom = getattr(draft, "propose_block", None)
-    if custom is not None:
-        return custom(hidden, lm_head, anchor_token, temperature, generator)
-    return _pick(lm_head(hidden[1:]), temperature, generator)
-
-
-def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) -> tuple[int, int]:
-    """Number of accepted draft tokens and the next (bonus or corrected) token.
-
-    `target_logits[i]` is the target's prediction after block position i (`[B, V]`)."""
-    n = draft_tokens.shape[0]
-    if temperature <= 0:
-        t = target_logits.argmax(-1)
-        agree = (draft_tokens == t[:n]).long()
-        k = int(agree.cumprod(0).sum())
-        return k, int(t[k])
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    for i in range(n):
-        d = draft_tokens[i]
-        ratio = p[i, d] / q_probs[i, d].clamp(min=1e-20)
-        if torch.rand((), generator=generator, device=p.device) < ratio.clamp(max=1.0):
-            continue
-        residual = (p[i] - q_probs[i]).clamp(min=0)
-        residual = residual / residual.sum() if residual.sum() > 0 else p[i]
-        return i, int(torch.multinomial(residual, 1, generator=generator))
-    return n, int(torch.multinomial(p[n], 1, generator=generator))
-
-
-def _accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
-    """Greedy acceptance with one device-to-host copy: the number of accepted draft tokens `k`, the new tokens
-    (the target's argmax at block positions `0..k`: the accepted draft tokens equal it, the last is the bonus) on
-    the device and the same ids on the host."""
-    t = target_scores.argmax(-1)
-    k = (draft_tokens == t[: draft_tokens.shape[0]]).long().cumprod(0).sum()
-    host = torch.cat([k.view(1), t]).tolist()
-    return host[0], t[: host[0] + 1], host[1 : host[0] + 2]
-
-
-def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tuple[int, torch.Tensor, list[int]]:
-    """`k`, the new tokens on the device and on the host (accepted draft tokens then the bonus or corrected one)."""
-    if temperature <= 0:
-        return _accept_greedy(draft_tokens, target_scores)
-    k, bonus = accept_tokens(draft_tokens, q_probs, target_scores, temperature, generator)
-    new_ids = draft_tokens[:k].tolist() + [bonus]
-    return k, torch.tensor(new_ids, device=draft_tokens.device), new_ids
-
-
-# Processors whose output row depends on its score row alone (not on the ids before it): applied to a whole block
-# at once. Any other processor runs position by position.
-ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-                       MinPLogitsWarper)
-# Processors that change only the row whose prefix holds `begin_index` ids (Whisper's begin-suppressed tokens): run on
-# that row alone, when the block has it.
-BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor,)
-
-
-def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Scores `[n, V]` for logits `[n, V]` whose row i follows `prefix[:, :L-n+1+i]` (`prefix` `[1, L]`): the
-    target's logits processors in their order, each row seeing the ids before it, as `generate` applies them
-    token by token (in float32, as `generate` does)."""
-    scores = logits.float()
-    start = prefix.shape[1] - scores.shape[0] + 1
-    for proc in processors:
-        if type(proc) in ROW_WISE_PROCESSORS:
-            scores = proc(prefix, scores)
-        elif type(proc) in BEGIN_INDEX_PROCESSORS:
-            i = proc.begin_index - start
-            if 0 <= i < scores.shape[0]:
-                scores = torch.cat([scores[:i], proc(prefix[:, : start + i], scores[i : i + 1]), scores[i + 1 :]])
-        else:
-            scores = torch.cat([proc(prefix[:, : start + i], scores[i : i + 1]) for i in range(scores.shape[0])])
-    return scores
-
-
-# first_stop(grown, length, scores, new_ids): the index j of the first new token `grown[0, length + j]` that ends
-# decoding (`scores[j]` the scores it was chosen from; `new_ids` the new tokens `grown[0, length:]` on the host), or
-# None.
-FirstStop = Callable[[torch.Tensor, int, torch.Tensor, list[int]], "int | None"]
-
-
-def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
-    """Stop at an end token or at `max_length` tokens (prompt included)."""
-
-    def first_stop(grown, length, scores, new_ids):
-        for j, token in enumerate(new_ids):
-            if token in eos or (max_length is not None and length + j + 1 >= max_length):
-                return j
-        return None
-
-    return first_stop
-
-
-def _criteria_stop(criteria: StoppingCriteriaList) -> FirstStop:
-    """`generate`'s stopping criteria, checked after each new token as `generate` does (its usual max-length
-    and end-token criteria are read once instead of being run per token; others run on every new token's
-    prefix, read back in one device-to-host copy)."""
-    if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
-        lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
-        eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten().tolist()}
-        return _stop_at(eos, min(lengths) if lengths else None)
-
-    def first_stop(grown, length, scores, new_ids):
-        hits = torch.cat([criteria(grown[:, : length + j + 1], scores[j : j + 1]) for j in range(len(new_ids))])
-        return next((j for j, hit in enumerate(hits.tolist()) if hit), None)
-
-    return first_stop
 
 
 @dataclass

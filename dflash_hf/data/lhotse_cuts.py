@@ -43,7 +43,9 @@ class LhotseCuts:
             report(cut_id, "<cut>", f"is not a valid lhotse MonoCut ({type(e).__name__}: {e})",
                    "write the file with lhotse (CutSet.to_file)", origin=origin)
             return None
-        for key, value, positive in (("start", cut.start, False), ("duration", cut.duration, True)):
+        # a text-only cut (no recording) has no audio to time: its duration may be 0
+        timed = cut.recording is not None
+        for key, value, positive in (("start", cut.start, False), ("duration", cut.duration, timed)):
             problem = seconds_problem(value, positive=positive)
             if problem:
                 report(cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})",

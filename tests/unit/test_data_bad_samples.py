@@ -110,3 +110,24 @@ def test_decode_failure_after_header_names_the_cut(tmp_path):
     (tmp_path / "a.wav").write_bytes(b"gone")
     with pytest.raises(BadSampleError, match=r"'m-00000000'.*'audio_filepath'.*decoding failed"):
         load_cut_audio(cut, 16000)
+
+
+def test_text_only_cuts_may_have_zero_duration_but_cuts_with_audio_may_not(tmp_path):
+    from lhotse import CutSet, MonoCut, Recording
+    from lhotse.supervision import SupervisionSegment
+
+    from dflash_hf.data.bad_samples import BadSampleError
+    from dflash_hf.data.lhotse_cuts import LhotseCuts
+
+    def cut(cid, recording=None):
+        sup = SupervisionSegment(id=cid, recording_id=cid, start=0.0, duration=0.0, text="hello")
+        return MonoCut(id=cid, start=0.0, duration=0.0, channel=0, supervisions=[sup], recording=recording)
+
+    text = tmp_path / "text.jsonl.gz"
+    CutSet.from_cuts([cut("t0")]).to_file(text)
+    assert [c.id for c in LhotseCuts(text)] == ["t0"]  # a text-only cut has no audio to time
+    audio = tmp_path / "audio.jsonl.gz"
+    rec = Recording(id="a0", sources=[], sampling_rate=16000, num_samples=16000, duration=1.0)
+    CutSet.from_cuts([cut("a0", rec)]).to_file(audio)
+    with pytest.raises(BadSampleError, match="'duration': is 0.0"):
+        LhotseCuts(audio).check()
