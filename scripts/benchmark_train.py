@@ -306,8 +306,8 @@ def draft_flops(cfg: DFlashConfig, seq_len: int, batch: int, n_blocks: int, visi
     return out
 
 
-def target_flops(tcfg: Qwen3Config, seq_len: int, batch: int, supervised: int) -> dict:
-    """Model FLOPs of the frozen target's forward (causal attention) and of the target_argmax labels."""
+def target_flops(tcfg, seq_len: int, batch: int, supervised: int) -> dict:
+    """Model FLOPs of a decoder-only text target's forward (causal attention) and of the target_argmax labels."""
     h, d, i = tcfg.hidden_size, tcfg.head_dim, tcfg.intermediate_size
     nh, nkv = tcfg.num_attention_heads, tcfg.num_key_value_heads
     tok = batch * seq_len
@@ -667,8 +667,8 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         flops = draft_flops(dcfg, width, rows, plan.anchors.numel(), visible, int(blocks.valid.sum()))
         if mode == "full":
             supervised = int(plan.loss_mask[:, 1:].sum())
-            if shape.get("kind", "qwen3") == "qwen3":
-                flops.update(target_flops(tmodel.config, width, rows, supervised))
+            if frozen.family.name == "text":  # closed form (the flop counter rejects SDPA with grouped KV heads)
+                flops.update(target_flops(frozen.text_config, width, rows, supervised))
             else:
                 dev_batch = prepared[len(per_batch)][0]
                 flops["target_forward"] = target_forward_flops(ft, dev_batch, objective.target_layer_ids)
