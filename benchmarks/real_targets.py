@@ -450,6 +450,16 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MASK_TOKEN = "<issue_start>"  # a special token (id 8) that chat responses never produce; checked on labels
 
 
+def align_special_tokens(tokenizer, config) -> None:
+    """The tokenizer's end and padding tokens from the GGUF's own ids (the model config): transformers 5.17's GGUF
+    tokenizer came out with `<|im_start|>` as its end token and no padding token, 5.23's with `<|im_end|>` for both."""
+    for role in ("eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if token_id is None:
+            raise RuntimeError(f"the GGUF config has no {role}_token_id")
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
+
+
 def fetch_smollm2(cache: Path) -> Path:
     """GGUF (dequantized by transformers) -> plain Llama safetensors + tokenizer with its chat template."""
     import torch
@@ -484,6 +494,7 @@ def fetch_smollm2(cache: Path) -> Path:
     model.tie_weights()
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf} carries no chat template")
+    align_special_tokens(tokenizer, config)
     mask_id = tokenizer.convert_tokens_to_ids(SMOLLM2_MASK_TOKEN)
     if mask_id is None or SMOLLM2_MASK_TOKEN not in tokenizer.all_special_tokens + list(tokenizer.added_tokens_encoder):
         raise RuntimeError(f"{SMOLLM2_MASK_TOKEN} is not a special token of the SmolLM2 tokenizer")

@@ -171,3 +171,17 @@ def test_corpus_sentence_filter():
     assert rt.clean_sentence("Too short here.") is None
     assert rt.clean_sentence("See http://example.com for the whole story today") is None
     assert rt.FILLETS_LINE.search('dialogId("kni-v-proc", "font_big", "And why?")').group(1) == "And why?"
+
+
+def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids():
+    from types import SimpleNamespace
+
+    from dflash_hf import tiny
+
+    tok = tiny.build_tokenizer()
+    eos, pad = tok.convert_ids_to_tokens(5), tok.convert_ids_to_tokens(6)
+    tok.eos_token = tok.convert_ids_to_tokens(7)  # as transformers 5.17's GGUF tokenizer came out: wrong end token
+    rt.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=6))
+    assert (tok.eos_token, tok.pad_token, tok.eos_token_id, tok.pad_token_id) == (eos, pad, 5, 6)
+    with pytest.raises(RuntimeError, match="pad_token_id"):
+        rt.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=None))
