@@ -1,0 +1,50 @@
+# Background chains on the GPU machine. Copy out of the working tree first (the next call replaces it), then:
+#   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
+# Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
+# ($OUT returns only a few files).
+cd "${REPO:?export REPO=<repository root on the device>}" || exit 1
+. /tmp/env.sh || exit 1
+C=/tmp/bench; M=$C/speech_llm; S="python3 benchmarks/speech_llm.py"; SP=$C/data/speech
+keep() { cp docs/results/quality_"$1"_* /tmp/results/ 2>/dev/null; cp -r docs/figures/quality_"$1"_* /tmp/results/ 2>/dev/null; }
+kind=$1; shift
+case $kind in
+  whisper)  # NAME [MINUTES [STEPS]]: train, then evaluate on 100 held-out clips
+    n=$1; minutes=${2:-7}; steps=${3:-800}
+    $B train "$n" -- --precision bf16 --dataloader_num_workers 4 --max_steps "$steps" --max_train_minutes "$minutes" \
+      --eval_steps 200 --real_tau_steps 0 --save_steps 400 > /tmp/logs/$n.train.log 2>&1
+    $B eval "$n" --device cuda --precision fp32 --num_samples 100 > /tmp/logs/$n.eval.log 2>&1
+    keep "$n"; echo "rc=$?" > /tmp/logs/$n.done ;;
+  smol)  # [MINUTES]: prompts, the target's own labels, then the four text configurations at once
+    minutes=${1:-6}
+    $B data prompts --train 16000 --eval 64 > /tmp/logs/smol.prompts.log 2>&1
+    $B labels smollm2-dflash-b8 --device cuda --batch_size 256 --dtype bfloat16 > /tmp/logs/smol.labels.log 2>&1
+    for n in smollm2-dflash-b8 smollm2-dflash-b8-argmax smollm2-dflash-b8-dpace smollm2-dflash-b8-softlabels; do
+      ( $B train $n -- --precision bf16 --max_steps 1000 --max_tokens 16384 --num_anchors 256 --num_draft_layers 2 \
+          --learning_rate 1e-3 --max_train_minutes "$minutes" --eval_steps 250 --save_steps 500 > /tmp/logs/$n.train.log 2>&1
+        $B eval $n --device cuda --precision fp32 --num_samples 32 > /tmp/logs/$n.eval.log 2>&1
+        keep $n; echo "rc=$?" > /tmp/logs/$n.done ) &
+    done
+    wait ;;
+  sllm)  # [MINUTES]: assemble the speech LLM, teach it (projector + LoRA), WER
+    minutes=${1:-5}
+    $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
+      --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1
+    $S train --model $M/assembled --train $SP/train.json --out $M/trained --device cuda --precision bf16 \
+      --steps 2000 --batch_size 32 --max_minutes "$minutes" > /tmp/logs/sllm.train.log 2>&1
+    $S wer --model $M/trained --manifest $SP/eval.json --num_samples 200 --batch_size 32 --device cuda \
+      --precision bf16 --output /tmp/results/speech_llm_wer_eval.json > /tmp/logs/sllm.wer.log 2>&1
+    cp $M/assembled/assembled.json $M/trained/recipe.json /tmp/results/ 2>/dev/null; echo done > /tmp/logs/sllm.done ;;
+  sllmdraft)  # NAME FAMILY MINUTES [dflash-train flags]: one draft on the speech LLM, then dflash-eval
+    n=$1; fam=$2; minutes=$3; shift 3
+    python3 -m dflash_hf.cli.train --target_name_or_path $M/trained --target_family "$fam" --prompt "Transcribe the audio." \
+      --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev.json --label_source target_argmax \
+      --num_draft_layers 2 --precision bf16 --max_tokens 16000 --num_anchors 64 --learning_rate 6e-4 \
+      --lr_scheduler_type cosine --warmup_steps 100 --max_steps 800 --max_train_minutes "$minutes" --eval_strategy steps \
+      --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 3 \
+      --output_dir $C/runs/$n "$@" > /tmp/logs/$n.train.log 2>&1
+    python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
+      --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 100 --max_new_tokens 128 --device cuda \
+      --precision fp32 --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
+    echo "rc=$?" > /tmp/logs/$n.done ;;
+  *) echo "unknown chain $kind (whisper, smol, sllm, sllmdraft)"; exit 2 ;;
+esac
