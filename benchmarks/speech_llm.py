@@ -42,6 +42,19 @@ DFLASH_MASK_ID = 8  # SmolLM2's `<issue_start>`: kept free for the DFlash mask t
 AUDIO_BOS, AUDIO_TOKEN, AUDIO_EOS = "<jupyter_start>", "<jupyter_text>", "<jupyter_code>"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
+REPLAN_EVERY = 50  # then the horizon is re-planned every this many steps from the rate since the probe
+
+
+def planned_horizon(step: int, steps: int, elapsed: float, budget: float, probe: tuple[int, float] | None) -> int:
+    """Steps that fit in `budget` seconds (at most `steps`, more than `step`): from the first steps' rate at the
+    probe, then from the rate measured since the probe (the first steps pay warm-up and were slower on a shared
+    GPU: planning from them alone ended a run at half its budget)."""
+    if probe is None:
+        rate = elapsed / max(step, 1)
+    else:
+        rate = (time.time() - probe[1]) / max(step - probe[0], 1)
+    fit = step + int(max(budget - elapsed, 0.0) / max(rate, 1e-9))
+    return max(step + 1, min(steps, fit))
 LLM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -451,18 +464,20 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
     bar = tqdm(range(steps), desc="train", unit="step")
     t0 = time.time()
     done = 0
+    probe = None  # (step, time) after the first PROBE_STEPS: the rate is measured from there, past the warm-up
     for step in bar:
         if step >= horizon["steps"]:
             break
         if max_minutes is not None and time.time() - t0 > 60 * max_minutes:
             print(f"--max_minutes {max_minutes} reached after {step} steps")
             break
-        if max_minutes is not None and step == PROBE_STEPS:
-            fit = int(PROBE_STEPS * 60 * max_minutes / (time.time() - t0))
-            if fit < horizon["steps"]:
-                print(f"--max_minutes {max_minutes}: about {fit} of {steps} steps fit; the cosine ends there")
-                horizon["steps"] = max(fit, PROBE_STEPS + 1)
-                bar.total = horizon["steps"]
+        if max_minutes is not None and step >= PROBE_STEPS and (step - PROBE_STEPS) % REPLAN_EVERY == 0:
+            horizon["steps"] = planned_horizon(step, steps, time.time() - t0, 60 * max_minutes, probe)
+            bar.total = horizon["steps"]
+            if step == PROBE_STEPS:
+                probe = (step, time.time())
+                print(f"--max_minutes {max_minutes}: about {horizon['steps']} of {steps} steps fit (re-planned every "
+                      f"{REPLAN_EVERY} steps); the cosine ends there")
         if pos + batch_size > len(order):
             order, pos = random.sample(range(len(rows)), len(rows)), 0
         idx = order[pos : pos + batch_size]

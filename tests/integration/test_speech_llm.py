@@ -175,3 +175,14 @@ def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
     monkeypatch.setattr(sl, "encode_audio", lambda *a: [f * 1.5 for f in right(*a)])
     with pytest.raises(RuntimeError, match="differs from the model's forward"):
         sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)
+
+
+def test_time_budget_is_replanned_from_the_rate_after_the_first_steps(monkeypatch):
+    # the first 20 steps took 40 s (warm-up, shared GPU); since then 50 steps took 25 s: 0.5 s a step
+    monkeypatch.setattr(sl.time, "time", lambda: 1000.0)
+    first = sl.planned_horizon(20, 2000, elapsed=40.0, budget=210.0, probe=None)
+    assert first == 20 + int(170 / 2.0)  # from the first steps' 2 s a step
+    later = sl.planned_horizon(70, 2000, elapsed=65.0, budget=210.0, probe=(20, 1000.0 - 25.0))
+    assert later == 70 + int(145 / 0.5)  # from the measured rate: the run is not ended at half its budget
+    assert sl.planned_horizon(70, 100, elapsed=65.0, budget=210.0, probe=(20, 975.0)) == 100  # never past --steps
+    assert sl.planned_horizon(70, 2000, elapsed=300.0, budget=210.0, probe=(20, 975.0)) == 71
