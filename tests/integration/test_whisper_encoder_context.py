@@ -122,3 +122,51 @@ def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_wid
     export_draft(_draft(tmp_path, model), tmp_path / "ctx")
     with pytest.raises(ValueError, match="draft_encoder_context"):
         check_encoder_context(load_draft_strict(tmp_path / "ctx").config, FrozenTarget(tiny_text_target()[0]))
+
+
+def _two_utterances(model, processor, side: str):
+    """Two utterances of different decoder lengths padded on `side`, prompts (4 tokens) unsupervised."""
+    feats = torch.cat([_features(processor, 0), _features(processor, 1)])
+    seqs = [model.generate(feats[i : i + 1], max_new_tokens=n, return_dict_in_generate=True).sequences[0]
+            for i, n in ((0, 14), (1, 9))]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((2, width), 0, dtype=torch.long)
+    mask, loss = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.bool)
+    for r, s in enumerate(seqs):
+        at = slice(0, len(s)) if side == "right" else slice(width - len(s), width)
+        ids[r, at], mask[r, at] = s, 1
+        loss[r, at] = torch.arange(len(s)) >= 4
+    return {"input_ids": ids, "attention_mask": mask, "input_features": feats, "loss_mask": loss}
+
+
+def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_blocks(whisper, tmp_path):
+    from utils import ListDataset
+
+    from dflash_hf import DFlashTrainer
+
+    model, processor = whisper
+    args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=1, draft_encoder_context=True, block_size=4)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=ListDataset([0]), data_collator=lambda _: {})
+    losses = {side: trainer.compute_loss(trainer.model, _two_utterances(model, processor, side)).item()
+              for side in ("right", "left")}
+    assert abs(losses["right"] - losses["left"]) < 1e-5, losses
+
+    # the classic-bug gate on the new path: overfit one utterance, then decode it in whole blocks
+    sharp, _ = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    tiny.sharpen(sharp, seed=2, embed_std=1.0, layer_std=0.3)
+    feats = _features(processor, 0)
+    full = sharp.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
+    batch = {"input_ids": full, "attention_mask": torch.ones_like(full), "input_features": feats,
+             "loss_mask": torch.arange(full.shape[1])[None] >= 4}
+    block, steps = 8, 150
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=make_args(tmp_path / "fit", mask_token_id=MASK, block_size=block, num_draft_layers=1, max_steps=steps,
+                       per_device_train_batch_size=1, learning_rate=3e-3, label_source="target_argmax",
+                       draft_encoder_context=True),
+        target=sharp, train_dataset=ListDataset([0], steps), data_collator=lambda _: dict(batch),
+    )
+    trainer.train()
+    out = speculative_generate(trainer.model.eval(), sharp, 40, input_features=feats)
+    assert torch.equal(out.sequences, full)
+    assert out.tau >= 0.75 * block, out.acceptance_lengths
