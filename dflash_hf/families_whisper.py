@@ -5,7 +5,6 @@ sizes the draft from the decoder's dimensions and checks each sample's language 
 from __future__ import annotations
 
 from .families_base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer
-from .whisper_features import whisper_log_mel
 
 
 def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
@@ -16,11 +15,8 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
     tokenizer = get_tokenizer(processor)
     out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
                     add_special_tokens=False)
-    # bit-identical to the extractor, without transforming the 30 s padding
-    features = whisper_log_mel(processor.feature_extractor, list(audios), family.sampling_rate)
-    if features is None:
-        features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate,
-                                               return_tensors="pt")["input_features"]
+    features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate,
+                                           return_tensors="pt")["input_features"]
     return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"], "input_features": features}
 
 

@@ -13,17 +13,19 @@ would see it).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
+from transformers import BatchFeature, WhisperFeatureExtractor
 
 
 def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: int) -> torch.Tensor | None:
     """`[batch, n_mels, frames]` float32 features of mono `audios`, or None when the extractor's own call must be
     used (it also raises on a `sampling_rate` that is not its own)."""
-    from transformers import WhisperFeatureExtractor
-
     fe = feature_extractor
-    if type(fe) is not WhisperFeatureExtractor or fe.dither != 0.0 or sampling_rate != fe.sampling_rate or not audios:
+    exact_class = type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor)  # not other subclasses
+    if not exact_class or fe.dither != 0.0 or sampling_rate != fe.sampling_rate or not audios:
         return None
     if any(np.ndim(a) != 1 for a in audios):
         return None
@@ -46,4 +48,54 @@ def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: 
     return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0
 
 
-__all__ = ["whisper_log_mel"]
+def frame_mask(feature_extractor, lengths: list[int]) -> np.ndarray:
+    """`[batch, frames]` int32 frame mask as `WhisperFeatureExtractor(..., return_attention_mask=True)` returns it:
+    the sample mask of the padded window taken every `hop_length` samples (trimmed to the kept frames)."""
+    fe = feature_extractor
+    n, hop = fe.n_samples, fe.hop_length
+    samples = np.arange(0, n, hop)  # the sample each kept frame starts at
+    if n % hop:
+        samples = samples[:-1]
+    return (samples[None, :] < np.asarray(lengths)[:, None]).astype(np.int32)
+
+
+class FastWhisperFeatureExtractor(WhisperFeatureExtractor):
+    """`WhisperFeatureExtractor` whose call computes its features with :func:`whisper_log_mel` when the call is one
+    the shortcut reproduces exactly (a batch of mono arrays padded to the window, at the extractor's rate, no
+    normalization, on the CPU); any other call is the extractor's own. For processors that call their extractor
+    internally (Qwen2-Audio, AudioFlamingo3, GLM-ASR): see :func:`with_fast_features`."""
+
+    def __call__(self, raw_speech, truncation: bool = True, pad_to_multiple_of=None, return_tensors=None,
+                 return_attention_mask=None, padding="max_length", max_length=None, sampling_rate=None,
+                 do_normalize=None, device="cpu", **kwargs):
+        audios = raw_speech if isinstance(raw_speech, (list, tuple)) else [raw_speech]
+        plain = (truncation and pad_to_multiple_of is None and padding == "max_length" and not do_normalize
+                 and max_length in (None, self.n_samples) and device in (None, "cpu") and not kwargs
+                 and sampling_rate == self.sampling_rate and return_tensors in (None, "pt", "np")
+                 and all(isinstance(a, np.ndarray) and a.ndim == 1 for a in audios))
+        features = whisper_log_mel(self, list(audios), sampling_rate) if plain else None
+        if features is None:
+            return super().__call__(raw_speech, truncation=truncation, pad_to_multiple_of=pad_to_multiple_of,
+                                    return_tensors=return_tensors, return_attention_mask=return_attention_mask,
+                                    padding=padding, max_length=max_length, sampling_rate=sampling_rate,
+                                    do_normalize=do_normalize, device=device, **kwargs)
+        out = {"input_features": features.numpy()}
+        if return_attention_mask:
+            out["attention_mask"] = frame_mask(self, [min(len(a), self.n_samples) for a in audios])
+        return BatchFeature(out).convert_to_tensors(return_tensors) if return_tensors else BatchFeature(out)
+
+
+def with_fast_features(processor):
+    """`processor` itself, or a shallow copy whose Whisper feature extractor is a :class:`FastWhisperFeatureExtractor`
+    with the same settings (outputs unchanged, tested per family); the caller's processor is not modified."""
+    fe = getattr(processor, "feature_extractor", None)
+    if type(fe) is not WhisperFeatureExtractor:
+        return processor
+    fast = FastWhisperFeatureExtractor.__new__(FastWhisperFeatureExtractor)
+    fast.__dict__.update(fe.__dict__)
+    processor = copy.copy(processor)
+    processor.feature_extractor = fast
+    return processor
+
+
+__all__ = ["FastWhisperFeatureExtractor", "frame_mask", "whisper_log_mel", "with_fast_features"]

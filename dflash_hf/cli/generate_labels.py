@@ -25,6 +25,7 @@ from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
+from dflash_hf.whisper_features import with_fast_features
 
 logger = logging.getLogger("dflash_hf.generate_labels")
 
@@ -54,7 +55,7 @@ def _load_target(args: GenerateLabelsArguments):
     family = resolve_family(config, args.family)
     dtype = getattr(torch, args.dtype)
     if family.has_audio:
-        processor = AutoProcessor.from_pretrained(args.model)
+        processor = with_fast_features(AutoProcessor.from_pretrained(args.model))  # exact, faster Whisper log-mel
         arch = (config.architectures or [None])[0]
         if arch is None or not hasattr(transformers, arch):
             raise ValueError(f"{args.model}: config.architectures={config.architectures} names no transformers class")

@@ -11,6 +11,7 @@ from lhotse.augmentation.resample import Resample
 from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.families import TargetFamily, encode_batch
+from dflash_hf.whisper_features import with_fast_features
 
 
 def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
@@ -52,7 +53,8 @@ class PaddedCollator:
 
     def __init__(self, processor, target_config, family: TargetFamily, renderer: ConversationRenderer,
                  padding_side: str):
-        self.processor, self.target_config, self.family = processor, target_config, family
+        # Whisper-style extractors compute only the frames that hold audio (bit-identical, dflash_hf.whisper_features)
+        self.processor, self.target_config, self.family = with_fast_features(processor), target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 
     def __call__(self, cuts) -> dict:

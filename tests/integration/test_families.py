@@ -284,3 +284,30 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
             step = {**inputs, "input_ids": seq, "attention_mask": torch.ones_like(seq)}
             seq = torch.cat([seq, model(**step).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out.sequences, seq) and out.sequences.shape[1] > inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("name", ["qwen2_audio", "qwen2_audio_single_placeholder", "audioflamingo3", "glmasr"])
+def test_batches_are_the_same_with_the_fast_whisper_extractor(name, manifest, monkeypatch):
+    """The loader gives processors a Whisper extractor that skips the padding's frames: every batch tensor must be
+    what the processor's own extractor gives, value and dtype."""
+    from transformers import WhisperFeatureExtractor
+
+    import dflash_hf.data.collator as collator
+
+    tok = tiny.build_tokenizer()
+    model, processor = BUILDERS[name](tok)
+    assert type(processor.feature_extractor) is WhisperFeatureExtractor
+    family = resolve_family(model.config, name)
+
+    def batch():
+        loader = build_train_dataloader(manifest, processor, model.config, family=family, max_tokens=100_000,
+                                        shuffle=False, padding_side="right")
+        return next(iter(loader))
+
+    fast = batch()
+    monkeypatch.setattr(collator, "with_fast_features", lambda p: p)
+    slow = batch()
+    assert set(fast) == set(slow)
+    for k in slow:
+        if torch.is_tensor(slow[k]):
+            assert fast[k].dtype == slow[k].dtype and torch.equal(fast[k], slow[k]), k

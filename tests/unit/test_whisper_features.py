@@ -32,3 +32,27 @@ def test_declines_where_only_the_extractor_is_exact():
     assert whisper_log_mel(fe, [np.ones(8000, np.float32)], 8000) is None  # the extractor raises on this rate
     assert whisper_log_mel(WhisperFeatureExtractor(feature_size=80, chunk_length=4, dither=1.0),
                            [np.ones(8000, np.float32)], 16000) is None
+
+
+def _same(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        x, y = a[k], b[k]
+        assert type(x) is type(y) and x.dtype == y.dtype and x.shape == y.shape, k
+        assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), k
+
+
+@pytest.mark.parametrize("kwargs", [dict(return_tensors="pt"), dict(return_attention_mask=True, padding="max_length"),
+                                    dict(return_attention_mask=True, return_tensors="pt"), dict(return_tensors="np")])
+def test_fast_extractor_call_equals_the_extractors_in_values_and_types(kwargs):
+    from dflash_hf.whisper_features import FastWhisperFeatureExtractor, with_fast_features
+
+    fe = WhisperFeatureExtractor(feature_size=80, chunk_length=4)
+    rng = np.random.default_rng(1)
+    audios = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (8000, 20011, 3000)]
+    fast = with_fast_features(type("P", (), {"feature_extractor": fe})()).feature_extractor
+    assert type(fast) is FastWhisperFeatureExtractor and type(fe) is WhisperFeatureExtractor  # the original untouched
+    _same(fast(audios, sampling_rate=16000, **kwargs), fe(audios, sampling_rate=16000, **kwargs))
+    _same(fast(audios[0], sampling_rate=16000, **kwargs), fe(audios[0], sampling_rate=16000, **kwargs))  # one clip
+    _same(fast(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}),
+          fe(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}))
