@@ -462,8 +462,8 @@ def align_special_tokens(tokenizer, config) -> None:
 
 
 def dequantize_kwargs() -> dict:
-    """Ask for dense weights: transformers 5.23 keeps GGUF blocks packed when the ``kernels`` package is installed
-    (5.17 always dequantizes and has no ``GgufConfig.dequantize``)."""
+    """Ask for dense weights: transformers (5.17 and 5.23) keeps GGUF blocks packed in ``GgufLinear`` modules when
+    the ``kernels`` package is installed, and those would not fit the rebuilt plain model."""
     try:
         from transformers.utils.quantization_config import GgufConfig
 
