@@ -1,4 +1,4 @@
-# Background chains on the GPU machine. Copy out of the working tree first (the next call replaces it), then:
+# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -25,6 +25,13 @@ case $kind in
         keep $n; echo "rc=$?" > /tmp/logs/$n.done ) &
     done
     wait ;;
+  qwen)  # [MINUTES]: Qwen2.5-Coder-1.5B (after `$B fetch qwen2.5-coder`): prompts, its own labels, one draft
+    minutes=${1:-6}
+    [ -f $C/data/prompts/train.json ] || $B data prompts --train 16000 --eval 64 > /tmp/logs/qwen.prompts.log 2>&1
+    $B labels qwencoder-dflash-b8 --device cuda --batch_size 128 --dtype bfloat16 > /tmp/logs/qwen.labels.log 2>&1
+    $B train qwencoder-dflash-b8 -- --precision bf16 --max_train_minutes "$minutes" > /tmp/logs/qwencoder.train.log 2>&1
+    $B eval qwencoder-dflash-b8 --device cuda --precision bf16 --num_samples 32 > /tmp/logs/qwencoder.eval.log 2>&1
+    keep qwencoder-dflash-b8; echo "rc=$?" > /tmp/logs/qwencoder.done ;;
   sllm)  # [MINUTES]: assemble the speech LLM, teach it (projector + LoRA), WER
     minutes=${1:-5}
     $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
@@ -46,5 +53,5 @@ case $kind in
       --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 100 --max_new_tokens 128 --device cuda \
       --precision fp32 --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
     echo "rc=$?" > /tmp/logs/$n.done ;;
-  *) echo "unknown chain $kind (whisper, smol, sllm, sllmdraft)"; exit 2 ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft)"; exit 2 ;;
 esac
