@@ -24,7 +24,7 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_dflash import DFlashConfig
-from .modeling_dflash_encoder import DFlashEncoderAttention, EncoderKV
+from .modeling_dflash_encoder import DFlashEncoderAttention
 
 try:  # FlexAttention is optional (torch >= 2.6: BlockMask seq_lengths)
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -163,13 +163,24 @@ class DFlashDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = DFlashMLP(config)
 
-    def attend_encoder(self, hidden: torch.Tensor, encoder_kv: EncoderKV | None) -> torch.Tensor:
-        return hidden if self.encoder_attn is None else hidden + self.encoder_attn(hidden, encoder_kv)
+    def attend_encoder(self, hidden: torch.Tensor, frames: torch.Tensor | None, cache: dict | None) -> torch.Tensor:
+        """The encoder-context sublayer (identity without it). The frames' keys/values are computed here, inside the
+        layer's own forward (so a sharded layer holds its full weights), and kept in `cache` when one is given."""
+        if self.encoder_attn is None:
+            return hidden
+        idx = self.self_attn.layer_idx
+        kv = cache.get(idx) if cache is not None else None
+        if kv is None:
+            kv = self.encoder_attn.key_values(frames)
+            if cache is not None:
+                cache[idx] = kv
+        return hidden + self.encoder_attn(hidden, kv)
 
-    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_kv=None):
+    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_frames=None,
+                encoder_cache=None):
         x = self.input_layernorm(hidden)
         hidden = hidden + self.self_attn(x, ctx, cos, sin, attention_mask, past_key_values)
-        hidden = self.attend_encoder(hidden, encoder_kv)
+        hidden = self.attend_encoder(hidden, encoder_frames, encoder_cache)
         x = self.post_attention_layernorm(hidden)
         return hidden + self.mlp(x)
 
@@ -215,13 +226,6 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         """Raw concatenated taps `[b, S, n_taps*H]` -> context features `[b, S, H]`."""
         return self.hidden_norm(self.fc(target_hidden))
 
-    def encoder_key_values(self, encoder_hidden_states: torch.Tensor) -> list[EncoderKV]:
-        """Per-layer keys and values of the encoder frames `[b, F, E]` (encoder-context drafts; once per utterance)."""
-        if not self.config.encoder_context:
-            raise ValueError("this draft has no encoder context (dflash_config.encoder_hidden_size is unset)")
-        frames = encoder_hidden_states.to(self.fc.weight.dtype)
-        return [layer.encoder_attn.key_values(frames) for layer in self.layers]
-
     def forward(
         self,
         position_ids: torch.LongTensor,  # [b, S+Q]: context positions, then slot positions
@@ -231,19 +235,20 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         past_key_values=None,
         use_cache: bool = False,
         encoder_hidden_states: torch.Tensor | None = None,  # [b, F, E] encoder frames (encoder-context drafts)
-        encoder_key_values: list[EncoderKV] | None = None,  # or their per-layer keys/values, computed once
+        encoder_cache: dict | None = None,  # per-utterance cache of the frames' keys/values (decoding: pass {} once)
         **kwargs,
     ) -> torch.Tensor:
         """Returns the final-normed draft hidden `[b, Q, H]` of the block slots."""
         if noise_embedding is None or target_hidden is None:
             raise ValueError("DFlash draft forward needs `noise_embedding` and `target_hidden`")
-        if (encoder_hidden_states is not None or encoder_key_values is not None) != self.config.encoder_context:
+        if (encoder_hidden_states is not None) != self.config.encoder_context:
             raise ValueError(
-                "an encoder-context draft (dflash_config.encoder_hidden_size set) needs `encoder_hidden_states` or "
-                "`encoder_key_values`; a draft without encoder context takes neither"
+                "an encoder-context draft (dflash_config.encoder_hidden_size set) needs `encoder_hidden_states`; a "
+                "draft without encoder context takes none"
             )
-        if encoder_key_values is None and encoder_hidden_states is not None:
-            encoder_key_values = self.encoder_key_values(encoder_hidden_states)
+        if encoder_hidden_states is not None and encoder_hidden_states.shape[0] != noise_embedding.shape[0]:
+            raise ValueError(f"encoder_hidden_states has {encoder_hidden_states.shape[0]} rows but the block has "
+                             f"{noise_embedding.shape[0]}: one utterance's frames per row")
         if position_ids.shape[-1] != target_hidden.shape[1] + noise_embedding.shape[1]:
             raise ValueError(
                 f"position_ids has {position_ids.shape[-1]} positions; expected context "
@@ -254,9 +259,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(hidden.shape[0], -1)
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for i, layer in enumerate(self.layers):
-            kv = None if encoder_key_values is None else encoder_key_values[i]
-            hidden = layer(hidden, ctx, cos, sin, attention_mask, past_key_values, kv)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx, cos, sin, attention_mask, past_key_values, encoder_hidden_states, encoder_cache)
         return self.norm(hidden)
 
 
@@ -315,12 +319,13 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.attention_conv = DFlash2DynamicConv(config)
         self.mlp_conv = DFlash2DynamicConv(config)
 
-    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_kv=None):
+    def forward(self, hidden, ctx, cos, sin, attention_mask=None, past_key_values=None, encoder_frames=None,
+                encoder_cache=None):
         x = self.input_layernorm(hidden)
         hidden = hidden + self.attention_conv(
             x, lambda y: self.self_attn(y, ctx, cos, sin, attention_mask, past_key_values)
         )
-        hidden = self.attend_encoder(hidden, encoder_kv)
+        hidden = self.attend_encoder(hidden, encoder_frames, encoder_cache)
         return hidden + self.mlp_conv(self.post_attention_layernorm(hidden), self.mlp)
 
 

@@ -6,7 +6,7 @@ out as Whisper's own decoder cross-attention (pre-LayerNorm; biased q, v and out
 no RoPE: the frames carry the encoder's positions). The draft then reads the audio directly instead of only
 through the tapped decoder states. Engines that implement the published contract cannot serve such a draft; the
 export's config and model card say so. The frames' keys and values are computed once per utterance
-(`DFlashDraftModel.encoder_key_values`) and reused by every decoding cycle.
+(inside each layer's forward, kept in the `encoder_cache` the decoder passes) and reused by every decoding cycle.
 
 Remote-code safe: imports only torch and `configuration_dflash`.
 """
@@ -39,6 +39,7 @@ class DFlashEncoderAttention(nn.Module):
     def key_values(self, frames: torch.Tensor) -> EncoderKV:
         """Encoder frames `[b, F, E]` -> keys and values `[b, heads, F, head_dim]`."""
         b, f, _ = frames.shape
+        frames = frames.to(self.k_proj.weight.dtype)
         k = self.k_proj(frames).view(b, f, self.num_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(frames).view(b, f, self.num_heads, self.head_dim).transpose(1, 2)
         return k, v

@@ -123,8 +123,7 @@ def _decode(
         if encoder_outputs is None:
             raise ValueError("this draft attends to encoder frames (dflash_config.encoder_hidden_size), but the target "
                              "is not an encoder-decoder model; use a draft without encoder context")
-        with torch.no_grad():
-            draft_kwargs["encoder_key_values"] = draft.encoder_key_values(encoder_outputs[0])
+        draft_kwargs = {"encoder_hidden_states": encoder_outputs[0], "encoder_cache": {}}  # keys/values kept
 
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}

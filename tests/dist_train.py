@@ -6,7 +6,7 @@ through `train_case` for the single-process reference. A case is `name:per_devic
 `rows` = `all` (the 4 supervised rows) or `half_empty` (2 rows, the second with no supervised token, so
 with one row per rank one rank has no valid anchor in every step); `auto` leaves `use_cpu` unset (a plain
 torchrun launch on a machine without CUDA). Case `fsdp_target` (distributed only) checks the FSDP2-sharded
-frozen target against an unsharded copy.
+frozen target against an unsharded copy, `fsdp_encoder_draft` an FSDP2-sharded encoder-context draft.
 """
 
 from __future__ import annotations
@@ -103,11 +103,46 @@ def check_sharded_target(out_dir: str) -> None:
     torch.save(result, Path(out_dir) / f"fsdp_target_rank{rank}.pt")
 
 
+def check_sharded_encoder_context_draft(out_dir: str) -> None:
+    """An encoder-context draft sharded layer by layer (FSDP2, as examples/accelerate/fsdp2.yaml wraps it) gives the
+    unsharded draft's hidden states and gradients: the frames' keys/values are computed inside each layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen3Config
+
+    from dflash_hf import DFlashConfig, DFlashDraftModel
+
+    text = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+                       num_hidden_layers=4, vocab_size=100)
+    cfg = DFlashConfig.from_target_config(text, mask_token_id=5, num_hidden_layers=2, block_size=4,
+                                          target_layer_ids=[0, 1], encoder_hidden_size=24)
+    torch.manual_seed(0)
+    reference = DFlashDraftModel(cfg)
+    sharded = copy.deepcopy(reference)
+    for layer in sharded.layers:
+        fully_shard(layer, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(position_ids=torch.arange(9)[None], noise_embedding=torch.randn(1, 4, 32, generator=g),
+                  target_hidden=torch.randn(1, 5, 64, generator=g),
+                  encoder_hidden_states=torch.randn(1, 7, 24, generator=g))
+    ref, got = reference(**inputs), sharded(**inputs)
+    ref.square().sum().backward()
+    got.square().sum().backward()
+    grad = sharded.layers[0].encoder_attn.k_proj.weight.grad.full_tensor()
+    result = {"hidden_max_abs": float((ref - got).abs().max()),
+              "k_grad_max_abs": float((reference.layers[0].encoder_attn.k_proj.weight.grad - grad).abs().max())}
+    torch.save(result, Path(out_dir) / f"fsdp_encoder_draft_rank{torch.distributed.get_rank()}.pt")
+
+
 def main(argv: list[str]) -> None:
     out_dir, cases = argv[0], argv[1:]
     for case in cases:
         if case == "fsdp_target":
             check_sharded_target(out_dir)
+            continue
+        if case == "fsdp_encoder_draft":
+            check_sharded_encoder_context_draft(out_dir)
             continue
         name, batch, accum, rows, *device = case.split(":")
         train_case(out_dir, name, int(batch), int(accum), rows, use_cpu=device != ["auto"])

@@ -31,6 +31,7 @@ def ddp_runs(tmp_path_factory):
         "ddp_empty:1:1:half_empty",  # 2 ranks x batch 1; rank with the empty row has no valid anchor
         "ddp_auto:2:1:all:auto",  # as ddp_b2 without use_cpu: no CUDA, so DDP on CPU (not 2 separate runs)
         "fsdp_target",  # FSDP2-sharded frozen target vs an unsharded copy
+        "fsdp_encoder_draft",  # FSDP2-sharded encoder-context draft vs an unsharded copy
     ]
     run_torchrun(cmd, TIMEOUT_S)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
@@ -66,3 +67,9 @@ def test_fsdp2_sharded_target_gives_the_same_taps(ddp_runs):
         assert r["sharded_layers"] == 4
         assert r["local_rows"] * 2 == r["full_rows"]  # each rank holds half of every layer weight
         assert r["taps_max_abs"] == 0.0 and r["final_max_abs"] == 0.0
+
+
+def test_fsdp2_sharded_encoder_context_draft_matches_the_unsharded_one(ddp_runs):
+    for rank in (0, 1):  # failed with "mixed torch.Tensor and DTensor" when the frames' keys were computed outside
+        r = ddp_runs[f"fsdp_encoder_draft_rank{rank}"]
+        assert r["hidden_max_abs"] < 1e-6 and r["k_grad_max_abs"] < 1e-6, r

@@ -60,13 +60,25 @@ def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whi
     frames = [model.model.encoder(_features(processor, s)).last_hidden_state for s in (0, 1)]
     with torch.no_grad():
         a = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0])
-        cached = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps,
-                       encoder_key_values=draft.encoder_key_values(frames[0]))
+        cache = {}
+        first = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0],
+                      encoder_cache=cache)
+        assert sorted(cache) == [0, 1]  # one entry per layer, filled by the layers themselves
+        cache = {k: (key.clone(), value) for k, (key, value) in cache.items()}
+        cached = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0],
+                       encoder_cache=cache)
         b = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[1])
-    assert torch.equal(a, cached)
+        poisoned = {k: (key, 2.0 * value) for k, (key, value) in cache.items()}
+        from_cache = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps,
+                           encoder_hidden_states=frames[0], encoder_cache=poisoned)
+    assert torch.equal(a, first) and torch.equal(a, cached)
+    assert not torch.allclose(a, from_cache)  # the cached keys are what is used, not recomputed
     assert not torch.allclose(a, b)  # other audio, other proposals
     with pytest.raises(ValueError, match="encoder_hidden_states"):
         draft(position_ids=pos, noise_embedding=noise, target_hidden=taps)
+    with pytest.raises(ValueError, match="one utterance's frames per row"):
+        draft(position_ids=pos, noise_embedding=noise.expand(2, -1, -1), target_hidden=taps.expand(2, -1, -1),
+              encoder_hidden_states=frames[0])
 
 
 def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp_path):
