@@ -267,7 +267,7 @@ class DFlashConfig(Qwen3Config):
         if self.variant == "dflash2":
             self.check_dflash2()
         width = dc.get("encoder_hidden_size")
-        if width is not None and (not isinstance(width, int) or width < 1):
+        if width is not None and (type(width) is not int or width < 1):
             raise ValueError(f"dflash_config.encoder_hidden_size must be a positive int (the target encoder's width) "
                              f"or absent, got {width!r}")
 

@@ -80,8 +80,8 @@ _CONTRACT_SERVING = (
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
     "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Engines that implement the contract cannot\n"
-    "serve it; decode it with `dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`). For\n"
-    "reference only, the contract's engine configs would read:"
+    "serve it; decode it with `dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`). The\n"
+    "engine configs below are what a contract draft would use; they do not apply to this one."
 )
 
 
@@ -147,7 +147,9 @@ Acceptance length = accepted draft tokens + 1 bonus token per draft/verify cycle
 
 ## Serving
 
-{serving} A vLLM-style speculative config:
+{serving}
+
+A vLLM-style speculative config:
 
 ```bash
 vllm serve {info.target_id}{revision_flag} \\

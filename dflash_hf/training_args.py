@@ -101,6 +101,9 @@ class DFlashTrainingArguments(
         if self.target_layer_ids is not None:
             check_target_layer_ids(self.target_layer_ids)
             check_distinct_taps(self.target_layer_ids)
+        if self.max_train_minutes is not None and not 0 < self.max_train_minutes < float("inf"):
+            raise ValueError(f"max_train_minutes must be a positive number of minutes (or unset), got "
+                             f"{self.max_train_minutes}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(
                 f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "

@@ -108,7 +108,7 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
     sources = ", ".join(Path(p).name for p in data_args.train_data or [])
     info = DraftCardInfo(
         target_id=card_target_id(args.target_name_or_path),
-        data_summary=f"{sources}; {args.max_steps} steps, {args.label_source} labels.",
+        data_summary=f"{sources}; {metrics.get('global_step', args.max_steps)} steps, {args.label_source} labels.",
         tau_est=tau_est,
         eval_name=names[0] if tau_est is not None else None,
     )
@@ -188,6 +188,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = dict(result.metrics)
+    metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it
     if data_args.eval_data:
         metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
     export_dir = trainer.export_draft()

@@ -219,5 +219,6 @@ def test_max_train_minutes_stops_after_the_step_that_crosses_it_and_saves(tmp_pa
     trainer.train()
     assert trainer.state.global_step == 1  # the first step crosses the budget; the schedule still says 50
     assert (tmp_path / "out" / "checkpoint-1" / "model.safetensors").is_file()
-    with pytest.raises(ValueError, match="max_train_minutes must be > 0"):
-        _trainer(tmp_path / "bad", rows, max_train_minutes=0.0)
+    for bad in (0.0, -1.0, float("inf")):  # refused by the arguments, before any target is loaded
+        with pytest.raises(ValueError, match="max_train_minutes must be a positive number"):
+            make_args(tmp_path / "bad", mask_token_id=5, max_train_minutes=bad)

@@ -56,3 +56,20 @@ def test_fast_extractor_call_equals_the_extractors_in_values_and_types(kwargs):
     _same(fast(audios[0], sampling_rate=16000, **kwargs), fe(audios[0], sampling_rate=16000, **kwargs))  # one clip
     _same(fast(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}),
           fe(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}))
+
+
+def test_very_short_clips_and_the_extractors_own_mask_default():
+    fe = WhisperFeatureExtractor(feature_size=80, chunk_length=4)
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 160, 400, 1000, 1500, 2300):  # the longest clip of the batch under 0.1 s took other kernels
+        for batch in ([n], [n, max(1, n // 3)]):
+            audios = [rng.standard_normal(m).astype(np.float32) for m in batch]
+            assert torch.equal(whisper_log_mel(fe, audios, 16000),
+                               fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]), batch
+    from dflash_hf.whisper_features import with_fast_features
+
+    masked = WhisperFeatureExtractor(feature_size=80, chunk_length=4, return_attention_mask=True)
+    fast = with_fast_features(type("P", (), {"feature_extractor": masked})()).feature_extractor
+    audios = [rng.standard_normal(8000).astype(np.float32)]
+    _same(fast(audios, sampling_rate=16000, return_tensors="pt"), masked(audios, sampling_rate=16000,
+                                                                          return_tensors="pt"))
