@@ -151,6 +151,7 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
     class FakeTrainer:
         def __init__(self, *, args, **kwargs):
             seen["trainer_push_to_hub"] = args.push_to_hub
+            self.state = SimpleNamespace(global_step=7)  # as if max_train_minutes had stopped it early
 
         def train(self, resume_from_checkpoint=None):
             return SimpleNamespace(metrics={"train_loss": 1.0})
@@ -203,7 +204,7 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     card = seen["card"]
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card
-    assert "dev.jsonl; 3 steps, ground_truth labels." in card
+    assert "dev.jsonl; 7 steps, ground_truth labels." in card
 
 
 def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypatch, capsys):
