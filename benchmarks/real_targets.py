@@ -236,6 +236,11 @@ def ct2_whisper_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict, dict[str,
         linear(f"{dst}.fc1", f"{src}/ffn/linear_0")
         linear(f"{dst}.fc2", f"{src}/ffn/linear_1")
 
+    def self_attention(dst: str, src: str) -> None:  # fused q/k/v (k without bias), output projection, its norm
+        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
+        split(f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}" for p in ("q_proj", "k_proj!", "v_proj")])
+        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+
     enc, dec = "model.encoder", "model.decoder"
     for i in (1, 2):
         linear(f"{enc}.conv{i}", f"encoder/conv{i}")
@@ -243,18 +248,14 @@ def ct2_whisper_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict, dict[str,
     norm(f"{enc}.layer_norm", "encoder/layer_norm")
     for i in range(n_enc):
         dst, src = f"{enc}.layers.{i}", f"encoder/layer_{i}"
-        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
-        split(f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}" for p in ("q_proj", "k_proj!", "v_proj")])
-        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        self_attention(dst, src)
         ffn(dst, src)
     sd[f"{dec}.embed_tokens.weight"] = v["decoder/embeddings/weight"]
     sd[f"{dec}.embed_positions.weight"] = v["decoder/position_encodings/encodings"]
     norm(f"{dec}.layer_norm", "decoder/layer_norm")
     for i in range(n_dec):
         dst, src = f"{dec}.layers.{i}", f"decoder/layer_{i}"
-        norm(f"{dst}.self_attn_layer_norm", f"{src}/self_attention/layer_norm")
-        split(f"{src}/self_attention/linear_0", [f"{dst}.self_attn.{p}" for p in ("q_proj", "k_proj!", "v_proj")])
-        linear(f"{dst}.self_attn.out_proj", f"{src}/self_attention/linear_1")
+        self_attention(dst, src)
         norm(f"{dst}.encoder_attn_layer_norm", f"{src}/attention/layer_norm")
         linear(f"{dst}.encoder_attn.q_proj", f"{src}/attention/linear_0")
         split(f"{src}/attention/linear_1", [f"{dst}.encoder_attn.k_proj!", f"{dst}.encoder_attn.v_proj"])

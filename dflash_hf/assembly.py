@@ -121,14 +121,20 @@ def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarge
     return apply_adaptation(model, args)
 
 
+def require_encoder(target: FrozenTarget, what: str) -> int:
+    """The width of the target's encoder frames; a ValueError naming `draft_encoder_context` if it has no encoder."""
+    if target.encoder_hidden_size is None:
+        raise ValueError(f"field 'draft_encoder_context': {what}, but the target (family {target.family.name!r}) has "
+                         "no encoder; the opt-in is for encoder-decoder targets (Whisper): drop the flag or use a "
+                         "draft without encoder context")
+    return target.encoder_hidden_size
+
+
 def check_encoder_context(config: DFlashConfig, target: FrozenTarget, source: str = "draft") -> None:
     """An encoder-context draft (outside the published contract) needs an encoder-decoder target of its width."""
     if not config.encoder_context:
         return
-    if target.encoder_hidden_size is None:
-        raise ValueError(f"field 'draft_encoder_context': the {source} attends to encoder frames, but the target "
-                         f"(family {target.family.name!r}) has no encoder; it is for encoder-decoder targets "
-                         "(Whisper): drop the flag or use a draft without encoder context")
+    require_encoder(target, f"the {source} attends to encoder frames")
     if config.encoder_hidden_size != target.encoder_hidden_size:
         raise ValueError(f"dflash_config.encoder_hidden_size is {config.encoder_hidden_size} but the target's "
                          f"encoder frames are {target.encoder_hidden_size} wide: the {source} was trained for "
@@ -174,9 +180,8 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
         check_warm_start_sizes(draft.config, given, defaults)
     else:
         target.validate(mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids)
-        if args.draft_encoder_context and target.encoder_hidden_size is None:
-            raise ValueError(f"field 'draft_encoder_context': the target (family {target.family.name!r}) has no "
-                             "encoder; the opt-in is for encoder-decoder targets (Whisper): drop the flag")
+        asked = "a new draft was asked to attend to encoder frames"
+        width = require_encoder(target, asked) if args.draft_encoder_context else None
         config = DFlashConfig.from_target_config(
             target.text_config,
             mask_token_id=args.mask_token_id,
@@ -184,7 +189,7 @@ def build_draft(args: DFlashTrainingArguments, target: FrozenTarget) -> DFlashDr
             num_hidden_layers=args.num_draft_layers,
             block_size=args.block_size,
             target_layer_ids=args.target_layer_ids,
-            encoder_hidden_size=target.encoder_hidden_size if args.draft_encoder_context else None,
+            encoder_hidden_size=width,
             **DFlash2Fields.of(args).as_dict(),
         )
         config.vocab_size = target.vocab_size

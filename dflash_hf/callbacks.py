@@ -102,10 +102,12 @@ class TimeBudgetCallback(TrainerCallback):
         self.start = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        over = torch.tensor(float(time.monotonic() - self.start >= self.seconds), device=args.device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
-        if over.item() > 0 and not control.should_training_stop:
+        over = time.monotonic() - self.start >= self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # only then a device round trip
+            verdict = torch.tensor(float(over), device=args.device)
+            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
+            over = verdict.item() > 0
+        if over and not control.should_training_stop:
             logger.warning("max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
                            self.seconds / 60, state.global_step, state.max_steps)
             control.should_training_stop = True
