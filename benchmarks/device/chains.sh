@@ -32,19 +32,19 @@ case $kind in
     $B train qwencoder-dflash-b8 -- --precision bf16 --max_train_minutes "$minutes" > /tmp/logs/qwencoder.train.log 2>&1
     $B eval qwencoder-dflash-b8 --device cuda --precision bf16 --num_samples 32 > /tmp/logs/qwencoder.eval.log 2>&1
     keep qwencoder-dflash-b8; echo "rc=$?" > /tmp/logs/qwencoder.done ;;
-  sllm)  # [MINUTES]: assemble the speech LLM, teach it (projector + LoRA), WER
-    minutes=${1:-5}
+  sllm)  # [MINUTES [speech_llm.py train flags]]: assemble the speech LLM, teach it (projector + LoRA), WER
+    minutes=${1:-5}; shift $(( $# > 0 ? 1 : 0 ))
     $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
       --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1
     $S train --model $M/assembled --train $SP/train.json --out $M/trained --device cuda --precision bf16 \
-      --steps 2000 --batch_size 32 --max_minutes "$minutes" > /tmp/logs/sllm.train.log 2>&1
+      --steps 2000 --batch_size 32 --max_minutes "$minutes" "$@" > /tmp/logs/sllm.train.log 2>&1
     $S wer --model $M/trained --manifest $SP/eval.json --num_samples 200 --batch_size 32 --device cuda \
       --precision bf16 --output /tmp/results/speech_llm_wer_eval.json > /tmp/logs/sllm.wer.log 2>&1
     cp $M/assembled/assembled.json $M/trained/recipe.json /tmp/results/ 2>/dev/null; echo done > /tmp/logs/sllm.done ;;
   sllmdraft)  # NAME FAMILY MINUTES [dflash-train flags]: one draft on the speech LLM, then dflash-eval
     n=$1; fam=$2; minutes=$3; shift 3
     python3 -m dflash_hf.cli.train --target_name_or_path $M/trained --target_family "$fam" --prompt "Transcribe the audio." \
-      --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev.json --label_source target_argmax \
+      --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev64.json --label_source target_argmax \
       --num_draft_layers 2 --precision bf16 --max_tokens 16000 --num_anchors 64 --learning_rate 6e-4 \
       --lr_scheduler_type cosine --warmup_steps 100 --max_steps 800 --max_train_minutes "$minutes" --eval_strategy steps \
       --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 3 \
@@ -53,5 +53,39 @@ case $kind in
       --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 100 --max_new_tokens 128 --device cuda \
       --precision fp32 --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
     echo "rc=$?" > /tmp/logs/$n.done ;;
-  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft)"; exit 2 ;;
+  sllmall)  # LLM_MINUTES DRAFT_MINUTES ADAPT_MINUTES: the speech LLM, its four drafts at once, then projection-only
+    # adaptation of the block-8 draft to block 16 and to the held-out voice (slt dev sentences; eval sentences differ)
+    lm=$1; dm=$2; am=$3
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 3000
+    head -64 $SP/dev.json > $SP/dev64.json
+    for spec in "sllm-dflash-b8 qwen2_audio --block_size 8" \
+                "sllm-dflash-b8-single qwen2_audio_single_placeholder --block_size 8" \
+                "sllm-dflash2-b8 qwen2_audio --block_size 8 --variant dflash2" \
+                "sllm-dflash-b16 qwen2_audio --block_size 16"; do
+      set -- $spec; n=$1; fam=$2; shift 2
+      bash /tmp/chains.sh sllmdraft "$n" "$fam" "$dm" "$@" &
+    done
+    wait
+    base=$C/runs/sllm-dflash-b8/draft
+    bash /tmp/chains.sh sllmdraft sllm-adapt-b16 qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
+      --block_size 16 --warmup_steps 10 --learning_rate 1e-3 &
+    bash /tmp/chains.sh sllmdraft sllm-adapt-slt qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
+      --train_data $SP/dev.json --warmup_steps 10 --learning_rate 1e-3 &
+    wait; echo done > /tmp/logs/sllmall.done ;;
+  timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each, to /tmp/results/clean.
+    # ITEM = w:NAME (a Whisper run of real_targets.py), t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM)
+    mkdir -p /tmp/results/clean
+    for item in "$@"; do
+      IFS=: read -r k n fam <<< "$item"
+      case $k in
+        w) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $C/whisper-base/hf --data $SP/eval.json \
+             --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --output_json /tmp/results/clean/$n.json ;;
+        t) mv $C/runs/$n/eval_cuda_fp32.json $C/runs/$n/eval_cuda_fp32_shared.json 2>/dev/null
+           $B eval $n --device cuda --precision fp32 --num_samples 32 && cp docs/results/quality_"$n"_* /tmp/results/clean/ ;;
+        s) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
+             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
+             --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
+      esac > /tmp/logs/timing_$n.log 2>&1
+    done; echo done > /tmp/logs/timing.done ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, timing)"; exit 2 ;;
 esac
