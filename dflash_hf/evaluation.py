@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .families import generate_kwargs
-from .speculative import speculative_generate
+from .speculative import model_side_greedy, speculative_generate
 from .target import NON_TARGET_KEYS, FrozenTarget
 
 
@@ -131,7 +131,10 @@ def _clock(device: torch.device) -> float:
 
 
 def _greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
-    """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt)."""
+    """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt). A
+    model-side single-placeholder target decodes without `generate`, which cannot run its audio merge."""
+    if ft.family.expansion == "model":
+        return model_side_greedy(ft, max_new_tokens, **inputs)
     out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
     return out.sequences
 

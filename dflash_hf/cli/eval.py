@@ -120,7 +120,7 @@ def evaluate(args: EvalArguments) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = resolve_dtype(args.precision)
-    target = FrozenTarget(load_target(args.target, args.precision).to(device))
+    target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
     draft = load_draft_strict(args.draft).to(device=device, dtype=dtype).eval()
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)

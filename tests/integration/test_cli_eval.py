@@ -95,6 +95,28 @@ def test_speech_manifest(tmp_path):
         cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(text_prompts)])
 
 
+def test_single_placeholder_row(tmp_path):
+    """--family qwen2_audio_single_placeholder decodes with the model-side row, and the greedy baseline is the
+    target's own cached loop (transformers' generate cannot run that row's audio merge): outputs identical."""
+    from test_families import build_qwen2_audio
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = build_qwen2_audio(tok)
+    tiny.sharpen(model.get_decoder(), seed=1)
+    model.save_pretrained(tmp_path / "target")
+    processor.save_pretrained(tmp_path / "target")
+    draft = _save_draft(tmp_path / "target", tmp_path / "draft")
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    out = tmp_path / "res.json"
+    argv = ["--draft", str(draft), "--target", str(tmp_path / "target"), "--data", str(manifest),
+            "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out)]
+    assert cli_eval.main(argv + ["--family", "qwen2_audio_single_placeholder"]) == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 2 and res["outputs_identical"] and res["family"] == "qwen2_audio_single_placeholder"
+    assert res["spec_tokens"] == res["greedy_tokens"] > 0
+
+
 def test_gzipped_text_prompts_are_read_like_plain_ones(tmp_path):
     """--data may be gzipped (detected by content, as manifests are): counting, the kind check and the prompts
     read the same rows."""
