@@ -358,6 +358,37 @@ class DFlash2CandidateSelector(nn.Module):
         pair = torch.einsum("...r,...kr->...k", query, self.successor_codebook[candidates])
         return unary.float() + pair.float()
 
+    def transition_table(
+        self,
+        hidden: torch.Tensor,  # [n, H] final-normed draft hidden of slots 1..n
+        unary: torch.Tensor,  # [n, k] draft logits of the candidates
+        candidates: torch.LongTensor,  # [n, k] candidate token ids
+        anchor_token: int,
+    ) -> torch.Tensor:
+        """`forward` for every (predecessor candidate, candidate) pair of every slot in one batch: `[n, k, k]`
+        float32, entry `[s, i, j]` the score of candidate j of slot s after candidate i of slot s-1. Slot 0's
+        predecessor is the anchor, so its k rows are the anchor's scores (read row 0)."""
+        dtype = self.predecessor_codebook.dtype
+        predecessors = F.pad(candidates[:-1], (0, 0, 1, 0), value=anchor_token)  # [n, k]: anchor row, then slots
+        query = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden.to(dtype))[:, None]
+        pair = query @ self.successor_codebook[candidates].transpose(-1, -2)  # [n, k, r] @ [n, r, k]
+        return unary.float()[:, None] + pair.float()
+
+
+def _greedy_walk(best: torch.LongTensor) -> torch.LongTensor:
+    """Choices `[n]` of the walk `c_0 = best[0, 0]`, `c_s = best[s, c_{s-1}]`, for `best` `[n, k]` (slot s's best
+    candidate after each candidate of slot s-1), on `best`'s device.
+
+    Each row is a map of the k candidate indices; the walk is the prefix composition of those maps, done as a
+    Hillis-Steele scan: ceil(log2 n) rounds of one gather and one cat (8 kernels at block 16, instead of a
+    chained index per slot), with no host sync. A host walk would copy `best` to the host, which waits for the
+    draft forward still in flight, so the target's verify forward could not be queued behind it."""
+    walk, step = best, 1
+    while step < walk.shape[0]:  # walk[s] = best[s] o best[s-1] o ... o best[max(0, s - 2 * step + 1)]
+        walk = torch.cat([walk[:step], walk[step:].gather(1, walk[:-step])])
+        step *= 2
+    return walk[:, 0]
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 draft: DFlash plus per-layer dynamic convolutions (`attention_conv`, `mlp_conv`) and a
@@ -399,25 +430,31 @@ class DFlash2DraftModel(DFlashDraftModel):
         """Selector walk over the top-k candidates of slots 1..B-1.
 
         Greedy (`temperature <= 0`): each slot takes the best-scoring candidate given the token chosen
-        at the previous slot; returns `(tokens [B-1], None)`. Sampling: each slot samples from
-        `softmax(S / temperature)` over its candidates given the sampled predecessor, and returns that
-        conditional proposal as a full-vocabulary distribution `q [B-1, V]` (zero outside the
-        candidates), so rejection sampling against the target stays lossless.
+        at the previous slot; returns `(tokens [B-1], None)`. The scores of all slots come from one batched
+        `transition_table` and the walk runs on device (`_greedy_walk`), a fixed number of kernels instead of
+        B-1 sequential rounds. It equals the slot-by-slot walk over `forward` (tests/unit/test_dflash2_walk.py)
+        up to rounding: batched and per-vector matmuls may round differently at the last place, which can only
+        flip a choice between near-tied candidates (none in the float32 and bf16 checks on CPU; a GPU's bf16
+        kernels may differ). Decoded output is unchanged either way: verification decides the tokens.
+
+        Sampling: each slot samples from `softmax(S / temperature)` over its candidates given the sampled
+        predecessor, and returns that conditional proposal as a full-vocabulary distribution `q [B-1, V]` (zero
+        outside the candidates), so rejection sampling against the target stays lossless.
         """
         selector = self.candidate_selector
         logits = lm_head(hidden[1:]).float()  # [B-1, V]
         unary, candidates = logits.topk(selector.top_k, dim=-1)  # [B-1, k]
-        q = logits.new_zeros(logits.shape) if temperature > 0 else None
+        if temperature <= 0:
+            best = selector.transition_table(hidden[1:], unary, candidates, anchor_token).argmax(-1)  # [B-1, k]
+            return candidates.gather(1, _greedy_walk(best)[:, None]).squeeze(1), None
+        q = logits.new_zeros(logits.shape)
         prev = torch.tensor(anchor_token, device=hidden.device)
         tokens = []
         for slot in range(logits.shape[0]):
             scores = selector(hidden[1 + slot], unary[slot], candidates[slot], prev)  # [k]
-            if q is None:
-                choice = scores.argmax()
-            else:
-                probs = torch.softmax(scores / temperature, dim=-1)
-                choice = torch.multinomial(probs, 1, generator=generator)[0]
-                q[slot, candidates[slot]] = probs
+            probs = torch.softmax(scores / temperature, dim=-1)
+            choice = torch.multinomial(probs, 1, generator=generator)[0]
+            q[slot, candidates[slot]] = probs
             prev = candidates[slot, choice]
             tokens.append(prev)
         return torch.stack(tokens), q
