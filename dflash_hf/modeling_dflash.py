@@ -457,7 +457,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             q[slot, candidates[slot]] = probs
             prev = candidates[slot, choice]
             tokens.append(prev)
-        return torch.stack(tokens), q
+        return (torch.stack(tokens) if tokens else candidates[:, 0]), q  # a block of the anchor alone: nothing
 
 
 DFlashDraftModel.register_for_auto_class("AutoModel")

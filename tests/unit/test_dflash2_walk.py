@@ -126,3 +126,5 @@ def test_sampled_walk_is_unchanged():
                                                  torch.Generator().manual_seed(rows))
             assert torch.equal(tokens, ref) and torch.equal(q, ref_q)
             assert torch.allclose(q.sum(-1), torch.ones(rows - 1))
+        tokens, q = draft.propose_block(torch.randn(1, HIDDEN), lm_head, 3, 0.8, torch.Generator().manual_seed(0))
+    assert tokens.shape == (0,) and tokens.dtype == torch.long and q.shape == (0, VOCAB)  # the anchor alone
