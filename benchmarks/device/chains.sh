@@ -1,4 +1,4 @@
-# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft; see the case labels). Copy out of the working tree first (the next call replaces it), then:
+# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -12,7 +12,7 @@ case $kind in
     n=$1; minutes=${2:-7}; steps=${3:-800}
     $B train "$n" -- --precision bf16 --dataloader_num_workers 4 --max_steps "$steps" --max_train_minutes "$minutes" \
       --eval_steps 200 --real_tau_steps 0 --save_steps 400 > /tmp/logs/$n.train.log 2>&1
-    $B eval "$n" --device cuda --precision fp32 --num_samples 100 > /tmp/logs/$n.eval.log 2>&1
+    $B eval "$n" --device cuda --precision fp32 --num_samples 40 > /tmp/logs/$n.eval.log 2>&1
     keep "$n"; echo "rc=$?" > /tmp/logs/$n.done ;;
   smol)  # [MINUTES]: prompts, the target's own labels, then the four text configurations at once
     minutes=${1:-6}
@@ -43,6 +43,7 @@ case $kind in
     cp $M/assembled/assembled.json $M/trained/recipe.json /tmp/results/ 2>/dev/null; echo done > /tmp/logs/sllm.done ;;
   sllmdraft)  # NAME FAMILY MINUTES [dflash-train flags]: one draft on the speech LLM, then dflash-eval
     n=$1; fam=$2; minutes=$3; shift 3
+    [ -f $SP/dev64.json ] || head -64 $SP/dev.json > $SP/dev64.json  # in-training dev set (the manifests are JSONL)
     python3 -m dflash_hf.cli.train --target_name_or_path $M/trained --target_family "$fam" --prompt "Transcribe the audio." \
       --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev64.json --label_source target_argmax \
       --num_draft_layers 2 --precision bf16 --max_tokens 16000 --num_anchors 64 --learning_rate 6e-4 \
@@ -50,14 +51,14 @@ case $kind in
       --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 3 \
       --output_dir $C/runs/$n "$@" > /tmp/logs/$n.train.log 2>&1
     python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
-      --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 100 --max_new_tokens 128 --device cuda \
+      --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
       --precision fp32 --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
     echo "rc=$?" > /tmp/logs/$n.done ;;
   sllmall)  # LLM_MINUTES DRAFT_MINUTES ADAPT_MINUTES: the speech LLM, its four drafts at once, then projection-only
     # adaptation of the block-8 draft to block 16 and to the held-out voice (slt dev sentences; eval sentences differ)
     lm=$1; dm=$2; am=$3
     bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 3000
-    head -64 $SP/dev.json > $SP/dev64.json
+    head -64 $SP/dev.json > $SP/dev64.json; tail -n +65 $SP/dev.json > $SP/dev_rest.json  # adapt on the rest
     for spec in "sllm-dflash-b8 qwen2_audio --block_size 8" \
                 "sllm-dflash-b8-single qwen2_audio_single_placeholder --block_size 8" \
                 "sllm-dflash2-b8 qwen2_audio --block_size 8 --variant dflash2" \
@@ -70,9 +71,9 @@ case $kind in
     bash /tmp/chains.sh sllmdraft sllm-adapt-b16 qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
       --block_size 16 --warmup_steps 10 --learning_rate 1e-3 &
     bash /tmp/chains.sh sllmdraft sllm-adapt-slt qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
-      --train_data $SP/dev.json --warmup_steps 10 --learning_rate 1e-3 &
+      --train_data $SP/dev_rest.json --warmup_steps 10 --learning_rate 1e-3 &
     wait; echo done > /tmp/logs/sllmall.done ;;
-  timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each, to /tmp/results/clean.
+  timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each (32 prompts for t:), to /tmp/results/clean.
     # ITEM = w:NAME (a Whisper run of real_targets.py), t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM)
     mkdir -p /tmp/results/clean
     for item in "$@"; do
@@ -85,6 +86,7 @@ case $kind in
         s) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
+        *) echo "timing: unknown item $item (w:NAME, t:NAME, s:NAME:FAMILY)" ;;
       esac > /tmp/logs/timing_$n.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, timing)"; exit 2 ;;

@@ -288,6 +288,13 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
         from dflash_hf.speculative import model_side_greedy
 
         assert torch.equal(model_side_greedy(FrozenTarget(model, name), 12, **inputs), out.sequences)
+        # An end token stops both where it is first decoded (it is kept): make the second new token one.
+        n_prompt, new = inputs["input_ids"].shape[1], out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        model.generation_config.eos_token_id = new[1]
+        ft = FrozenTarget(model, name)
+        stopped = speculative_generate(draft, ft, 12, **inputs).sequences
+        assert torch.equal(stopped, model_side_greedy(ft, 12, **inputs))
+        assert stopped.shape[1] == n_prompt + new.index(new[1]) + 1 < out.sequences.shape[1]
 
 
 @pytest.mark.parametrize("name", ["qwen2_audio", "qwen2_audio_single_placeholder", "audioflamingo3", "glmasr"])

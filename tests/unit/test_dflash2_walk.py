@@ -88,16 +88,16 @@ def test_greedy_walk_equals_sequential_walk_float64(rank, top_k):
         assert moved > total // 2, (moved, total)
 
 
-def test_greedy_walk_equals_sequential_walk_float32():
-    """float32 selector: the batched matmuls may round differently from the per-vector ones at the last float32
+def test_greedy_walk_equals_sequential_walk_float32_and_bf16():
+    """float32 and bf16 selectors: the batched matmuls may round differently from the per-vector ones at the last
     place, which could flip a choice between candidates scored within a few ulps. None does in these cases
     (such a flip would not change decoded output: verification decides the tokens)."""
-    for rank, top_k in ((16, 6), (256, 16)):
-        draft, lm_head = selector_draft(rank, top_k, torch.float32, seed=3)
-        mismatches, total, _ = compare(draft, lm_head, torch.float32, cases=8, seed=7)
-        assert mismatches == 0, f"rank {rank}, top_k {top_k}: {mismatches}/{total} proposals differ"
+    for rank, top_k, dtype in ((16, 6, torch.float32), (256, 16, torch.float32), (16, 6, torch.bfloat16)):
+        draft, lm_head = selector_draft(rank, top_k, dtype, seed=3)
+        mismatches, total, _ = compare(draft, lm_head, dtype, cases=8, seed=7)
+        assert mismatches == 0, f"{dtype}, rank {rank}, top_k {top_k}: {mismatches}/{total} proposals differ"
     with torch.no_grad():  # a block cut to the anchor alone (the last decoder position) proposes nothing
-        tokens, q = draft.propose_block(torch.randn(1, HIDDEN), lm_head, 3)
+        tokens, q = draft.propose_block(torch.randn(1, HIDDEN, dtype=dtype), lm_head, 3)
     assert tokens.shape == (0,) and tokens.dtype == torch.long and q is None
 
 
