@@ -5,10 +5,12 @@
 cd "${REPO:?export REPO=<repository root on the device>}" || exit 1
 . /tmp/env.sh || exit 1
 C=/tmp/bench; M=$C/speech_llm; S="python3 benchmarks/speech_llm.py"; SP=$C/data/speech
+speech_ready() { while [ ! -f $SP/speech.json ]; do sleep 5; done; }  # session.sh setup synthesizes in the background
 keep() { cp docs/results/quality_"$1"_* /tmp/results/ 2>/dev/null; cp -r docs/figures/quality_"$1"_* /tmp/results/ 2>/dev/null; }
 kind=$1; shift
 case $kind in
-  whisper)  # NAME [MINUTES [STEPS]]: train, then evaluate on 100 held-out clips
+  whisper)  # NAME [MINUTES [STEPS]]: train, then evaluate on 40 held-out clips
+    speech_ready
     n=$1; minutes=${2:-7}; steps=${3:-800}
     $B train "$n" -- --precision bf16 --dataloader_num_workers 4 --max_steps "$steps" --max_train_minutes "$minutes" \
       --eval_steps 200 --real_tau_steps 0 --save_steps 400 > /tmp/logs/$n.train.log 2>&1
@@ -34,6 +36,7 @@ case $kind in
     keep qwencoder-dflash-b8; echo "rc=$?" > /tmp/logs/qwencoder.done ;;
   sllm)  # [MINUTES [speech_llm.py train flags]]: assemble the speech LLM, teach it (projector + LoRA), WER
     minutes=${1:-5}; shift $(( $# > 0 ? 1 : 0 ))
+    speech_ready
     $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
       --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1
     $S train --model $M/assembled --train $SP/train.json --out $M/trained --device cuda --precision bf16 \
@@ -43,6 +46,7 @@ case $kind in
     cp $M/assembled/assembled.json $M/trained/recipe.json /tmp/results/ 2>/dev/null; echo done > /tmp/logs/sllm.done ;;
   sllmdraft)  # NAME FAMILY MINUTES [dflash-train flags]: one draft on the speech LLM, then dflash-eval
     n=$1; fam=$2; minutes=$3; shift 3
+    speech_ready
     [ -f $SP/dev64.json ] || head -64 $SP/dev.json > $SP/dev64.json  # in-training dev set (the manifests are JSONL)
     python3 -m dflash_hf.cli.train --target_name_or_path $M/trained --target_family "$fam" --prompt "Transcribe the audio." \
       --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev64.json --label_source target_argmax \

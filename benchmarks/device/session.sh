@@ -1,0 +1,64 @@
+# One device call of the benchmark session (benchmarks/README.md, "One device session"), so that no command has to be
+# written between calls (the machine is given back after about 30 s without one). Run from the call's repository
+# root: `bash benchmarks/device/session.sh STEP [ARGS]`.
+#   setup [TRAIN_CLIPS] [BENCH]  carry .devcarry/.whl .devcarry/debs .devcarry/flite_env.sh .devcarry/corpus
+#                                .devcarry/smollm2-gguf/group_02: wheels, flite, corpus; speech synthesis starts in
+#                                the background; BENCH=1 runs the training-benchmark rows in the foreground
+#   carry GROUP...               copy carried groups (e.g. whisper-base/group_00) to their staging folders
+#   unpack MODEL...              whisper-base | smollm2 | qwen2.5-coder: reassemble, verify, convert (smollm2, qwen)
+#   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
+#                                import from the call's copy, which the next call replaces)
+#   poll SECONDS                 wait, then one line per log, the finished chains, GPU use; results into $OUT/r.tgz
+set -u
+step=${1:?STEP: setup, carry, unpack, launch or poll}; shift
+if [ "$step" = setup ]; then
+  cp benchmarks/device/*.sh /tmp/ || exit 1
+fi
+. "${DFLASH_DEVICE_ENV:-/tmp/env.sh}" || exit 1  # (an override only for a dry run off the device)
+stage_of() { case $1 in whisper-base/*) echo /tmp/stage ;; smollm2-gguf/*) echo /tmp/stage2 ;;
+                        qwencoder-gguf/*) echo /tmp/stage3 ;; *) echo "unknown carry group $1" >&2; return 1 ;; esac; }
+case $step in
+  setup)
+    train=${1:-20000}; bench=${2:-0}
+    . .devcarry/flite_env.sh || exit 1
+    cp .devcarry/corpus/* /tmp/bench/data/corpus/ && mkdir -p /tmp/stage /tmp/stage2 /tmp/stage3 || exit 1
+    cp .devcarry/smollm2-gguf/group_02/* /tmp/stage2/ || exit 1
+    # the speech chains wait for its stamp (speech.json); the smol chain makes its prompts itself
+    setsid nohup $B data speech --train "$train" --dev 300 --eval 200 --workers 12 > /tmp/logs/speech.log 2>&1 < /dev/null &
+    if [ "$bench" = 1 ]; then
+      timeout 240 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b smollm2-135m --modes full \
+        --full-configs attn=flex,ce=2048,compile=layers --steps 10 --out /tmp/results/speech_rows.json \
+        > /tmp/logs/bench.log 2>&1
+      tail -c 1500 /tmp/logs/bench.log
+    fi ;;
+  carry)
+    for g in "$@"; do d=$(stage_of "$g") || exit 1; cp .devcarry/"$g"/* "$d"/ || exit 1; done; ls /tmp/stage* | wc -l ;;
+  unpack)
+    for m in "$@"; do
+      case $m in
+        whisper-base) $B unpack /tmp/stage $DFLASH_BENCH_CACHE/whisper-base/hf ;;
+        smollm2) $B unpack /tmp/stage2 $DFLASH_BENCH_CACHE/smollm2/gguf && $B fetch smollm2 ;;
+        qwen2.5-coder) $B unpack /tmp/stage3 $DFLASH_BENCH_CACHE/qwen2.5-coder/gguf && $B fetch qwen2.5-coder ;;
+        *) echo "unknown model $m (whisper-base, smollm2, qwen2.5-coder)"; exit 2 ;;
+      esac > /tmp/logs/unpack_"$m".log 2>&1 || { tail -5 /tmp/logs/unpack_"$m".log; exit 1; }
+      tail -1 /tmp/logs/unpack_"$m".log
+    done ;;
+  launch)
+    chain=${1:?CHAIN}; tag=$(echo "$*" | tr ' /' '__')
+    if [ ! -d /tmp/repo/dflash_hf ]; then
+      mkdir -p /tmp/repo && tar cf - --exclude=.devcarry --exclude=.git . | tar xf - -C /tmp/repo || exit 1
+    fi
+    (cd /tmp/repo && REPO=/tmp/repo setsid nohup bash /tmp/chains.sh "$@" > /tmp/logs/ch_"$tag".log 2>&1 < /dev/null &)
+    echo "launched $*" ;;
+  poll)
+    sleep "${1:-0}"
+    cd /tmp/logs || exit 1
+    for f in *.log; do
+      printf '%s: %s\n' "$f" "$(tail -c 400 "$f" | tr '\r' '\n' | grep -av '^\s*$' | tail -1 | cut -c1-160)"
+    done
+    echo "done: $(ls *.done 2>/dev/null | tr '\n' ' ')"
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
+    tar czf "${OUT:-/tmp}"/r.tgz /tmp/results /tmp/logs $DFLASH_BENCH_CACHE/runs/*/train_done.json \
+      $DFLASH_BENCH_CACHE/speech_llm/trained/recipe.json 2>/dev/null; true ;;
+  *) echo "unknown step $step (setup, carry, unpack, launch, poll)"; exit 2 ;;
+esac
