@@ -25,6 +25,8 @@ from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
+from dflash_hf.speculative import model_side_greedy
+from dflash_hf.target import FrozenTarget
 from dflash_hf.whisper_features import with_fast_features
 
 logger = logging.getLogger("dflash_hf.generate_labels")
@@ -85,6 +87,31 @@ def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
     return os.path.relpath(manifest_dir.resolve() / path, output_dir.resolve())
 
 
+def _greedy_new_tokens(model, processor, family, texts: list[str], audios: list, args) -> list[torch.Tensor]:
+    """The target's greedy new tokens for each prompt. A model-side single-placeholder row decodes one utterance at
+    a time with `model_side_greedy` (transformers' `generate` cannot run that row's audio merge); every other
+    family in one left-padded `generate` call."""
+    def encoded(txts, auds):
+        inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
+        inputs = {k: v.to(args.device) for k, v in inputs.items()}
+        if "input_features" in inputs:
+            inputs["input_features"] = inputs["input_features"].to(model.dtype)
+        return inputs
+
+    if family.expansion == "model":
+        target = FrozenTarget(model, family.name)
+        out = []
+        for i, text in enumerate(texts):
+            inputs = encoded([text], audios[i : i + 1])
+            out.append(model_side_greedy(target, args.max_new_tokens, **inputs)[0, inputs["input_ids"].shape[1]:])
+        return out
+    inputs = encoded(texts, audios)
+    with torch.no_grad():  # prompt + new tokens for every family (Whisper's plain output drops the prompt)
+        sequences = model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
+                                   do_sample=False, return_dict_in_generate=True).sequences
+    return list(sequences[:, inputs["input_ids"].shape[1]:])
+
+
 def generate_labels(args: GenerateLabelsArguments) -> int:
     """Write the generated-label manifest; returns the number of new lines written."""
     model, processor, family = _load_target(args)
@@ -117,14 +144,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                 texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
                                               add_generation_prompt=True) for c, _ in cuts]
                 audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
-                inputs = encode_batch(family, processor, model.config, texts, audios, padding_side="left")
-                inputs = {k: v.to(args.device) for k, v in inputs.items()}
-                if "input_features" in inputs:
-                    inputs["input_features"] = inputs["input_features"].to(model.dtype)
-                with torch.no_grad():  # prompt + new tokens for every family (Whisper's plain output drops the prompt)
-                    sequences = model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
-                                               do_sample=False, return_dict_in_generate=True).sequences
-                new_tokens = sequences[:, inputs["input_ids"].shape[1]:]
+                new_tokens = _greedy_new_tokens(model, processor, family, texts, audios, args)
                 for (cut, record), ids in zip(cuts, new_tokens):
                     line = dict(record)
                     line[args.reference_key] = record.get("text")

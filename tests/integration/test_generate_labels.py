@@ -66,3 +66,25 @@ def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
 def test_parser_fields():
     (args,) = make_parser().parse_args_into_dataclasses(["--model", "m", "--manifest", "a", "--output", "b"])
     assert args.reference_key == "reference_text" and args.batch_size == 8 and args.dtype == "float32"
+
+
+def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):
+    """`--family qwen2_audio_single_placeholder` (the model expands the audio placeholder) decodes without
+    transformers' `generate`, which cannot run that row's merge; the labels equal the processor-side row's."""
+    from test_families import build_qwen2_audio
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = build_qwen2_audio(tok)
+    tiny.sharpen(model.get_decoder(), seed=1)
+    model.save_pretrained(tmp_path / "target")
+    processor.save_pretrained(tmp_path / "target")
+    manifest = tiny.synthesize_speech(tmp_path / "data", 3, seed=2, min_dur=0.5, max_dur=1.0)
+    texts = {}
+    for family in ("qwen2_audio", "qwen2_audio_single_placeholder"):
+        out = tmp_path / f"{family}.json"
+        assert main(["--model", str(tmp_path / "target"), "--manifest", str(manifest), "--output", str(out),
+                     "--family", family, "--batch_size", "2", "--max_new_tokens", "5", "--prompt", "Transcribe."]) == 0
+        texts[family] = [json.loads(x)["text"] for x in out.read_text().splitlines()]
+    assert len(texts["qwen2_audio"]) == 3 and all(texts["qwen2_audio"])
+    assert texts["qwen2_audio_single_placeholder"] == texts["qwen2_audio"]
