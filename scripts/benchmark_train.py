@@ -190,6 +190,31 @@ class FixedTapsTarget(FrozenTarget):
         return TargetFeatures(taps=self.taps[tuple(batch["input_ids"].shape)], final_hidden=None)
 
 
+def _gib(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def memory_breakdown(tmodel, ft: FrozenTarget, draft, optimizer, mode: str, taps: dict | None, peak: float) -> dict:
+    """What the peak holds (GiB), from the sizes of the tensors themselves: the frozen target's decoder layers and
+    its other weights (embeddings, lm_head, audio encoder), the draft's weights, gradients (one per trainable
+    weight) and optimizer states, the fixed taps of the draft side, and the rest of the peak (activations,
+    temporaries, workspaces; CUDA only). The draft side never runs the target's decoder layers:
+    `draft_side_peak_without_target_layers` is the peak a trainer holding only what the draft side uses would see."""
+    layers = _gib(p for layer in ft.layers for p in layer.parameters())
+    target = _gib(tmodel.parameters())
+    draft_w = _gib(draft.parameters())
+    grads = _gib(p for p in draft.parameters() if p.requires_grad)
+    states = _gib(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+    taps_gib = _gib(taps.values()) if taps else 0.0
+    out = {"target_decoder_layers": layers, "target_other": target - layers, "draft_weights": draft_w,
+           "draft_grads": grads, "optimizer_states": states, "fixed_taps": taps_gib}
+    if peak:
+        out["activations_and_rest"] = peak - sum(out.values())
+        if mode == "draft":
+            out["draft_side_peak_without_target_layers"] = peak - layers
+    return {k: round(v, 6) for k, v in out.items()}
+
+
 # ------------------------------------------------------------------------------------------------
 # Timing helpers
 # ------------------------------------------------------------------------------------------------
@@ -623,6 +648,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         enable({"use_reentrant": False})
     items = make_batches(shape, frozen, seq_len, batch_size, dcfg.mask_token_id, seed=1)
     cpu_batches = [b for b, _ in items]
+    taps = None
     if mode == "draft":
         width = dcfg.num_taps * dcfg.hidden_size
         taps = {tuple(b["input_ids"].shape): torch.randn(*b["input_ids"].shape, width, device=device, dtype=dtype)
@@ -749,6 +775,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "mfu": round(tflops / ceiling_tflops, 4),
         "static_gib": round(static / 2**30, 3),
         "peak_gib": round(peak / 2**30, 3),
+        "memory_gib": memory_breakdown(tmodel, ft, draft, optimizer, mode, taps, peak / 2**30),
     }
 
 

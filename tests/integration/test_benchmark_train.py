@@ -32,6 +32,10 @@ def test_tiny_run_writes_all_fields(bench, tmp_path):
     for row in rows.values():
         assert FIELDS <= set(row) and row["ms_per_step"] > 0 and row["mfu"] > 0
         assert row["blocks"] == 16 and row["visible_pairs"] > 0
+        mem = row["memory_gib"]  # what the peak holds, from tensor sizes (no peak on the CPU)
+        assert mem["target_decoder_layers"] > 0 and mem["target_other"] > 0 and mem["draft_weights"] > 0
+        assert mem["draft_grads"] == mem["draft_weights"] and mem["optimizer_states"] >= 2 * mem["draft_weights"]
+        assert (mem["fixed_taps"] > 0) == (row["mode"] == "draft") and "activations_and_rest" not in mem
     # full = draft FLOPs + the target's forward and label projection
     draft, full = rows["draft"]["flops"], rows["full"]["flops"]
     assert {k: full[k] for k in draft} == draft and full["target_forward"] > 0 and full["target_argmax_labels"] > 0
