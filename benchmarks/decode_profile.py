@@ -102,6 +102,11 @@ class ProfileArguments:
         default=None,
         metadata={"help": f"Instead of --target/--draft/--data: a tiny random target and draft, one of {TINY_KINDS}."},
     )
+    family: str | None = field(
+        default=None,
+        metadata={"help": "Target family row override (dflash_hf.families), e.g. qwen2_audio_single_placeholder."},
+    )
+    prompt: str | None = field(default=None, metadata={"help": "Speech targets: the user text before the audio."})
     num_prompts: int = field(default=8, metadata={"help": "Prompts decoded from the start of --data."})
     max_new_tokens: int = field(default=64, metadata={"help": "Tokens decoded per prompt (both decoders)."})
     precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
@@ -274,9 +279,13 @@ def tiny_setup(kind: str, num_prompts: int, workdir: Path):
     return ft, _random_draft(ft, TINY_WHISPER_MASK), prompts
 
 
-def speech_prompts(path: str, processor, config, limit: int) -> list[dict]:
+def speech_prompts(path: str, processor, config, limit: int, family: str | None = None,
+                   prompt: str | None = None) -> list[dict]:
     """Prompts of a NeMo speech manifest as `dflash-eval` renders them (validated cuts, the target's processor)."""
-    rows, collate = speech_rows_and_collator(path, processor, config)
+    from dflash_hf.data.conversation import ConversationConfig
+
+    rows, collate = speech_rows_and_collator(path, processor, config, family=family,
+                                             conversation=ConversationConfig(prompt=prompt))
     return list(itertools.islice(iter_prompts(rows, collate), limit))
 
 
@@ -309,13 +318,13 @@ def real_setup(args: ProfileArguments, device: torch.device):
     from dflash_hf.cli.train import load_processor
     from dflash_hf.export import load_draft_strict
 
-    ft = FrozenTarget(load_target(args.target, args.precision).to(device))
+    ft = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
     draft = load_draft_strict(args.draft).to(device=device, dtype=resolve_dtype(args.precision)).eval()
     cfg = draft.config
     ft.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     processor = load_processor(args.target)
     if ft.family.has_audio:
-        prompts = speech_prompts(args.data, processor, ft.model.config, args.num_prompts)
+        prompts = speech_prompts(args.data, processor, ft.model.config, args.num_prompts, ft.family.name, args.prompt)
     else:
         prompts = text_prompts(args.data, get_tokenizer(processor), args.text_field, args.num_prompts)
     if not prompts:

@@ -10,7 +10,7 @@ import torch
 from transformers import StoppingCriteria
 from utils import REPO_ROOT
 
-from dflash_hf import speculative
+from dflash_hf import speculative, tiny
 
 SCRIPT = REPO_ROOT / "benchmarks" / "decode_profile.py"
 
@@ -54,6 +54,32 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
     from dflash_hf import verification
 
     assert speculative.propose_block is verification.propose_block and speculative._accept is verification._accept
+
+
+def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
+    """--family picks the model-side single-placeholder row (and --prompt its user text): both passes decode on that
+    row's path, identical to its greedy baseline."""
+    from test_families import build_qwen2_audio
+
+    from dflash_hf import DFlashConfig, DFlashDraftModel
+    from dflash_hf.target import FrozenTarget
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = build_qwen2_audio(tok)
+    tiny.sharpen(model.get_decoder(), seed=1)
+    model.save_pretrained(tmp_path / "target")
+    processor.save_pretrained(tmp_path / "target")
+    cfg = DFlashConfig.from_target_config(FrozenTarget(model).text_config, num_hidden_layers=1, block_size=4,
+                                          mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    DFlashDraftModel(cfg).save_pretrained(tmp_path / "draft")
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    results = profile.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--data",
+                            str(manifest), "--family", "qwen2_audio_single_placeholder", "--prompt", "Transcribe.",
+                            "--num_prompts", "2", "--max_new_tokens", "6", "--progress", "false", "--output_json",
+                            str(tmp_path / "p.json")])
+    assert results["outputs_identical"] and results["instrumented_outputs_identical"]
+    assert results["wall_clock"]["prompts"] == 2 and results["instrumented"]["cycles"] > 0
 
 
 def test_bad_arguments_are_named(profile):
