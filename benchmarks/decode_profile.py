@@ -398,6 +398,7 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
         "precision": args.precision,
         "block_size": draft.config.block_size,
         "draft_class": type(draft).__name__,
+        "family": ft.family.name,
         "wall_clock": wall,
         "instrumented": profile,
         "instrumented_outputs_identical": all(same),

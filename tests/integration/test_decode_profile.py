@@ -80,6 +80,7 @@ def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path)
                             str(tmp_path / "p.json")])
     assert results["outputs_identical"] and results["instrumented_outputs_identical"]
     assert results["wall_clock"]["prompts"] == 2 and results["instrumented"]["cycles"] > 0
+    assert results["family"] == "qwen2_audio_single_placeholder"
 
 
 def test_bad_arguments_are_named(profile):
