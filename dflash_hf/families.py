@@ -32,6 +32,7 @@ from .families_base import (
     audio_token_id,
     get_tokenizer,
 )
+from .families_moonshine import MOONSHINE
 from .families_whisper import WHISPER
 
 # ---------------------------------------------------------------------------------------------- encoders
@@ -213,6 +214,7 @@ FAMILIES: dict[str, TargetFamily] = {
             description="Granite Speech: processor expands <|audio|> (feature extractor needs torchaudio)",
         ),
         WHISPER,
+        MOONSHINE,
     )
 }
 
@@ -268,12 +270,15 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
-def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False) -> dict:
+def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False, encoder_mask_key: str | None = None) -> dict:
     """Encoder-decoder targets take the batch's token stream as the decoder's: ``input_ids`` / ``attention_mask``
     become ``decoder_input_ids`` / ``decoder_attention_mask``; with ``position_ids`` (a forward, not ``generate``)
     also ``decoder_position_ids`` counted over real tokens, so left padding keeps the positions of right padding.
-    Audio kwargs (``input_features``) are kept."""
-    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    Audio kwargs (``input_features``) are kept; the encoder's padding mask (the row's ``encoder_mask_key``)
+    becomes ``attention_mask``."""
+    out = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", encoder_mask_key)}
+    if encoder_mask_key is not None and encoder_mask_key in inputs:
+        out["attention_mask"] = inputs[encoder_mask_key]
     if "input_ids" in inputs:
         out["decoder_input_ids"] = inputs["input_ids"]
     mask = inputs.get("attention_mask")
@@ -288,7 +293,9 @@ def generate_kwargs(family: TargetFamily, inputs: dict) -> dict:
     """Keywords of the target's ``generate`` (and of ``speculative_generate``) for prompts as :func:`encode_batch`
     returns them: the decoder's keywords for encoder-decoder families (:func:`decoder_stream_kwargs`), else
     unchanged."""
-    return decoder_stream_kwargs(inputs) if family.is_encoder_decoder else dict(inputs)
+    if not family.is_encoder_decoder:
+        return dict(inputs)
+    return decoder_stream_kwargs(inputs, encoder_mask_key=family.encoder_mask_key)
 
 
 # ------------------------------------------------------------------------------------------ decoder streams

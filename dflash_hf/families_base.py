@@ -1,5 +1,6 @@
 """What every target family row is made of (`TargetFamily`, `DecoderStreams`) and the helpers the rows share;
-the rows themselves are in `families.py` (and `families_whisper.py` for the encoder-decoder row)."""
+the rows themselves are in `families.py` (and `families_whisper.py`, `families_moonshine.py` for the
+encoder-decoder rows)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class TargetFamily:
     - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
       family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
     - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
+    - ``encoder_mask_key``: encoder-decoder rows whose encoder takes a padding mask (Moonshine): the batch key
+      holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
+    - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
+      e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     """
 
     name: str
@@ -61,6 +66,8 @@ class TargetFamily:
     decoder_config: Callable | None = field(default=None, repr=False)
     sample_problem: Callable | None = field(default=None, repr=False)
     max_positions: Callable | None = field(default=None, repr=False)
+    encoder_mask_key: str | None = None
+    prepare_forward: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:

@@ -246,9 +246,9 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
 def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
-    key = "input_features" if ft.is_encoder_decoder else "input_ids"
+    key = ft.family.audio_kwargs[0] if ft.is_encoder_decoder else "input_ids"  # Whisper: input_features
     if key not in target_inputs:
-        kind = "an encoder-decoder target (Whisper)" if ft.is_encoder_decoder else "a decoder-only target"
+        kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
     _check_one_prompt(target_inputs[key])
     decode = DFlashCustomGenerate(draft, generator=generator)

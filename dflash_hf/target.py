@@ -138,7 +138,10 @@ class FrozenTarget:
     @property
     def encoder_hidden_size(self) -> int | None:
         """Width of an encoder-decoder target's encoder output frames (`d_model`), None for a decoder-only target."""
-        return self.model.config.d_model if self.is_encoder_decoder else None
+        if not self.is_encoder_decoder:
+            return None
+        cfg = self.model.config
+        return getattr(cfg, "d_model", None) or cfg.hidden_size  # Whisper: d_model; Moonshine: hidden_size
 
     @property
     def num_layers(self) -> int:
@@ -245,7 +248,10 @@ class FrozenTarget:
         `packed_sdpa_mask` applies, that 4D mask is given instead."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
         if self.is_encoder_decoder:
-            return self.cast_features(decoder_stream_kwargs(kwargs, position_ids=True))
+            kwargs = self.cast_features(decoder_stream_kwargs(kwargs, position_ids=True,
+                                                              encoder_mask_key=self.family.encoder_mask_key))
+            prepare = self.family.prepare_forward
+            return prepare(self.model, kwargs) if prepare is not None else kwargs
         if "cu_seqlens" in batch:
             if "position_ids" not in batch:
                 raise ValueError("packed batch (it has cu_seqlens) without position_ids; the packing collator "

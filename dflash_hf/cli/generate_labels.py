@@ -93,9 +93,8 @@ def _greedy_new_tokens(model, processor, family, texts: list[str], audios: list,
     family in one left-padded `generate` call."""
     def encoded(txts, auds):
         inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
-        inputs = {k: v.to(args.device) for k, v in inputs.items()}
-        if "input_features" in inputs:
-            inputs["input_features"] = inputs["input_features"].to(model.dtype)
+        # audio (features or waveform) in the target's dtype; ids and masks as they are
+        inputs = {k: v.to(args.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
         return inputs
 
     if family.expansion == "model":
