@@ -10,18 +10,41 @@ from .families_base import TargetFamily, get_tokenizer
 ENCODER_MASK_KEY = "input_values_mask"  # the batch key; the model's forward takes it as `attention_mask`
 
 
+def _stream_ids(tokenizer, text: str) -> list[int]:
+    """Ids of one rendered decoder stream: the start token, the transcript tokenized on its own, the end token
+    if the stream has one. A SentencePiece tokenizer (Moonshine's) marks a word start with "▁" only at the start
+    of a piece of text, so the transcript tokenized after the start token in one string could lose the "▁" of its
+    first word: tokenized alone, it gets the ids the model decodes for it."""
+    start, end = _start_token(tokenizer), tokenizer.eos_token
+    if not text.startswith(start):
+        raise ValueError(f"a Moonshine decoder stream starts with {start!r}; got {text[:40]!r}")
+    body = text[len(start) :]
+    ended = body.endswith(end)
+    body = body[: -len(end)] if ended else body
+    ids = tokenizer(body, add_special_tokens=False)["input_ids"] if body else []
+    return [tokenizer.convert_tokens_to_ids(start), *ids, *([tokenizer.eos_token_id] if ended else [])]
+
+
 def _encode_moonshine(family, processor, config, texts, audios, padding_side):
-    """``texts`` are rendered decoder streams (start token, transcript, end token), tokenized as they are; one
-    waveform per text, right-padded to the longest with its padding mask."""
+    """``texts`` are rendered decoder streams (start token, transcript, end token), padded on ``padding_side``;
+    one waveform per text, right-padded to the longest with its padding mask."""
+    import torch
+
     if len(audios) != len(texts):
         raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
     tokenizer = get_tokenizer(processor)
-    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=False)
+    streams = [_stream_ids(tokenizer, t) for t in texts]
+    width = max(len(s) for s in streams)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(streams), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(streams), width), dtype=torch.long)
+    for i, s in enumerate(streams):
+        cols = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
+        ids[i, cols], mask[i, cols] = torch.tensor(s), 1
     audio = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, padding=True,
                                         return_attention_mask=True, return_tensors="pt")
-    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
-            "input_values": audio["input_values"], ENCODER_MASK_KEY: audio["attention_mask"].long()}
+    return {"input_ids": ids, "attention_mask": mask, "input_values": audio["input_values"],
+            ENCODER_MASK_KEY: audio["attention_mask"].long()}
 
 
 def _start_token(tokenizer) -> str:

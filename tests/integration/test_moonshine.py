@@ -204,3 +204,22 @@ def test_the_encoder_context_opt_in_is_refused_for_moonshine(moonshine, tmp_path
         DFlashTrainer(args=make_args(tmp_path, mask_token_id=_mask_id(processor), block_size=BLOCK,
                                      draft_encoder_context=True),
                       target=model, processor=processor, train_dataset=[str(manifest)])
+
+
+def test_the_transcript_keeps_its_first_word_start_with_a_sentencepiece_tokenizer():
+    """Moonshine's tokenizer is SentencePiece-style: "▁" marks a word start only at the start of a piece of text, so
+    "<s>hello world</s>" tokenized in one string loses the "▁" of "hello" (not the ids the model decodes). The
+    stream's transcript is tokenized on its own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dflash_hf.families_moonshine import _stream_ids
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "▁world": 4, "hello": 5}
+    spm = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    spm.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert tok("<s>hello world</s>", add_special_tokens=False)["input_ids"] == [1, 5, 4, 2]  # the pitfall
+    assert _stream_ids(tok, "<s>hello world</s>") == [1, 3, 4, 2] and _stream_ids(tok, "<s>") == [1]
+    assert tok.decode([3, 4]) == "hello world"
