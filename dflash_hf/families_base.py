@@ -48,6 +48,8 @@ class TargetFamily:
     - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
     - ``encoder_mask_key``: encoder-decoder rows whose encoder takes a padding mask (Moonshine): the batch key
       holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
+    - ``stream_ids``: ``stream_ids(tokenizer, text) -> list[int]`` when a rendered stream is not tokenized as one
+      string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
     - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     """
@@ -68,6 +70,7 @@ class TargetFamily:
     max_positions: Callable | None = field(default=None, repr=False)
     encoder_mask_key: str | None = None
     prepare_forward: Callable | None = field(default=None, repr=False)
+    stream_ids: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:

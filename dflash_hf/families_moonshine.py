@@ -129,6 +129,6 @@ MOONSHINE = TargetFamily(
     encode=_encode_moonshine, audio_tokens=lambda config, n: 0, render_with="tokenizer",
     render_decoder=_render_moonshine, decoder_config=_moonshine_decoder_config,
     sample_problem=_moonshine_sample_problem, max_positions=lambda config: config.max_position_embeddings,
-    encoder_mask_key=ENCODER_MASK_KEY, prepare_forward=_moonshine_per_utterance_encoder,
+    encoder_mask_key=ENCODER_MASK_KEY, prepare_forward=_moonshine_per_utterance_encoder, stream_ids=_stream_ids,
     description="Moonshine (encoder-decoder, raw waveform): the start token is context, the transcript is supervised",
 )

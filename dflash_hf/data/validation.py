@@ -139,7 +139,10 @@ class SampleValidator:
         """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion)."""
         tokenizer = self.renderer.tokenizer
         text = self.renderer.render_text(cut_to_messages(cut, self.family, self.renderer.config))
-        ids = tokenizer(text, add_special_tokens=_add_special_tokens(tokenizer, [text]))["input_ids"]
+        if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
+            ids = self.family.stream_ids(tokenizer, text)
+        else:
+            ids = tokenizer(text, add_special_tokens=_add_special_tokens(tokenizer, [text]))["input_ids"]
         if not self.family.has_audio:
             return len(ids), 0
         n_placeholders = sum(1 for i in ids if i == self.audio_id)

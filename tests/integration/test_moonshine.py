@@ -12,8 +12,8 @@ import torch
 from transformers import MoonshineConfig, MoonshineForConditionalGeneration, Wav2Vec2FeatureExtractor, Wav2Vec2Processor
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
-from dflash_hf.data import ConversationConfig, build_train_dataloader
-from dflash_hf.families import generate_kwargs
+from dflash_hf.data import ConversationConfig, build_train_dataloader, open_source
+from dflash_hf.families import FAMILIES, generate_kwargs
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
 
@@ -223,3 +223,21 @@ def test_the_transcript_keeps_its_first_word_start_with_a_sentencepiece_tokenize
     assert tok("<s>hello world</s>", add_special_tokens=False)["input_ids"] == [1, 5, 4, 2]  # the pitfall
     assert _stream_ids(tok, "<s>hello world</s>") == [1, 3, 4, 2] and _stream_ids(tok, "<s>") == [1]
     assert tok.decode([3, 4]) == "hello world"
+    assert FAMILIES["moonshine"].stream_ids is _stream_ids  # the validator's token counts use it too
+
+
+def test_token_counts_are_the_batch_lengths(moonshine, tmp_path):
+    """The validator's decoder token count of a sample (budgets, the max-positions check) is its row's length."""
+    from dflash_hf.data.bad_samples import BadSamples
+    from dflash_hf.data.conversation import ConversationRenderer
+    from dflash_hf.data.validation import SampleValidator
+
+    model, processor = moonshine
+    family = FrozenTarget(model).family
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 3, seed=5)
+    renderer = ConversationRenderer(processor, family, ConversationConfig())
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
+    counts = sorted(validator.count_tokens(c) for c in open_source(manifest))
+    loader = build_train_dataloader(manifest, processor, model.config, family=family, max_tokens=100_000,
+                                    num_buckets=1, shuffle=False, max_batch_size=1)
+    assert counts == sorted(int(b["attention_mask"].sum()) for b in loader) and len(counts) == 3
