@@ -5,7 +5,7 @@ with its padding mask), not a fixed 30 s window of log-mel features; its decoder
 
 from __future__ import annotations
 
-from .families_base import TargetFamily, get_tokenizer
+from .families_base import SAMPLING_RATE, TargetFamily, get_tokenizer
 
 ENCODER_MASK_KEY = "input_values_mask"  # the batch key; the model's forward takes it as `attention_mask`
 
@@ -73,7 +73,7 @@ def _render_moonshine(tokenizer, messages: list[dict], add_generation_prompt: bo
     if not answer or add_generation_prompt:
         return prompt
     text = "".join(i["text"] for i in answer[0]["content"] if i.get("type") == "text")
-    return f"{prompt}{text.strip()}{tokenizer.eos_token}"
+    return f"{prompt}{text}{tokenizer.eos_token}"  # surrounding whitespace is a bad sample (_moonshine_sample_problem)
 
 
 def _moonshine_decoder_config(config):
@@ -89,12 +89,31 @@ def _moonshine_decoder_config(config):
     )
 
 
+def _encoder_frames(num_samples: int) -> int:
+    """Encoder frames of a waveform of ``num_samples`` (Moonshine's own formula: its three strided convolutions)."""
+    from transformers.models.moonshine.modeling_moonshine import MoonshinePreTrainedModel
+
+    return MoonshinePreTrainedModel._get_feat_extract_output_lengths(None, num_samples)
+
+
 def _moonshine_sample_problem(config, tokenizer, cut):
     start = tokenizer.convert_tokens_to_ids(_start_token(tokenizer))
     if start != config.decoder_start_token_id:
         return ("decoder_start_token_id", f"the tokenizer's bos_token has id {start}, the config's "
                 f"decoder_start_token_id is {config.decoder_start_token_id}",
                 "use the checkpoint's own tokenizer (its bos_token starts the decoder)")
+    eos = config.eos_token_id if isinstance(config.eos_token_id, (list, tuple)) else [config.eos_token_id]
+    if tokenizer.eos_token_id not in eos:
+        return ("eos_token_id", f"the tokenizer's eos_token has id {tokenizer.eos_token_id}, the config's "
+                f"eos_token_id is {config.eos_token_id}", "use the checkpoint's own tokenizer")
+    text = cut.supervisions[0].text
+    if isinstance(text, str) and text != text.strip():
+        return ("text", "the transcript starts or ends with whitespace, which Moonshine's decoder never writes",
+                "strip the transcripts in the manifest")
+    num_samples = round(cut.duration * SAMPLING_RATE)
+    if _encoder_frames(num_samples) < 1:
+        return ("duration", f"the audio lasts {cut.duration:.3f} s, too short for one Moonshine encoder frame",
+                "drop clips this short (or pad them with silence in the manifest's audio)")
     return None
 
 

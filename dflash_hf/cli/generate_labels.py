@@ -89,26 +89,30 @@ def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
 
 def _greedy_new_tokens(model, processor, family, texts: list[str], audios: list, args) -> list[torch.Tensor]:
     """The target's greedy new tokens for each prompt. A model-side single-placeholder row decodes one utterance at
-    a time with `model_side_greedy` (transformers' `generate` cannot run that row's audio merge); every other
-    family in one left-padded `generate` call."""
+    a time with `model_side_greedy` (transformers' `generate` cannot run that row's audio merge), and so does a
+    row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine), with `generate`; every
+    other family in one left-padded `generate` call."""
     def encoded(txts, auds):
         inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
         # audio (features or waveform) in the target's dtype; ids and masks as they are
         inputs = {k: v.to(args.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
         return inputs
 
-    if family.expansion == "model":
-        target = FrozenTarget(model, family.name)
+    def greedy(inputs) -> torch.Tensor:  # prompt + new tokens (Whisper's plain output drops the prompt)
+        if family.expansion == "model":
+            return model_side_greedy(FrozenTarget(model, family.name), args.max_new_tokens, **inputs)
+        with torch.no_grad():
+            return model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
+                                  do_sample=False, return_dict_in_generate=True).sequences
+
+    if family.expansion == "model" or family.prepare_forward is not None:
         out = []
         for i, text in enumerate(texts):
             inputs = encoded([text], audios[i : i + 1])
-            out.append(model_side_greedy(target, args.max_new_tokens, **inputs)[0, inputs["input_ids"].shape[1]:])
+            out.append(greedy(inputs)[0, inputs["input_ids"].shape[1]:])
         return out
     inputs = encoded(texts, audios)
-    with torch.no_grad():  # prompt + new tokens for every family (Whisper's plain output drops the prompt)
-        sequences = model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
-                                   do_sample=False, return_dict_in_generate=True).sequences
-    return list(sequences[:, inputs["input_ids"].shape[1]:])
+    return list(greedy(inputs)[:, inputs["input_ids"].shape[1]:])
 
 
 def generate_labels(args: GenerateLabelsArguments) -> int:

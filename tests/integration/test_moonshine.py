@@ -115,6 +115,7 @@ def test_loss_is_invariant_to_padding_side(moonshine, tmp_path):
         )
         batch = next(iter(trainer.get_train_dataloader()))
         assert batch["input_ids"].shape[0] >= 2 and len(set(batch["input_values_mask"].sum(-1).tolist())) > 1
+        assert len(set(batch["attention_mask"].sum(-1).tolist())) > 1  # the decoder side is padded too
         losses[side] = float(trainer.compute_loss(trainer.model, dict(batch)).detach())
     assert np.isfinite(losses["left"]) and losses["left"] == pytest.approx(losses["right"], rel=1e-5)
 
@@ -145,7 +146,7 @@ def test_dflash_train_eval_and_generate_labels_on_a_moonshine_target(tmp_path):
     target_dir = tmp_path / "target"
     model.save_pretrained(target_dir)
     processor.save_pretrained(target_dir)
-    manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=3)
     metrics = cli_train.run([
         "--target_name_or_path", str(target_dir), "--train_data", str(manifest), "--mask_token_id",
         str(_mask_id(processor)), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--block_size",
@@ -165,7 +166,7 @@ def test_dflash_train_eval_and_generate_labels_on_a_moonshine_target(tmp_path):
 
     labels = tmp_path / "labels.jsonl"
     assert generate_labels.main(["--model", str(target_dir), "--manifest", str(manifest), "--output", str(labels),
-                                 "--batch_size", "3", "--max_new_tokens", "6"]) == 0
+                                 "--batch_size", "4", "--max_new_tokens", "30"]) == 0
     got = [json.loads(line) for line in labels.read_text().splitlines()]
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     assert len(got) == len(rows)
@@ -173,7 +174,7 @@ def test_dflash_train_eval_and_generate_labels_on_a_moonshine_target(tmp_path):
 
     for row, line in zip(rows, got):
         audio, _ = sf.read(manifest.parent / row["audio_filepath"], dtype="float32")
-        ids = model.generate(input_values=torch.from_numpy(audio)[None], max_new_tokens=6)
+        ids = model.generate(input_values=torch.from_numpy(audio)[None], max_new_tokens=30)
         assert line["text"] == processor.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
 
 
@@ -191,6 +192,23 @@ def test_prompt_text_and_a_foreign_tokenizer_are_refused(moonshine, tmp_path):
     foreign = Wav2Vec2Processor(feature_extractor=processor.feature_extractor, tokenizer=other)
     with pytest.raises(BadSampleError, match="decoder_start_token_id"):
         next(iter(build_train_dataloader(manifest, foreign, model.config, family=family, max_tokens=100_000)))
+
+
+def test_whitespace_around_a_transcript_and_too_short_clips_are_bad_samples(moonshine, tmp_path):
+    from dflash_hf.data.bad_samples import BadSampleError
+
+    model, processor = moonshine
+    family = FrozenTarget(model).family
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0)
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()]
+    for field, edit in (("text", {"text": rows[0]["text"] + " "}), ("duration", {"duration": 0.05})):
+        bad = manifest.parent / f"{field}.json"  # relative audio paths: the same folder
+        bad.write_text(json.dumps({**rows[0], **edit}) + "\n" + json.dumps(rows[1]) + "\n")
+        with pytest.raises(BadSampleError, match=f"field '{field}'"):
+            next(iter(build_train_dataloader(bad, processor, model.config, family=family, max_tokens=100_000)))
+        loader = build_train_dataloader(bad, processor, model.config, family=family, max_tokens=100_000,
+                                        skip_bad_samples=True)
+        assert sum(b["input_ids"].shape[0] for b in loader) == 1  # the good row only, the bad one counted
 
 
 def test_the_encoder_context_opt_in_is_refused_for_moonshine(moonshine, tmp_path):
