@@ -337,20 +337,36 @@ def encode_audio(model, input_features: torch.Tensor, feature_attention_mask: to
     return [hidden[i, : int(out_len[i])] for i in range(b)]
 
 
-def forward_with_audio(model, input_ids, attention_mask, audio: list[torch.Tensor]) -> torch.Tensor:
-    """Logits of the processor-expanded batch from cached tower outputs (the projector runs here, with grad)."""
+def embeds_with_audio(model, input_ids, audio: list[torch.Tensor]) -> torch.Tensor:
+    """Input embeddings of the processor-expanded batch with the projected cached tower outputs at the audio
+    placeholders (the projector runs here, with grad)."""
     embeds = model.get_input_embeddings()(input_ids)
     proj = model.model.multi_modal_projector(torch.cat(audio).to(embeds.device))
     slots = input_ids == model.config.audio_token_id
     if int(slots.sum()) != proj.shape[0]:
         raise ValueError(f"{int(slots.sum())} audio tokens in the batch but {proj.shape[0]} audio frames")
-    embeds = embeds.masked_scatter(slots[..., None], proj.to(embeds.dtype))
-    return model(inputs_embeds=embeds, attention_mask=attention_mask).logits
+    return embeds.masked_scatter(slots[..., None], proj.to(embeds.dtype))
+
+
+def forward_with_audio(model, input_ids, attention_mask, audio: list[torch.Tensor]) -> torch.Tensor:
+    """Logits of the processor-expanded batch from cached tower outputs."""
+    return model(inputs_embeds=embeds_with_audio(model, input_ids, audio), attention_mask=attention_mask).logits
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                              ignore_index=-100)
+
+
+def supervised_loss(model, input_ids, attention_mask, audio: list[torch.Tensor], labels) -> torch.Tensor:
+    """:func:`lm_loss` of :func:`forward_with_audio` with the lm_head applied at the supervised positions only
+    (the transcript is a fraction of each row: the batch's `[b, S, vocab]` logits are never formed)."""
+    hidden = model.model(inputs_embeds=embeds_with_audio(model, input_ids, audio),
+                         attention_mask=attention_mask).last_hidden_state
+    targets = labels[:, 1:].to(hidden.device)
+    keep = targets != -100
+    logits = model.lm_head(hidden[:, :-1][keep])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[keep])
 
 
 def add_lora(model, rank: int, alpha: float | None = None):
@@ -485,9 +501,8 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
         pos += batch_size
         batch = pad_batch([examples[i] for i in idx], pad_id)
         with autocast:
-            logits = forward_with_audio(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                        cache.of(chunk))
-        loss = lm_loss(logits, batch["labels"].to(device))
+            loss = supervised_loss(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                   cache.of(chunk), batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
         opt.step()

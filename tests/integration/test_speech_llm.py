@@ -153,6 +153,33 @@ def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
         assert torch.equal(batch["labels"][i][sup], batch["input_ids"][i][sup])
 
 
+def test_the_training_loss_is_the_full_logits_loss_at_the_supervised_positions(trained):
+    """`supervised_loss` (lm_head at the supervised positions only) equals the CE of the full logits, and so do its
+    gradients (fp32)."""
+    assembled, _, manifest, _ = trained
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()
+    processor = tf.AutoProcessor.from_pretrained(assembled)
+    rows = sl.read_manifest(manifest)[:2]
+    cache = sl.AudioCache(model, processor, 2)
+    cache.fill(rows)
+    frames = cache.of(rows)
+    batch = sl.encode_training_batch(processor, rows, [len(f) for f in frames])
+    proj = model.model.multi_modal_projector.linear.weight
+    proj.requires_grad_(True)
+    losses, grads = [], []
+    for fn in (lambda: sl.lm_loss(sl.forward_with_audio(model, batch["input_ids"], batch["attention_mask"], frames),
+                                  batch["labels"]),
+               lambda: sl.supervised_loss(model, batch["input_ids"], batch["attention_mask"], frames,
+                                          batch["labels"])):
+        proj.grad = None
+        loss = fn()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(proj.grad.clone())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
 def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
     assembled, _, manifest, _ = trained
     out = sl.train(assembled, manifest, tmp_path / "t", steps=50, batch_size=2, lora_rank=0, device="cpu",
