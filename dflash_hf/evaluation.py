@@ -130,7 +130,7 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
     """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt). A
     model-side single-placeholder target decodes without `generate`, which cannot run its audio merge."""
     if ft.family.expansion == "model":
@@ -165,7 +165,7 @@ def decode_benchmark(
         if warmup and i == 0:
             speculative_generate(draft, ft, max_new_tokens, **inputs)
             if compare_greedy:
-                _greedy(ft, inputs, max_new_tokens)
+                target_greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
         spec = speculative_generate(draft, ft, max_new_tokens, **inputs)
         stats.spec_seconds += _clock(device) - start
@@ -175,7 +175,7 @@ def decode_benchmark(
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)
-            greedy = _greedy(ft, inputs, max_new_tokens)
+            greedy = target_greedy(ft, inputs, max_new_tokens)
             stats.greedy_seconds += _clock(device) - start
             greedy_new = greedy[0, n_prompt:].tolist()
             stats.greedy_tokens += len(greedy_new)
@@ -187,6 +187,7 @@ def decode_benchmark(
 __all__ = [
     "DecodeStats",
     "decode_benchmark",
+    "target_greedy",
     "prompt_inputs",
     "dataset_rows",
     "iter_prompts",

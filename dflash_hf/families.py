@@ -170,12 +170,13 @@ FAMILIES: dict[str, TargetFamily] = {
         TargetFamily(
             name="qwen3_asr", model_types=("qwen3_asr",), expansion="processor",
             audio_kwargs=("input_features", "input_features_mask"), encode=_encode_processor,
-            audio_tokens=_qwen3_asr_tokens,
+            audio_tokens=_qwen3_asr_tokens, prebuilt_packed_mask=True,
             description="Qwen3-ASR: processor expands <|audio_pad|> to one token per encoder frame",
         ),
         TargetFamily(
             name="text", model_types=(), expansion="none", audio_kwargs=(), encode=_encode_text,
-            render_with="tokenizer", description="plain causal LM (any AutoModelForCausalLM)",
+            render_with="tokenizer", prebuilt_packed_mask=True,
+            description="plain causal LM (any AutoModelForCausalLM)",
         ),
         TargetFamily(
             name="qwen2_audio", model_types=("qwen2_audio",), expansion="processor",

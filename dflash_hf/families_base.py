@@ -50,6 +50,8 @@ class TargetFamily:
       holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
     - ``stream_ids``: ``stream_ids(tokenizer, text) -> list[int]`` when a rendered stream is not tokenized as one
       string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
+    - ``prebuilt_packed_mask``: the row's packed forward takes a prebuilt 4D decoder mask unchanged (checked
+      against transformers' own mask: `FrozenTarget.packed_sdpa_mask`).
     - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     """
@@ -71,6 +73,7 @@ class TargetFamily:
     encoder_mask_key: str | None = None
     prepare_forward: Callable | None = field(default=None, repr=False)
     stream_ids: Callable | None = field(default=None, repr=False)
+    prebuilt_packed_mask: bool = False
 
     @property
     def has_audio(self) -> bool:

@@ -28,23 +28,15 @@ def _stream_ids(tokenizer, text: str) -> list[int]:
 def _encode_moonshine(family, processor, config, texts, audios, padding_side):
     """``texts`` are rendered decoder streams (start token, transcript, end token), padded on ``padding_side``;
     one waveform per text, right-padded to the longest with its padding mask."""
-    import torch
-
     if len(audios) != len(texts):
         raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
     tokenizer = get_tokenizer(processor)
-    streams = [_stream_ids(tokenizer, t) for t in texts]
-    width = max(len(s) for s in streams)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(streams), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(streams), width), dtype=torch.long)
-    for i, s in enumerate(streams):
-        cols = slice(width - len(s), width) if padding_side == "left" else slice(0, len(s))
-        ids[i, cols], mask[i, cols] = torch.tensor(s), 1
+    out = tokenizer.pad({"input_ids": [_stream_ids(tokenizer, t) for t in texts]}, padding=True,
+                        padding_side=padding_side, return_tensors="pt")
     audio = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, padding=True,
                                         return_attention_mask=True, return_tensors="pt")
-    return {"input_ids": ids, "attention_mask": mask, "input_values": audio["input_values"],
-            ENCODER_MASK_KEY: audio["attention_mask"].long()}
+    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
+            "input_values": audio["input_values"], ENCODER_MASK_KEY: audio["attention_mask"].long()}
 
 
 def _start_token(tokenizer) -> str:
@@ -126,10 +118,9 @@ def _moonshine_per_utterance_encoder(model, kwargs: dict) -> dict:
     import torch
     from torch.nn.functional import pad
 
-    values, mask = kwargs.pop("input_values", None), kwargs.pop("attention_mask", None)
-    if values is None or kwargs.get("encoder_outputs") is not None:
-        return {**kwargs, **({"input_values": values} if values is not None else {}),
-                **({"attention_mask": mask} if mask is not None else {})}
+    if "input_values" not in kwargs or kwargs.get("encoder_outputs") is not None:
+        return kwargs
+    values, mask = kwargs.pop("input_values"), kwargs.pop("attention_mask", None)
     encoder = model.get_encoder()
     lengths = mask.sum(-1).tolist() if mask is not None else [values.shape[-1]] * values.shape[0]
     with torch.no_grad():

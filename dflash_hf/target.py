@@ -19,8 +19,6 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 NON_TARGET_KEYS = frozenset(
     {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"}
 )
-# Families whose packed forward takes a prebuilt 4D decoder mask unchanged (checked against transformers' own mask).
-PREBUILT_PACKED_MASK_FAMILIES = frozenset({"text", "qwen3_asr"})
 # Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
 # (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
 PACKED_ATTN_IMPLEMENTATIONS = (
@@ -271,7 +269,7 @@ class FrozenTarget:
         uses no mask); `cu_seqlens` and `max_seqlen` tell that on the host."""
         impl = getattr(self.decoder.config, "_attn_implementation", None)
         max_seqlen, pos = batch.get("max_seqlen"), batch["position_ids"]
-        if impl != "sdpa" or self.family.name not in PREBUILT_PACKED_MASK_FAMILIES or not isinstance(max_seqlen, int):
+        if impl != "sdpa" or not self.family.prebuilt_packed_mask or not isinstance(max_seqlen, int):
             return None
         if batch["cu_seqlens"].numel() == 2 and max_seqlen == pos.shape[-1]:
             return None

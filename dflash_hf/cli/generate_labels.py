@@ -24,8 +24,8 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
+from dflash_hf.evaluation import target_greedy
 from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
-from dflash_hf.speculative import model_side_greedy
 from dflash_hf.target import FrozenTarget
 from dflash_hf.whisper_features import with_fast_features
 
@@ -87,37 +87,28 @@ def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
     return os.path.relpath(manifest_dir.resolve() / path, output_dir.resolve())
 
 
-def _greedy_new_tokens(model, processor, family, texts: list[str], audios: list, args) -> list[torch.Tensor]:
-    """The target's greedy new tokens for each prompt. A model-side single-placeholder row decodes one utterance at
-    a time with `model_side_greedy` (transformers' `generate` cannot run that row's audio merge), and so does a
-    row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine), with `generate`; every
-    other family in one left-padded `generate` call."""
-    def encoded(txts, auds):
+def _greedy_new_tokens(target: FrozenTarget, processor, texts: list[str], audios: list, args) -> list[torch.Tensor]:
+    """The target's greedy new tokens for each prompt (`evaluation.target_greedy`). One left-padded batch, except
+    where a batch would change the outputs: a model-side single-placeholder row (its greedy is not `generate`) and
+    a row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
+    family, model = target.family, target.model
+
+    def new_tokens(txts, auds) -> torch.Tensor:
         inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
         # audio (features or waveform) in the target's dtype; ids and masks as they are
         inputs = {k: v.to(args.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-        return inputs
-
-    def greedy(inputs) -> torch.Tensor:  # prompt + new tokens (Whisper's plain output drops the prompt)
-        if family.expansion == "model":
-            return model_side_greedy(FrozenTarget(model, family.name), args.max_new_tokens, **inputs)
-        with torch.no_grad():
-            return model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
-                                  do_sample=False, return_dict_in_generate=True).sequences
+        sequences = target_greedy(target, generate_kwargs(family, inputs), args.max_new_tokens)
+        return sequences[:, inputs["input_ids"].shape[1]:]  # prompt + new tokens for every family
 
     if family.expansion == "model" or family.prepare_forward is not None:
-        out = []
-        for i, text in enumerate(texts):
-            inputs = encoded([text], audios[i : i + 1])
-            out.append(greedy(inputs)[0, inputs["input_ids"].shape[1]:])
-        return out
-    inputs = encoded(texts, audios)
-    return list(greedy(inputs)[:, inputs["input_ids"].shape[1]:])
+        return [new_tokens([t], audios[i : i + 1])[0] for i, t in enumerate(texts)]
+    return list(new_tokens(texts, audios))
 
 
 def generate_labels(args: GenerateLabelsArguments) -> int:
     """Write the generated-label manifest; returns the number of new lines written."""
     model, processor, family = _load_target(args)
+    target = FrozenTarget(model, family.name)
     renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
     tokenizer = renderer.tokenizer
     manifest, output = Path(args.manifest), Path(args.output)
@@ -147,7 +138,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                 texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
                                               add_generation_prompt=True) for c, _ in cuts]
                 audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
-                new_tokens = _greedy_new_tokens(model, processor, family, texts, audios, args)
+                new_tokens = _greedy_new_tokens(target, processor, texts, audios, args)
                 for (cut, record), ids in zip(cuts, new_tokens):
                     line = dict(record)
                     line[args.reference_key] = record.get("text")

@@ -98,14 +98,9 @@ def test_speech_manifest(tmp_path):
 def test_single_placeholder_row(tmp_path):
     """--family qwen2_audio_single_placeholder decodes with the model-side row, and the greedy baseline is the
     target's own cached loop (transformers' generate cannot run that row's audio merge): outputs identical."""
-    from test_families import build_qwen2_audio
+    from test_families import save_qwen2_audio
 
-    tok = tiny.build_tokenizer()
-    torch.manual_seed(0)
-    model, processor = build_qwen2_audio(tok)
-    tiny.sharpen(model.get_decoder(), seed=1)
-    model.save_pretrained(tmp_path / "target")
-    processor.save_pretrained(tmp_path / "target")
+    save_qwen2_audio(tmp_path / "target")
     draft = _save_draft(tmp_path / "target", tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
     out = tmp_path / "res.json"

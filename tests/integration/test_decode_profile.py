@@ -59,17 +59,12 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
 def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
     """--family picks the model-side single-placeholder row (and --prompt its user text): both passes decode on that
     row's path, identical to its greedy baseline."""
-    from test_families import build_qwen2_audio
+    from test_families import save_qwen2_audio
 
     from dflash_hf import DFlashConfig, DFlashDraftModel
     from dflash_hf.target import FrozenTarget
 
-    tok = tiny.build_tokenizer()
-    torch.manual_seed(0)
-    model, processor = build_qwen2_audio(tok)
-    tiny.sharpen(model.get_decoder(), seed=1)
-    model.save_pretrained(tmp_path / "target")
-    processor.save_pretrained(tmp_path / "target")
+    model, tok = save_qwen2_audio(tmp_path / "target")
     cfg = DFlashConfig.from_target_config(FrozenTarget(model).text_config, num_hidden_layers=1, block_size=4,
                                           mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
     DFlashDraftModel(cfg).save_pretrained(tmp_path / "draft")

@@ -44,6 +44,17 @@ def build_qwen2_audio(tok):
     return tf.Qwen2AudioForConditionalGeneration(config), processor
 
 
+def save_qwen2_audio(directory):
+    """A sharpened tiny Qwen2-Audio target saved with its processor (for the CLI tests); returns (model, tokenizer)."""
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = build_qwen2_audio(tok)
+    tiny.sharpen(model.get_decoder(), seed=1)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model, tok
+
+
 def build_voxtral(tok):
     audio = _whisper_audio("voxtral_encoder", hidden_size=16, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2)
