@@ -41,7 +41,9 @@ case $kind in
     speech_ready
     $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
       --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1
-    $S train --model $M/assembled --train $SP/train.json --out $M/trained --device cuda --precision bf16 \
+    # every other training clip: the tower pass over all 20000 would take ~3 minutes of a 30-minute session
+    [ -f $SP/train_half.json ] || awk 'NR % 2 == 1' $SP/train.json > $SP/train_half.json
+    $S train --model $M/assembled --train $SP/train_half.json --out $M/trained --device cuda --precision bf16 \
       --steps 2000 --batch_size 32 --max_minutes "$minutes" "$@" > /tmp/logs/sllm.train.log 2>&1
     $S wer --model $M/trained --manifest $SP/eval.json --num_samples 200 --batch_size 32 --device cuda \
       --precision bf16 --output /tmp/results/speech_llm_wer_eval.json > /tmp/logs/sllm.wer.log 2>&1
@@ -54,7 +56,7 @@ case $kind in
       --mask_token_id 8 --train_data $SP/train.json --eval_data dev=$SP/dev64.json --label_source target_argmax \
       --num_draft_layers 2 --precision bf16 --max_tokens 16000 --num_anchors 64 --learning_rate 6e-4 \
       --lr_scheduler_type cosine --warmup_steps 100 --max_steps 800 --max_train_minutes "$minutes" --eval_strategy steps \
-      --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 3 \
+      --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 2 \
       --output_dir $C/runs/$n "$@" > /tmp/logs/$n.train.log 2>&1
     python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
       --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
@@ -84,6 +86,7 @@ case $kind in
     mkdir -p /tmp/results/clean
     for item in "$@"; do
       IFS=: read -r k n fam <<< "$item"
+      [ -d $C/runs/$n/draft ] || { echo "timing: no draft $C/runs/$n/draft (not trained this session); skipped"; continue; }
       case $k in
         w) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --output_json /tmp/results/clean/$n.json ;;
