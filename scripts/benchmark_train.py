@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -779,6 +780,13 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     }
 
 
+def traceback_tail(exc: BaseException, frames: int = 12) -> list[str]:
+    """The last frames of a failed case's traceback and its chained causes (an InductorError's message can be
+    empty; its cause's frames say where it came from), for the JSON row."""
+    lines = traceback.format_exception(exc, limit=None, chain=True)
+    return [line.rstrip() for line in lines[-frames * 2:]]
+
+
 def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> dict:
     """One case in a fresh Python process, so that compiled state (dynamo caches and recompile counts) cannot leak
     from one case into the next. Its MFU is against the matmul ceiling measured in that process."""
@@ -869,7 +877,8 @@ def main(argv: list[str] | None = None) -> dict:
                     try:
                         row = run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling)
                     except Exception as exc:  # one failing variant (e.g. a compile error) must not lose the others
-                        row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}"}
+                        row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}",
+                               "traceback": traceback_tail(exc)}
                 report["results"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "flops"}), flush=True)
                 if args.out:

@@ -34,7 +34,8 @@ case $step in
       TORCHDYNAMO_VERBOSE=1 timeout 90 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b --modes full \
         --full-configs attn=flex,ce=2048,compile=layers --steps 10 --out /tmp/results/speech_rows_compiled.json \
         > /tmp/logs/bench_compiled.log 2>&1
-      tail -c 1500 /tmp/logs/bench.log; grep -a -m3 -B2 -A12 "AssertionError" /tmp/logs/bench_compiled.log | tail -c 3000
+      tail -c 1500 /tmp/logs/bench.log
+      python3 -c "import json; [print(r['error'], *r.get('traceback', []), sep='\n') for r in json.load(open('/tmp/results/speech_rows_compiled.json'))['results'] if 'error' in r]" | tail -c 4000
     fi ;;
   carry)
     for g in "$@"; do d=$(stage_of "$g") || exit 1; cp .devcarry/"$g"/* "$d"/ || exit 1; done; ls /tmp/stage* | wc -l ;;
