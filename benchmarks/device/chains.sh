@@ -9,11 +9,13 @@ speech_ready() { while [ ! -f $SP/speech.json ]; do sleep 5; done; }  # session.
 keep() { cp docs/results/quality_"$1"_* /tmp/results/ 2>/dev/null; cp -r docs/figures/quality_"$1"_* /tmp/results/ 2>/dev/null; }
 kind=$1; shift
 case $kind in
-  whisper)  # NAME [MINUTES [STEPS [WORKERS]]]: train, then evaluate on 40 held-out clips. Alone on the machine a
+  whisper)  # NAME [MINUTES [STEPS [WORKERS [INIT]]]]: train (warm-started from $C/init/INIT, a draft of an earlier
+    # session brought home with `session.sh bring`), then evaluate on 40 held-out clips. Alone on the machine a
     # Whisper-base step takes 60 ms and the log-mel of ~55 clips a step needs ~10 loader workers to keep up
     speech_ready
-    n=$1; minutes=${2:-7}; steps=${3:-800}; workers=${4:-4}
-    $B train "$n" -- --precision bf16 --dataloader_num_workers "$workers" --max_steps "$steps" \
+    n=$1; minutes=${2:-7}; steps=${3:-800}; workers=${4:-4}; init=()
+    [ -n "${5:-}" ] && init=(--init_from_pretrained "$C/init/$5")
+    $B train "$n" -- "${init[@]}" --precision bf16 --dataloader_num_workers "$workers" --max_steps "$steps" \
       --max_train_minutes "$minutes" --eval_steps $(( steps / 5 )) --real_tau_steps 0 --save_steps $(( steps / 2 )) \
       > /tmp/logs/$n.train.log 2>&1
     $B eval "$n" --device cuda --precision fp32 --num_samples 40 > /tmp/logs/$n.eval.log 2>&1

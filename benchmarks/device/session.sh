@@ -9,6 +9,10 @@
 #   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
 #                                import from the call's copy, which the next call replaces)
 #   poll SECONDS                 wait, then one line per log, the finished chains, GPU use; results into $OUT/r.tgz
+#   bring RUN...                 a trained draft (runs/RUN/draft) back through $OUT in <= 15 MiB pieces with sha256
+#                                (at most 8 files come back per call, r.tgz included); copy them home into
+#                                .devcarry/drafts/RUN/ and carry that in a later session (`carry drafts/RUN`, then
+#                                `unpack drafts/RUN`: to $DFLASH_BENCH_CACHE/init/RUN, the whisper chain's INIT)
 set -u
 step=${1:?STEP: setup, carry, unpack, launch or poll}; shift
 if [ "$step" = setup ]; then
@@ -16,7 +20,8 @@ if [ "$step" = setup ]; then
 fi
 . "${DFLASH_DEVICE_ENV:-/tmp/env.sh}" || exit 1  # (an override only for a dry run off the device)
 stage_of() { case $1 in whisper-base/*) echo /tmp/stage ;; smollm2-gguf/*) echo /tmp/stage2 ;;
-                        qwencoder-gguf/*) echo /tmp/stage3 ;; *) echo "unknown carry group $1" >&2; return 1 ;; esac; }
+                        qwencoder-gguf/*) echo /tmp/stage3 ;; drafts/*) echo /tmp/stage_"${1#drafts/}" ;;
+                        *) echo "unknown carry group $1" >&2; return 1 ;; esac; }
 case $step in
   setup)
     train=${1:-20000}; bench=${2:-0}
@@ -38,16 +43,18 @@ case $step in
       python3 -c "import json; [print(r['error'], *r.get('traceback', []), sep='\n') for r in json.load(open('/tmp/results/speech_rows_compiled.json'))['results'] if 'error' in r]" | tail -c 4000
     fi ;;
   carry)
-    for g in "$@"; do d=$(stage_of "$g") || exit 1; cp .devcarry/"$g"/* "$d"/ || exit 1; done; ls /tmp/stage* | wc -l ;;
+    for g in "$@"; do d=$(stage_of "$g") || exit 1; mkdir -p "$d" && cp -r .devcarry/"$g"/* "$d"/ || exit 1; done
+    ls -R /tmp/stage* | wc -l ;;
   unpack)
     for m in "$@"; do
       case $m in
         whisper-base) $B unpack /tmp/stage $DFLASH_BENCH_CACHE/whisper-base/hf ;;
         smollm2) $B unpack /tmp/stage2 $DFLASH_BENCH_CACHE/smollm2/gguf && $B fetch smollm2 ;;
         qwen2.5-coder) $B unpack /tmp/stage3 $DFLASH_BENCH_CACHE/qwen2.5-coder/gguf && $B fetch qwen2.5-coder ;;
-        *) echo "unknown model $m (whisper-base, smollm2, qwen2.5-coder)"; exit 2 ;;
-      esac > /tmp/logs/unpack_"$m".log 2>&1 || { tail -5 /tmp/logs/unpack_"$m".log; exit 1; }
-      tail -1 /tmp/logs/unpack_"$m".log
+        drafts/*) $B unpack /tmp/stage_"${m#drafts/}" $DFLASH_BENCH_CACHE/init/"${m#drafts/}" ;;
+        *) echo "unknown model $m (whisper-base, smollm2, qwen2.5-coder, drafts/RUN)"; exit 2 ;;
+      esac > /tmp/logs/unpack_"${m//\//_}".log 2>&1 || { tail -5 /tmp/logs/unpack_"${m//\//_}".log; exit 1; }
+      tail -1 /tmp/logs/unpack_"${m//\//_}".log
     done ;;
   launch)
     chain=${1:?CHAIN}; tag=$(echo "$*" | tr ' /' '__')
@@ -66,5 +73,15 @@ case $step in
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tar czf "${OUT:-/tmp}"/r.tgz /tmp/results /tmp/logs $DFLASH_BENCH_CACHE/runs/*/train_done.json \
       $DFLASH_BENCH_CACHE/speech_llm/trained/recipe.json 2>/dev/null; true ;;
-  *) echo "unknown step $step (setup, carry, unpack, launch, poll)"; exit 2 ;;
+  bring)
+    for n in "$@"; do
+      [ -d $DFLASH_BENCH_CACHE/runs/"$n"/draft ] || { echo "no draft $DFLASH_BENCH_CACHE/runs/$n/draft"; exit 1; }
+      $B pack $DFLASH_BENCH_CACHE/runs/"$n"/draft "${OUT:?}/$n" --max_mib 15 > /tmp/logs/bring_"$n".log 2>&1 \
+        || { tail -3 /tmp/logs/bring_"$n".log; exit 1; }
+      rm "$OUT/$n"/pieces.json  # the last group holds the same index
+    done
+    files=$(find "$OUT" -type f | wc -l); echo "$files files under \$OUT: $(du -sh "$OUT" | cut -f1)"
+    [ "$files" -le 8 ] || { echo "more than the 8 files a call brings back: bring fewer runs per call"; exit 1; }
+    [ "$(du -sm "$OUT" | cut -f1)" -lt 64 ] || { echo "more than the 64 MiB a call brings back"; exit 1; } ;;
+  *) echo "unknown step $step (setup, carry, unpack, launch, poll, bring)"; exit 2 ;;
 esac

@@ -182,3 +182,24 @@ def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_
     out = speculative_generate(trainer.model.eval(), sharp, 40, input_features=feats)
     assert torch.equal(out.sequences, full)
     assert out.tau >= 0.75 * block, out.acceptance_lengths
+
+
+def test_a_warm_start_of_an_encoder_context_dflash2_draft_continues_from_its_export(whisper, tmp_path):
+    """The multi-session recipe (benchmarks/README.md): a trained draft brought home and trained on in the next
+    session starts from its own weights (cross-attention and selector included), not from the target's layers."""
+    model, _ = whisper
+    trained = _draft(tmp_path, model, variant="dflash2")
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # differ from any fresh initialization
+    export_draft(trained, tmp_path / "trained")
+    args = make_args(tmp_path, mask_token_id=None, num_draft_layers=2, draft_encoder_context=True, variant="dflash2",
+                     init_from_pretrained=str(tmp_path / "trained"))
+    warm = build_draft(args, FrozenTarget(model))
+    expected = load_draft_strict(tmp_path / "trained").state_dict()
+    got = warm.state_dict()
+    assert got.keys() == expected.keys() and any("encoder_attn" in k for k in got)
+    assert any("selector" in k for k in got)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    fresh = _draft(tmp_path, model, variant="dflash2").state_dict()
+    assert not torch.equal(got["layers.0.encoder_attn.q_proj.weight"], fresh["layers.0.encoder_attn.q_proj.weight"])
