@@ -1,0 +1,78 @@
+"""benchmarks/decode_ops.py: operators and host reads per speculative cycle and per greedy step (tiny targets)."""
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from utils import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "decode_ops.py"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    spec = importlib.util.spec_from_file_location("decode_ops", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through the module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def whisper_counts(ops, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ops") / "ops.json"
+    results = ops.main(["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--output_json",
+                        str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    return results
+
+
+def test_counts_add_up_and_outputs_are_identical(whisper_counts):
+    results = whisper_counts
+    greedy = results["greedy_step"]
+    assert greedy["iterations"] == 5  # 6 new tokens: the prefill step, then 5 steps
+    per = greedy["per_iteration"]
+    assert per["ops"]["forward"] > 0 and per["reads"]["total"] >= 1  # generate reads its stop flag every step
+    assert sum(per["ops"][p] for p in ("forward", "scores", "stop", "other")) == pytest.approx(per["ops"]["total"])
+    for variant in ("dflash", "dflash2"):
+        spec = results["speculative"][variant]
+        assert spec["outputs_identical"] and spec["draft"]["encoder_context"]
+        assert spec["iterations"] > 0 and spec["tokens"] == 5  # the first token comes from the prefill
+        per = spec["per_iteration"]
+        phases = ("draft", "proposal", "verify", "scores", "accept", "stop", "crop", "other")
+        assert sum(per["ops"][p] for p in phases) == pytest.approx(per["ops"]["total"])
+        assert per["ops"]["draft"] > 0 and per["ops"]["verify"] > 0 and per["ops"]["proposal"] > 0
+        lo, hi = spec["ops_per_iteration_min_max"]
+        assert 0 < lo <= per["ops"]["total"] <= hi
+        assert spec["per_prompt"]["prefill"]["ops"] > 0 and spec["per_prompt"]["setup"]["ops"] > 0
+
+
+def test_counter_classifies_operators(ops):
+    import torch
+
+    counter = ops.OpCounter(starts="draft", ends="decode", phases=("draft", "other"))
+    x = torch.randn(4, 6)
+    with ops.counting(counter):
+        with counter.measure("draft"):  # starts loop iteration 1
+            y = x.t().reshape(-1)  # a view, then a copy (not a view: transposed)
+            x[x > 0]  # boolean indexing: a nonzero, a host read
+            x[torch.tensor([0, 2])]  # integer indexing: a gather; torch.tensor: a host tensor
+            int(x.sum())  # a sum and a host read
+            y.tolist()  # a host read
+    per = counter.summary()["per_iteration"]
+    assert per["reads"]["draft"] == 3 and per["host_tensors"]["draft"] == 1
+    assert per["ops"]["draft"] >= 3  # the copy, the gather, the sum (the boolean indexing may add its own ops)
+    assert torch.Tensor.tolist.__qualname__ == "Tensor.tolist" or not hasattr(torch.Tensor.tolist, "__wrapped__")
+
+
+def test_bad_arguments_are_named(ops):
+    with pytest.raises(ValueError, match="give --target"):
+        ops.main([])
+    with pytest.raises(ValueError, match="--tiny must be one of"):
+        ops.main(["--tiny", "qwen"])
+    with pytest.raises(ValueError, match="--target needs --data"):
+        ops.main(["--target", "x"])
