@@ -361,9 +361,9 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
     return ft, [generate_kwargs(ft.family, ft.cast_features(p)) for p in prompts], mask, name
 
 
+@torch.no_grad()
 def run(args: OpsArguments, command: str) -> dict:
     commit = profile.git_commit()
-    torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         ft, prompts, mask, name = setup(args, Path(tmp))
     greedy, reference = count_greedy(ft, prompts, args.max_new_tokens)
