@@ -34,6 +34,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     _stop_at,
     accept_tokens,
     propose_block,
+    with_cached_masks,
 )
 
 
@@ -116,6 +117,7 @@ def _decode(
     dev = prompt.device
     draft_dtype = next(draft.parameters()).dtype
     target_t = 1.0 if sample else 0.0  # scores already carry the temperature
+    processors = with_cached_masks(processors)  # suppression masks built once per decode, not per cycle
     dcache = DynamicCache()
     draft_kwargs = {}
     if cfg.encoder_context:  # the opt-in outside the contract: the draft reads the encoder frames, once per utterance

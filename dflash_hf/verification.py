@@ -69,11 +69,14 @@ def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) 
 def _accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
     """Greedy acceptance with one device-to-host copy: the number of accepted draft tokens `k`, the new tokens
     (the target's argmax at block positions `0..k`: the accepted draft tokens equal it, the last is the bonus) on
-    the device and the same ids on the host."""
+    the device and the same ids on the host. The target's argmax and the draft tokens are read together and
+    compared on the host (two operators on the device: the argmax and the concatenation)."""
     t = target_scores.argmax(-1)
-    k = (draft_tokens == t[: draft_tokens.shape[0]]).long().cumprod(0).sum()
-    host = torch.cat([k.view(1), t]).tolist()
-    return host[0], t[: host[0] + 1], host[1 : host[0] + 2]
+    n = draft_tokens.shape[0]
+    host = torch.cat([t, draft_tokens.to(t.dtype)]).tolist()
+    target, drafted = host[: n + 1], host[n + 1 :]
+    k = next((i for i, (d, tt) in enumerate(zip(drafted, target)) if d != tt), n)
+    return k, t[: k + 1], target[: k + 1]
 
 
 def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tuple[int, torch.Tensor, list[int]]:
@@ -85,13 +88,60 @@ def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tup
     return k, torch.tensor(new_ids, device=draft_tokens.device), new_ids
 
 
+class _CachedSuppression:
+    """`SuppressTokensLogitsProcessor` with its vocabulary mask built once (at its first call, for that call's
+    vocabulary size and device; again only if they change) instead of at every call: the processor's scores, -inf
+    at the suppressed ids and unchanged elsewhere (`masked_fill` of the mask the processor builds)."""
+
+    def __init__(self, processor: SuppressTokensLogitsProcessor):
+        self.processor = processor
+        self.mask: torch.Tensor | None = None
+
+    def tokens(self) -> torch.Tensor:
+        return self.processor.suppress_tokens
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.mask is None or self.mask.shape[0] != scores.shape[-1] or self.mask.device != scores.device:
+            vocab = torch.arange(scores.shape[-1], device=scores.device)
+            self.mask = torch.isin(vocab, self.tokens().to(scores.device))
+        return scores.masked_fill(self.mask, -float("inf"))
+
+
+class _CachedBeginSuppression(_CachedSuppression):
+    """`SuppressTokensAtBeginLogitsProcessor` with its mask built once: applied when the ids are `begin_index`
+    long (read from the processor at each call, as `set_begin_index` may change it), the scores unchanged
+    otherwise."""
+
+    def tokens(self) -> torch.Tensor:
+        return self.processor.begin_suppress_tokens
+
+    @property
+    def begin_index(self) -> int:
+        return self.processor.begin_index
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] != self.begin_index:
+            return scores
+        return super().__call__(input_ids, scores)
+
+
+_CACHED = {SuppressTokensLogitsProcessor: _CachedSuppression,
+           SuppressTokensAtBeginLogitsProcessor: _CachedBeginSuppression}
+
+
+def with_cached_masks(processors: LogitsProcessorList) -> LogitsProcessorList:
+    """`processors` with the suppressing ones (Whisper's) replaced by equivalents that build their vocabulary mask
+    once: for one decode (its processors keep their tokens; the mask follows the vocabulary size and device)."""
+    return LogitsProcessorList(_CACHED[type(p)](p) if type(p) in _CACHED else p for p in processors)
+
+
 # Processors whose output row depends on its score row alone (not on the ids before it): applied to a whole block
 # at once. Any other processor runs position by position.
-ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-                       MinPLogitsWarper)
+ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, _CachedSuppression, TemperatureLogitsWarper, TopKLogitsWarper,
+                       TopPLogitsWarper, MinPLogitsWarper)
 # Processors that change only the row whose prefix holds `begin_index` ids (Whisper's begin-suppressed tokens): run on
 # that row alone, when the block has it.
-BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor,)
+BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor, _CachedBeginSuppression)
 
 
 def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

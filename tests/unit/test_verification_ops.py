@@ -1,0 +1,109 @@
+"""The decode loop's per-cycle host work: Whisper's suppression processors with their masks built once per decode
+equal transformers' processors, and greedy acceptance read in one copy equals the prefix-match rule; both dispatch
+a bounded number of operators (counted, not timed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    LogitsProcessorList,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+)
+
+from dflash_hf.verification import _accept_greedy, _processed, with_cached_masks
+
+
+class Ops(TorchDispatchMode):
+    """Non-view operators dispatched, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def random_scores(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, vocab, generator=g)
+    scores[0, 1] = float("-inf")  # already suppressed, NaN and +inf stay as the processor leaves them
+    scores[-1, 2] = float("nan")
+    scores[rows // 2, 0] = float("inf")
+    return scores
+
+
+@pytest.mark.parametrize("vocab", [7, 51, 263])
+def test_cached_suppression_equals_the_processors(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    tokens = torch.randint(vocab + 3, (5,), generator=g).tolist() + [0, 0]  # repeats, ids past the vocabulary
+    begin_tokens = torch.randint(vocab, (2,), generator=g).tolist()
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(tokens),
+                                      SuppressTokensAtBeginLogitsProcessor(begin_tokens, begin_index=4)])
+    cached = with_cached_masks(processors)
+    assert [type(p).__name__ for p in cached] == ["_CachedSuppression", "_CachedBeginSuppression"]
+    for call in range(3):  # the mask is built at the first call and reused
+        for length in (3, 4, 5):  # the begin suppression applies when the ids are begin_index long
+            ids = torch.arange(length)[None]
+            scores = random_scores(1, vocab, seed=10 * call + length)
+            for mine, theirs in zip(cached, processors):
+                got, expected = mine(ids, scores.clone()), theirs(ids, scores.clone())
+                assert torch.equal(got.isnan(), expected.isnan()), (call, length)
+                assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    bigger = random_scores(2, vocab + 5, seed=1)  # another vocabulary size: the mask is rebuilt
+    ids = torch.arange(4)[None]
+    for mine, theirs in zip(cached, processors):
+        assert torch.equal(mine(ids, bigger).nan_to_num(), theirs(ids, bigger).nan_to_num())
+    processors[1].set_begin_index(5)  # begin_index is read from the processor at each call
+    ids = torch.arange(5)[None]
+    assert torch.equal(cached[1](ids, bigger).nan_to_num(), processors[1](ids, bigger).nan_to_num())
+    assert cached[1](torch.arange(4)[None], bigger) is bigger  # not at begin_index: untouched, as the processor
+
+
+def test_block_scores_with_cached_masks_equal_the_processors_token_by_token():
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    prefix = torch.arange(12)[None]  # row i follows prefix[:, :9 + i]
+    for begin_index in (8, 9, 10, 12, 13):
+        processors = LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7]), TemperatureLogitsWarper(0.7),
+                                          SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)])
+        expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
+        got = _processed(with_cached_masks(processors), prefix, logits)
+        assert torch.equal(got, expected), begin_index
+
+
+def test_cached_suppression_dispatches_one_operator_after_its_first_call():
+    processors = with_cached_masks(LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7])]))
+    prefix, logits = torch.arange(12)[None], torch.randn(8, 51865)
+    _processed(processors, prefix, logits)  # builds the mask
+    with Ops() as ops:
+        _processed(processors, prefix, logits)
+    assert ops.names == ["aten.masked_fill.Scalar"]  # transformers' processor: arange, isin, where (and a scalar)
+
+
+def reference_accept(draft_tokens, target_scores):
+    """The prefix-match rule as the loop computed it on the device."""
+    t = target_scores.argmax(-1)
+    k = int((draft_tokens == t[: draft_tokens.shape[0]]).long().cumprod(0).sum())
+    return k, t[: k + 1], t[: k + 1].tolist()
+
+
+def test_greedy_acceptance_equals_the_prefix_match_and_dispatches_two_operators():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = trial % 8  # 0 draft tokens (a block of the anchor alone) to 7
+        scores = torch.randn(n + 1, 11, generator=g)
+        t = scores.argmax(-1)
+        cut = int(torch.randint(n + 1, (), generator=g))  # agree up to `cut`, then (maybe) differ
+        draft = torch.cat([t[:cut], torch.randint(11, (n - cut,), generator=g)]) if n else t[:0]
+        k, new, new_ids = _accept_greedy(draft, scores)
+        ref_k, ref_new, ref_ids = reference_accept(draft, scores)
+        assert (k, new_ids) == (ref_k, ref_ids) and torch.equal(new, ref_new), trial
+    with Ops() as ops:
+        _accept_greedy(draft, scores)
+    assert ops.names == ["aten.argmax.default", "aten.cat.default"]
