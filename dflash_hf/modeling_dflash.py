@@ -350,7 +350,7 @@ class DFlash2CandidateSelector(nn.Module):
         hidden: torch.Tensor,  # [..., H] final-normed draft hidden of the slots
         unary: torch.Tensor,  # [..., k] draft logits of the candidates
         candidates: torch.LongTensor,  # [..., k] candidate token ids
-        predecessors: torch.LongTensor,  # [...] token at the previous slot
+        predecessors: torch.LongTensor | int,  # [...] token at the previous slot (an int: one slot)
     ) -> torch.Tensor:
         """Pair scores `[..., k]` in float32."""
         dtype = self.predecessor_codebook.dtype
@@ -448,7 +448,7 @@ class DFlash2DraftModel(DFlashDraftModel):
             best = selector.transition_table(hidden[1:], unary, candidates, anchor_token).argmax(-1)  # [B-1, k]
             return candidates.gather(1, _greedy_walk(best)[:, None]).squeeze(1), None
         q = logits.new_zeros(logits.shape)
-        prev = torch.tensor(anchor_token, device=hidden.device)
+        prev = anchor_token  # an int indexes the codebook as the 0-d tensor would, without a host-to-device copy
         tokens = []
         for slot in range(logits.shape[0]):
             scores = selector(hidden[1 + slot], unary[slot], candidates[slot], prev)  # [k]

@@ -128,3 +128,23 @@ def test_sampled_walk_is_unchanged():
             assert torch.allclose(q.sum(-1), torch.ones(rows - 1))
         tokens, q = draft.propose_block(torch.randn(1, HIDDEN), lm_head, 3, 0.8, torch.Generator().manual_seed(0))
     assert tokens.shape == (0,) and tokens.dtype == torch.long and q.shape == (0, VOCAB)  # the anchor alone
+
+
+def test_proposals_make_no_host_tensor():
+    """Neither proposal copies host data to the device (`torch.tensor` of the anchor id): the anchor indexes the
+    codebook as a Python int."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostTensors(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            HostTensors.count += func is torch.ops.aten.lift_fresh.default
+            return func(*args, **(kwargs or {}))
+
+    draft, lm_head = selector_draft(16, 6, torch.float32)
+    hidden = torch.randn(8, HIDDEN, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), HostTensors():
+        for temperature in (0.0, 0.8):
+            draft.propose_block(hidden, lm_head, 5, temperature, torch.Generator().manual_seed(0))
+    assert HostTensors.count == 0
