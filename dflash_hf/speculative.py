@@ -160,9 +160,7 @@ def _decode(
                                     else 0.0, generator)
         verify_ids = torch.cat([block_ids[:, :1], proposal.view(1, -1)], dim=1)
         logits, feats = verifier.step(verify_ids)
-        # the ids before each block row, for the processors (none: nothing reads them)
-        block_prefix = torch.cat([seq, proposal.view(1, -1).to(seq.dtype)], dim=1) if processors else seq
-        scores = _processed(processors, block_prefix, logits)
+        scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
         k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
         crop_cache(verifier.cache, a + k + 1)
         grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]

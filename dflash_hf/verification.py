@@ -144,21 +144,34 @@ ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, _CachedSuppression, Temper
 BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor, _CachedBeginSuppression)
 
 
-def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Scores `[n, V]` for logits `[n, V]` whose row i follows `prefix[:, :L-n+1+i]` (`prefix` `[1, L]`): the
-    target's logits processors in their order, each row seeing the ids before it, as `generate` applies them
-    token by token (in float32, as `generate` does)."""
+def _processed(processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor,
+               block: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores `[n, V]` for logits `[n, V]` whose row i follows `ids[:, :L-n+1+i]`, `ids` `[1, L]` being `prefix`
+    followed by `block` (the ids after it, `[m]`; none if not given): the target's logits processors in their order,
+    each row seeing the ids before it, as `generate` applies them token by token (in float32, as `generate` does).
+    `prefix` and `block` are joined only for a processor that is given ids past `prefix` (row-wise processors read
+    none)."""
     scores = logits.float()
-    start = prefix.shape[1] - scores.shape[0] + 1
+    extra = 0 if block is None else block.shape[0]
+    start = prefix.shape[1] + extra - scores.shape[0] + 1
+    joined: list[torch.Tensor] = []
+
+    def ids(length: int) -> torch.Tensor:
+        if length <= prefix.shape[1]:
+            return prefix[:, :length]
+        if not joined:
+            joined.append(torch.cat([prefix, block.view(1, -1).to(prefix.dtype)], dim=1))
+        return joined[0][:, :length]
+
     for proc in processors:
         if type(proc) in ROW_WISE_PROCESSORS:
-            scores = proc(prefix, scores)
+            scores = proc(prefix, scores)  # reads no ids
         elif type(proc) in BEGIN_INDEX_PROCESSORS:
             i = proc.begin_index - start
             if 0 <= i < scores.shape[0]:
-                scores = torch.cat([scores[:i], proc(prefix[:, : start + i], scores[i : i + 1]), scores[i + 1 :]])
+                scores = torch.cat([scores[:i], proc(ids(start + i), scores[i : i + 1]), scores[i + 1 :]])
         else:
-            scores = torch.cat([proc(prefix[:, : start + i], scores[i : i + 1]) for i in range(scores.shape[0])])
+            scores = torch.cat([proc(ids(start + i), scores[i : i + 1]) for i in range(scores.shape[0])])
     return scores
 
 

@@ -107,3 +107,26 @@ def test_greedy_acceptance_equals_the_prefix_match_and_dispatches_two_operators(
     with Ops() as ops:
         _accept_greedy(draft, scores)
     assert ops.names == ["aten.argmax.default", "aten.cat.default"]
+
+
+def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
+    """`_processed(processors, seq, logits, block)` equals `_processed` of the joined ids, and joins them (one
+    `cat` of ids) only when a processor is given ids past `seq`."""
+
+    class LastIdBias:  # reads the ids: a processor applied row by row
+        def __call__(self, input_ids, scores):
+            return scores + input_ids[:, -1:].float()
+
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    seq, block = torch.arange(9)[None], torch.tensor([11, 12, 13])  # row i follows seq + block[:i]
+    joined = torch.cat([seq, block[None]], dim=1)
+    for begin_index, reads in ((9, False), (10, True), (12, True), (13, False)):
+        for extra in ([], [LastIdBias()]):
+            processors = with_cached_masks(LogitsProcessorList([
+                SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5], begin_index), *extra]))
+            expected = _processed(processors, joined, logits)
+            with Ops() as ops:
+                got = _processed(processors, seq, logits, block)
+            assert torch.equal(got, expected), (begin_index, extra)
+            id_cats = ops.names.count("aten.cat.default") - (begin_index - 9 in range(4)) - bool(extra)
+            assert id_cats == (1 if reads or extra else 0), (begin_index, extra, ops.names)
