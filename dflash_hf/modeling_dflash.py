@@ -61,8 +61,8 @@ class DFlashRMSNorm(nn.Module):
 
 
 class DFlashRotaryEmbedding(nn.Module):
-    """Default (unscaled) RoPE. `inv_freq` is recomputed in float32 on use, so casting the draft to
-    bf16 can never dephase positions (a bf16 `inv_freq` buffer drifts with position)."""
+    """Default (unscaled) RoPE. `inv_freq` is float32 whatever the draft's dtype (kept per device, not a buffer), so
+    casting the draft to bf16 can never dephase positions (a bf16 `inv_freq` buffer drifts with position)."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -76,11 +76,20 @@ class DFlashRotaryEmbedding(nn.Module):
         self.rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 1e6)))
         self.head_dim = config.head_dim
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The float32 inverse frequencies on `device`, computed at the first use there and kept (an attribute, not
+        a buffer: casting the module leaves them float32, and no checkpoint holds them), so a decoding cycle does not
+        recompute them."""
+        cached = self.__dict__.setdefault("_inv_freq", {})
+        if device not in cached:
+            with torch.no_grad():
+                exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+                cached[device] = 1.0 / (self.rope_theta ** (exponent / self.head_dim))
+        return cached[device]
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [b, T] -> cos, sin: [b, T, head_dim]
-        exponent = torch.arange(0, self.head_dim, 2, device=position_ids.device, dtype=torch.float32)
-        inv_freq = 1.0 / (self.rope_theta ** (exponent / self.head_dim))
-        freqs = position_ids.float()[..., None] * inv_freq
+        freqs = position_ids.float()[..., None] * self.inv_freq(position_ids.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
