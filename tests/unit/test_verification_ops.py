@@ -1,6 +1,6 @@
-"""The decode loop's per-cycle host work: Whisper's suppression processors with their masks built once per decode
-equal transformers' processors, and greedy acceptance read in one copy equals the prefix-match rule; both dispatch
-a bounded number of operators (counted, not timed)."""
+"""Per-cycle work of the decode loop and the draft, each checked against what it replaced and counted in operators
+(not timed): Whisper's suppression processors with masks built once per decode, greedy acceptance compared on the
+host, the block ids joined only when a processor reads them, the draft RoPE's kept inverse frequencies."""
 
 from __future__ import annotations
 
@@ -130,3 +130,24 @@ def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
             assert torch.equal(got, expected), (begin_index, extra)
             id_cats = ops.names.count("aten.cat.default") - (begin_index - 9 in range(4)) - bool(extra)
             assert id_cats == (1 if reads or extra else 0), (begin_index, extra, ops.names)
+
+
+def test_rope_keeps_its_float32_inverse_frequencies():
+    """The draft's RoPE computes its inverse frequencies once per device (float32 also in a bf16 draft) and gives
+    the cos/sin of the formula it computed at every call, bit for bit."""
+    from utils import tiny_draft_config
+
+    from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
+
+    rope = DFlashRotaryEmbedding(tiny_draft_config({}, hidden_size=64, head_dim=16)).to(torch.bfloat16)
+    positions = torch.arange(40)[None]
+    exponent = torch.arange(0, rope.head_dim, 2, dtype=torch.float32)
+    freqs = positions.float()[..., None] * (1.0 / (rope.rope_theta ** (exponent / rope.head_dim)))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        cos, sin = rope(positions, dtype)
+        assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    assert rope.inv_freq(positions.device).dtype == torch.float32
+    with Ops() as ops:
+        rope(positions, torch.float32)
+    assert "aten.arange.start_step" not in ops.names and "aten.pow.Scalar" not in ops.names
