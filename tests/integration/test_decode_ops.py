@@ -76,3 +76,18 @@ def test_bad_arguments_are_named(ops):
         ops.main(["--tiny", "qwen"])
     with pytest.raises(ValueError, match="--target needs --data"):
         ops.main(["--target", "x"])
+
+
+def test_a_cycle_stays_within_its_operator_bounds(whisper_counts):
+    """Regression bounds on the loop's own work per cycle (deterministic counts): Whisper's suppression is one
+    masked_fill, acceptance an argmax and a cat, one host read (the acceptance), no host tensor outside the draft's
+    first-cycle cache set-up, and the rest of the loop (block ids, embedding, verify ids, sequence growth) at most
+    4 operators plus the occasional growth of the positions."""
+    for variant in ("dflash", "dflash2"):
+        per = whisper_counts["speculative"][variant]["per_iteration"]
+        ops = per["ops"]
+        assert ops["scores"] == 1 and ops["accept"] == 2 and ops["crop"] == 0 and ops["stop"] == 0, variant
+        assert ops["other"] <= 4, variant
+        assert per["reads"]["total"] == 1, variant
+        assert all(v == 0 for phase, v in per["host_tensors"].items() if phase not in ("draft", "total")), variant
+    assert whisper_counts["speculative"]["dflash"]["per_iteration"]["ops"]["proposal"] == 2  # lm_head and argmax
