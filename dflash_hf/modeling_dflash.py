@@ -81,11 +81,13 @@ class DFlashRotaryEmbedding(nn.Module):
         a buffer: casting the module leaves them float32, and no checkpoint holds them), so a decoding cycle does not
         recompute them."""
         cached = self.__dict__.setdefault("_inv_freq", {})
-        if device not in cached:
+        key = (device, self.rope_theta, self.head_dim)  # settings in the key: a changed setting is never stale
+        kept = cached.get(key)
+        if kept is None or kept.device != device:  # (a whole-module pickle loaded elsewhere moves the tensor)
             with torch.no_grad():
                 exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
-                cached[device] = 1.0 / (self.rope_theta ** (exponent / self.head_dim))
-        return cached[device]
+                kept = cached[key] = 1.0 / (self.rope_theta ** (exponent / self.head_dim))
+        return kept
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [b, T] -> cos, sin: [b, T, head_dim]

@@ -91,19 +91,27 @@ def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tup
 class _CachedSuppression:
     """`SuppressTokensLogitsProcessor` with its vocabulary mask built once (at its first call, for that call's
     vocabulary size and device; again only if they change) instead of at every call: the processor's scores, -inf
-    at the suppressed ids and unchanged elsewhere (`masked_fill` of the mask the processor builds)."""
+    at the suppressed ids and unchanged elsewhere (`masked_fill` of the mask the processor builds). Whenever it
+    builds the mask it also runs the processor itself and compares: if a transformers version ever made them
+    differ, it hands every later call to the processor (the target's own processors decide, DESIGN section 3)."""
 
     def __init__(self, processor: SuppressTokensLogitsProcessor):
         self.processor = processor
         self.mask: torch.Tensor | None = None
+        self.delegate = False
 
     def tokens(self) -> torch.Tensor:
         return self.processor.suppress_tokens
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.delegate:
+            return self.processor(input_ids, scores)
         if self.mask is None or self.mask.shape[0] != scores.shape[-1] or self.mask.device != scores.device:
             vocab = torch.arange(scores.shape[-1], device=scores.device)
             self.mask = torch.isin(vocab, self.tokens().to(scores.device))
+            ours, theirs = scores.masked_fill(self.mask, -float("inf")), self.processor(input_ids, scores)
+            self.delegate = not torch.allclose(ours, theirs, rtol=0.0, atol=0.0, equal_nan=True)
+            return theirs
         return scores.masked_fill(self.mask, -float("inf"))
 
 
@@ -136,7 +144,8 @@ def with_cached_masks(processors: LogitsProcessorList) -> LogitsProcessorList:
 
 
 # Processors whose output row depends on its score row alone (not on the ids before it): applied to a whole block
-# at once. Any other processor runs position by position.
+# at once. Any other processor runs position by position. Matched by exact type, not isinstance:
+# `_CachedBeginSuppression` subclasses `_CachedSuppression` but is not row-wise.
 ROW_WISE_PROCESSORS = (SuppressTokensLogitsProcessor, _CachedSuppression, TemperatureLogitsWarper, TopKLogitsWarper,
                        TopPLogitsWarper, MinPLogitsWarper)
 # Processors that change only the row whose prefix holds `begin_index` ids (Whisper's begin-suppressed tokens): run on

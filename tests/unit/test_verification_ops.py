@@ -151,3 +151,40 @@ def test_rope_keeps_its_float32_inverse_frequencies():
     with Ops() as ops:
         rope(positions, torch.float32)
     assert "aten.arange.start_step" not in ops.names and "aten.pow.Scalar" not in ops.names
+
+
+def test_rope_inverse_frequencies_follow_a_changed_setting_and_a_moved_tensor():
+    """The kept frequencies are keyed by the settings too, and a kept tensor on another device than its key (a
+    whole-module pickle loaded elsewhere) is recomputed, never used."""
+    from utils import tiny_draft_config
+
+    from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
+
+    rope = DFlashRotaryEmbedding(tiny_draft_config({}, hidden_size=64, head_dim=16))
+    cpu = torch.device("cpu")
+    first = rope.inv_freq(cpu)
+    rope.rope_theta *= 2
+    assert not torch.equal(rope.inv_freq(cpu), first)
+    key = (cpu, rope.rope_theta, rope.head_dim)
+    rope.__dict__["_inv_freq"][key] = torch.empty(first.shape, device="meta")
+    assert rope.inv_freq(cpu).device == cpu
+
+
+def test_cached_suppression_hands_over_to_the_processor_when_they_differ():
+    """If the target's processor ever computed something else than the cached mask (another transformers), the
+    wrapper returns the processor's scores at the first call and hands it every later call."""
+
+    class Different(SuppressTokensLogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores * 2.0
+
+    wrapped = with_cached_masks(LogitsProcessorList([SuppressTokensLogitsProcessor([1, 3])]))[0]
+    assert not wrapped.delegate  # the real processor: the same scores, the cache stays in use
+    ids, scores = torch.zeros(1, 4, dtype=torch.long), random_scores(3, 9, seed=5)
+    wrapped(ids, scores)
+    assert not wrapped.delegate
+    wrapped.processor = Different([1, 3])
+    wrapped.mask = None  # rebuilt (and compared) at the next call
+    for _ in range(2):
+        out = wrapped(ids, scores)
+        assert torch.allclose(out, scores * 2.0, equal_nan=True) and wrapped.delegate
