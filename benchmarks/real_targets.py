@@ -1154,7 +1154,7 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
             # dev points are few (one per eval): markers, or a single evaluation draws nothing
             ax.plot(*zip(*pts), marker=None if key == "tau_est" else "o", label=label)
     if log and "tau" in results:  # the held-out decode's real tau, at the last logged step
-        ax.plot([max(e["step"] for e in log)], [results["tau"]], marker="*", markersize=12, linestyle="none",
+        ax.plot([max(e.get("step", 0) for e in log)], [results["tau"]], marker="*", markersize=12, linestyle="none",
                 label=f"real tau ({results.get('prompts', '?')} held out)")
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title=f"{cfg.name}: tau over training")
     if ax.lines:

@@ -780,11 +780,10 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     }
 
 
-def traceback_tail(exc: BaseException, frames: int = 12) -> list[str]:
-    """The last frames of a failed case's traceback and its chained causes (an InductorError's message can be
-    empty; its cause's frames say where it came from), for the JSON row."""
-    lines = traceback.format_exception(exc, limit=None, chain=True)
-    return [line.rstrip() for line in lines[-frames * 2:]]
+def traceback_tail(exc: BaseException, lines: int = 40) -> list[str]:
+    """The last lines of a failed case's formatted traceback (an InductorError's message can be empty; the frames
+    above it say where it came from), for the JSON row."""
+    return "".join(traceback.format_exception(exc)).splitlines()[-lines:]
 
 
 def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> dict:

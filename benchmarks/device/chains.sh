@@ -15,7 +15,7 @@ case $kind in
     speech_ready
     n=$1; minutes=${2:-7}; steps=${3:-800}; workers=${4:-4}; init=()
     [ -n "${5:-}" ] && init=(--init_from_pretrained "$C/init/$5")
-    $B train "$n" -- "${init[@]}" --precision bf16 --dataloader_num_workers "$workers" --max_steps "$steps" \
+    $B train "$n" -- ${init[@]+"${init[@]}"} --precision bf16 --dataloader_num_workers "$workers" --max_steps "$steps" \
       --max_train_minutes "$minutes" --eval_steps $(( steps / 5 )) --real_tau_steps 0 --save_steps $(( steps / 2 )) \
       > /tmp/logs/$n.train.log 2>&1
     $B eval "$n" --device cuda --precision fp32 --num_samples 40 > /tmp/logs/$n.eval.log 2>&1

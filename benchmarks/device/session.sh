@@ -9,10 +9,13 @@
 #   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
 #                                import from the call's copy, which the next call replaces)
 #   poll SECONDS                 wait, then one line per log, the finished chains, GPU use; results into $OUT/r.tgz
-#   bring RUN...                 a trained draft (runs/RUN/draft) back through $OUT in <= 15 MiB pieces with sha256
-#                                (at most 8 files come back per call, r.tgz included); copy them home into
-#                                .devcarry/drafts/RUN/ and carry that in a later session (`carry drafts/RUN`, then
-#                                `unpack drafts/RUN`: to $DFLASH_BENCH_CACHE/init/RUN, the whisper chain's INIT)
+#   bring RUN [GROUP...]         a trained draft (runs/RUN/draft) back through $OUT: packed once into <= 15 MiB
+#                                pieces with sha256 (carry groups group_NN, the last holding pieces.json); each call
+#                                brings the named groups (default all; at most 8 files and 64 MiB come back a call,
+#                                r.tgz included: a bf16 Whisper DFlash2 export, 76 MB, takes two calls). Copy them home
+#                                into .devcarry/drafts/RUN/ and carry them in a later session (`carry
+#                                drafts/RUN/group_NN ...`, then `unpack drafts/RUN`: to $DFLASH_BENCH_CACHE/init/RUN,
+#                                the whisper chain's INIT)
 set -u
 step=${1:?STEP: setup, carry, unpack, launch or poll}; shift
 if [ "$step" = setup ]; then
@@ -40,6 +43,7 @@ case $step in
         --full-configs attn=flex,ce=2048,compile=layers --steps 10 --out /tmp/results/speech_rows_compiled.json \
         > /tmp/logs/bench_compiled.log 2>&1
       tail -c 1500 /tmp/logs/bench.log
+      [ -f /tmp/results/speech_rows_compiled.json ] || { echo "the compiled case wrote no row (timeout?)"; exit 0; }
       python3 -c "import json; [print(r['error'], *r.get('traceback', []), sep='\n') for r in json.load(open('/tmp/results/speech_rows_compiled.json'))['results'] if 'error' in r]" | tail -c 4000
     fi ;;
   carry)
@@ -74,14 +78,18 @@ case $step in
     tar czf "${OUT:-/tmp}"/r.tgz /tmp/results /tmp/logs $DFLASH_BENCH_CACHE/runs/*/train_done.json \
       $DFLASH_BENCH_CACHE/speech_llm/trained/recipe.json 2>/dev/null; true ;;
   bring)
-    for n in "$@"; do
+    n=${1:?bring RUN [GROUP...]}; shift
+    packed=/tmp/bring/$n
+    if [ ! -f "$packed"/pieces.json ]; then  # packed once; later calls bring the other groups
       [ -d $DFLASH_BENCH_CACHE/runs/"$n"/draft ] || { echo "no draft $DFLASH_BENCH_CACHE/runs/$n/draft"; exit 1; }
-      $B pack $DFLASH_BENCH_CACHE/runs/"$n"/draft "${OUT:?}/$n" --max_mib 15 > /tmp/logs/bring_"$n".log 2>&1 \
+      $B pack $DFLASH_BENCH_CACHE/runs/"$n"/draft "$packed" --max_mib 15 > /tmp/logs/bring_"$n".log 2>&1 \
         || { tail -3 /tmp/logs/bring_"$n".log; exit 1; }
-      rm "$OUT/$n"/pieces.json  # the last group holds the same index
-    done
+    fi
+    groups=("$@"); [ ${#groups[@]} -gt 0 ] || groups=($(cd "$packed" && ls -d group_*))
+    mkdir -p "${OUT:?}/$n" && for g in "${groups[@]}"; do cp -r "$packed/$g" "$OUT/$n/" || exit 1; done
+    echo "groups of $n: $(cd "$packed" && ls -d group_* | tr '\n' ' ')($(du -sh "$packed" | cut -f1)); brought: ${groups[*]}"
     files=$(find "$OUT" -type f | wc -l); echo "$files files under \$OUT: $(du -sh "$OUT" | cut -f1)"
-    [ "$files" -le 8 ] || { echo "more than the 8 files a call brings back: bring fewer runs per call"; exit 1; }
-    [ "$(du -sm "$OUT" | cut -f1)" -lt 64 ] || { echo "more than the 64 MiB a call brings back"; exit 1; } ;;
+    [ "$files" -le 8 ] || { echo "more than the 8 files a call brings back: name fewer groups per call"; exit 1; }
+    [ "$(du -sm "$OUT" | cut -f1)" -lt 64 ] || { echo "more than the 64 MiB a call brings back: name fewer groups"; exit 1; } ;;
   *) echo "unknown step $step (setup, carry, unpack, launch, poll, bring)"; exit 2 ;;
 esac
