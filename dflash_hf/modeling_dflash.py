@@ -54,10 +54,11 @@ class DFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, then the weight in x's dtype (Qwen3's RMSNorm). `F.rms_norm` is one
+        # fused kernel on CUDA (torch >= 2.8) where the written-out formula launches five; on the CPU it runs that
+        # formula's operators, bit for bit (tests/unit/test_verification_ops.py)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
+        return self.weight * normed.to(x.dtype)
 
 
 class DFlashRotaryEmbedding(nn.Module):

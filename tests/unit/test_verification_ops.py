@@ -188,3 +188,23 @@ def test_cached_suppression_hands_over_to_the_processor_when_they_differ():
     for _ in range(2):
         out = wrapped(ids, scores)
         assert torch.allclose(out, scores * 2.0, equal_nan=True) and wrapped.delegate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_rmsnorm_equals_the_written_out_formula_with_its_gradients(dtype):
+    """`DFlashRMSNorm` (through `F.rms_norm`, one kernel on CUDA) gives the float32 formula of Qwen3's RMSNorm bit
+    for bit on the CPU, values and gradients, so CPU training and decoding are unchanged by it."""
+    from dflash_hf.modeling_dflash import DFlashRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((3, 7, 64), (2, 5, 4, 16), (33, 576)):
+        norm = DFlashRMSNorm(shape[-1], eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(shape[-1], generator=g))
+        x = (3 * torch.randn(shape, generator=g)).to(dtype).requires_grad_(True)
+        y = x.float()
+        expected = norm.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        want = torch.autograd.grad(expected.float().square().sum(), (x, norm.weight))
+        got_y = norm(x)
+        got = torch.autograd.grad(got_y.float().square().sum(), (x, norm.weight))
+        assert torch.equal(got_y, expected) and all(torch.equal(a, b) for a, b in zip(got, want)), shape
