@@ -309,12 +309,14 @@ class DFlash2DynamicConv(nn.Module):
             )
         xb = x.view(b, q // bs, bs, h)  # [b, n, B, H]
         db = delta.view(b, q // bs, bs, self.kernel_size, self.num_groups, 1)
-        terms = []
+        out = None
         for o in range(min(self.kernel_size, bs)):  # taps at or past the block start read only zeros
-            tap = F.pad(xb[:, :, : bs - o], (0, 0, o, 0))  # [b, n, B, H]: slot t holds x[t - o], zeros for t < o
+            # [b, n, B, H]: slot t holds x[t - o], zeros for t < o (tap 0 is x itself: no padding copy)
+            tap = F.pad(xb[:, :, : bs - o], (0, 0, o, 0)) if o else xb
             dyn = (tap.view(b, q // bs, bs, self.num_groups, self.group_size) * db[..., o, :, :]).view_as(tap)
-            terms.append(tap * self.base_kernel[side, o] + dyn)
-        return sum(terms).view(b, q, h)
+            term = tap * self.base_kernel[side, o] + dyn
+            out = term if out is None else out + term  # (not sum(): its start 0 is one more operator)
+        return out.view(b, q, h)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`post(sublayer(pre(x)))` for the normed sublayer input `x` `[b, Q, H]`."""
