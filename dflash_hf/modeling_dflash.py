@@ -54,9 +54,9 @@ class DFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32, then the weight in x's dtype (Qwen3's RMSNorm). `F.rms_norm` is one
-        # fused kernel on CUDA (torch >= 2.8) where the written-out formula launches five; on the CPU it runs that
-        # formula's operators, bit for bit (tests/unit/test_verification_ops.py)
+        # x * rsqrt(mean(x^2) + eps) in float32, then the weight in x's dtype (Qwen3's RMSNorm). On CUDA `F.rms_norm`
+        # runs torch's fused kernel (`_fused_rms_norm`) where the written-out formula launches five; on the CPU it
+        # runs that formula's operators, bit for bit (tests/unit/test_verification_ops.py)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
         return self.weight * normed.to(x.dtype)
 
