@@ -38,8 +38,6 @@ the commit and the command) go to `docs/results/decode_ops_<name>_cpu.json` and 
 from __future__ import annotations
 
 import importlib.util
-import json
-import shlex
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -63,23 +61,22 @@ from dflash_hf.families import generate_kwargs  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target  # noqa: E402
 
 
-def _load_decode_profile():
-    """benchmarks/decode_profile.py (its wrapping of the decode loop, prompt readers and reporting helpers)."""
-    name = "decode_profile"
+def _load_script(name: str):
+    """A sibling script of benchmarks/ imported as a module (once per process)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("decode_profile.py"))
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its dataclasses resolve annotations through the module
         spec.loader.exec_module(module)
     return sys.modules[name]
 
 
-profile = _load_decode_profile()
+profile = _load_script("decode_profile")  # its wrapping of the decode loop, prompt readers and reporting helpers
 
 RESULTS_DIR = REPO / "docs" / "results"
 SCRIPT_PATH = Path(__file__).resolve()
 TINY_KINDS = ("text", "whisper")
-WHISPER_MASK = 50360  # real Whisper's <|startofprev|>-adjacent unused id the trained drafts use
+WHISPER_MASK = _load_script("real_targets").WHISPER_MASK_ID  # the id the benchmark's Whisper drafts use
 SPEC_PHASES = ("draft", "proposal", "verify", "scores", "accept", "stop", "crop", "other")
 GREEDY_PHASES = ("forward", "scores", "stop", "other")
 _METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default,
@@ -396,13 +393,9 @@ def results_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = make_parser().parse_args_into_dataclasses(args=argv)
-    command = shlex.join([sys.executable, *(sys.argv if argv is None else [str(SCRIPT_PATH), *argv])])
-    results = run(args, command)
+    results = run(args, profile.command_line(SCRIPT_PATH, argv))
     out = Path(args.output_json) if args.output_json else RESULTS_DIR / f"decode_ops_{results['name']}_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(results_table(results))
-    print(f"results written to {out}")
+    profile.write_results(results, out, results_table(results))
     return results
 
 

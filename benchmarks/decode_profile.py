@@ -451,17 +451,26 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def command_line(script: Path, argv: list[str] | None) -> str:
+    """The command a results JSON records: this process's, or the script's with `argv` (a call from Python)."""
+    return shlex.join([sys.executable, *(sys.argv if argv is None else [str(script), *argv])])
+
+
+def write_results(results: dict, out: Path, table: str) -> None:
+    """The results JSON at `out`, then the printed table and where the JSON went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(table)
+    print(f"results written to {out}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     (args,) = make_parser().parse_args_into_dataclasses(args=argv)
-    command = shlex.join([sys.executable, *(sys.argv if argv is None else [str(SCRIPT_PATH), *argv])])
-    results = run_profile(args, command)
+    results = run_profile(args, command_line(SCRIPT_PATH, argv))
     out = Path(args.output_json) if args.output_json else (
         RESULTS_DIR / f"decode_profile_{results['name']}_{results['device'].split()[0].replace(':', '')}_"
                       f"{args.precision}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(results_table(results))
-    print(f"results written to {out}")
+    write_results(results, out, results_table(results))
     return results
 
 

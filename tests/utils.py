@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +24,20 @@ TESTS_DIR = Path(__file__).resolve().parent
 """`tests/`: the shared helpers and the scripts that tests launch (`dist_train.py`)."""
 REPO_ROOT = TESTS_DIR.parent
 """The repository checkout (examples, scripts, README and CI files are read from it)."""
+
+
+@contextmanager
+def loaded_script(path: Path) -> Iterator:
+    """A script of the repository (benchmarks/, scripts/) imported as a module under its file name, registered in
+    `sys.modules` while in use (a dataclass in it resolves its annotations through its module)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:

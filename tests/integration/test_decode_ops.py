@@ -1,25 +1,17 @@
 """benchmarks/decode_ops.py: operators and host reads per speculative cycle and per greedy step (tiny targets)."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
-from utils import REPO_ROOT
+from utils import REPO_ROOT, loaded_script
 
 SCRIPT = REPO_ROOT / "benchmarks" / "decode_ops.py"
 
 
 @pytest.fixture(scope="module")
 def ops():
-    spec = importlib.util.spec_from_file_location("decode_ops", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through the module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script(SCRIPT) as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

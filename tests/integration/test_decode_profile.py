@@ -1,6 +1,5 @@
 """benchmarks/decode_profile.py on the tiny target, and the host reads of the speculative decode loop."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -8,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import StoppingCriteria
-from utils import REPO_ROOT
+from utils import REPO_ROOT, loaded_script
 
 from dflash_hf import speculative, tiny
 
@@ -17,14 +16,8 @@ SCRIPT = REPO_ROOT / "benchmarks" / "decode_profile.py"
 
 @pytest.fixture(scope="module")
 def profile():
-    spec = importlib.util.spec_from_file_location("decode_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through the module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_script(SCRIPT) as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.parametrize("kind", ["text", "whisper"])

@@ -179,10 +179,9 @@ def test_cached_suppression_hands_over_to_the_processor_when_they_differ():
             return scores * 2.0
 
     wrapped = with_cached_masks(LogitsProcessorList([SuppressTokensLogitsProcessor([1, 3])]))[0]
-    assert not wrapped.delegate  # the real processor: the same scores, the cache stays in use
     ids, scores = torch.zeros(1, 4, dtype=torch.long), random_scores(3, 9, seed=5)
     wrapped(ids, scores)
-    assert not wrapped.delegate
+    assert not wrapped.delegate  # the real processor: the same scores, the cache stays in use
     wrapped.processor = Different([1, 3])
     wrapped.mask = None  # rebuilt (and compared) at the next call
     for _ in range(2):
