@@ -21,7 +21,9 @@ Phases of the instrumented pass (summed over prompts, also per cycle):
 - `setup`: what `speculative_generate` does before the draft/verify loop (the target's `generate` preparing its
   prompt, processors and stopping criteria; Whisper's encoder).
 - `prefill`: the target's forward over the prompt.
-- `draft`: the draft's forward over a block.
+- `draft`: the draft's forward over a block. With the draft's step replayed as a CUDA graph (`--draft_cuda_graph`,
+  default `auto`: on a GPU), `draft` is the whole replayed step, the proposal included (its first call captures
+  it), and `proposal` is zero.
 - `proposal`: the draft's tokens from its hidden states (`propose_block`: lm_head and argmax, DFlash2's selector).
 - `verify`: the target's forward over a block.
 - `host`: everything else inside the loop; its measured parts are `scores` (the target's logits processors),
@@ -58,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, speculative, tiny  # noqa: E402
+from dflash_hf import DFlashConfig, DFlashDraftModel, draft_graph, speculative, tiny  # noqa: E402
 from dflash_hf.evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
 from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
@@ -120,6 +122,11 @@ class ProfileArguments:
                           ".json)."},
     )
     progress: bool = field(default=True, metadata={"help": "Show progress bars."})
+    draft_cuda_graph: str = field(
+        default="auto",
+        metadata={"help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
+                          "forward), as dflash-eval's option; both passes use it."},
+    )
 
     def __post_init__(self):
         if self.num_prompts < 1:
@@ -127,6 +134,7 @@ class ProfileArguments:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         resolve_dtype(self.precision)
+        draft_graph.graph_mode(self.draft_cuda_graph)
         given = [name for name in ("target", "draft", "data") if getattr(self, name) is not None]
         if self.tiny is not None:
             if self.tiny not in TINY_KINDS:
@@ -191,6 +199,9 @@ def instrumented(draft, clock: PhaseClock):
     decode is the prefill), the decode loop (`_decode`, with its stop check) and the host parts of
     `dflash_hf.speculative`, restoring everything afterwards."""
     sp = speculative
+    graph_step = getattr(draft_graph, "StaticDraftStep", None)
+    graph_propose = None if graph_step is None else graph_step.propose
+    inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = host_functions(sp)
     originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
     verifier_call = sp._Verifier.__call__
@@ -207,11 +218,22 @@ def instrumented(draft, clock: PhaseClock):
     starts: list = []
 
     def draft_start(_module, _args):
+        if inside_graph_step:
+            return
         starts.append(clock.measure("draft"))
         starts[-1].__enter__()
 
     def draft_end(_module, _args, _output):
-        starts.pop().__exit__(None, None, None)
+        if not inside_graph_step:
+            starts.pop().__exit__(None, None, None)
+
+    def graph_propose_timed(self, *args, **kwargs):
+        inside_graph_step.append(True)
+        try:
+            with clock.measure("draft"):
+                return graph_propose(self, *args, **kwargs)
+        finally:
+            inside_graph_step.pop()
 
     with ExitStack() as stack:
         stack.callback(setattr, sp._Verifier, "__call__", verifier_call)
@@ -222,6 +244,9 @@ def instrumented(draft, clock: PhaseClock):
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))
+        if graph_step is not None:
+            stack.callback(setattr, graph_step, "propose", graph_propose)
+            graph_step.propose = graph_propose_timed
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)
         stack.callback(draft.register_forward_hook(draft_end).remove)
         yield
@@ -352,7 +377,8 @@ def recorded_sequences(store: list):
         evaluation.speculative_generate = real
 
 
-def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, progress: bool):
+def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, progress: bool,
+                 draft_cuda_graph: bool | None = None):
     """Instrumented speculative decoding of every prompt: (breakdown, sequences)."""
     clock = PhaseClock(ft.device)
     sequences, cycles, tokens = [], 0, 0
@@ -362,7 +388,8 @@ def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: i
             kwargs = generate_kwargs(ft.family, {k: v.to(ft.device) if torch.is_tensor(v) else v
                                                  for k, v in inputs.items()})
             with clock.measure("total"):
-                out = speculative.speculative_generate(draft, ft, max_new_tokens, **kwargs)
+                out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
+                                                       **kwargs)
             sequences.append(out.sequences)
             cycles += len(out.acceptance_lengths)
             tokens += out.sequences.shape[1] - n_prompt
@@ -380,13 +407,15 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
             draft.to(device=device, dtype=dtype)
         else:
             ft, draft, prompts = real_setup(args, device)
+    graph = draft_graph.graph_mode(args.draft_cuda_graph)
     prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
-        stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts))
+        stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts),
+                                 draft_cuda_graph=graph)
     reference = reference[-len(prompts):]  # the warm-up decode of the first prompt comes first
     with torch.no_grad():
-        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress)
+        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph)
     same = [torch.equal(a.cpu(), b.cpu()) for a, b in zip(sequences, reference)]
     wall = stats.as_dict()
     return {
@@ -409,10 +438,11 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
 
 # ------------------------------------------------------------------------------------------------ reporting
 def run_name(args: ProfileArguments) -> str:
+    mode = "" if args.draft_cuda_graph == "auto" else f"-graph-{args.draft_cuda_graph}"
     if args.tiny:
-        return f"tiny-{args.tiny}"
+        return f"tiny-{args.tiny}{mode}"
     draft = Path(args.draft).resolve()
-    return draft.parent.name if draft.name == "draft" else draft.name
+    return (draft.parent.name if draft.name == "draft" else draft.name) + mode
 
 
 def git_commit() -> str:

@@ -150,11 +150,13 @@ def decode_benchmark(
     warmup: bool = True,
     progress: bool = False,
     total: int | None = None,
+    draft_cuda_graph: bool | None = None,
 ) -> DecodeStats:
     """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
     outputs must be token-identical (a mismatch is recorded, not raised). `warmup` decodes the first prompt
-    once untimed (kernel and allocator start-up)."""
+    once untimed (kernel and allocator start-up, and the draft step's CUDA graph capture). `draft_cuda_graph`:
+    as for `speculative_generate`."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
@@ -163,11 +165,11 @@ def decode_benchmark(
         on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         inputs = generate_kwargs(ft.family, ft.cast_features(on_device))  # float features in the target's dtype
         if warmup and i == 0:
-            speculative_generate(draft, ft, max_new_tokens, **inputs)
+            speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
-        spec = speculative_generate(draft, ft, max_new_tokens, **inputs)
+        spec = speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
         stats.spec_seconds += _clock(device) - start
         spec_new = spec.sequences[0, n_prompt:].tolist()
         stats.spec_tokens += len(spec_new)

@@ -377,13 +377,18 @@ class DFlash2CandidateSelector(nn.Module):
         hidden: torch.Tensor,  # [n, H] final-normed draft hidden of slots 1..n
         unary: torch.Tensor,  # [n, k] draft logits of the candidates
         candidates: torch.LongTensor,  # [n, k] candidate token ids
-        anchor_token: int,
+        anchor_token: int | torch.Tensor,
     ) -> torch.Tensor:
         """`forward` for every (predecessor candidate, candidate) pair of every slot in one batch: `[n, k, k]`
         float32, entry `[s, i, j]` the score of candidate j of slot s after candidate i of slot s-1. Slot 0's
-        predecessor is the anchor, so its k rows are the anchor's scores (read row 0)."""
+        predecessor is the anchor (a host int, or a 0-d device tensor inside a CUDA graph), so its k rows are the
+        anchor's scores (read row 0)."""
         dtype = self.predecessor_codebook.dtype
-        predecessors = F.pad(candidates[:-1], (0, 0, 1, 0), value=anchor_token)  # [n, k]: anchor row, then slots
+        if isinstance(anchor_token, torch.Tensor):  # [n, k]: anchor row, then slots
+            first = anchor_token.to(candidates.dtype).view(1, 1).expand(1, candidates.shape[1])
+            predecessors = torch.cat([first, candidates[:-1]])
+        else:
+            predecessors = F.pad(candidates[:-1], (0, 0, 1, 0), value=anchor_token)
         query = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden.to(dtype))[:, None]
         pair = query @ self.successor_codebook[candidates].transpose(-1, -2)  # [n, k, r] @ [n, r, k]
         return unary.float()[:, None] + pair.float()
@@ -437,7 +442,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         self,
         hidden: torch.Tensor,  # [B, H] final-normed draft hidden of one block
         lm_head: nn.Module,  # the target's frozen lm_head
-        anchor_token: int,
+        anchor_token: int | torch.Tensor,  # a 0-d device tensor only when greedy
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from .draft_graph import graph_capacity, static_draft_step
 from .target import FrozenTarget
 from .verification import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
@@ -106,11 +107,16 @@ def _decode(
     first_stop: FirstStop,
     max_positions: int | None,
     generator,
+    max_length: int | None = None,
+    draft_cuda_graph: bool | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
     when `sample`); `first_stop` finds the first new token that ends decoding.
-    `max_positions` caps decoder positions (Whisper's 448). Returns the sequence and acceptance lengths."""
+    `max_positions` caps decoder positions (Whisper's 448), `max_length` the token count (prompt included) where
+    decoding stops. `draft_cuda_graph` (greedy only): None = on when decoding on a GPU and the decode's positions are
+    bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
+    (`dflash_hf.draft_graph`). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
     bsz, mask_id = cfg.block_size, cfg.mask_token_id
@@ -139,26 +145,37 @@ def _decode(
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
+    static = None  # the fixed-shape draft step (a CUDA graph on the GPU), when it applies
+    if not sample and (draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda")):
+        limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
+        capacity = None if limit is None else graph_capacity(limit, bsz)
+        if capacity is not None:
+            static = static_draft_step(draft, ft, capacity, draft_kwargs.get("encoder_hidden_states"),
+                                       graph=dev.type == "cuda")
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
     while not stopped:
         a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
         width = bsz if max_positions is None else min(bsz, max_positions - a)
-        block_ids = torch.cat([seq[:, -1:], masks[:, : width - 1]], dim=1)
-        pos = positions.span(pending_start, a + width)  # the pending features' positions, then the block's
-        hidden = draft(
-            position_ids=pos,
-            noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
-            target_hidden=pending.to(draft_dtype),
-            past_key_values=dcache,
-            use_cache=True,
-            **draft_kwargs,
-        )[0]
-        crop_cache(dcache, a)  # keep the context, drop the block
-        proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample
-                                    else 0.0, generator)
-        verify_ids = torch.cat([block_ids[:, :1], proposal.view(1, -1)], dim=1)
+        anchor_ids = seq[:, -1:]
+        if static is not None:  # a whole block always (its slots past `width` are not verified)
+            proposal, q = static.propose(pending, pending_start, anchor_ids)[: width - 1], None
+        else:
+            block_ids = torch.cat([anchor_ids, masks[:, : width - 1]], dim=1)
+            pos = positions.span(pending_start, a + width)  # the pending features' positions, then the block's
+            hidden = draft(
+                position_ids=pos,
+                noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
+                target_hidden=pending.to(draft_dtype),
+                past_key_values=dcache,
+                use_cache=True,
+                **draft_kwargs,
+            )[0]
+            crop_cache(dcache, a)  # keep the context, drop the block
+            proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample
+                                        else 0.0, generator)
+        verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
         logits, feats = verifier.step(verify_ids)
         scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
         k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
@@ -184,6 +201,7 @@ def speculative_generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    draft_cuda_graph: bool | None = None,
     **target_inputs,
 ) -> SpeculativeOutput:
     """Decode one prompt with draft proposals verified by the target.
@@ -192,14 +210,16 @@ def speculative_generate(
     one prompt (`input_ids`, `attention_mask`, `input_features`, ...). Encoder-decoder targets (Whisper) take
     `input_features` and optionally `decoder_input_ids` (default: the prompt the target's `generate` forces);
     their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
-    returns them."""
+    returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
+    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.draft_graph`); the output
+    is the same either way."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     if ft.family.expansion != "model":
         # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
         # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
-        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs)
+        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs, draft_cuda_graph)
     # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
@@ -210,7 +230,8 @@ def speculative_generate(
     seq, accepted = _decode(
         draft, verifier, ft.cast_features(target_inputs), input_ids, processors=processors, sample=temperature > 0,
         draft_temperature=temperature, first_stop=_stop_at(eos, input_ids.shape[1] + max_new_tokens),
-        max_positions=None, generator=generator,
+        max_positions=None, generator=generator, max_length=input_ids.shape[1] + max_new_tokens,
+        draft_cuda_graph=draft_cuda_graph,
     )
     return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards)
 
@@ -243,7 +264,8 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
     return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
-def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs):
+def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs,
+                      draft_cuda_graph: bool | None = None):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
     key = ft.family.audio_kwargs[0] if ft.is_encoder_decoder else "input_ids"  # Whisper: input_features
@@ -251,7 +273,7 @@ def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, gene
         kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
     _check_one_prompt(target_inputs[key])
-    decode = DFlashCustomGenerate(draft, generator=generator)
+    decode = DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
     return SpeculativeOutput(sequences=decode.sequences, acceptance_lengths=decode.acceptance_lengths,
@@ -269,11 +291,13 @@ class DFlashCustomGenerate:
     criteria as it does for greedy or sampled decoding, then hands them to this callable, which decodes with
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
     distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
-    and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off)."""
+    and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
+    `draft_cuda_graph`: as for :func:`speculative_generate`."""
 
-    def __init__(self, draft, generator: torch.Generator | None = None):
+    def __init__(self, draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None):
         self.draft = draft
         self.generator = generator
+        self.draft_cuda_graph = draft_cuda_graph
         self._target: FrozenTarget | None = None
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
@@ -311,6 +335,7 @@ class DFlashCustomGenerate:
             self.draft, verifier, prefill, input_ids, processors=logits_processor or LogitsProcessorList(),
             sample=sample, draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
             first_stop=_criteria_stop(stopping_criteria), max_positions=max_positions, generator=self.generator,
+            max_length=getattr(generation_config, "max_length", None), draft_cuda_graph=self.draft_cuda_graph,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
         if generation_config is not None and generation_config.return_dict_in_generate:
@@ -319,6 +344,7 @@ class DFlashCustomGenerate:
         return seq
 
 
-def dflash_custom_generate(draft, generator: torch.Generator | None = None) -> DFlashCustomGenerate:
+def dflash_custom_generate(draft, generator: torch.Generator | None = None,
+                           draft_cuda_graph: bool | None = None) -> DFlashCustomGenerate:
     """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
-    return DFlashCustomGenerate(draft, generator=generator)
+    return DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph)

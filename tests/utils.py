@@ -90,6 +90,25 @@ def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
 
 
 
+def decode_with_proposals(draft, target, max_new_tokens, draft_cuda_graph, **inputs):
+    """`speculative_generate` (greedy) recording every cycle's proposal: (output, [proposal per cycle])."""
+    from dflash_hf import speculative
+
+    seen = []
+    accept = speculative._accept
+
+    def recording(proposal, *args):
+        seen.append(proposal.clone())
+        return accept(proposal, *args)
+
+    speculative._accept = recording
+    try:
+        out = speculative_generate(draft, target, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
+    finally:
+        speculative._accept = accept
+    return out, seen
+
+
 class ListDataset(Dataset):
     """Rows (any objects) repeated `repeat` times."""
 

@@ -21,6 +21,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..data import ConversationConfig
+from ..draft_graph import graph_mode
 from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
 from ..export import load_draft_strict
 from ..families import get_tokenizer, resolve_family
@@ -45,6 +46,12 @@ class EvalArguments:
     family: str | None = field(default=None, metadata={"help": "Target family row override (dflash_hf.families)."})
     prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
     system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
+    draft_cuda_graph: str = field(
+        default="auto",
+        metadata={"help": "auto: on a GPU, replay the draft's greedy step as a CUDA graph (dflash_hf.draft_graph); "
+                          "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
+                          "output is the same in every mode."},
+    )
     allow_mismatch: bool = field(
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
@@ -56,6 +63,7 @@ class EvalArguments:
         if self.num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         resolve_dtype(self.precision)
+        graph_mode(self.draft_cuda_graph)
         for name in ("draft", "target", "data"):
             if not Path(getattr(self, name)).exists():
                 raise FileNotFoundError(f"--{name} {getattr(self, name)!r} does not exist")
@@ -129,7 +137,8 @@ def evaluate(args: EvalArguments) -> dict:
     if args.num_samples:
         prompts = itertools.islice(prompts, args.num_samples)
         total = min(total, args.num_samples)
-    stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total)
+    stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total,
+                             draft_cuda_graph=graph_mode(args.draft_cuda_graph))
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
     return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), **asdict(args)}

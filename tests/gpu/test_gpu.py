@@ -6,6 +6,8 @@
   `python tests/gpu/test_gpu.py`.
 - The draft side of a training micro-batch (target-argmax labels, blocks, mask, draft, loss, metrics, backward)
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
+- Decoding with the draft's step captured as a CUDA graph (`dflash_hf.draft_graph`, the default on a GPU) gives the
+  eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
 """
 
 from __future__ import annotations
@@ -20,11 +22,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when run as a script
 
-from utils import make_trainer, random_rows, text_batch, tiny_draft_config, tiny_text_target
+from utils import (
+    decode_with_proposals,
+    make_args,
+    make_trainer,
+    random_rows,
+    text_batch,
+    tiny_draft_config,
+    tiny_text_target,
+)
 
+from dflash_hf import DFlashConfig, tiny
+from dflash_hf.assembly import build_draft
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
 from dflash_hf.losses import block_loss
-from dflash_hf.modeling_dflash import DFlashDraftModel
+from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+from dflash_hf.target import FrozenTarget
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -173,6 +186,43 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
             assert abs(float(loss) - float(ref)) <= 1e-4 * abs(float(ref)), (i, float(loss), float(ref))
     eager_flex = [str(w.message) for w in got if "called without torch.compile" in str(w.message)]
     assert not eager_flex, eager_flex
+
+
+def _graph_and_eager_agree(draft, target, max_new_tokens, **inputs):
+    draft.__dict__.pop("_dflash_static_steps", None)
+    graph, graph_props = decode_with_proposals(draft, target, max_new_tokens, None, **inputs)  # auto: a graph
+    steps = list(draft.__dict__["_dflash_static_steps"].values())
+    assert len(steps) == 1 and steps[0].graph is not None
+    eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
+    assert torch.equal(graph.sequences, eager.sequences)  # lossless either way
+    assert len(graph_props) == len(eager_props) > 2
+    agree = sum(int((a == b).sum()) for a, b in zip(graph_props, eager_props))
+    assert agree >= 0.95 * sum(p.numel() for p in eager_props), (agree, graph_props, eager_props)
+
+
+@needs_cuda
+def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
+    model, _ = tiny_text_target(seed=3)
+    ft = FrozenTarget(tiny.sharpen(model, seed=3).cuda())
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=3, num_hidden_layers=2, block_size=8,
+                                          variant="dflash2")
+    cfg.vocab_size = ft.vocab_size
+    torch.manual_seed(1)
+    draft = DFlash2DraftModel(cfg).cuda().eval()
+    with torch.no_grad():
+        draft.candidate_selector.successor_codebook.normal_(0, 0.5)
+    for length in (5, 19):
+        ids = torch.randint(4, ft.vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
+        _graph_and_eager_agree(draft, ft, 40, input_ids=ids)
+    whisper, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    whisper = tiny.sharpen(whisper, seed=2).cuda()
+    args = make_args(tmp_path, mask_token_id=364, num_draft_layers=2, draft_encoder_context=True, block_size=4,
+                     variant="dflash2")
+    torch.manual_seed(0)
+    wdraft = build_draft(args, FrozenTarget(whisper)).cuda().eval()
+    feats = processor.feature_extractor(torch.randn(16000).numpy() * 0.1, sampling_rate=16000,
+                                        return_tensors="pt")["input_features"].cuda()
+    _graph_and_eager_agree(wdraft, whisper, 24, input_features=feats)
 
 
 if __name__ == "__main__":

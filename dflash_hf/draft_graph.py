@@ -1,0 +1,198 @@
+"""The draft's greedy proposal as one fixed-shape step, replayed as a CUDA graph while decoding.
+
+At batch 1 a small draft's forward is launch-bound: on the H200 a 2-layer DFlash2 Whisper draft issued about 220
+kernels a cycle (`benchmarks/decode_ops.py`), each a few microseconds of work behind tens of microseconds of Python
+and launch overhead. :class:`StaticDraftStep` computes the same proposal with every shape fixed, so the whole step
+(embedding the block, the draft forward, the lm_head and the greedy proposal, DFlash2's selector walk included) can
+be captured once and replayed as one graph:
+
+- the draft's KV cache is a fixed-capacity buffer per layer (:class:`StaticDraftCache`); a cycle writes the keys and
+  values of ``S = block_size`` context rows at positions ``start .. start+S-1`` (the rows past the valid ones are
+  written too and masked out: the next cycle overwrites them) and attends to the whole buffer through a mask that
+  keeps positions ``< a``, the anchor's position, plus the block's own keys (the block is never written, as the eager
+  loop crops it);
+- the per-cycle inputs are copied into fixed tensors before the replay: the anchor id (device to device), the
+  pending target features and two position scalars (``fill_``: no host-to-device copy, no synchronize);
+- a prompt with more than ``S`` positions of context (text targets) enters in steps of ``S`` rows.
+
+Only the proposal changes (attention over a masked fixed-size buffer may round differently from attention over the
+exact context), never the decoded output: verification decides every token. The same step runs without a graph on
+the CPU (``draft_cuda_graph=True``), which is how the tests compare it with the eager loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .verification import propose_block
+
+# Context positions beyond this many keep the eager loop (a fixed buffer attends to every position every cycle).
+MAX_GRAPH_POSITIONS = 16384
+CAPACITY_ROUNDING = 128  # capacities are rounded up so that prompts of similar length share a captured graph
+
+
+class StaticDraftCache:
+    """Fixed-capacity keys/values `[1, kv_heads, capacity, head_dim]` per draft layer, with the `update(k, v, idx)`
+    of a transformers cache: the first `ctx_rows` rows of `k`/`v` (the context) are written at `write_index`, and
+    the whole buffer followed by the remaining rows (the block) is returned."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, ctx_rows: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (1, kv_heads, capacity, head_dim)  # zeros: masked rows must be finite (0 * inf would be NaN)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.ctx_rows = ctx_rows
+        self.write_index = torch.arange(ctx_rows, device=device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.ctx_rows
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.write_index, key[:, :, :s])
+        values.index_copy_(2, self.write_index, value[:, :, :s])
+        return torch.cat([keys, key[:, :, s:]], dim=2), torch.cat([values, value[:, :, s:]], dim=2)
+
+
+class StaticDraftStep:
+    """One decode's worth of fixed tensors and the fixed-shape greedy step over them (see the module docstring).
+
+    Made by :func:`static_draft_step` (cached on the draft per target, capacity and encoder frame shape); call
+    :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts) and :meth:`propose`
+    once per cycle."""
+
+    def __init__(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool):
+        cfg = draft.config
+        self.draft, self.target = draft, target
+        self.block = cfg.block_size
+        self.capacity = capacity
+        dtype = next(draft.parameters()).dtype
+        device = target.device
+        self.dtype = dtype
+        s = self.block
+        self.cache = StaticDraftCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, s,
+                                      dtype, device)
+        self.rows = torch.arange(s, device=device)
+        self.columns = torch.arange(capacity, device=device)
+        self.keep_block = torch.ones(s, dtype=torch.bool, device=device)
+        self.start_pos = torch.zeros((), dtype=torch.long, device=device)  # first context row's position
+        self.anchor_pos = torch.zeros((), dtype=torch.long, device=device)  # a: positions < a are the context
+        self.pending = torch.zeros(1, s, cfg.num_taps * cfg.hidden_size, dtype=dtype, device=device)
+        self.block_ids = torch.full((1, s), cfg.mask_token_id, dtype=torch.long, device=device)
+        self.encoder_cache: dict | None = None
+        self.frames = None
+        if frames_shape is not None:  # keys/values per layer, refilled per utterance; the frames themselves unread
+            self.encoder_cache = {}
+            for layer in draft.layers:
+                attn = layer.encoder_attn
+                kv_shape = (1, attn.num_heads, frames_shape[1], attn.head_dim)
+                self.encoder_cache[layer.self_attn.layer_idx] = tuple(
+                    torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(2))
+            self.frames = torch.zeros(1, 0, frames_shape[2], dtype=dtype, device=device)
+        self.frames_shape = frames_shape
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.proposal: torch.Tensor | None = None
+        if graph:
+            self._capture()
+
+    def _step(self) -> torch.Tensor:
+        """The fixed-shape greedy proposal `[B-1]` of the current inputs."""
+        draft, ft = self.draft, self.target
+        self.cache.write_index = self.start_pos + self.rows  # [S]: where the context rows go
+        positions = torch.cat([self.start_pos + self.rows, self.anchor_pos + self.rows])[None]  # [1, S+B]
+        keep = torch.cat([self.columns < self.anchor_pos, self.keep_block]).view(1, 1, 1, -1)  # [1,1,1,cap+B]
+        hidden = draft(
+            position_ids=positions,
+            attention_mask=keep,
+            noise_embedding=ft.embed_tokens(self.block_ids).to(self.dtype),
+            target_hidden=self.pending,
+            past_key_values=self.cache,
+            use_cache=True,
+            **({} if self.encoder_cache is None else
+               {"encoder_hidden_states": self.frames, "encoder_cache": self.encoder_cache}),
+        )[0]  # [B, H]
+        proposal, _ = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, self.block_ids[0, 0], 0.0, None)
+        return proposal
+
+    def _capture(self) -> None:
+        # Warm-up on a side stream (allocator and library handles), then capture; the writes land at positions
+        # >= capacity - S, which no decode reaches as context before overwriting them.
+        self.start_pos.fill_(self.capacity - self.block)
+        self.anchor_pos.fill_(self.capacity - self.block)
+        side = torch.cuda.Stream(device=self.target.device)
+        side.wait_stream(torch.cuda.current_stream(self.target.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream(self.target.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.proposal = self._step()
+
+    def start(self, encoder_frames: torch.Tensor | None) -> None:
+        """Per utterance: the encoder frames' keys/values of an encoder-context draft (the context buffer needs no
+        reset: positions not yet written this decode are masked)."""
+        if self.encoder_cache is None:
+            return
+        for layer in self.draft.layers:
+            k, v = layer.encoder_attn.key_values(encoder_frames)
+            static_k, static_v = self.encoder_cache[layer.self_attn.layer_idx]
+            static_k.copy_(k)
+            static_v.copy_(v)
+
+    def _run(self, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
+        n = pending.shape[1]
+        self.pending[:, :n].copy_(pending)
+        self.start_pos.fill_(start)
+        self.anchor_pos.fill_(start + n)
+        self.block_ids[:, :1].copy_(anchor)
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.proposal
+
+    def propose(self, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens `[B-1]` for the block at position `start + pending rows`, anchored on `anchor`
+        `[1, 1]` (the last verified token, on the device). `pending` `[1, n, n_taps*H]` are the target features of
+        positions `start .. start+n-1`, not yet in the draft's context. The result is a fixed tensor that the next
+        call overwrites."""
+        s = self.block
+        while pending.shape[1] > s:  # a long prompt's context, S rows at a time (the proposals are not used)
+            self._run(pending[:, :s], start, anchor)
+            pending, start = pending[:, s:], start + s
+        return self._run(pending, start, anchor)
+
+
+GRAPH_MODES = {"auto": None, "on": True, "off": False}
+
+
+def graph_mode(value: str, field: str = "draft_cuda_graph") -> bool | None:
+    """A command line's `auto | on | off` as `speculative_generate`'s `draft_cuda_graph` (None, True, False)."""
+    if value not in GRAPH_MODES:
+        raise ValueError(f"--{field} must be one of {sorted(GRAPH_MODES)}, got {value!r}")
+    return GRAPH_MODES[value]
+
+
+def graph_capacity(limit: int, block_size: int) -> int | None:
+    """Buffer positions for a decode whose decoder positions stay below `limit`: every context write (`start + S`)
+    and block fits, rounded up to `CAPACITY_ROUNDING`; None when the eager loop should run instead."""
+    if limit + 2 * block_size > MAX_GRAPH_POSITIONS:
+        return None
+    need = limit + 2 * block_size
+    return -(-need // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+
+
+def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor | None,
+                      graph: bool) -> StaticDraftStep:
+    """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape and mode, made once and kept on
+    the draft (a capture costs a few draft forwards); `start` is called on it for these `encoder_frames`."""
+    store = draft.__dict__.setdefault("_dflash_static_steps", {})
+    frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
+    key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
+    step = store.get(key)
+    if step is None or step.target.model is not target.model:
+        step = store[key] = StaticDraftStep(draft, target, capacity, frames_shape, graph)
+    step.start(encoder_frames)
+    return step
+
+
+__all__ = ["StaticDraftCache", "StaticDraftStep", "graph_capacity", "graph_mode", "static_draft_step",
+           "MAX_GRAPH_POSITIONS"]

@@ -1,0 +1,108 @@
+"""The fixed-shape draft step (`dflash_hf.draft_graph`, replayed as a CUDA graph on a GPU): on the CPU it runs
+without a graph (`draft_cuda_graph=True`) and must propose what the eager loop proposes, cycle by cycle, for text and
+Whisper targets, DFlash and DFlash2, with and without the encoder-context opt-in, and a prompt longer than a block.
+The GPU tier (tests/gpu) checks the captured graph against the same step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from utils import decode_with_proposals, make_args, tiny_text_target
+
+from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf.assembly import build_draft
+from dflash_hf.draft_graph import StaticDraftCache, graph_capacity
+from dflash_hf.target import FrozenTarget
+
+MASK = 364  # a Whisper timestamp token, never produced when decoding without timestamps
+
+
+def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
+    eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
+    if fresh:
+        draft.__dict__.pop("_dflash_static_steps", None)
+    static, static_props = decode_with_proposals(draft, target, max_new_tokens, True, **inputs)
+    assert draft.__dict__["_dflash_static_steps"]  # the fixed-shape step ran
+    assert torch.equal(static.sequences, eager.sequences)
+    assert static.acceptance_lengths == eager.acceptance_lengths
+    assert len(static_props) == len(eager_props) > 2
+    for a, b in zip(static_props, eager_props):
+        assert torch.equal(a, b)
+    return eager
+
+
+def _text_draft(ft, cls, block):
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=3, num_hidden_layers=2, block_size=block,
+                                          **({"variant": "dflash2"} if cls is DFlash2DraftModel else {}))
+    cfg.vocab_size = ft.vocab_size
+    torch.manual_seed(1)
+    draft = cls(cfg).eval()
+    if cls is DFlash2DraftModel:  # a selector that matters: non-zero successor codebook, dynamic convolutions
+        with torch.no_grad():
+            draft.candidate_selector.successor_codebook.normal_(0, 0.5)
+            for layer in draft.layers:
+                layer.attention_conv.kernel_projection.weight.normal_(0, 0.05)
+    return draft
+
+
+@pytest.mark.parametrize("cls", [DFlashDraftModel, DFlash2DraftModel])
+@pytest.mark.parametrize("prompt_len", [5, 19])  # within one block, and over two blocks of context
+def test_text_target_static_step_proposes_what_the_eager_loop_proposes(cls, prompt_len):
+    model, tok = tiny_text_target(seed=3)
+    ft = FrozenTarget(tiny.sharpen(model, seed=3))
+    draft = _text_draft(ft, cls, block=8)
+    ids = torch.randint(4, ft.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    _same_decode(draft, ft, 40, input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    return tiny.sharpen(model, seed=2), processor
+
+
+def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path):
+    model, processor = whisper
+    args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, block_size=4,
+                     variant="dflash2")
+    torch.manual_seed(0)
+    draft = build_draft(args, FrozenTarget(model)).eval()
+    for seed in range(2):  # the second utterance reuses the first one's step: its frames' keys/values are refilled
+        audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
+        feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+        _same_decode(draft, model, 24, fresh=seed == 0, input_features=feats)
+        steps = draft.__dict__["_dflash_static_steps"]
+        if seed == 0:
+            first = next(iter(steps.values()))
+    assert list(steps.values()) == [first]  # one step (one capture on a GPU) serves both utterances
+
+
+def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
+    cache = StaticDraftCache(1, kv_heads=2, head_dim=3, capacity=10, ctx_rows=4, dtype=torch.float32,
+                             device=torch.device("cpu"))
+    cache.write_index = torch.arange(4) + 5
+    k = torch.randn(1, 2, 7, 3)  # 4 context rows, 3 block rows
+    keys, values = cache.update(k, k + 1, 0)
+    assert keys.shape == (1, 2, 13, 3)
+    assert torch.equal(keys[:, :, 5:9], k[:, :, :4]) and torch.equal(keys[:, :, 10:], k[:, :, 4:])
+    assert not keys[:, :, :5].any() and not keys[:, :, 9:10].any()
+    assert torch.equal(values[:, :, 5:9], k[:, :, :4] + 1)
+
+
+def test_capacity_covers_the_last_block_and_bounds_the_buffer():
+    assert graph_capacity(448, 8) == 512  # Whisper's 448 positions + two blocks, rounded to 128
+    assert graph_capacity(100, 16) == 256 and graph_capacity(96, 16) == 128
+    assert graph_capacity(16384, 8) is None
+
+
+def test_sampling_and_unbounded_decodes_keep_the_eager_draft(whisper):
+    model, tok = tiny_text_target(seed=3)
+    ft = FrozenTarget(model)
+    draft = _text_draft(ft, DFlashDraftModel, block=4)
+    ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    speculative_generate(draft, ft, 8, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                         draft_cuda_graph=True, input_ids=ids)
+    assert "_dflash_static_steps" not in draft.__dict__  # sampling: the eager draft forward
+    speculative_generate(draft, ft, 8, input_ids=ids)  # auto on the CPU: eager
+    assert "_dflash_static_steps" not in draft.__dict__
