@@ -22,6 +22,8 @@ the CPU (``draft_cuda_graph=True``), which is how the tests compare it with the 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .verification import propose_block
@@ -29,6 +31,8 @@ from .verification import propose_block
 # Context positions beyond this many keep the eager loop (a fixed buffer attends to every position every cycle).
 MAX_GRAPH_POSITIONS = 16384
 CAPACITY_ROUNDING = 128  # capacities are rounded up so that prompts of similar length share a captured graph
+# Steps per draft, beside it rather than on it (a draft stays deep-copyable and its state dict untouched).
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class StaticDraftCache:
@@ -55,7 +59,7 @@ class StaticDraftCache:
 class StaticDraftStep:
     """One decode's worth of fixed tensors and the fixed-shape greedy step over them (see the module docstring).
 
-    Made by :func:`static_draft_step` (cached on the draft per target, capacity and encoder frame shape); call
+    Made by :func:`static_draft_step` (kept per draft, target, capacity and encoder frame shape); call
     :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts) and :meth:`propose`
     once per cycle."""
 
@@ -184,7 +188,7 @@ def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor
                       graph: bool) -> StaticDraftStep:
     """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape and mode, made once and kept on
     the draft (a capture costs a few draft forwards); `start` is called on it for these `encoder_frames`."""
-    store = draft.__dict__.setdefault("_dflash_static_steps", {})
+    store = _STEPS.setdefault(draft, {})
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
     key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
     step = store.get(key)
@@ -194,5 +198,16 @@ def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor
     return step
 
 
-__all__ = ["StaticDraftCache", "StaticDraftStep", "graph_capacity", "graph_mode", "static_draft_step",
+def static_steps(draft) -> dict:
+    """The steps made for `draft` so far (keyed by target, device, dtype, capacity, frame shape and mode)."""
+    return _STEPS.get(draft, {})
+
+
+def clear_static_steps(draft) -> None:
+    """Drop `draft`'s steps and their buffers (and CUDA graphs)."""
+    _STEPS.pop(draft, None)
+
+
+__all__ = ["StaticDraftCache", "StaticDraftStep", "graph_capacity", "graph_mode", "static_draft_step", "static_steps",
+           "clear_static_steps",
            "MAX_GRAPH_POSITIONS"]

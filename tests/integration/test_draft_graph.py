@@ -5,6 +5,8 @@ The GPU tier (tests/gpu) checks the captured graph against the same step."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from utils import decode_with_proposals, make_args, tiny_text_target
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate, tiny
 from dflash_hf.assembly import build_draft
-from dflash_hf.draft_graph import StaticDraftCache, graph_capacity
+from dflash_hf.draft_graph import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
 from dflash_hf.target import FrozenTarget
 
 MASK = 364  # a Whisper timestamp token, never produced when decoding without timestamps
@@ -21,9 +23,9 @@ MASK = 364  # a Whisper timestamp token, never produced when decoding without ti
 def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
     eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
     if fresh:
-        draft.__dict__.pop("_dflash_static_steps", None)
+        clear_static_steps(draft)
     static, static_props = decode_with_proposals(draft, target, max_new_tokens, True, **inputs)
-    assert draft.__dict__["_dflash_static_steps"]  # the fixed-shape step ran
+    assert static_steps(draft)  # the fixed-shape step ran
     assert torch.equal(static.sequences, eager.sequences)
     assert static.acceptance_lengths == eager.acceptance_lengths
     assert len(static_props) == len(eager_props) > 2
@@ -72,10 +74,12 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
         audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
         feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
         _same_decode(draft, model, 24, fresh=seed == 0, input_features=feats)
-        steps = draft.__dict__["_dflash_static_steps"]
+        steps = static_steps(draft)
         if seed == 0:
             first = next(iter(steps.values()))
     assert list(steps.values()) == [first]  # one step (one capture on a GPU) serves both utterances
+    copy.deepcopy(draft)  # the steps live beside the draft, not on it
+    assert set(draft.state_dict()) == set(build_draft(args, FrozenTarget(model)).state_dict())
 
 
 def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
@@ -103,6 +107,6 @@ def test_sampling_and_unbounded_decodes_keep_the_eager_draft(whisper):
     ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     speculative_generate(draft, ft, 8, temperature=1.0, generator=torch.Generator().manual_seed(0),
                          draft_cuda_graph=True, input_ids=ids)
-    assert "_dflash_static_steps" not in draft.__dict__  # sampling: the eager draft forward
+    assert not static_steps(draft)  # sampling: the eager draft forward
     speculative_generate(draft, ft, 8, input_ids=ids)  # auto on the CPU: eager
-    assert "_dflash_static_steps" not in draft.__dict__
+    assert not static_steps(draft)
