@@ -31,8 +31,10 @@ from .verification import propose_block
 # Context positions beyond this many keep the eager loop (a fixed buffer attends to every position every cycle).
 MAX_GRAPH_POSITIONS = 16384
 CAPACITY_ROUNDING = 128  # capacities are rounded up so that prompts of similar length share a captured graph
-# Steps per draft, beside it rather than on it (a draft stays deep-copyable and its state dict untouched).
+# Steps per draft, beside it rather than on it (a draft stays deep-copyable and its state dict untouched); at most
+# MAX_STEPS_PER_DRAFT, the least recently used dropped first (text prompts of many lengths make many capacities).
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_STEPS_PER_DRAFT = 8
 
 
 class StaticDraftCache:
@@ -191,9 +193,12 @@ def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor
     store = _STEPS.setdefault(draft, {})
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
     key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
-    step = store.get(key)
+    step = store.pop(key, None)  # re-inserted last: the store is in order of use
     if step is None or step.target.model is not target.model:
-        step = store[key] = StaticDraftStep(draft, target, capacity, frames_shape, graph)
+        while len(store) >= MAX_STEPS_PER_DRAFT:
+            store.pop(next(iter(store)))
+        step = StaticDraftStep(draft, target, capacity, frames_shape, graph)
+    store[key] = step
     step.start(encoder_frames)
     return step
 

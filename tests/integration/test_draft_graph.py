@@ -100,7 +100,20 @@ def test_capacity_covers_the_last_block_and_bounds_the_buffer():
     assert graph_capacity(16384, 8) is None
 
 
-def test_sampling_and_unbounded_decodes_keep_the_eager_draft(whisper):
+def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
+    from dflash_hf import draft_graph
+
+    monkeypatch.setattr(draft_graph, "MAX_STEPS_PER_DRAFT", 2)
+    model, tok = tiny_text_target(seed=3)
+    ft = FrozenTarget(model)
+    draft = _text_draft(ft, DFlashDraftModel, block=4)
+    ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    for new_tokens in (8, 200, 8, 400):  # capacities 128, 256, 128 (reused), 512
+        speculative_generate(draft, ft, new_tokens, draft_cuda_graph=True, input_ids=ids)
+    assert [key[3] for key in static_steps(draft)] == [128, 512]  # 256 was the least recently used
+
+
+def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():
     model, tok = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
