@@ -819,6 +819,30 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
     return manifests
 
 
+def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> Path:
+    """The sentences of a speech manifest read again by other flite voices (the voice-gap check of docs/QUALITY.md: the
+    held-out sentences in the training voices). Every row is kept, whatever its duration; the new manifest (paths
+    relative to `out`) is `out/<manifest stem>-<voices>.json`."""
+    known = (*TRAIN_VOICES, EVAL_VOICE)
+    unknown = [v for v in voices if v not in known]
+    if unknown or not voices:
+        raise SystemExit(f"--voices {unknown or voices}: choose from {list(known)}")
+    rows = read_jsonl(manifest)
+    jobs = [(r["text"], v, str(out / "wav" / v / f"{Path(r['audio_filepath']).stem}.wav")) for r in rows for v in voices]
+    for v in voices:
+        (out / "wav" / v).mkdir(parents=True, exist_ok=True)
+    new = []
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        done = pool.map(_synth_job, jobs, chunksize=4)
+        for (text, voice, wav), (_, duration), r in zip(jobs, tqdm(done, total=len(jobs), desc="revoice", unit="utt"),
+                                                       (r for r in rows for _ in voices)):
+            new.append({**r, "audio_filepath": str(Path(wav).relative_to(out)), "duration": round(duration, 3),
+                        "id": f"{r['id']}-as-{voice}", "speaker": voice})
+    dest = out / f"{manifest.stem}-{'-'.join(voices)}.json"
+    write_jsonl(dest, new)
+    return dest
+
+
 # ----------------------------------------------------------------------------------------------------- prompts
 
 PROMPT_TEMPLATES = (
@@ -923,6 +947,10 @@ CONFIGS = {
         RunConfig("whisper-ctx-dflash-b16", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "16"]),
         RunConfig("whisper-ctx-dflash2-b8", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2"]),
+        # A deeper draft (docs/QUALITY.md, fifth device session: tau stopped rising with 2 layers; the per-slot
+        # accuracy is flat over the block, as if the draft's reading of the audio were the limit).
+        RunConfig("whisper-ctx-dflash2-b8-l4", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4"]),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
@@ -1282,6 +1310,11 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2, help="synthesis processes")
     d.add_argument("--min_seconds", type=float, default=3.0, help="shortest clip kept")
     d.add_argument("--max_seconds", type=float, default=20.0, help="longest clip kept")
+    rv = sub.add_parser("revoice", help="a speech manifest's sentences read by other flite voices (voice-gap check)")
+    rv.add_argument("manifest", type=Path)
+    rv.add_argument("--voices", nargs="+", default=list(TRAIN_VOICES), help="flite voices (default the training ones)")
+    rv.add_argument("--out", type=Path, required=True, help="folder for the clips and the new manifest")
+    rv.add_argument("--workers", type=int, default=2, help="synthesis processes")
     lab = sub.add_parser("labels", help="target-generated labels for a text configuration")
     lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target in TEXT_TARGETS))
     lab.add_argument("--batch_size", type=int, default=8)
@@ -1328,6 +1361,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             defaults = PromptArgs()
             print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
+    elif args.command == "revoice":
+        print(revoice(args.manifest, args.voices, args.out, args.workers))
     elif args.command == "labels":
         print(generate_labels(cache, get_config(args.config), args.batch_size, args.device, args.dtype))
     elif args.command == "train":

@@ -6,8 +6,38 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 
 from .losses import MetricSums
+
+
+@dataclass
+class HostTimes:
+    """Where a training loop's wall time goes on the host, per optimizer step of a logging window: waiting for the
+    loader's micro-batches (`data_wait_ms`: high against `step_ms` means the loader, not the device, sets the pace),
+    planning their blocks (`plan_ms`, anchors drawn on the CPU) and the whole step (`step_ms`, wall clock from one
+    batch fetch to the next)."""
+
+    data_s: float = 0.0
+    plan_s: float = 0.0
+    steps: int = 0
+    since: float = field(default_factory=lambda: time.perf_counter())
+
+    def add(self, data_s: float, plan_s: float) -> None:
+        self.data_s += data_s
+        self.plan_s += plan_s
+        self.steps += 1
+
+    def entries(self) -> dict[str, float]:
+        """The window's means in ms (empty before its first step), then a new window."""
+        now = time.perf_counter()
+        out = {} if not self.steps else {
+            "data_wait_ms": round(1000 * self.data_s / self.steps, 2),
+            "plan_ms": round(1000 * self.plan_s / self.steps, 2),
+            "step_ms": round(1000 * (now - self.since) / self.steps, 2),
+        }
+        self.data_s, self.plan_s, self.steps, self.since = 0.0, 0.0, 0, now
+        return out
 
 
 def train_log_entries(

@@ -41,7 +41,7 @@ from .export import export_draft
 from .launch import no_hf_progress_bars
 from .losses import MetricSums
 from .objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
-from .reporting import eval_set_metrics, logged_eval_metrics, train_log_entries
+from .reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
@@ -74,6 +74,7 @@ class DFlashTrainer(Trainer):
             compile_draft_layers(self.model)
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
+        self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
         use_concise_progress_bar(self)
@@ -210,9 +211,12 @@ class DFlashTrainer(Trainer):
         return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        start = time.perf_counter()
         batch_samples = list(itertools.islice(epoch_iterator, num_batches))
+        fetched = time.perf_counter()
         self._step_plans = [(b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in
                             enumerate(batch_samples)]
+        self.host_times.add(fetched - start, time.perf_counter() - fetched)
         total = summed_denominator(plan for _, plan in self._step_plans).to(device, non_blocking=True)
         if self.args.world_size > 1:
             total = self.accelerator.reduce(total, reduction="sum")
@@ -264,6 +268,7 @@ class DFlashTrainer(Trainer):
             sums.settle()
             metrics = self._report(sums)
             logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
+            logs.update(self.host_times.entries())
             self.train_sums = MetricSums()
         super().log(logs, start_time)
 

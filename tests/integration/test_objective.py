@@ -167,6 +167,8 @@ def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 2 and all(math.isfinite(e["loss"]) for e in logs)
     assert ("selector_loss" in logs[0]) == (variant == "dflash2")
+    for e in logs:  # host timings beside the loss: waiting for the loader is part of the step's wall time
+        assert 0.0 <= e["data_wait_ms"] <= e["step_ms"] and e["plan_ms"] >= 0.0
     assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
 
 
