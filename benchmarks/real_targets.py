@@ -828,14 +828,14 @@ def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> P
     if unknown or not voices:
         raise SystemExit(f"--voices {unknown or voices}: choose from {list(known)}")
     rows = read_jsonl(manifest)
-    jobs = [(r["text"], v, str(out / "wav" / v / f"{Path(r['audio_filepath']).stem}.wav")) for r in rows for v in voices]
+    pairs = [(r, v) for r in rows for v in voices]
+    jobs = [(r["text"], v, str(out / "wav" / v / f"{Path(r['audio_filepath']).stem}.wav")) for r, v in pairs]
     for v in voices:
         (out / "wav" / v).mkdir(parents=True, exist_ok=True)
     new = []
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
-        done = pool.map(_synth_job, jobs, chunksize=4)
-        for (text, voice, wav), (_, duration), r in zip(jobs, tqdm(done, total=len(jobs), desc="revoice", unit="utt"),
-                                                       (r for r in rows for _ in voices)):
+        done = tqdm(pool.map(_synth_job, jobs, chunksize=4), total=len(jobs), desc="revoice", unit="utt")
+        for (r, voice), (wav, duration) in zip(pairs, done):
             new.append({**r, "audio_filepath": str(Path(wav).relative_to(out)), "duration": round(duration, 3),
                         "id": f"{r['id']}-as-{voice}", "speaker": voice})
     dest = out / f"{manifest.stem}-{'-'.join(voices)}.json"

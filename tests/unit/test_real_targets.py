@@ -173,6 +173,14 @@ def test_corpus_sentence_filter():
     assert rt.FILLETS_LINE.search('dialogId("kni-v-proc", "font_big", "And why?")').group(1) == "And why?"
 
 
+def test_revoice_refuses_an_unknown_voice_before_synthesizing(tmp_path):
+    manifest = tmp_path / "eval.json"
+    manifest.write_text(json.dumps({"audio_filepath": "wav/slt/a.wav", "text": "Some words here.", "id": "a"}) + "\n")
+    with pytest.raises(SystemExit, match=r"--voices \['bogus'\]: choose from \['kal', 'awb', 'rms', 'slt'\]"):
+        rt.revoice(manifest, ["kal", "bogus"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids():
     from types import SimpleNamespace
 
