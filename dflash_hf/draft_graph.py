@@ -61,9 +61,10 @@ class StaticDraftCache:
 class StaticDraftStep:
     """One decode's worth of fixed tensors and the fixed-shape greedy step over them (see the module docstring).
 
-    Made by :func:`static_draft_step` (kept per draft, target, capacity and encoder frame shape); call
-    :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts) and :meth:`propose`
-    once per cycle."""
+    Its buffers are shared by every decode with the same key: one decode at a time per draft (speculative decoding
+    here is batch 1 and sequential). Made by :func:`static_draft_step` (kept per draft, target, capacity and encoder
+    frame shape); call :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts)
+    and :meth:`propose` once per cycle."""
 
     def __init__(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool):
         cfg = draft.config

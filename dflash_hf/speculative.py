@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .draft_graph import graph_capacity, static_draft_step
+from .draft_graph import MAX_GRAPH_POSITIONS, graph_capacity, static_draft_step
 from .target import FrozenTarget
 from .verification import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
@@ -146,9 +146,15 @@ def _decode(
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
     static = None  # the fixed-shape draft step (a CUDA graph on the GPU), when it applies
-    if not sample and (draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda")):
+    if draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda" and not sample):
         limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
         capacity = None if limit is None else graph_capacity(limit, bsz)
+        if draft_cuda_graph and (sample or capacity is None):  # asked for explicitly: say why it cannot run
+            why = "sampling (temperature > 0)" if sample else (
+                "a decode without a length bound" if limit is None else f"{limit} positions (more than the fixed "
+                f"step's {MAX_GRAPH_POSITIONS})")
+            raise ValueError(f"draft_cuda_graph=True: the fixed-shape draft step is for bounded greedy decoding, not "
+                             f"{why}; pass draft_cuda_graph=None (it then falls back to the eager draft) or False")
         if capacity is not None:
             static = static_draft_step(draft, ft, capacity, draft_kwargs.get("encoder_hidden_states"),
                                        graph=dev.type == "cuda")

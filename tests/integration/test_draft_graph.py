@@ -118,8 +118,11 @@ def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
     ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
-    speculative_generate(draft, ft, 8, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                         draft_cuda_graph=True, input_ids=ids)
+    speculative_generate(draft, ft, 8, temperature=1.0, generator=torch.Generator().manual_seed(0), input_ids=ids)
     assert not static_steps(draft)  # sampling: the eager draft forward
+    with pytest.raises(ValueError, match=r"draft_cuda_graph=True: .* not sampling \(temperature > 0\)"):
+        speculative_generate(draft, ft, 8, temperature=1.0, draft_cuda_graph=True, input_ids=ids)
+    with pytest.raises(ValueError, match="more than the fixed step's 16384"):
+        speculative_generate(draft, ft, 16384, draft_cuda_graph=True, input_ids=ids)
     speculative_generate(draft, ft, 8, input_ids=ids)  # auto on the CPU: eager
     assert not static_steps(draft)
