@@ -175,7 +175,7 @@ FAMILIES: dict[str, TargetFamily] = {
         ),
         TargetFamily(
             name="text", model_types=(), expansion="none", audio_kwargs=(), encode=_encode_text,
-            render_with="tokenizer", prebuilt_packed_mask=True,
+            render_with="tokenizer", prebuilt_packed_mask=True, prebuilt_padded_mask=True,
             description="plain causal LM (any AutoModelForCausalLM)",
         ),
         TargetFamily(
@@ -271,6 +271,11 @@ def encode_batch(family: TargetFamily, processor, config, texts: Sequence[str],
     return family.encode(family, processor, config, texts, audios, padding_side)
 
 
+def decoder_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Decoder positions counted over real tokens (`[b, S]`): left padding keeps the positions of right padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False, encoder_mask_key: str | None = None) -> dict:
     """Encoder-decoder targets take the batch's token stream as the decoder's: ``input_ids`` / ``attention_mask``
     become ``decoder_input_ids`` / ``decoder_attention_mask``; with ``position_ids`` (a forward, not ``generate``)
@@ -286,7 +291,7 @@ def decoder_stream_kwargs(inputs: dict, *, position_ids: bool = False, encoder_m
     if mask is not None:
         out["decoder_attention_mask"] = mask
         if position_ids:
-            out.setdefault("decoder_position_ids", (mask.long().cumsum(-1) - 1).clamp(min=0))
+            out.setdefault("decoder_position_ids", decoder_positions(mask))
     return out
 
 

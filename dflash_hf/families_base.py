@@ -52,6 +52,8 @@ class TargetFamily:
       string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
     - ``prebuilt_packed_mask``: the row's packed forward takes a prebuilt 4D decoder mask unchanged (checked
       against transformers' own mask: `FrozenTarget.packed_sdpa_mask`).
+    - ``prebuilt_padded_mask``: the same for a padded batch (`FrozenTarget.padded_decoder_mask`): its 2D mask is
+      read only to build the decoder's causal mask (and, for Whisper, the decoder positions computed beside it).
     - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     """
@@ -74,6 +76,7 @@ class TargetFamily:
     prepare_forward: Callable | None = field(default=None, repr=False)
     stream_ids: Callable | None = field(default=None, repr=False)
     prebuilt_packed_mask: bool = False
+    prebuilt_padded_mask: bool = False
 
     @property
     def has_audio(self) -> bool:

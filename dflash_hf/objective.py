@@ -210,7 +210,9 @@ class DFlashObjective:
         """Target taps -> labels -> blocks -> draft -> loss sums and denominators (one micro-batch).
         `draft`: the (possibly wrapped) draft model; `target`: the `FrozenTarget`; `plan`: `self.plan(...)`."""
         keep_final = self.label_source.needs_final_hidden
-        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final)
+        # padding known from the CPU plan: the target's decoder mask is prebuilt, without a device read
+        padded = None if plan.real.is_cuda else not bool(plan.real.all())
+        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final, padded=padded)
         dev = feats.taps.device
         on_dev = plan.to(dev)
         taps = move_leading_padding(feats.taps, plan.shifts)

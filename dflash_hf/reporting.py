@@ -4,6 +4,7 @@ metrics already logged at a step."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,16 +23,27 @@ class HostTimes:
     plan_s: float = 0.0
     steps: int = 0
     since: float = field(default_factory=lambda: time.perf_counter())
+    fetched: float = 0.0  # when the current step's micro-batches arrived
 
-    def add(self, data_s: float, plan_s: float) -> None:
-        self.data_s += data_s
-        self.plan_s += plan_s
+    def fetch(self, iterator, n: int) -> list:
+        """The next `n` items of `iterator` (fewer at its end), timed as waiting for data."""
+        start = time.perf_counter()
+        items = list(itertools.islice(iterator, n))
+        self.fetched = time.perf_counter()
+        self.data_s += self.fetched - start
+        return items
+
+    def planned(self) -> None:
+        """The step's micro-batches are planned: the time since `fetch` returned is planning; one step more."""
+        self.plan_s += time.perf_counter() - self.fetched
         self.steps += 1
 
     def entries(self) -> dict[str, float]:
-        """The window's means in ms (empty before its first step), then a new window."""
+        """The window's means in ms, then a new window (empty, and the window goes on, if no step ended in it)."""
+        if not self.steps:
+            return {}
         now = time.perf_counter()
-        out = {} if not self.steps else {
+        out = {
             "data_wait_ms": round(1000 * self.data_s / self.steps, 2),
             "plan_ms": round(1000 * self.plan_s / self.steps, 2),
             "step_ms": round(1000 * (now - self.since) / self.steps, 2),

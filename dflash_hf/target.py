@@ -12,7 +12,7 @@ from torch import nn
 
 from .blocks import label_positions
 from .configuration_dflash import check_target_layer_ids
-from .families import DecoderStreams, decoder_stream_kwargs, decoder_streams, resolve_family
+from .families import DecoderStreams, decoder_positions, decoder_stream_kwargs, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
@@ -239,12 +239,19 @@ class FrozenTarget:
         audio expansion; audio positions are never supervised."""
         return decoder_streams(self.family, self.model, batch)
 
-    def target_inputs(self, batch: dict) -> dict:
+    def target_inputs(self, batch: dict, padded: bool | None = None) -> dict:
         """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without its 2D `attention_mask` and with
         `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
         given, and keeps attention inside each document (trailing padding forms its own segment); where
-        `packed_sdpa_mask` applies, that 4D mask is given instead."""
+        `packed_sdpa_mask` applies, that 4D mask is given instead. `padded`: whether a padded batch has any
+        padding, known on the host (the trainer's CPU plan); if it has and `padded_decoder_mask` applies, that 4D
+        mask replaces the 2D one. Otherwise transformers builds the mask, reading the device mask once or twice per
+        forward (without padding it then takes SDPA's `is_causal` path, kept as it is)."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+        if padded and "cu_seqlens" not in batch and "attention_mask" in kwargs and self.padded_decoder_mask_applies():
+            if self.is_encoder_decoder:  # the decoder's positions count the real tokens of the 2D mask
+                kwargs["decoder_position_ids"] = decoder_positions(kwargs["attention_mask"])
+            kwargs["attention_mask"] = self.padded_decoder_mask(kwargs["attention_mask"])
         if self.is_encoder_decoder:
             kwargs = self.cast_features(decoder_stream_kwargs(kwargs, position_ids=True,
                                                               encoder_mask_key=self.family.encoder_mask_key))
@@ -259,6 +266,20 @@ class FrozenTarget:
             if mask is not None:
                 kwargs["attention_mask"] = mask
         return self.cast_features(kwargs)
+
+    def padded_decoder_mask_applies(self) -> bool:
+        """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): an sdpa decoder of a family
+        checked against transformers' own mask."""
+        impl = getattr(self.decoder.config, "_attn_implementation", None)
+        return impl == "sdpa" and self.family.prebuilt_padded_mask
+
+    @staticmethod
+    def padded_decoder_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's 4D boolean mask `[b, 1, S, S]` of a padded batch, causal and over real keys, as transformers'
+        sdpa mask of that batch (built on the device, with no host read of the 2D mask)."""
+        s = attention_mask.shape[-1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+        return causal[None, None] & attention_mask.bool()[:, None, None, :]
 
     def packed_sdpa_mask(self, batch: dict) -> torch.Tensor | None:
         """The decoder's 4D boolean mask `[1, 1, T, T]` of a packed row (causal within each run of consecutive
@@ -312,10 +333,12 @@ class FrozenTarget:
         return out, TargetFeatures(taps=taps, final_hidden=store.get("final"), encoder_hidden=encoder)
 
     @torch.no_grad()
-    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False) -> TargetFeatures:
+    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
+                padded: bool | None = None) -> TargetFeatures:
         """Run the target on its batch (its own padding and mask) and return the tapped features. The encoder of
-        an encoder-decoder target runs once per utterance, under no_grad like the rest."""
-        kwargs = self.target_inputs(batch)
+        an encoder-decoder target runs once per utterance, under no_grad like the rest. `padded`: whether the batch
+        has padding, if known on the host (`target_inputs`)."""
+        kwargs = self.target_inputs(batch, padded)
         kwargs["use_cache"] = False
         if self.keeps_last_logits_only:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits

@@ -8,7 +8,6 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 
 from __future__ import annotations
 
-import itertools
 import time
 from pathlib import Path
 
@@ -211,12 +210,10 @@ class DFlashTrainer(Trainer):
         return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        start = time.perf_counter()
-        batch_samples = list(itertools.islice(epoch_iterator, num_batches))
-        fetched = time.perf_counter()
+        batch_samples = self.host_times.fetch(epoch_iterator, num_batches)
         self._step_plans = [(b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in
                             enumerate(batch_samples)]
-        self.host_times.add(fetched - start, time.perf_counter() - fetched)
+        self.host_times.planned()
         total = summed_denominator(plan for _, plan in self._step_plans).to(device, non_blocking=True)
         if self.args.world_size > 1:
             total = self.accelerator.reduce(total, reduction="sum")

@@ -167,8 +167,8 @@ def test_loss_invariant_to_padding_side_and_padded_feature_values(tmp_path):
     # Garbage in the target features at padded positions must not change anything.
     capture = trainer.target.capture
 
-    def noisy_capture(batch, layer_ids, keep_final=False):
-        feats = capture(batch, layer_ids, keep_final)
+    def noisy_capture(batch, layer_ids, keep_final=False, **kw):
+        feats = capture(batch, layer_ids, keep_final, **kw)
         pad = batch["attention_mask"] == 0
         feats.taps[pad] = torch.randn_like(feats.taps[pad]) * 1e3
         return feats

@@ -1,0 +1,67 @@
+"""The frozen target's decoder mask built on the device when the host knows whether a padded batch has padding
+(`FrozenTarget.target_inputs(batch, padded=...)`, what the trainer's CPU plan tells): the taps and final states
+equal those of transformers' own mask path bit for bit, and the forward reads nothing back from the device
+(transformers' mask helpers read the 2D mask once or twice per forward: a device sync on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from utils import random_rows, text_batch, tiny_text_target
+
+from dflash_hf import tiny
+from dflash_hf.data import build_train_dataloader
+from dflash_hf.target import FrozenTarget
+
+HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operators that read a tensor's values on the host (a stream synchronize on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func) in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def _same_features_without_host_reads(target: FrozenTarget, batch: dict, layers: list[int]):
+    with HostReads() as theirs:
+        ref = target.capture(batch, layers, keep_final=True)
+    padded = not bool(batch["attention_mask"].bool().all())
+    with HostReads() as ours:
+        got = target.capture(batch, layers, keep_final=True, padded=padded)
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+    assert theirs.count > 0  # transformers' mask helpers read the 2D mask
+    # with padding the prebuilt mask reads nothing; without, transformers' own path runs (SDPA's is_causal)
+    assert ours.count == (0 if padded else theirs.count)
+    return padded
+
+
+@pytest.mark.parametrize("side", ["right", "left", "none"])
+def test_text_target_prebuilt_decoder_mask(side):
+    model, tok = tiny_text_target()
+    rows = random_rows(3, 250, seed=4)
+    if side == "none":  # equal lengths: no padding (transformers' path, unchanged)
+        rows = [(p[:6], r[:10]) for p, r in rows]
+    batch = text_batch(rows, tok.pad_token_id, "right" if side == "none" else side)
+    assert _same_features_without_host_reads(FrozenTarget(model), batch, [1, 2]) == (side != "none")
+
+
+def test_whisper_prebuilt_decoder_mask(tmp_path):
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 6, seed=0)
+    loader = build_train_dataloader(str(manifest), processor, model.config, max_tokens=400, shuffle=False)
+    target = FrozenTarget(model)
+    seen = {_same_features_without_host_reads(target, batch, [0, 2]) for batch in loader}
+    one = next(iter(loader))
+    equal = {k: v[:1] if torch.is_tensor(v) else v for k, v in one.items()}  # one row: no padding
+    equal["attention_mask"] = torch.ones_like(equal["attention_mask"][:, : int(one["attention_mask"][0].sum())])
+    equal = {k: v[:, : equal["attention_mask"].shape[1]] if k in ("input_ids", "loss_mask") else v
+             for k, v in equal.items()}
+    seen.add(_same_features_without_host_reads(target, equal, [0, 2]))
+    assert seen == {True, False}
