@@ -48,7 +48,15 @@ class StaticDraftCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.ctx_rows = ctx_rows
-        self.write_index = torch.arange(ctx_rows, device=device)
+        self.rows = torch.arange(ctx_rows, device=device)  # a forward's context rows, 0-based
+        self.write_index = self.rows  # their positions: set before each forward
+
+    def with_rows(self, ctx_rows: int) -> StaticDraftCache:
+        """The same buffers, taking `ctx_rows` context rows a forward (a long prompt's context in one forward)."""
+        other = object.__new__(StaticDraftCache)
+        other.keys, other.values, other.ctx_rows = self.keys, self.values, ctx_rows
+        other.rows = other.write_index = torch.arange(ctx_rows, device=self.keys[0].device)
+        return other
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.ctx_rows
@@ -77,7 +85,7 @@ class StaticDraftStep:
         s = self.block
         self.cache = StaticDraftCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, s,
                                       dtype, device)
-        self.rows = torch.arange(s, device=device)
+        self.block_rows = torch.arange(s, device=device)
         self.columns = torch.arange(capacity, device=device)
         self.keep_block = torch.ones(s, dtype=torch.bool, device=device)
         self.start_pos = torch.zeros((), dtype=torch.long, device=device)  # first context row's position
@@ -100,18 +108,24 @@ class StaticDraftStep:
         if graph:
             self._capture()
 
-    def _step(self) -> torch.Tensor:
-        """The fixed-shape greedy proposal `[B-1]` of the current inputs."""
+    def _step(self, cache: StaticDraftCache | None = None, pending: torch.Tensor | None = None,
+              start_pos: torch.Tensor | int | None = None, anchor_pos: torch.Tensor | int | None = None):
+        """The greedy proposal `[B-1]`: of the fixed inputs (what the graph captures), or, for a long prompt's
+        context, of `pending` `[1, n, ...]` at `start_pos` written through `cache` (`self.cache.with_rows(n)`)."""
         draft, ft = self.draft, self.target
-        self.cache.write_index = self.start_pos + self.rows  # [S]: where the context rows go
-        positions = torch.cat([self.start_pos + self.rows, self.anchor_pos + self.rows])[None]  # [1, S+B]
-        keep = torch.cat([self.columns < self.anchor_pos, self.keep_block]).view(1, 1, 1, -1)  # [1,1,1,cap+B]
+        cache = self.cache if cache is None else cache
+        pending = self.pending if pending is None else pending
+        start_pos = self.start_pos if start_pos is None else start_pos
+        anchor_pos = self.anchor_pos if anchor_pos is None else anchor_pos
+        cache.write_index = start_pos + cache.rows  # [n]: where the context rows go
+        positions = torch.cat([cache.write_index, anchor_pos + self.block_rows])[None]  # [1, n+B]
+        keep = torch.cat([self.columns < anchor_pos, self.keep_block]).view(1, 1, 1, -1)  # [1,1,1,cap+B]
         hidden = draft(
             position_ids=positions,
             attention_mask=keep,
             noise_embedding=ft.embed_tokens(self.block_ids).to(self.dtype),
-            target_hidden=self.pending,
-            past_key_values=self.cache,
+            target_hidden=pending,
+            past_key_values=cache,
             use_cache=True,
             **({} if self.encoder_cache is None else
                {"encoder_hidden_states": self.frames, "encoder_cache": self.encoder_cache}),
@@ -161,11 +175,12 @@ class StaticDraftStep:
         `[1, 1]` (the last verified token, on the device). `pending` `[1, n, n_taps*H]` are the target features of
         positions `start .. start+n-1`, not yet in the draft's context. The result is a fixed tensor that the next
         call overwrites."""
-        s = self.block
-        while pending.shape[1] > s:  # a long prompt's context, S rows at a time (the proposals are not used)
-            self._run(pending[:, :s], start, anchor)
-            pending, start = pending[:, s:], start + s
-        return self._run(pending, start, anchor)
+        n = pending.shape[1]
+        if n <= self.block:
+            return self._run(pending, start, anchor)
+        # a prompt's context longer than a block (the first cycle): one eager forward writes all of it
+        self.block_ids[:, :1].copy_(anchor)
+        return self._step(self.cache.with_rows(n), pending.to(self.dtype), start, start + n)
 
 
 GRAPH_MODES = {"auto": None, "on": True, "off": False}
