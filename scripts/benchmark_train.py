@@ -187,7 +187,7 @@ class FixedTapsTarget(FrozenTarget):
         super().__init__(model)
         self.taps = taps
 
-    def capture(self, batch, layer_ids, keep_final=False) -> TargetFeatures:
+    def capture(self, batch, layer_ids, keep_final=False, padded=None) -> TargetFeatures:
         return TargetFeatures(taps=self.taps[tuple(batch["input_ids"].shape)], final_hidden=None)
 
 
