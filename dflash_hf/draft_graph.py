@@ -134,19 +134,21 @@ class StaticDraftStep:
         return proposal
 
     def _capture(self) -> None:
-        # Warm-up on a side stream (allocator and library handles), then capture; the writes land at positions
-        # >= capacity - S, which no decode reaches as context before overwriting them.
+        # Warm-up on a side stream (allocator and library handles), then capture, on the target's GPU (not
+        # necessarily the current one); the writes land at positions >= capacity - S, which no decode reaches as
+        # context before overwriting them.
         self.start_pos.fill_(self.capacity - self.block)
         self.anchor_pos.fill_(self.capacity - self.block)
-        side = torch.cuda.Stream(device=self.target.device)
-        side.wait_stream(torch.cuda.current_stream(self.target.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step()
-        torch.cuda.current_stream(self.target.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.proposal = self._step()
+        with torch.cuda.device(self.target.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.proposal = self._step()
 
     def start(self, encoder_frames: torch.Tensor | None) -> None:
         """Per utterance: the encoder frames' keys/values of an encoder-context draft (the context buffer needs no
@@ -167,7 +169,8 @@ class StaticDraftStep:
         self.block_ids[:, :1].copy_(anchor)
         if self.graph is None:
             return self._step()
-        self.graph.replay()
+        with torch.cuda.device(self.target.device):  # the current stream of the graph's GPU
+            self.graph.replay()
         return self.proposal
 
     def propose(self, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
