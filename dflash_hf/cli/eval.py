@@ -141,7 +141,12 @@ def evaluate(args: EvalArguments) -> dict:
                              draft_cuda_graph=graph_mode(args.draft_cuda_graph))
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
-    return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), **asdict(args)}
+    mode, on_gpu = graph_mode(args.draft_cuda_graph), device.type == "cuda"
+    # which draft step ran (decoding here is greedy and bounded, so the mode and the device decide it)
+    fixed = mode or (mode is None and on_gpu)
+    draft_step = ("cuda graph" if on_gpu else "fixed-shape, no graph") if fixed else "eager"
+    return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), "draft_step": draft_step,
+            **asdict(args)}
 
 
 def results_table(results: dict) -> str:
@@ -149,7 +154,8 @@ def results_table(results: dict) -> str:
         f"{'decoder':<16} {'tokens':>8} {'tokens/s':>10}",
         f"{'speculative':<16} {results['spec_tokens']:>8} {results['spec_tokens_per_s']:>10.1f}",
         f"{'target greedy':<16} {results['greedy_tokens']:>8} {results['greedy_tokens_per_s']:>10.1f}",
-        f"prompts {results['prompts']}, block size {results['block_size']}, tau {results['tau']:.3f} "
+        f"prompts {results['prompts']}, block size {results['block_size']}, draft step {results['draft_step']}, "
+        f"tau {results['tau']:.3f} "
         f"(mean acceptance length over {results['cycles']} cycles), speedup {results['speedup']:.2f}x, "
         f"outputs identical: {'yes' if results['outputs_identical'] else 'NO'}",
     ]

@@ -51,6 +51,14 @@ def test_text_prompts_config_and_overrides(text_setup, capsys):
     assert res["spec_tokens_per_s"] > 0 and res["greedy_tokens_per_s"] > 0
     out = capsys.readouterr().out
     assert "speculative" in out and "target greedy" in out and "outputs identical: yes" in out
+    assert res["draft_step"] == "eager" and "draft step eager" in out  # auto on the CPU
+    # the fixed-shape draft step (a CUDA graph on a GPU) on the CPU: the same proposals, so the same cycles
+    assert cli_eval.main(["--config", str(config), "--max_new_tokens", "10", "--draft_cuda_graph", "on"]) == 0
+    fixed = json.loads((root / "out.json").read_text())
+    assert fixed["draft_step"] == "fixed-shape, no graph" and fixed["outputs_identical"]
+    assert (fixed["cycles"], fixed["tau"]) == (res["cycles"], res["tau"])
+    with pytest.raises(ValueError, match="--draft_cuda_graph must be one of"):
+        cli_eval.main(["--config", str(config), "--draft_cuda_graph", "yes"])
 
 
 def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
@@ -89,6 +97,12 @@ def test_speech_manifest(tmp_path):
                           "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
+    # the fixed-shape step with a prompt of audio positions longer than a block (its one-forward prefill)
+    assert cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(manifest),
+                          "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out),
+                          "--draft_cuda_graph", "on"]) == 0
+    fixed = json.loads(out.read_text())
+    assert fixed["outputs_identical"] and (fixed["cycles"], fixed["tau"]) == (res["cycles"], res["tau"])
     text_prompts = tmp_path / "p.jsonl"
     text_prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     with pytest.raises(ValueError, match="speech model"):
