@@ -75,13 +75,20 @@ class StaticDraftStep:
     and :meth:`propose` once per cycle."""
 
     def __init__(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool):
+        # Plain tensors even when made under inference mode (later decodes outside it update them in place).
+        with torch.inference_mode(False), torch.no_grad():
+            self._build(draft, target, capacity, frames_shape, graph)
+
+    def _build(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool) -> None:
         cfg = draft.config
-        self.draft, self.target = draft, target
+        # Weak references only: the store is keyed by the draft, and a step must keep neither it nor the target alive.
+        self._draft, self._model = weakref.ref(draft), weakref.ref(target.model)
+        self.addresses = weight_addresses(draft, target)  # what a captured graph reads the weights from
         self.block = cfg.block_size
         self.capacity = capacity
         dtype = next(draft.parameters()).dtype
         device = target.device
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         s = self.block
         self.cache = StaticDraftCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, s,
                                       dtype, device)
@@ -106,13 +113,19 @@ class StaticDraftStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.proposal: torch.Tensor | None = None
         if graph:
-            self._capture()
+            self._capture(target)
 
-    def _step(self, cache: StaticDraftCache | None = None, pending: torch.Tensor | None = None,
+    def serves(self, draft, target) -> bool:
+        """Whether this step is still valid for `draft` and `target`: the same target model, and every weight where
+        it was when the step was made (a dtype round trip or `load_state_dict(assign=True)` moves them)."""
+        return self._model() is target.model and self.addresses == weight_addresses(draft, target)
+
+    def _step(self, ft, cache: StaticDraftCache | None = None, pending: torch.Tensor | None = None,
               start_pos: torch.Tensor | int | None = None, anchor_pos: torch.Tensor | int | None = None):
-        """The greedy proposal `[B-1]`: of the fixed inputs (what the graph captures), or, for a long prompt's
-        context, of `pending` `[1, n, ...]` at `start_pos` written through `cache` (`self.cache.with_rows(n)`)."""
-        draft, ft = self.draft, self.target
+        """The greedy proposal `[B-1]` against the `FrozenTarget` `ft`: of the fixed inputs (what the graph captures),
+        or, for a long prompt's context, of `pending` `[1, n, ...]` at `start_pos` written through `cache`
+        (`self.cache.with_rows(n)`)."""
+        draft = self._draft()
         cache = self.cache if cache is None else cache
         pending = self.pending if pending is None else pending
         start_pos = self.start_pos if start_pos is None else start_pos
@@ -133,57 +146,58 @@ class StaticDraftStep:
         proposal, _ = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, self.block_ids[0, 0], 0.0, None)
         return proposal
 
-    def _capture(self) -> None:
+    def _capture(self, ft) -> None:
         # Warm-up on a side stream (allocator and library handles), then capture, on the target's GPU (not
         # necessarily the current one); the writes land at positions >= capacity - S, which no decode reaches as
         # context before overwriting them.
         self.start_pos.fill_(self.capacity - self.block)
         self.anchor_pos.fill_(self.capacity - self.block)
-        with torch.cuda.device(self.target.device):
+        with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step()
+                    self._step(ft)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.proposal = self._step()
+                self.proposal = self._step(ft)
 
     def start(self, encoder_frames: torch.Tensor | None) -> None:
         """Per utterance: the encoder frames' keys/values of an encoder-context draft (the context buffer needs no
         reset: positions not yet written this decode are masked)."""
         if self.encoder_cache is None:
             return
-        for layer in self.draft.layers:
+        for layer in self._draft().layers:
             k, v = layer.encoder_attn.key_values(encoder_frames)
             static_k, static_v = self.encoder_cache[layer.self_attn.layer_idx]
             static_k.copy_(k)
             static_v.copy_(v)
 
-    def _run(self, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
+    def _run(self, ft, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
         n = pending.shape[1]
         self.pending[:, :n].copy_(pending)
         self.start_pos.fill_(start)
         self.anchor_pos.fill_(start + n)
         self.block_ids[:, :1].copy_(anchor)
         if self.graph is None:
-            return self._step()
-        with torch.cuda.device(self.target.device):  # the current stream of the graph's GPU
+            return self._step(ft)
+        with torch.cuda.device(self.device):  # the current stream of the graph's GPU
             self.graph.replay()
         return self.proposal
 
-    def propose(self, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens `[B-1]` for the block at position `start + pending rows`, anchored on `anchor`
+    def propose(self, ft, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens `[B-1]` (against the `FrozenTarget` `ft`, the step's target) for the block at position
+        `start + pending rows`, anchored on `anchor`
         `[1, 1]` (the last verified token, on the device). `pending` `[1, n, n_taps*H]` are the target features of
         positions `start .. start+n-1`, not yet in the draft's context. The result is a fixed tensor that the next
         call overwrites."""
         n = pending.shape[1]
         if n <= self.block:
-            return self._run(pending, start, anchor)
+            return self._run(ft, pending, start, anchor)
         # a prompt's context longer than a block (the first cycle): one eager forward writes all of it
         self.block_ids[:, :1].copy_(anchor)
-        return self._step(self.cache.with_rows(n), pending.to(self.dtype), start, start + n)
+        return self._step(ft, self.cache.with_rows(n), pending.to(self.dtype), start, start + n)
 
 
 GRAPH_MODES = {"auto": None, "on": True, "off": False}
@@ -205,6 +219,12 @@ def graph_capacity(limit: int, block_size: int) -> int | None:
     return -(-need // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
 
 
+def weight_addresses(draft, target) -> tuple[int, ...]:
+    """Where the draft's parameters and the target's embedding and lm_head live (a captured graph reads them there)."""
+    modules = (draft, target.embed_tokens, target.lm_head)
+    return tuple(p.data_ptr() for m in modules for p in m.parameters())
+
+
 def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor | None,
                       graph: bool) -> StaticDraftStep:
     """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape and mode, made once and kept on
@@ -213,7 +233,7 @@ def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
     key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
     step = store.pop(key, None)  # re-inserted last: the store is in order of use
-    if step is None or step.target.model is not target.model:
+    if step is None or not step.serves(draft, target):
         while len(store) >= MAX_STEPS_PER_DRAFT:
             store.pop(next(iter(store)))
         step = StaticDraftStep(draft, target, capacity, frames_shape, graph)

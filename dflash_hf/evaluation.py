@@ -97,6 +97,7 @@ class DecodeStats:
     greedy_seconds: float = 0.0
     mismatches: list[int] = field(default_factory=list)  # indices of prompts whose outputs differ
     compared: bool = False
+    draft_steps: dict[str, int] = field(default_factory=dict)  # prompts per way the draft's step ran
 
     @property
     def tau(self) -> float:
@@ -111,6 +112,7 @@ class DecodeStats:
             "tau": self.tau,
             "spec_tokens": self.spec_tokens,
             "spec_tokens_per_s": self.spec_tokens / max(self.spec_seconds, 1e-9),
+            "draft_steps": dict(self.draft_steps),
         }
         if self.compared:
             greedy_tps = self.greedy_tokens / max(self.greedy_seconds, 1e-9)
@@ -174,6 +176,7 @@ def decode_benchmark(
         spec_new = spec.sequences[0, n_prompt:].tolist()
         stats.spec_tokens += len(spec_new)
         stats.acceptance_lengths += spec.acceptance_lengths
+        stats.draft_steps[spec.draft_step] = stats.draft_steps.get(spec.draft_step, 0) + 1
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)

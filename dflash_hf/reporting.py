@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .losses import MetricSums
 
@@ -16,27 +16,32 @@ from .losses import MetricSums
 class HostTimes:
     """Where a training loop's wall time goes on the host, per optimizer step of a logging window: waiting for the
     loader's micro-batches (`data_wait_ms`: high against `step_ms` means the loader, not the device, sets the pace),
-    planning their blocks (`plan_ms`, anchors drawn on the CPU) and the whole step (`step_ms`, wall clock from one
-    batch fetch to the next)."""
+    planning their blocks (`plan_ms`, anchors drawn on the CPU) and the whole step (`step_ms`: wall clock from the
+    window's first batch fetch to the log, over its steps; evaluation and checkpoints after a log are left out)."""
 
     data_s: float = 0.0
     plan_s: float = 0.0
     steps: int = 0
-    since: float = field(default_factory=lambda: time.perf_counter())
+    since: float | None = None  # the window's first fetch (what runs between a log and it is not a step's)
     fetched: float = 0.0  # when the current step's micro-batches arrived
+    got: int = 0  # how many came
 
     def fetch(self, iterator, n: int) -> list:
         """The next `n` items of `iterator` (fewer at its end), timed as waiting for data."""
         start = time.perf_counter()
+        if self.since is None:
+            self.since = start
         items = list(itertools.islice(iterator, n))
         self.fetched = time.perf_counter()
         self.data_s += self.fetched - start
+        self.got = len(items)
         return items
 
     def planned(self) -> None:
-        """The step's micro-batches are planned: the time since `fetch` returned is planning; one step more."""
+        """The step's micro-batches are planned: the time since `fetch` returned is planning; one step more (none if
+        the iterator was exhausted)."""
         self.plan_s += time.perf_counter() - self.fetched
-        self.steps += 1
+        self.steps += self.got > 0
 
     def entries(self) -> dict[str, float]:
         """The window's means in ms, then a new window (empty, and the window goes on, if no step ended in it)."""
@@ -48,7 +53,7 @@ class HostTimes:
             "plan_ms": round(1000 * self.plan_s / self.steps, 2),
             "step_ms": round(1000 * (now - self.since) / self.steps, 2),
         }
-        self.data_s, self.plan_s, self.steps, self.since = 0.0, 0.0, 0, now
+        self.data_s, self.plan_s, self.steps, self.since = 0.0, 0.0, 0, None
         return out
 
 

@@ -44,6 +44,7 @@ class SpeculativeOutput:
     sequences: torch.LongTensor  # [1, prompt + new]
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted draft tokens + 1 per cycle
     num_target_forwards: int = 0
+    draft_step: str = "eager"  # how the draft ran: "cuda graph", "fixed-shape, no graph" or "eager"
 
     @property
     def tau(self) -> float:
@@ -69,6 +70,7 @@ class _Verifier:
     cache: object
     step_kwargs: dict = field(default_factory=dict)
     forwards: int = 0
+    draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
 
     def __call__(self, **kwargs):
         self.forwards += 1
@@ -158,6 +160,7 @@ def _decode(
         if capacity is not None:
             static = static_draft_step(draft, ft, capacity, draft_kwargs.get("encoder_hidden_states"),
                                        graph=dev.type == "cuda")
+            verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
@@ -166,10 +169,10 @@ def _decode(
         width = bsz if max_positions is None else min(bsz, max_positions - a)
         anchor_ids = seq[:, -1:]
         if static is not None:  # a whole block always (its slots past `width` are not verified)
-            proposal, q = static.propose(pending, pending_start, anchor_ids)[: width - 1], None
-        else:
-            block_ids = torch.cat([anchor_ids, masks[:, : width - 1]], dim=1)
-            pos = positions.span(pending_start, a + width)  # the pending features' positions, then the block's
+            proposal, q = static.propose(ft, pending, pending_start, anchor_ids)[: width - 1], None
+        else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
+            block_ids = torch.cat([anchor_ids, masks], dim=1)
+            pos = positions.span(pending_start, a + bsz)  # the pending features' positions, then the block's
             hidden = draft(
                 position_ids=pos,
                 noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
@@ -181,6 +184,7 @@ def _decode(
             crop_cache(dcache, a)  # keep the context, drop the block
             proposal, q = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample
                                         else 0.0, generator)
+            proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
         verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
         logits, feats = verifier.step(verify_ids)
         scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
@@ -239,7 +243,8 @@ def speculative_generate(
         max_positions=None, generator=generator, max_length=input_ids.shape[1] + max_new_tokens,
         draft_cuda_graph=draft_cuda_graph,
     )
-    return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards)
+    return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards,
+                             draft_step=verifier.draft_step)
 
 
 @torch.no_grad()
@@ -283,7 +288,7 @@ def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, gene
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
     return SpeculativeOutput(sequences=decode.sequences, acceptance_lengths=decode.acceptance_lengths,
-                             num_target_forwards=decode.num_target_forwards)
+                             num_target_forwards=decode.num_target_forwards, draft_step=decode.draft_step)
 
 
 # Keywords of the standard decoding step that the speculative loop sets itself.
@@ -308,6 +313,7 @@ class DFlashCustomGenerate:
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
         self.num_target_forwards = 0
+        self.draft_step = "eager"  # how the last call's draft step ran (`SpeculativeOutput.draft_step`)
 
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  synced_gpus=False, streamer=None, **model_kwargs):
@@ -344,6 +350,7 @@ class DFlashCustomGenerate:
             max_length=getattr(generation_config, "max_length", None), draft_cuda_graph=self.draft_cuda_graph,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
+        self.draft_step = verifier.draft_step
         if generation_config is not None and generation_config.return_dict_in_generate:
             cls = GenerateEncoderDecoderOutput if ft.is_encoder_decoder else GenerateDecoderOnlyOutput
             return cls(sequences=seq)

@@ -24,6 +24,10 @@ NON_TARGET_KEYS = frozenset(
 PACKED_ATTN_IMPLEMENTATIONS = (
     "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"
 )
+# Decoder model types whose mask is transformers' causal-plus-padding mask and nothing else (with full attention in
+# every layer), so that a prebuilt 4D mask gives the same taps (checked in tests/integration/test_target_masks.py);
+# others build their own masks (sliding windows, hybrid recurrent layers) and keep transformers' path.
+PREBUILT_MASK_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "whisper"})
 
 
 def resolve_dtype(precision: str) -> torch.dtype:
@@ -267,11 +271,25 @@ class FrozenTarget:
                 kwargs["attention_mask"] = mask
         return self.cast_features(kwargs)
 
+    def causal_full_attention(self) -> bool:
+        """Whether the decoder's mask is only causal plus padding, for a decoder checked against it: an sdpa decoder
+        of a model type in `PREBUILT_MASK_MODEL_TYPES` whose layers all attend fully (a prebuilt 4D mask reaches every
+        layer unchanged, so it would take a sliding window's band away, and hybrid models read the 2D mask for their
+        recurrent layers)."""
+        config = self.decoder.config
+        if getattr(config, "_attn_implementation", None) != "sdpa":
+            return False
+        if getattr(config, "model_type", None) not in PREBUILT_MASK_MODEL_TYPES:
+            return False
+        types = getattr(config, "layer_types", None)
+        if types is not None and any(t != "full_attention" for t in types):
+            return False
+        return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
     def padded_decoder_mask_applies(self) -> bool:
-        """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): an sdpa decoder of a family
-        checked against transformers' own mask."""
-        impl = getattr(self.decoder.config, "_attn_implementation", None)
-        return impl == "sdpa" and self.family.prebuilt_padded_mask
+        """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): a family checked against
+        transformers' own mask, with a causal full-attention decoder."""
+        return self.family.prebuilt_padded_mask and self.causal_full_attention()
 
     @staticmethod
     def padded_decoder_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -288,9 +306,8 @@ class FrozenTarget:
         sdpa mask, so the taps do not change. None (transformers builds it) for decoders other than sdpa, families
         not checked against transformers' path, and a row of one document without padding (transformers then
         uses no mask); `cu_seqlens` and `max_seqlen` tell that on the host."""
-        impl = getattr(self.decoder.config, "_attn_implementation", None)
         max_seqlen, pos = batch.get("max_seqlen"), batch["position_ids"]
-        if impl != "sdpa" or not self.family.prebuilt_packed_mask or not isinstance(max_seqlen, int):
+        if not self.family.prebuilt_packed_mask or not self.causal_full_attention() or not isinstance(max_seqlen, int):
             return None
         if batch["cu_seqlens"].numel() == 2 and max_seqlen == pos.shape[-1]:
             return None

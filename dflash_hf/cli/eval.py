@@ -141,10 +141,8 @@ def evaluate(args: EvalArguments) -> dict:
                              draft_cuda_graph=graph_mode(args.draft_cuda_graph))
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
-    mode, on_gpu = graph_mode(args.draft_cuda_graph), device.type == "cuda"
-    # which draft step ran (decoding here is greedy and bounded, so the mode and the device decide it)
-    fixed = mode or (mode is None and on_gpu)
-    draft_step = ("cuda graph" if on_gpu else "fixed-shape, no graph") if fixed else "eager"
+    steps = stats.draft_steps  # how the draft's step ran, per prompt (auto falls back to eager on very long decodes)
+    draft_step = next(iter(steps)) if len(steps) == 1 else ", ".join(f"{k}: {n} prompts" for k, n in steps.items())
     return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), "draft_step": draft_step,
             **asdict(args)}
 

@@ -193,7 +193,7 @@ def _graph_and_eager_agree(draft, target, max_new_tokens, **inputs):
     clear_static_steps(draft)
     graph, graph_props = decode_with_proposals(draft, target, max_new_tokens, None, **inputs)  # auto: a graph
     steps = list(static_steps(draft).values())
-    assert len(steps) == 1 and steps[0].graph is not None
+    assert len(steps) == 1 and steps[0].graph is not None and graph.draft_step == "cuda graph"
     eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
     assert torch.equal(graph.sequences, eager.sequences)  # lossless either way
     assert len(graph_props) == len(eager_props) > 2

@@ -6,6 +6,8 @@ The GPU tier (tests/gpu) checks the captured graph against the same step."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -25,7 +27,8 @@ def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
     if fresh:
         clear_static_steps(draft)
     static, static_props = decode_with_proposals(draft, target, max_new_tokens, True, **inputs)
-    assert static_steps(draft)  # the fixed-shape step ran
+    assert static_steps(draft)  # the fixed-shape step ran, and says so
+    assert (static.draft_step, eager.draft_step) == ("fixed-shape, no graph", "eager")
     assert torch.equal(static.sequences, eager.sequences)
     assert static.acceptance_lengths == eager.acceptance_lengths
     assert len(static_props) == len(eager_props) > 2
@@ -82,6 +85,22 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
     assert set(draft.state_dict()) == set(build_draft(args, FrozenTarget(model)).state_dict())
 
 
+def test_dflash2_decodes_up_to_whispers_last_position(whisper, tmp_path):
+    """Near Whisper's 448 positions the last blocks are cut to what is left: the draft still runs whole blocks
+    (DFlash2's convolutions take nothing else), eager and fixed-shape alike, and the output is Whisper's own."""
+    model, processor = copy.deepcopy(whisper[0]), whisper[1]
+    model.generation_config.suppress_tokens = [*model.generation_config.suppress_tokens, 256]  # no <|endoftext|>
+    args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=1, block_size=8, variant="dflash2")
+    torch.manual_seed(0)
+    draft = build_draft(args, FrozenTarget(model)).eval()
+    audio = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.1
+    feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+    greedy = model.generate(feats, max_new_tokens=444, do_sample=False)
+    eager = _same_decode(draft, model, 444, input_features=feats)
+    assert eager.sequences.shape[1] == model.config.max_target_positions == 448
+    assert torch.equal(eager.sequences[:, 4:], greedy)  # Whisper's generate leaves out its 4-token decoder prompt
+
+
 def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
     cache = StaticDraftCache(1, kv_heads=2, head_dim=3, capacity=10, ctx_rows=4, dtype=torch.float32,
                              device=torch.device("cpu"))
@@ -111,6 +130,26 @@ def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
     for new_tokens in (8, 200, 8, 400):  # capacities 128, 256, 128 (reused), 512
         speculative_generate(draft, ft, new_tokens, draft_cuda_graph=True, input_ids=ids)
     assert [key[3] for key in static_steps(draft)] == [128, 512]  # 256 was the least recently used
+
+
+def test_a_step_keeps_neither_draft_nor_target_alive_and_follows_moved_weights():
+    model, tok = tiny_text_target(seed=3)
+    ft = FrozenTarget(model)
+    draft = _text_draft(ft, DFlash2DraftModel, block=4)
+    ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # a step made under inference mode serves decodes outside it too
+        first = speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
+    (step,) = static_steps(draft).values()
+    again = speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
+    assert list(static_steps(draft).values()) == [step] and torch.equal(again.sequences, first.sequences)
+    draft.to(torch.float64).to(torch.float32)  # the same dtype, new parameter storage: a new step
+    speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
+    (moved,) = static_steps(draft).values()
+    assert moved is not step
+    refs = weakref.ref(draft), weakref.ref(model)
+    del draft, model, ft, step, moved
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
 
 
 def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():

@@ -65,3 +65,24 @@ def test_whisper_prebuilt_decoder_mask(tmp_path):
              for k, v in equal.items()}
     seen.add(_same_features_without_host_reads(target, equal, [0, 2]))
     assert seen == {True, False}
+
+
+def test_a_sliding_window_decoder_keeps_transformers_mask():
+    """A prebuilt 4D mask reaches every layer unchanged and would take a sliding window's band away: such decoders
+    (and model types not checked) keep transformers' own mask, with the same taps."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
+
+    for config in (MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+                   Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+                               sliding_window=4, max_window_layers=0)):
+        torch.manual_seed(0)
+        target = FrozenTarget(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+        assert not target.padded_decoder_mask_applies()
+        ids = torch.randint(3, 250, (2, 12))
+        mask = torch.ones_like(ids)
+        mask[1, 8:] = 0
+        batch = {"input_ids": ids, "attention_mask": mask}
+        ref = target.capture(batch, [0, 1])
+        assert torch.equal(target.capture(batch, [0, 1], padded=True).taps, ref.taps)

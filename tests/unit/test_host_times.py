@@ -6,13 +6,19 @@ from dflash_hf.reporting import HostTimes
 
 
 def test_means_per_step_over_a_window_then_a_new_window(monkeypatch):
-    clock = iter([100.0, 100.1, 100.12, 100.13, 100.2, 100.23, 100.5, 101.0])
+    clock = iter([100.0, 100.02, 100.03, 100.1, 100.13, 100.4, 100.5, 107.0, 107.2, 107.21, 107.5, 107.6, 107.7, 108.0])
     monkeypatch.setattr("dflash_hf.reporting.time.perf_counter", lambda: next(clock))
-    times = HostTimes()  # the window starts at 100.0
-    assert times.fetch(iter(range(5)), 2) == [0, 1]  # waited 100.1 -> 100.12
-    times.planned()  # planned until 100.13
-    assert times.fetch(iter([7]), 3) == [7]  # fewer at the end; waited 100.2 -> 100.23
-    times.planned()  # planned until 100.5
-    got = times.entries()  # at 101.0: 2 steps
-    assert got == {"data_wait_ms": 25.0, "plan_ms": 140.0, "step_ms": 500.0}, got
-    assert times.entries() == {}  # no step since: no entries (the clock is not read again)
+    times = HostTimes()
+    assert times.fetch(iter(range(5)), 2) == [0, 1]  # the window starts at this fetch (100.0); waited until 100.02
+    times.planned()  # planned until 100.03
+    assert times.fetch(iter([7]), 3) == [7]  # fewer at the end; waited 100.1 -> 100.13
+    times.planned()  # planned until 100.4
+    got = times.entries()  # at 100.5: 2 steps in 0.5 s
+    assert got == {"data_wait_ms": 25.0, "plan_ms": 140.0, "step_ms": 250.0}, got
+    assert times.entries() == {}  # no step since: no entries (the clock is not read)
+    # 6.5 s of evaluation after the log are not a step's: the next window starts at its first fetch (107.0)
+    assert times.fetch(iter([]), 2) == []  # an exhausted iterator: no step
+    times.planned()
+    assert times.fetch(iter([1]), 1) == [1]
+    times.planned()
+    assert times.entries()["step_ms"] == 1000.0  # one step, 107.0 -> 108.0
