@@ -151,8 +151,13 @@ def _decode(
     if draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda" and not sample):
         limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
         capacity = None if limit is None else graph_capacity(limit, bsz)
+        # a graph is captured on one device: the draft, the target's embedding and its lm_head must all be there
+        spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {dev}
+        if spread:
+            capacity = None
         if draft_cuda_graph and (sample or capacity is None):  # asked for explicitly: say why it cannot run
             why = "sampling (temperature > 0)" if sample else (
+                f"weights on {sorted(map(str, spread))} besides {dev}" if spread else
                 "a decode without a length bound" if limit is None else f"{limit} positions (more than the fixed "
                 f"step's {MAX_GRAPH_POSITIONS})")
             raise ValueError(f"draft_cuda_graph=True: the fixed-shape draft step is for bounded greedy decoding, not "

@@ -226,6 +226,20 @@ def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
     _graph_and_eager_agree(wdraft, whisper, 24, input_features=feats)
 
 
+@needs_cuda
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_prebuilt_padded_decoder_mask_gives_transformers_taps_on_cuda(side):
+    """The padded batch's decoder mask built on the device (`FrozenTarget.padded_decoder_mask`) against
+    transformers' own (an expanded view of the same values): bit-identical taps on CUDA too (the CPU check is in
+    tests/integration/test_target_masks.py)."""
+    model, tok = tiny_text_target(hidden_size=256)
+    target = FrozenTarget(model.cuda())
+    batch = {k: v.cuda() for k, v in text_batch(random_rows(3, 250, seed=4), tok.pad_token_id, side).items()}
+    ref = target.capture(batch, [1, 2], keep_final=True)
+    got = target.capture(batch, [1, 2], keep_final=True, padded=True)
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+
+
 if __name__ == "__main__":
     cases = [(dtype, c) for c in (False, True) for dtype in (torch.float32, torch.bfloat16)]
     print(json.dumps([flex_sdpa_differences(dtype, c) for dtype, c in cases], indent=1))
