@@ -13,7 +13,8 @@ be captured once and replayed as one graph:
   loop crops it);
 - the per-cycle inputs are copied into fixed tensors before the replay: the anchor id (device to device), the
   pending target features and two position scalars (``fill_``: no host-to-device copy, no synchronize);
-- a prompt with more than ``S`` positions of context (text targets) enters in steps of ``S`` rows.
+- a prompt with more than ``S`` positions of context (text and speech-LLM targets) enters in one eager forward that
+  writes all its rows into the same buffers; the cycles after it replay the graph.
 
 Only the proposal changes (attention over a masked fixed-size buffer may round differently from attention over the
 exact context), never the decoded output: verification decides every token. The same step runs without a graph on
