@@ -61,6 +61,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, draft_graph, speculative, tiny  # noqa: E402
+from dflash_hf.cli.config import check_paths_exist  # noqa: E402
 from dflash_hf.evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
 from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
@@ -145,9 +146,7 @@ class ProfileArguments:
         missing = sorted({"target", "draft", "data"} - set(given))
         if missing:
             raise ValueError(f"give --{', --'.join(missing)} (or --tiny {'|'.join(TINY_KINDS)} for a smoke run)")
-        for name in given:
-            if not Path(getattr(self, name)).exists():
-                raise FileNotFoundError(f"--{name} {getattr(self, name)!r} does not exist")
+        check_paths_exist(self, given)
 
 
 def make_parser() -> HfArgumentParser:

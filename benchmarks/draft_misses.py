@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 from dflash_hf import speculative  # noqa: E402
+from dflash_hf.cli.config import check_paths_exist  # noqa: E402
 from dflash_hf.cli.eval import EvalArguments, load_prompts  # noqa: E402
 from dflash_hf.cli.train import load_processor  # noqa: E402
 from dflash_hf.export import load_draft_strict  # noqa: E402
@@ -57,9 +58,7 @@ class MissArguments:
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         resolve_dtype(self.precision)
-        for name in ("draft", "target", "data"):
-            if not Path(getattr(self, name)).exists():
-                raise FileNotFoundError(f"--{name} {getattr(self, name)!r} does not exist")
+        check_paths_exist(self, ("draft", "target", "data"))
 
 
 def make_parser() -> HfArgumentParser:

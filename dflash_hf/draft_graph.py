@@ -110,7 +110,6 @@ class StaticDraftStep:
                 self.encoder_cache[layer.self_attn.layer_idx] = tuple(
                     torch.zeros(kv_shape, dtype=dtype, device=device) for _ in range(2))
             self.frames = torch.zeros(1, 0, frames_shape[2], dtype=dtype, device=device)
-        self.frames_shape = frames_shape
         self.graph: torch.cuda.CUDAGraph | None = None
         self.proposal: torch.Tensor | None = None
         if graph:
@@ -121,16 +120,15 @@ class StaticDraftStep:
         it was when the step was made (a dtype round trip or `load_state_dict(assign=True)` moves them)."""
         return self._model() is target.model and self.addresses == weight_addresses(draft, target)
 
-    def _step(self, ft, cache: StaticDraftCache | None = None, pending: torch.Tensor | None = None,
-              start_pos: torch.Tensor | int | None = None, anchor_pos: torch.Tensor | int | None = None):
-        """The greedy proposal `[B-1]` against the `FrozenTarget` `ft`: of the fixed inputs (what the graph captures),
-        or, for a long prompt's context, of `pending` `[1, n, ...]` at `start_pos` written through `cache`
-        (`self.cache.with_rows(n)`)."""
+    def _fixed_step(self, ft) -> torch.Tensor:
+        """`_step` over the fixed inputs: what the graph captures."""
+        return self._step(ft, self.cache, self.pending, self.start_pos, self.anchor_pos)
+
+    def _step(self, ft, cache: StaticDraftCache, pending: torch.Tensor, start_pos: torch.Tensor | int,
+              anchor_pos: torch.Tensor | int) -> torch.Tensor:
+        """The greedy proposal `[B-1]` against the `FrozenTarget` `ft` of `pending` `[1, n, ...]` (the context rows
+        at `start_pos` onwards, written through `cache`, whose `rows` are n), for the block at `anchor_pos`."""
         draft = self._draft()
-        cache = self.cache if cache is None else cache
-        pending = self.pending if pending is None else pending
-        start_pos = self.start_pos if start_pos is None else start_pos
-        anchor_pos = self.anchor_pos if anchor_pos is None else anchor_pos
         cache.write_index = start_pos + cache.rows  # [n]: where the context rows go
         positions = torch.cat([cache.write_index, anchor_pos + self.block_rows])[None]  # [1, n+B]
         keep = torch.cat([self.columns < anchor_pos, self.keep_block]).view(1, 1, 1, -1)  # [1,1,1,cap+B]
@@ -158,11 +156,11 @@ class StaticDraftStep:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._step(ft)
+                    self._fixed_step(ft)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.proposal = self._step(ft)
+                self.proposal = self._fixed_step(ft)
 
     def start(self, encoder_frames: torch.Tensor | None) -> None:
         """Per utterance: the encoder frames' keys/values of an encoder-context draft (the context buffer needs no
@@ -182,7 +180,7 @@ class StaticDraftStep:
         self.anchor_pos.fill_(start + n)
         self.block_ids[:, :1].copy_(anchor)
         if self.graph is None:
-            return self._step(ft)
+            return self._fixed_step(ft)
         with torch.cuda.device(self.device):  # the current stream of the graph's GPU
             self.graph.replay()
         return self.proposal

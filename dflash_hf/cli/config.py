@@ -23,6 +23,13 @@ CONFIG_HELP = (
 )
 
 
+def check_paths_exist(args, names) -> None:
+    """Refuse (before any loading) the first path option of `names` on `args` that names nothing on disk."""
+    for name in names:
+        if not Path(getattr(args, name)).exists():
+            raise FileNotFoundError(f"--{name} {getattr(args, name)!r} does not exist")
+
+
 def add_config_option(parser: argparse.ArgumentParser) -> None:
     """Document `--config` in the parser's help (it is read by `parse_with_config` before the parser runs)."""
     if "--config" not in parser._option_string_actions:

@@ -27,7 +27,7 @@ from ..export import load_draft_strict
 from ..families import get_tokenizer, resolve_family
 from ..launch import configure_cpu_threads
 from ..target import FrozenTarget, load_target, resolve_dtype
-from .config import parse_with_config
+from .config import check_paths_exist, parse_with_config
 from .train import load_processor
 
 
@@ -64,9 +64,7 @@ class EvalArguments:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         resolve_dtype(self.precision)
         graph_mode(self.draft_cuda_graph)
-        for name in ("draft", "target", "data"):
-            if not Path(getattr(self, name)).exists():
-                raise FileNotFoundError(f"--{name} {getattr(self, name)!r} does not exist")
+        check_paths_exist(self, ("draft", "target", "data"))
 
 
 def make_parser() -> HfArgumentParser:
