@@ -951,6 +951,14 @@ CONFIGS = {
         # accuracy is flat over the block, as if the draft's reading of the audio were the limit).
         RunConfig("whisper-ctx-dflash2-b8-l4", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4"]),
+        # Taps up to the decoder's last layer (the DESIGN default spreads them over layers 1..L-3: [1, 3] for 2 draft
+        # layers of Whisper-base's 6, [1, 2, 2, 3] for 4, so the draft never sees layers 4 and 5).
+        RunConfig("whisper-ctx-dflash2-b8-t135", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--target_layer_ids", "1", "3",
+                                        "5"]),
+        RunConfig("whisper-ctx-dflash2-b8-l4-t12345", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4",
+                                        "--target_layer_ids", "1", "2", "3", "4", "5"]),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
