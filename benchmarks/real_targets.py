@@ -959,6 +959,10 @@ CONFIGS = {
         RunConfig("whisper-ctx-dflash2-b8-l4-t12345", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4",
                                         "--target_layer_ids", "1", "2", "3", "4", "5"]),
+        # Its DFlash twin: the DFlash2 / DFlash tau ratio on the same data, depth and taps.
+        RunConfig("whisper-ctx-dflash-b8-l4-t12345", "whisper-base",
+                  COMMON_WHISPER_CTX + ["--block_size", "8", "--num_draft_layers", "4",
+                                        "--target_layer_ids", "1", "2", "3", "4", "5"]),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),

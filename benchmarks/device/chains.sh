@@ -1,4 +1,4 @@
-# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
+# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -83,6 +83,14 @@ case $kind in
     bash /tmp/chains.sh sllmdraft sllm-adapt-slt qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
       --train_data $SP/dev_rest.json --warmup_steps 10 --learning_rate 1e-3 &
     wait; echo done > /tmp/logs/sllmall.done ;;
+  sllmduo)  # LLM_MINUTES DRAFT_MINUTES [dflash-train flags]: the speech LLM (taught on every other training clip), then its DFlash b8 and
+    # DFlash2 b8 drafts at once (the sixth session's plan: longer drafts than sllmall's four, no adaptations)
+    lm=$1; dm=$2
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000
+    shift 2  # more dflash-train flags for both drafts (e.g. --max_steps, planned for the shared rate)
+    bash /tmp/chains.sh sllmdraft sllm-dflash-b8 qwen2_audio "$dm" --block_size 8 "$@" &
+    bash /tmp/chains.sh sllmdraft sllm-dflash2-b8 qwen2_audio "$dm" --block_size 8 --variant dflash2 "$@" &
+    wait; echo done > /tmp/logs/sllmduo.done ;;
   timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each (32 prompts for t:), to /tmp/results/clean.
     # ITEM = w:NAME[:GRAPH] (a Whisper run of real_targets.py; GRAPH = auto|on|off, dflash-eval's --draft_cuda_graph),
     # t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM), p:NAME[:GRAPH] (a Whisper run's per-phase
@@ -107,5 +115,5 @@ case $kind in
         *) echo "timing: unknown item $item (w:NAME, t:NAME, s:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
-  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, timing)"; exit 2 ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, timing)"; exit 2 ;;
 esac
