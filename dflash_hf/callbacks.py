@@ -117,6 +117,29 @@ class TimeBudgetCallback(TrainerCallback):
             control.should_save = args.save_strategy != "no"
 
 
+class LabelAgreementCallback(TrainerCallback):
+    """Warn once per metric when `target_agreement` (train) or `eval_<name>_target_agreement` is below `threshold`:
+    the target's own next token differs from the data's at many of the positions it labels, so the draft trains on
+    sequences the target does not write (docs/GENERATED_LABELS.md says what to do)."""
+
+    def __init__(self, threshold: float = 0.9):
+        self.threshold = threshold
+        self.warned: set[str] = set()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for name, value in (logs or {}).items():
+            if not name.endswith("target_agreement") or value >= self.threshold or name in self.warned:
+                continue
+            self.warned.add(name)
+            logger.warning(
+                "%s = %.3f at step %d: the target's greedy next token differs from the data token at %.1f%% of the "
+                "positions it labels, so the draft learns from sequences the target never writes (references "
+                "normalized otherwise than the target's output: punctuation, casing, numbers; or a tokenizer that "
+                "encodes the text otherwise than the target writes it). Train on the target's own outputs instead: "
+                "dflash-generate-labels, then --label_source ground_truth (docs/GENERATED_LABELS.md).",
+                name, value, state.global_step, 100 * (1 - value))
+
+
 class DFlashProgressCallback(ProgressCallback):
     """The Trainer's progress bar with `loss`, `tau_est` (and the real `tau` when measured) as its postfix,
     instead of printing the whole log dict at every logging step; evaluation results print as one line."""
@@ -167,6 +190,18 @@ class DataEpochCallback(TrainerCallback):
         return control
 
 
+def add_dflash_callbacks(trainer, args) -> None:
+    """The `DFlashTrainer`'s callbacks: the concise progress bar, real tau (`real_tau_steps`), the data epoch, the
+    label-agreement warning and the time budget (`max_train_minutes`)."""
+    use_concise_progress_bar(trainer)
+    if args.real_tau_steps > 0:
+        trainer.add_callback(RealTauCallback(trainer))
+    trainer.add_callback(DataEpochCallback(trainer))
+    trainer.add_callback(LabelAgreementCallback())
+    if args.max_train_minutes is not None:
+        trainer.add_callback(TimeBudgetCallback(args.max_train_minutes))
+
+
 def use_concise_progress_bar(trainer) -> None:
     """Replace the Trainer's `ProgressCallback` by `DFlashProgressCallback` (loss / tau_est as the bar's postfix)."""
     for cb in list(trainer.callback_handler.callbacks):
@@ -175,4 +210,7 @@ def use_concise_progress_bar(trainer) -> None:
             trainer.add_callback(DFlashProgressCallback(cb.max_str_len))
 
 
-__all__ = ["DataEpochCallback", "DFlashProgressCallback", "RealTauCallback", "use_concise_progress_bar"]
+__all__ = [
+    "DataEpochCallback", "DFlashProgressCallback", "LabelAgreementCallback", "RealTauCallback", "TimeBudgetCallback",
+    "add_dflash_callbacks", "use_concise_progress_bar",
+]

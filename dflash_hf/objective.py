@@ -22,6 +22,7 @@ from .blocks import (
     build_blocks,
     doc_ids_from,
     flex_block_layout,
+    label_positions,
     leading_padding,
     move_leading_padding,
     row_positions,
@@ -73,6 +74,17 @@ def summed_denominator(plans) -> torch.Tensor:
     for plan in plans:
         total += plan.denominator.double().cpu()
     return total
+
+
+def data_agreement(
+    input_ids: torch.Tensor, label_ids: torch.Tensor, plan: BlockPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(agreeing, relabelled)`: of the positions a target label source relabels (`label_positions` of the plan's
+    CPU masks), how many labels equal the data token. Low agreement means the data is not what the target writes
+    (docs/GENERATED_LABELS.md). Counts stay on their devices (no synchronization)."""
+    need = label_positions(plan.loss_mask, plan.doc_ids)
+    agree = (label_ids == input_ids) & need.to(input_ids.device, non_blocking=True)
+    return agree.sum(), need.sum()
 
 
 def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | None:
@@ -230,8 +242,12 @@ class DFlashObjective:
         head, chunk, loss, soft = target.lm_head.weight, self.ce_chunk_size, self.slot_loss, labels.soft
         if self.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = extract_model_from_parallel(draft).candidate_selector
-            return dflash2_block_loss(hidden, blocks, head, selector, chunk, loss, soft)
-        return block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft)
+            out = dflash2_block_loss(hidden, blocks, head, selector, chunk, loss, soft)
+        else:
+            out = block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft)
+        if self.label_source.needs_final_hidden:  # the target relabels: how often does it write the data's token?
+            out.data_agreement = data_agreement(ids, labels.ids, plan)
+        return out
 
     def run_draft(self, draft, target, taps, positions, doc_ids, blocks: Blocks, layout: FlexLayout | None = None,
                   encoder_hidden: torch.Tensor | None = None):
@@ -315,4 +331,4 @@ class DFlashObjective:
         return metrics
 
 
-__all__ = ["BlockPlan", "DFlashObjective", "fused_ce_conflict", "stable_seed", "summed_denominator"]
+__all__ = ["BlockPlan", "DFlashObjective", "data_agreement", "fused_ce_conflict", "stable_seed", "summed_denominator"]

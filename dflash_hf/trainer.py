@@ -24,7 +24,7 @@ from .assembly import (
     prepare_target,
     speech_loader,
 )
-from .callbacks import DataEpochCallback, RealTauCallback, TimeBudgetCallback, use_concise_progress_bar
+from .callbacks import add_dflash_callbacks
 from .checkpoints import (
     complete_only_save,
     load_data_state,
@@ -76,12 +76,7 @@ class DFlashTrainer(Trainer):
         self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
-        use_concise_progress_bar(self)
-        if args.real_tau_steps > 0:
-            self.add_callback(RealTauCallback(self))
-        self.add_callback(DataEpochCallback(self))
-        if args.max_train_minutes is not None:
-            self.add_callback(TimeBudgetCallback(args.max_train_minutes))
+        add_dflash_callbacks(self, args)
         self._resume_checkpoint: str | None = None  # set by train()
         self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length

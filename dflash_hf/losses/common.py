@@ -46,6 +46,8 @@ class BlockLoss:
     correct: torch.Tensor  # [b, N, B-1] bool, argmax == label on valid slots
     blocks: Blocks
     denominator_after_forward: bool = False
+    # (agreeing, relabelled) label positions where a target label source's label equals the data token
+    data_agreement: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

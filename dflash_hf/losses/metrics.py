@@ -56,6 +56,9 @@ class MetricSums:
         self.add(f"{tag}blocks", out.blocks.anchor_valid.sum())
         if not tag:
             self.add_slots(out.correct, out.blocks.valid)
+        if not tag and out.data_agreement is not None:  # logged as target_agreement (the trainer warns when low)
+            self.add("num_target_agreement", out.data_agreement[0])
+            self.add("den_target_agreement", out.data_agreement[1])
         if isinstance(out, DFlash2BlockLoss):
             # selector_loss, selector_tau_est; selector_accuracy and candidate_recall per valid slot
             self.add_block_loss(out.selector, tag=f"{tag}selector_")

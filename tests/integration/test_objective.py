@@ -197,6 +197,64 @@ def test_objective_without_a_trainer_equals_compute_loss(tmp_path, text_target_4
     assert len(calls) == 2 and calls[0] != calls[1]  # one plan per micro-batch (distinct seeds), none in the step
 
 
+# ---------------------------------------------------------------------------------------------- label agreement
+def _own_rows(model, rows, corrupt_every: int):
+    """Each row's response replaced by the target's own greedy continuation of its prompt, every `corrupt_every`-th
+    token of it then changed: the data agrees with the target at some relabelled positions and not at others."""
+    out = []
+    for p, r in rows:
+        with torch.no_grad():
+            own = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=len(r), min_new_tokens=len(r), do_sample=False)[0, len(p):].tolist()
+        out.append((p, [3 + (t + 1) % 240 if i % corrupt_every == 2 else t for i, t in enumerate(own)]))
+    return out
+
+
+@pytest.mark.parametrize("label_source", ["target_argmax", "target_distribution", "ground_truth"])
+def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_the_data(
+    tmp_path, text_target_4x64, label_source
+):
+    """`target_agreement` = (label == data token) over the positions a target label source relabels, brute force
+    from the target's full logits; ground_truth labels nothing, so there is no such metric."""
+    from dflash_hf.blocks import label_positions
+    from dflash_hf.losses import MetricSums
+
+    model, tok = text_target_4x64
+    trainer = _trainer(tmp_path, text_target_4x64, label_source=label_source, label_top_k=3)
+    rows = _own_rows(model, random_rows(3, 250, seed=5), corrupt_every=4)
+    batch = text_batch(rows, tok.pad_token_id, "right")  # right padding: the plan's rows keep the batch's columns
+    out, _ = _run(trainer, batch)
+    if label_source == "ground_truth":
+        assert out.data_agreement is None
+        return
+    with torch.no_grad():
+        greedy = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+    plan = trainer.objective.plan(trainer.target, batch, seed=0)
+    need = label_positions(plan.loss_mask, plan.doc_ids)
+    agree = (greedy[:, :-1] == batch["input_ids"][:, 1:]) & need[:, 1:]
+    agreeing, relabelled = (int(x) for x in out.data_agreement)
+    assert relabelled == int(need.sum()) and agreeing == int(agree.sum())
+    left, _ = _run(trainer, text_batch(rows, tok.pad_token_id, "left"))
+    assert [int(x) for x in left.data_agreement] == [agreeing, relabelled]  # padding side changes nothing
+    assert 0.4 < agreeing / relabelled < 0.95  # the corrupted tokens and what follows them disagree
+    sums = MetricSums()
+    sums.add_block_loss(out)
+    assert sums.reduce()["target_agreement"] == pytest.approx(agreeing / relabelled)
+
+
+def test_low_label_agreement_is_warned_once_per_metric(monkeypatch):
+    from dflash_hf import callbacks
+
+    warned = []
+    monkeypatch.setattr(callbacks.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    cb, state = callbacks.LabelAgreementCallback(threshold=0.9), type("S", (), {"global_step": 7})()
+    for logs in ({"target_agreement": 0.95}, {"target_agreement": 0.71, "loss": 2.0}, {"target_agreement": 0.7},
+                 {"eval_dev_target_agreement": 0.72}):
+        cb.on_log(None, state, None, logs=logs)
+    assert len(warned) == 2 and "target_agreement = 0.710 at step 7" in warned[0] and "29.0%" in warned[0]
+    assert warned[1].startswith("eval_dev_target_agreement") and "dflash-generate-labels" in warned[1]
+
+
 # ---------------------------------------------------------------------------------------------- registries
 def test_unknown_loss_or_label_source_is_refused(tmp_path):
     with pytest.raises(ValueError, match="loss_type 'kl' is not registered.*'ce', 'dpace'"):

@@ -324,3 +324,35 @@ def test_merge_repair_leaves_unordered_merges_and_refuses_an_ambiguous_split():
     ambiguous["model"]["merges"] = [m for m in ambiguous["model"]["merges"] if "".join(m) != "abc"]
     with pytest.raises(ValueError, match="'abc' .*2 pairs"):
         rt.repair_byte_level_merges(ambiguous)
+
+
+_FAKE_LABELLER = """
+import json, sys
+a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+rows = [json.loads(line) for line in open(a["--manifest"]) if line.strip()]
+with open(a["--output"], "w") as out:
+    for r in rows:
+        out.write(json.dumps({**r, "text": r["text"].upper(), "reference_text": r["text"]}) + "\\n")
+"""
+
+
+def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monkeypatch):
+    """`labels` for a generated_labels Whisper configuration: the manifests split over processes and joined in
+    their own order, every clip accounted for, the stamp written; a second call reuses the set."""
+    speech = tmp_path / "data" / "speech"
+    speech.mkdir(parents=True)
+    for name, n in (("train", 7), ("dev", 3)):
+        rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
+                                                  "id": f"{name}-{i}"} for i in range(n)])
+    rt.write_stamp(speech / "speech.json", [speech / "train.json", speech / "dev.json"])
+    calls = []
+    monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
+    out = rt.generate_whisper_labels(tmp_path, batch_size=4, device="cpu", dtype="float32", shards=3)
+    train = rt.read_jsonl(out["train"])
+    assert [r["id"] for r in train] == [f"train-{i}" for i in range(7)]
+    assert [r["text"] for r in train][:2] == ["CLIP 0", "CLIP 1"] and train[0]["reference_text"] == "clip 0"
+    assert len(rt.read_jsonl(out["dev"])) == 3 and len(calls) == 6  # 3 shards x 2 manifests
+    assert not list(speech.glob(".*.shard*")) and not list(out["train"].parent.glob(".*.part*"))
+    assert rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
+    with pytest.raises(SystemExit, match="shards must be >= 1"):
+        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
