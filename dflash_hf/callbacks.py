@@ -131,13 +131,15 @@ class LabelAgreementCallback(TrainerCallback):
             if not name.endswith("target_agreement") or value >= self.threshold or name in self.warned:
                 continue
             self.warned.add(name)
+            consequence = (f"so {name[: -len('target_agreement')]}tau_est is measured on sequences"
+                           if name.startswith("eval_") else "so the draft learns from sequences")
             logger.warning(
                 "%s = %.3f at step %d: the target's greedy next token differs from the data token at %.1f%% of the "
-                "positions it labels, so the draft learns from sequences the target never writes (references "
-                "normalized otherwise than the target's output: punctuation, casing, numbers; or a tokenizer that "
-                "encodes the text otherwise than the target writes it). Train on the target's own outputs instead: "
-                "dflash-generate-labels, then --label_source ground_truth (docs/GENERATED_LABELS.md).",
-                name, value, state.global_step, 100 * (1 - value))
+                "positions it labels, %s the target never writes (references normalized otherwise than the "
+                "target's output: punctuation, casing, numbers; a tokenizer that encodes the text otherwise than "
+                "the target writes it; or a target that does not yet know this data). Use the target's own outputs "
+                "instead: dflash-generate-labels, then --label_source ground_truth (docs/GENERATED_LABELS.md).",
+                name, value, state.global_step, 100 * (1 - value), consequence)
 
 
 class DFlashProgressCallback(ProgressCallback):

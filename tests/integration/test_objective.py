@@ -252,7 +252,9 @@ def test_low_label_agreement_is_warned_once_per_metric(monkeypatch):
                  {"eval_dev_target_agreement": 0.72}):
         cb.on_log(None, state, None, logs=logs)
     assert len(warned) == 2 and "target_agreement = 0.710 at step 7" in warned[0] and "29.0%" in warned[0]
+    assert "so the draft learns from sequences the target never writes" in warned[0]
     assert warned[1].startswith("eval_dev_target_agreement") and "dflash-generate-labels" in warned[1]
+    assert "so eval_dev_tau_est is measured on sequences the target never writes" in warned[1]
 
 
 # ---------------------------------------------------------------------------------------------- registries
