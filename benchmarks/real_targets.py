@@ -887,7 +887,8 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
     n_prompt = len(processor.tokenizer(prompt, add_special_tokens=False).input_ids)
     rows = read_jsonl(manifest)[:num_samples]
     counts = {name: [0, 0] for name in tokenizers}
-    same_text = 0
+    same_text, differences = 0, []
+    suppressed = set(model.generation_config.suppress_tokens or [])
     for r in tqdm(rows, desc="agreement", unit="clip"):
         audio, _ = sf.read(manifest.parent / r["audio_filepath"], dtype="float32")
         features = processor.feature_extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
@@ -896,13 +897,22 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
             for name, tok in tokenizers.items():
                 ids = tok(f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False,
                           return_tensors="pt").input_ids
-                predicted = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
-                counts[name][0] += int((predicted.argmax(-1) == ids[0, n_prompt:]).sum())
-                counts[name][1] += ids.shape[1] - n_prompt
+                logits = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
+                data = ids[0, n_prompt:]
+                counts[name][0] += int((logits.argmax(-1) == data).sum())
+                counts[name][1] += len(data)
+                if name == "converted":  # every disagreement: what the label says, what the data says, by how much
+                    for j in (logits.argmax(-1) != data).nonzero().flatten().tolist():
+                        label, token = int(logits[j].argmax()), int(data[j])
+                        differences.append({
+                            "id": r.get("id"), "position": j, "label": tok.convert_ids_to_tokens(label),
+                            "data": tok.convert_ids_to_tokens(token), "label_suppressed": label in suppressed,
+                            "logit_margin": round(float(logits[j, label] - logits[j, token]), 4)})
         same_text += processor.batch_decode(greedy, skip_special_tokens=True)[0].strip() == r["text"].strip()
     return {"manifest": str(manifest), "clips": len(rows), "greedy_transcript_equals_text": same_text,
             **{f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
-               for name, (a, n) in counts.items()}}
+               for name, (a, n) in counts.items()},
+            "converted_differences": differences}
 
 
 def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> Path:

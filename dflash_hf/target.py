@@ -123,6 +123,10 @@ class FrozenTarget:
         if self.lm_head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); DFlash needs one")
         self._forward_params = set(inspect.signature(model.forward).parameters)
+        # ids `generate` never writes (Whisper's punctuation, task tokens): target labels leave them out as well
+        generation = getattr(model, "generation_config", None)
+        self.suppressed_ids = sorted(set(getattr(generation, "suppress_tokens", None) or []))
+        self._suppressed: dict[torch.device, torch.Tensor] = {}
 
     # --- facts ---------------------------------------------------------------------------
     @property
@@ -361,6 +365,16 @@ class FrozenTarget:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits
         return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
+    def label_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """`lm_head(final_hidden)` `[..., V]` with the ids `generate` suppresses at -inf: the scores whose argmax is
+        the target's greedy next token (what verification accepts), for `target_argmax` and `target_distribution`."""
+        logits = self.lm_head(final_hidden)
+        if self.suppressed_ids:
+            if logits.device not in self._suppressed:  # one copy to each device, not one per call
+                self._suppressed[logits.device] = torch.tensor(self.suppressed_ids, device=logits.device)
+            logits = logits.index_fill(-1, self._suppressed[logits.device], float("-inf"))
+        return logits
+
     @torch.no_grad()
     def argmax_labels(
         self,
@@ -370,9 +384,9 @@ class FrozenTarget:
         doc_ids: torch.Tensor,  # [b, S], -1 on padding
         chunk_size: int = 128,
     ) -> torch.Tensor:
-        """`label[t] = argmax(lm_head(final_hidden[t-1]))` for supervised t whose predecessor is a real
-        token of the same document; other positions keep their id. Projects only those positions,
-        `chunk_size` at a time, so `[S, vocab]` logits never exist."""
+        """`label[t] = argmax(lm_head(final_hidden[t-1]))` (over the ids `generate` does not suppress) for supervised
+        t whose predecessor is a real token of the same document; other positions keep their id. Projects only those
+        positions, `chunk_size` at a time, so `[S, vocab]` logits never exist."""
         if chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {chunk_size}")
         labels = input_ids.clone()
@@ -381,6 +395,6 @@ class FrozenTarget:
         rows, cols = (i.to(final_hidden.device, non_blocking=True) for i in need.nonzero(as_tuple=True))
         for start in range(0, rows.numel(), chunk_size):
             r, c = rows[start : start + chunk_size], cols[start : start + chunk_size]
-            logits = self.lm_head(final_hidden[r, c - 1])  # [chunk, V]
+            logits = self.label_logits(final_hidden[r, c - 1])  # [chunk, V]
             labels[r, c] = logits.argmax(-1)
         return labels

@@ -1,4 +1,4 @@
-# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
+# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -86,6 +86,24 @@ case $kind in
     bash /tmp/chains.sh sllmdraft sllm-adapt-slt qwen2_audio "$am" --init_from_pretrained $base --projection_only true \
       --train_data $SP/dev_rest.json --warmup_steps 10 --learning_rate 1e-3 &
     wait; echo done > /tmp/logs/sllmall.done ;;
+  sllmgen)  # LLM_MINUTES DRAFT_MINUTES CLIPS [dflash-train flags]: the speech LLM, its own greedy transcripts of the first
+    # CLIPS training clips and of the 64 dev clips (4 dflash-generate-labels processes, fp32 as dflash-eval decodes),
+    # then its DFlash2 b8 draft on them with ground_truth labels (docs/GENERATED_LABELS.md; not yet run)
+    lm=$1; dm=$2; clips=$3; shift 3
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000
+    [ -f $SP/dev64.json ] || head -64 $SP/dev.json > $SP/dev64.json
+    G=$SP/sllm_generated; mkdir -p $G
+    head -n "$clips" $SP/train.json > $SP/.sllm_first.json
+    split -n l/4 -d --additional-suffix=.json $SP/.sllm_first.json $SP/.sllm_shard  # beside the manifest: its paths
+    gen() { python3 -m dflash_hf.cli.generate_labels --model $M/trained --manifest "$1" --output "$2" --batch_size 128 \
+      --max_new_tokens 128 --prompt "Transcribe the audio." --device cuda --dtype float32; }
+    for f in $SP/.sllm_shard*.json; do gen "$f" $G/"$(basename "$f")" > /tmp/logs/sllmgen_"$(basename "$f" .json)".log 2>&1 & done
+    gen $SP/dev64.json $G/dev64.json > /tmp/logs/sllmgen_dev.log 2>&1 & wait
+    cat $G/.sllm_shard*.json > $G/train.json
+    [ "$(wc -l < $G/train.json)" = "$clips" ] || { echo "sllmgen: $(wc -l < $G/train.json) of $clips labelled"; exit 1; }
+    bash /tmp/chains.sh sllmdraft sllm-gen-dflash2-b8 qwen2_audio "$dm" --block_size 8 --variant dflash2 \
+      --train_data $G/train.json --eval_data dev=$G/dev64.json --label_source ground_truth "$@"
+    echo done > /tmp/logs/sllmgen.done ;;
   sllmduo)  # LLM_MINUTES DRAFT_MINUTES [dflash-train flags]: the speech LLM (taught on every other training clip), then its DFlash b8 and
     # DFlash2 b8 drafts at once (the sixth session's plan: longer drafts than sllmall's four, no adaptations)
     lm=$1; dm=$2
@@ -118,5 +136,5 @@ case $kind in
         *) echo "timing: unknown item $item (w:NAME, t:NAME, s:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
-  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, timing)"; exit 2 ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing)"; exit 2 ;;
 esac

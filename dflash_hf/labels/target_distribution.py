@@ -2,11 +2,12 @@
 
 At the positions `target_argmax` labels (supervised t whose predecessor t-1 is a real token of the same document;
 `blocks.label_positions`) and with the same chunking (`--target_argmax_chunk_size` positions projected at a time),
-the target's logits at t-1 give the top `--label_top_k` tokens and their probabilities renormalized over those k
-(the softmax of the k logits). The loss is `-Σ_{v in top-k} p(v) log q(v)`, q the draft's full-vocabulary softmax,
-weighted and normalized as the CE (`losses.common.slot_cross_entropy`). The hard label, read by the accuracy and
-`tau_est` metrics and the DFlash2 selector, is the top-1 token, i.e. `target_argmax`'s. Other positions keep their
-data token with probability 1. Only `[b, S, k]` tensors are kept: no `[S, vocab]` tensor exists.
+the target's logits at t-1 (the ids `generate` suppresses left out, `FrozenTarget.label_logits`) give the top
+`--label_top_k` tokens and their probabilities renormalized over those k (the softmax of the k logits). The loss is
+`-Σ_{v in top-k} p(v) log q(v)`, q the draft's full-vocabulary softmax, weighted and normalized as the CE
+(`losses.common.slot_cross_entropy`). The hard label, read by the accuracy and `tau_est` metrics and the DFlash2
+selector, is the top-1 token, i.e. `target_argmax`'s. Other positions keep their data token with probability 1. Only
+`[b, S, k]` tensors are kept: no `[S, vocab]` tensor exists.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TargetDistribution(LabelSource):
 
     def __call__(self, target, final_hidden, input_ids, plan) -> Labels:
         soft = topk_distribution(
-            target.lm_head, final_hidden, input_ids, plan.loss_mask, plan.doc_ids, self.label_top_k,
+            target.label_logits, final_hidden, input_ids, plan.loss_mask, plan.doc_ids, self.label_top_k,
             self.target_argmax_chunk_size,
         )
         return Labels(ids=soft.ids[..., 0], soft=soft)
@@ -42,7 +43,7 @@ class TargetDistribution(LabelSource):
 
 @torch.no_grad()
 def topk_distribution(
-    lm_head: torch.nn.Module,
+    lm_head,  # final hidden [m, H] -> logits [m, V]: the target's `label_logits` (or its bare lm_head)
     final_hidden: torch.Tensor,  # [b, S, H] final-normed states
     input_ids: torch.Tensor,  # [b, S]
     loss_mask: torch.Tensor,  # [b, S]

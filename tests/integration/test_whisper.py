@@ -118,6 +118,35 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     assert target.mask_token_candidates(processor.tokenizer, limit=3) == [364, 365, 366]
 
 
+def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_target_4x64):
+    """`target_argmax` / `target_distribution` labels are the target's greedy next token as `generate` (and so the
+    verify step) writes it: never an id of `generation_config.suppress_tokens`; a target without any keeps its head."""
+    from dflash_hf.labels.target_distribution import topk_distribution
+
+    model, _ = whisper
+    target = FrozenTarget(model)
+    suppressed = model.generation_config.suppress_tokens
+    assert target.suppressed_ids == sorted(set(suppressed))
+    head = target.lm_head.weight  # tied to the embedding: a state along a token's row scores that token highest
+    hidden = torch.randn(1, 6, head.shape[1]) * 0.1
+    hidden[0, 1], hidden[0, 3] = 50 * head[suppressed[0]], 50 * head[suppressed[1]]
+    ids = torch.tensor([[257, 258, 359, 363, 32, 104]])
+    mask, docs = torch.tensor([[0, 0, 1, 1, 1, 1]]), torch.zeros(1, 6, dtype=torch.long)
+    raw = target.lm_head(hidden)
+    assert raw[0, 1].argmax() == suppressed[0] and raw[0, 3].argmax() == suppressed[1]  # the case that matters
+    expected = raw.index_fill(-1, torch.tensor(suppressed), float("-inf")).argmax(-1)
+    labels = target.argmax_labels(hidden, ids, mask, docs)
+    assert labels[0, 2:].tolist() == expected[0, 1:5].tolist()  # label[t] from the state at t-1
+    assert not set(labels[0, 2:].tolist()) & set(suppressed)
+    soft = topk_distribution(target.label_logits, hidden, ids, mask, docs, top_k=4)
+    assert not set(soft.ids[0, 2:].flatten().tolist()) & set(suppressed)
+    assert soft.ids[0, 2:, 0].tolist() == labels[0, 2:].tolist()
+    text, _ = text_target_4x64
+    plain = FrozenTarget(text)
+    state = torch.ones(2, 64)
+    assert plain.suppressed_ids == [] and torch.equal(plain.label_logits(state), plain.lm_head(state))
+
+
 def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
