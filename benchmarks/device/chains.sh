@@ -92,15 +92,18 @@ case $kind in
     lm=$1; dm=$2; clips=$3; shift 3
     bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000
     [ -f $SP/dev64.json ] || head -64 $SP/dev.json > $SP/dev64.json
-    G=$SP/sllm_generated; mkdir -p $G
+    G=$SP/sllm_generated; rm -rf $G $SP/.sllm_shard*; mkdir -p $G  # labels of this run's speech LLM only
     head -n "$clips" $SP/train.json > $SP/.sllm_first.json
     split -n l/4 -d --additional-suffix=.json $SP/.sllm_first.json $SP/.sllm_shard  # beside the manifest: its paths
     gen() { python3 -m dflash_hf.cli.generate_labels --model $M/trained --manifest "$1" --output "$2" --batch_size 128 \
-      --max_new_tokens 128 --prompt "Transcribe the audio." --device cuda --dtype float32; }
-    for f in $SP/.sllm_shard*.json; do gen "$f" $G/"$(basename "$f")" > /tmp/logs/sllmgen_"$(basename "$f" .json)".log 2>&1 & done
-    gen $SP/dev64.json $G/dev64.json > /tmp/logs/sllmgen_dev.log 2>&1 & wait
+      --max_new_tokens 128 --prompt "Transcribe the audio." --device cuda --dtype float32 \
+      > /tmp/logs/sllmgen_"$(basename "$1" .json)".log 2>&1; }
+    pids=(); for f in $SP/.sllm_shard*.json $SP/dev64.json; do gen "$f" $G/"$(basename "$f")" & pids+=($!); done
+    for p in "${pids[@]}"; do wait "$p" || { echo "rc=labels" > /tmp/logs/sllmgen.done; exit 1; }; done
     cat $G/.sllm_shard*.json > $G/train.json
-    [ "$(wc -l < $G/train.json)" = "$clips" ] || { echo "sllmgen: $(wc -l < $G/train.json) of $clips labelled"; exit 1; }
+    for pair in "$G/train.json $clips" "$G/dev64.json 64"; do read -r f want <<< "$pair"  # ("$@" holds the flags)
+      [ "$(wc -l < "$f")" = "$want" ] || { echo "rc=labels: $(wc -l < "$f") of $want in $f" > /tmp/logs/sllmgen.done; exit 1; }
+    done
     bash /tmp/chains.sh sllmdraft sllm-gen-dflash2-b8 qwen2_audio "$dm" --block_size 8 --variant dflash2 \
       --train_data $G/train.json --eval_data dev=$G/dev64.json --label_source ground_truth "$@"
     echo done > /tmp/logs/sllmgen.done ;;

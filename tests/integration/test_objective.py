@@ -247,7 +247,11 @@ def test_low_label_agreement_is_warned_once_per_metric(monkeypatch):
 
     warned = []
     monkeypatch.setattr(callbacks.logger, "warning", lambda msg, *args: warned.append(msg % args))
-    cb, state = callbacks.LabelAgreementCallback(threshold=0.9), type("S", (), {"global_step": 7})()
+    cb = callbacks.LabelAgreementCallback(threshold=0.9)
+    state = type("S", (), {"global_step": 7, "is_world_process_zero": True})()
+    cb.on_log(None, type("S", (), {"global_step": 7, "is_world_process_zero": False})(), None,
+              logs={"target_agreement": 0.5})  # another rank: silent
+    assert not warned and not cb.warned
     for logs in ({"target_agreement": 0.95}, {"target_agreement": 0.71, "loss": 2.0}, {"target_agreement": 0.7},
                  {"eval_dev_target_agreement": 0.72}):
         cb.on_log(None, state, None, logs=logs)

@@ -327,8 +327,10 @@ def test_merge_repair_leaves_unordered_merges_and_refuses_an_ambiguous_split():
 
 
 _FAKE_LABELLER = """
-import json, sys
+import json, os, sys
 a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+if os.environ.get("FAIL_ON") and os.environ["FAIL_ON"] in a["--manifest"]:
+    sys.exit(1)
 rows = [json.loads(line) for line in open(a["--manifest"]) if line.strip()]
 with open(a["--output"], "w") as out:
     for r in rows:
@@ -341,6 +343,9 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
     their own order, every clip accounted for, the stamp written; a second call reuses the set."""
     speech = tmp_path / "data" / "speech"
     speech.mkdir(parents=True)
+    hf = rt.whisper_dirs(tmp_path)[1]
+    hf.mkdir(parents=True)
+    (hf / "converted.json").write_text("{}")
     for name, n in (("train", 7), ("dev", 3)):
         rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
                                                   "id": f"{name}-{i}"} for i in range(n)])
@@ -356,3 +361,31 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
     assert rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
     with pytest.raises(SystemExit, match="shards must be >= 1"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
+
+
+def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatch):
+    """A call that fails on dev keeps the finished train set (the rerun labels dev only); other shards, a rebuilt
+    speech set or another model start afresh instead of mixing parts."""
+    speech = tmp_path / "data" / "speech"
+    speech.mkdir(parents=True)
+    hf = rt.whisper_dirs(tmp_path)[1]
+    hf.mkdir(parents=True)
+    (hf / "converted.json").write_text("{}")
+    for name, n in (("train", 6), ("dev", 2)):
+        rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
+                                                  "id": f"{name}-{i}"} for i in range(n)])
+    calls = []
+    monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
+    monkeypatch.setattr(rt, "stamp_ok", lambda stamp: stamp.is_file())  # the speech stamp is not the point here
+    (speech / "speech.json").write_text("{}")
+    monkeypatch.setenv("FAIL_ON", ".dev.")
+    with pytest.raises(RuntimeError, match="failed"):
+        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
+    assert len(calls) == 4 and len(rt.read_jsonl(rt.whisper_label_manifests(tmp_path)["train"])) == 6
+    monkeypatch.delenv("FAIL_ON")
+    out = rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
+    assert len(calls) == 6 and [r["id"] for r in rt.read_jsonl(out["dev"])] == ["dev-0", "dev-1"]  # dev only
+    (hf / "converted.json").write_text('{"another": "model"}')
+    rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
+    assert len(calls) == 6 + 3 + 2  # everything again: 3 train shards, 2 dev shards (one clip each)
+    assert [r["id"] for r in rt.read_jsonl(out["train"])] == [f"train-{i}" for i in range(6)]
