@@ -1144,6 +1144,16 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
     return out.with_name("train.cuts.jsonl.gz")
 
 
+def check_whisper_conversion(cache: Path) -> Path:
+    """The converted Whisper-base, refused when it predates the tokenizer repair (a model carried from an old cache:
+    its tokenizer encodes " the" as two tokens Whisper never writes, see `repair_byte_level_merges`)."""
+    hf = target_dir(cache, "whisper-base")
+    if "tokenizer_repairs" not in json.loads((hf / "converted.json").read_text()):
+        raise SystemExit(f"{hf} was converted before the tokenizer repair: delete it and run `real_targets.py fetch "
+                         "whisper-base` again (then re-pack it for the device)")
+    return hf
+
+
 def whisper_label_manifests(cache: Path) -> dict[str, Path]:
     root = cache / "data" / "speech" / "generated"
     return {name: root / f"{name}.json" for name in ("train", "dev")}
@@ -1158,6 +1168,7 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
         raise SystemExit(f"{speech / 'speech.json'} missing: run `real_targets.py data speech` first")
     if shards < 1:
         raise SystemExit(f"--shards must be >= 1, got {shards}")
+    check_whisper_conversion(cache)
     out = whisper_label_manifests(cache)
     root = out["train"].parent
     root.mkdir(parents=True, exist_ok=True)
@@ -1222,6 +1233,7 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
         return draft
     target = target_dir(cache, cfg.target)
     if cfg.target == "whisper-base":
+        check_whisper_conversion(cache)
         speech = build_speech(cache, SpeechArgs()) if not (cache / "data" / "speech" / "speech.json").is_file() else {
             n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
         if cfg.generated_labels:

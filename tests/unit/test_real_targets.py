@@ -345,7 +345,8 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
     speech.mkdir(parents=True)
     hf = rt.whisper_dirs(tmp_path)[1]
     hf.mkdir(parents=True)
-    (hf / "converted.json").write_text("{}")
+    (hf / "config.json").write_text("{}")
+    (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
     for name, n in (("train", 7), ("dev", 3)):
         rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
                                                   "id": f"{name}-{i}"} for i in range(n)])
@@ -361,6 +362,9 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
     assert rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
     with pytest.raises(SystemExit, match="shards must be >= 1"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
+    (rt.whisper_dirs(tmp_path)[1] / "converted.json").write_text("{}")  # converted before the tokenizer repair
+    with pytest.raises(SystemExit, match="before the tokenizer repair"):
+        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
 
 
 def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatch):
@@ -370,7 +374,8 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     speech.mkdir(parents=True)
     hf = rt.whisper_dirs(tmp_path)[1]
     hf.mkdir(parents=True)
-    (hf / "converted.json").write_text("{}")
+    (hf / "config.json").write_text("{}")
+    (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
     for name, n in (("train", 6), ("dev", 2)):
         rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
                                                   "id": f"{name}-{i}"} for i in range(n)])
@@ -385,7 +390,7 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     monkeypatch.delenv("FAIL_ON")
     out = rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
     assert len(calls) == 6 and [r["id"] for r in rt.read_jsonl(out["dev"])] == ["dev-0", "dev-1"]  # dev only
-    (hf / "converted.json").write_text('{"another": "model"}')
+    (hf / "converted.json").write_text('{"tokenizer_repairs": [], "another": "model"}')
     rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
     assert len(calls) == 6 + 3 + 2  # everything again: 3 train shards, 2 dev shards (one clip each)
     assert [r["id"] for r in rt.read_jsonl(out["train"])] == [f"train-{i}" for i in range(6)]
