@@ -338,31 +338,39 @@ with open(a["--output"], "w") as out:
 """
 
 
-def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monkeypatch):
-    """`labels` for a generated_labels Whisper configuration: the manifests split over processes and joined in
-    their own order, every clip accounted for, the stamp written; a second call reuses the set."""
+def _labelling(tmp_path, monkeypatch, train: int, dev: int) -> tuple[Path, list[str]]:
+    """A converted Whisper-base stand-in, speech manifests of `train` and `dev` clips with their stamp, and the fake
+    labeller in place of `dflash-generate-labels` (each call recorded): the converted model's folder and the calls."""
     speech = tmp_path / "data" / "speech"
     speech.mkdir(parents=True)
     hf = rt.whisper_dirs(tmp_path)[1]
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
-    for name, n in (("train", 7), ("dev", 3)):
+    for name, n in (("train", train), ("dev", dev)):
         rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
                                                   "id": f"{name}-{i}"} for i in range(n)])
     rt.write_stamp(speech / "speech.json", [speech / "train.json", speech / "dev.json"])
     calls = []
     monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
+    return hf, calls
+
+
+def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monkeypatch):
+    """`labels` for a generated_labels Whisper configuration: the manifests split over processes and joined in
+    their own order, every clip accounted for, the stamp written; a second call reuses the set."""
+    hf, calls = _labelling(tmp_path, monkeypatch, train=7, dev=3)
     out = rt.generate_whisper_labels(tmp_path, batch_size=4, device="cpu", dtype="float32", shards=3)
     train = rt.read_jsonl(out["train"])
     assert [r["id"] for r in train] == [f"train-{i}" for i in range(7)]
     assert [r["text"] for r in train][:2] == ["CLIP 0", "CLIP 1"] and train[0]["reference_text"] == "clip 0"
     assert len(rt.read_jsonl(out["dev"])) == 3 and len(calls) == 6  # 3 shards x 2 manifests
+    speech = tmp_path / "data" / "speech"
     assert not list(speech.glob(".*.shard*")) and not list(out["train"].parent.glob(".*.part*"))
     assert rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
     with pytest.raises(SystemExit, match="shards must be >= 1"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
-    (rt.whisper_dirs(tmp_path)[1] / "converted.json").write_text("{}")  # converted before the tokenizer repair
+    (hf / "converted.json").write_text("{}")  # converted before the tokenizer repair
     with pytest.raises(SystemExit, match="before the tokenizer repair"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
 
@@ -370,19 +378,7 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
 def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatch):
     """A call that fails on dev keeps the finished train set (the rerun labels dev only); other shards, a rebuilt
     speech set or another model start afresh instead of mixing parts."""
-    speech = tmp_path / "data" / "speech"
-    speech.mkdir(parents=True)
-    hf = rt.whisper_dirs(tmp_path)[1]
-    hf.mkdir(parents=True)
-    (hf / "config.json").write_text("{}")
-    (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
-    for name, n in (("train", 6), ("dev", 2)):
-        rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
-                                                  "id": f"{name}-{i}"} for i in range(n)])
-    calls = []
-    monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
-    monkeypatch.setattr(rt, "stamp_ok", lambda stamp: stamp.is_file())  # the speech stamp is not the point here
-    (speech / "speech.json").write_text("{}")
+    hf, calls = _labelling(tmp_path, monkeypatch, train=6, dev=2)
     monkeypatch.setenv("FAIL_ON", ".dev.")
     with pytest.raises(RuntimeError, match="failed"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
@@ -393,4 +389,3 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     (hf / "converted.json").write_text('{"tokenizer_repairs": [], "another": "model"}')
     rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
     assert len(calls) == 6 + 3 + 2  # everything again: 3 train shards, 2 dev shards (one clip each)
-    assert [r["id"] for r in rt.read_jsonl(out["train"])] == [f"train-{i}" for i in range(6)]
