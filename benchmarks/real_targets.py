@@ -908,10 +908,11 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
                     raw_suppressed += int(torch.isin(raw.argmax(-1), suppressed).sum())
                     for j in (logits.argmax(-1) != data).nonzero().flatten().tolist():
                         label, token = int(logits[j].argmax()), int(data[j])
-                        differences.append({
+                        differences.append({  # the margin on the raw logits: a suppressed data token is at -inf
                             "id": r.get("id"), "position": j, "label": tok.convert_ids_to_tokens(label),
-                            "data": tok.convert_ids_to_tokens(token),
-                            "logit_margin": round(float(logits[j, label] - logits[j, token]), 4)})
+                            "data": tok.convert_ids_to_tokens(token), "data_suppressed": bool(torch.isin(data[j],
+                                                                                                   suppressed)),
+                            "logit_margin": round(float(raw[j, label] - raw[j, token]), 4)})
         same_text += processor.batch_decode(greedy, skip_special_tokens=True)[0].strip() == r["text"].strip()
     return {"manifest": str(manifest), "clips": len(rows), "greedy_transcript_equals_text": same_text,
             **{f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
@@ -1148,7 +1149,8 @@ def check_whisper_conversion(cache: Path) -> Path:
     """The converted Whisper-base, refused when it predates the tokenizer repair (a model carried from an old cache:
     its tokenizer encodes " the" as two tokens Whisper never writes, see `repair_byte_level_merges`)."""
     hf = target_dir(cache, "whisper-base")
-    if "tokenizer_repairs" not in json.loads((hf / "converted.json").read_text()):
+    stamp = hf / "converted.json"
+    if not stamp.is_file() or "tokenizer_repairs" not in json.loads(stamp.read_text()):
         raise SystemExit(f"{hf} was converted before the tokenizer repair: delete it and run `real_targets.py fetch "
                          "whisper-base` again (then re-pack it for the device)")
     return hf
@@ -1157,6 +1159,19 @@ def check_whisper_conversion(cache: Path) -> Path:
 def whisper_label_manifests(cache: Path) -> dict[str, Path]:
     root = cache / "data" / "speech" / "generated"
     return {name: root / f"{name}.json" for name in ("train", "dev")}
+
+
+def whisper_labels_made_from(cache: Path) -> dict:
+    """What a generated set belongs to: these speech manifests and this converted model (a rebuilt speech set or a
+    re-converted model makes it anew)."""
+    speech = cache / "data" / "speech"
+    return {"sources": {n: sha256_file(speech / f"{n}.json") for n in whisper_label_manifests(cache)},
+            "model": sha256_file(whisper_dirs(cache)[1] / "converted.json")}
+
+
+def whisper_labels_current(cache: Path) -> bool:
+    stamp = whisper_label_manifests(cache)["train"].with_name("labels.json")
+    return stamp_ok(stamp) and json.loads(stamp.read_text()).get("made_from") == whisper_labels_made_from(cache)
 
 
 def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: str, shards: int = 1) -> dict[str, Path]:
@@ -1173,12 +1188,10 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
     root = out["train"].parent
     root.mkdir(parents=True, exist_ok=True)
     stamp = root / "labels.json"
-    # the set belongs to these clips and this converted model: a rebuilt speech set or model makes it anew
-    made_from = {"sources": {n: sha256_file(speech / f"{n}.json") for n in out},
-                 "model": sha256_file(whisper_dirs(cache)[1] / "converted.json")}
+    made_from = whisper_labels_made_from(cache)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp_ok(stamp) and json.loads(stamp.read_text()).get("made_from") == made_from:
+        if whisper_labels_current(cache):
             return out
         plan = root / ".plan.json"  # parts resume only under the plan that made them (same sources, model, shards)
         if not plan.is_file() or json.loads(plan.read_text()) != {**made_from, "shards": shards}:
@@ -1238,8 +1251,9 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
             n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
         if cfg.generated_labels:
             speech = whisper_label_manifests(cache)
-            if not stamp_ok(speech["train"].with_name("labels.json")):
-                raise SystemExit(f"{speech['train']} missing: run `real_targets.py labels {cfg.name}` first")
+            if not whisper_labels_current(cache):
+                raise SystemExit(f"{speech['train']} missing, or made from other clips or another conversion: run "
+                                 f"`real_targets.py labels {cfg.name}` first")
         data = ["--train_data", speech["train"], "--eval_data", f"dev={speech['dev']}"]
     else:
         cuts = labels_dir(cache, cfg.target) / "train.cuts.jsonl.gz"

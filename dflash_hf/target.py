@@ -124,8 +124,7 @@ class FrozenTarget:
             raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); DFlash needs one")
         self._forward_params = set(inspect.signature(model.forward).parameters)
         # ids `generate` never writes (Whisper's punctuation, task tokens): target labels leave them out as well
-        generation = getattr(model, "generation_config", None)
-        self.suppressed_ids = sorted(set(getattr(generation, "suppress_tokens", None) or []))
+        self.suppressed_ids = sorted(set(getattr(getattr(model, "generation_config", 0), "suppress_tokens", 0) or ()))
         self._suppressed: dict[torch.device, torch.Tensor] = {}
 
     # --- facts ---------------------------------------------------------------------------
@@ -366,12 +365,13 @@ class FrozenTarget:
         return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
     def label_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """`lm_head(final_hidden)` `[..., V]` with the ids `generate` suppresses at -inf: the scores whose argmax is
-        the target's greedy next token (what verification accepts), for `target_argmax` and `target_distribution`."""
+        """`lm_head(final_hidden)` `[..., V]`, the ids `generate` always suppresses at -inf (not Whisper's begin-
+        suppressed ids, masked at the first position only): the scores of `target_argmax` / `target_distribution`."""
         logits = self.lm_head(final_hidden)
         if self.suppressed_ids:
             if logits.device not in self._suppressed:  # one copy to each device, not one per call
-                self._suppressed[logits.device] = torch.tensor(self.suppressed_ids, device=logits.device)
+                ids = [i for i in self.suppressed_ids if i < logits.shape[-1]]  # ids past V: no such logit
+                self._suppressed[logits.device] = torch.tensor(ids, dtype=torch.long, device=logits.device)
             logits = logits.index_fill(-1, self._suppressed[logits.device], float("-inf"))
         return logits
 

@@ -87,7 +87,8 @@ case $kind in
       --train_data $SP/dev_rest.json --warmup_steps 10 --learning_rate 1e-3 &
     wait; echo done > /tmp/logs/sllmall.done ;;
   sllmgen)  # LLM_MINUTES DRAFT_MINUTES CLIPS [dflash-train flags]: the speech LLM, its own greedy transcripts of the first
-    # CLIPS training clips and of the 64 dev clips (4 dflash-generate-labels processes, fp32 as dflash-eval decodes),
+    # CLIPS training clips and of the 64 dev clips (5 dflash-generate-labels processes: 4 train shards and dev; fp32
+    # as dflash-eval decodes; a failed one ends the chain, the others finish on their own),
     # then its DFlash2 b8 draft on them with ground_truth labels (docs/GENERATED_LABELS.md; not yet run)
     lm=$1; dm=$2; clips=$3; shift 3
     bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000

@@ -141,6 +141,9 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
     soft = topk_distribution(target.label_logits, hidden, ids, mask, docs, top_k=4)
     assert not set(soft.ids[0, 2:].flatten().tolist()) & set(suppressed)
     assert soft.ids[0, 2:, 0].tolist() == labels[0, 2:].tolist()
+    beyond = FrozenTarget(model)  # a generation config listing ids past the vocabulary: `generate` ignores them
+    beyond.suppressed_ids = [*target.suppressed_ids, head.shape[0] + 5]
+    assert torch.equal(beyond.label_logits(hidden), target.label_logits(hidden))
     text, _ = text_target_4x64
     plain = FrozenTarget(text)
     state = torch.ones(2, 64)
