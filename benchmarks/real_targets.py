@@ -880,9 +880,12 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
     import torch
     from transformers import PreTrainedTokenizerFast, WhisperForConditionalGeneration, WhisperProcessor
 
+    from dflash_hf.target import FrozenTarget
+
     ct2, hf = whisper_dirs(cache)
     processor = WhisperProcessor.from_pretrained(hf)
     model = WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
+    target = FrozenTarget(model)  # its `suppress`: the labels' rule for the ids `generate` never writes
     tokenizers = {"converted": processor.tokenizer,
                   "shipped": PreTrainedTokenizerFast(tokenizer_file=str(ct2 / "tokenizer.json"))}
     prompt = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
@@ -890,7 +893,7 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
     rows = read_jsonl(manifest)[:num_samples]
     counts = {name: [0, 0] for name in tokenizers}
     same_text, differences, raw_suppressed = 0, [], 0
-    suppressed = torch.tensor(sorted(set(model.generation_config.suppress_tokens or [])), dtype=torch.long)
+    suppressed = torch.tensor(target.suppressed_ids, dtype=torch.long)
     for r in tqdm(rows, desc="agreement", unit="clip"):
         audio, _ = sf.read(manifest.parent / r["audio_filepath"], dtype="float32")
         features = processor.feature_extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
@@ -900,7 +903,7 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
                 ids = tok(f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False,
                           return_tensors="pt").input_ids
                 raw = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
-                logits = raw.index_fill(-1, suppressed, float("-inf"))  # as the labels are made (label_logits)
+                logits = target.suppress(raw)  # as the labels are made (`FrozenTarget.label_logits`)
                 data = ids[0, n_prompt:]
                 counts[name][0] += int((logits.argmax(-1) == data).sum())
                 counts[name][1] += len(data)
@@ -1169,9 +1172,11 @@ def whisper_labels_made_from(cache: Path) -> dict:
             "model": sha256_file(whisper_dirs(cache)[1] / "converted.json")}
 
 
-def whisper_labels_current(cache: Path) -> bool:
+def whisper_labels_current(cache: Path, made_from: dict | None = None) -> bool:
+    """Whether the generated set exists, unchanged, and was made from `made_from` (default: the current one)."""
     stamp = whisper_label_manifests(cache)["train"].with_name("labels.json")
-    return stamp_ok(stamp) and json.loads(stamp.read_text()).get("made_from") == whisper_labels_made_from(cache)
+    made_from = made_from or whisper_labels_made_from(cache)
+    return stamp_ok(stamp) and json.loads(stamp.read_text()).get("made_from") == made_from
 
 
 def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: str, shards: int = 1) -> dict[str, Path]:
@@ -1191,7 +1196,7 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
     made_from = whisper_labels_made_from(cache)
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if whisper_labels_current(cache):
+        if whisper_labels_current(cache, made_from):
             return out
         plan = root / ".plan.json"  # parts resume only under the plan that made them (same sources, model, shards)
         if not plan.is_file() or json.loads(plan.read_text()) != {**made_from, "shards": shards}:
@@ -1202,7 +1207,8 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             lines = [line for line in (speech / f"{name}.json").read_text().splitlines() if line.strip()]
             if not lines:
                 raise SystemExit(f"{speech / f'{name}.json'} has no clips")
-            if path.is_file() and [r["id"] for r in read_jsonl(path)] == [json.loads(x).get("id") for x in lines]:
+            ids = [json.loads(line).get("id") for line in lines]
+            if path.is_file() and [r["id"] for r in read_jsonl(path)] == ids:
                 continue  # this manifest finished in an earlier, interrupted call
             size = -(-len(lines) // shards)
             jobs = []
@@ -1220,7 +1226,7 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             rows = [row for part, _ in jobs for row in read_jsonl(part)]
             if len(rows) != len(lines):
                 raise RuntimeError(f"{name}: {len(rows)} generated lines for {len(lines)} clips")
-            if [r["id"] for r in rows] != [json.loads(x).get("id") for x in lines]:
+            if [r["id"] for r in rows] != ids:
                 raise RuntimeError(f"{name}: the generated lines are not in the manifest's order; delete {root}")
             write_jsonl(path, rows)
             for part, _ in jobs:

@@ -111,8 +111,7 @@ class FrozenTarget:
     """Wraps the frozen target. Never trained: eval mode, no grad, its own parameter dtype, no autocast."""
 
     def __init__(self, model: nn.Module, family: str | None = None):
-        """`family`: a `families.FAMILIES` row name; default resolved from the config's `model_type` (pass
-        e.g. `"qwen2_audio_single_placeholder"` for a model-side audio expansion)."""
+        """`family`: a `families.FAMILIES` row name (`"qwen2_audio_single_placeholder"`...), default by model_type."""
         self.model = model.eval().requires_grad_(False)
         self.family = resolve_family(model.config, family)
         self.decoder = _decoder_of(model)
@@ -123,7 +122,6 @@ class FrozenTarget:
         if self.lm_head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head); DFlash needs one")
         self._forward_params = set(inspect.signature(model.forward).parameters)
-        # ids `generate` never writes (Whisper's punctuation, task tokens): target labels leave them out as well
         self.suppressed_ids = sorted(set(getattr(getattr(model, "generation_config", 0), "suppress_tokens", 0) or ()))
         self._suppressed: dict[torch.device, torch.Tensor] = {}
 
@@ -365,12 +363,15 @@ class FrozenTarget:
         return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
     def label_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        """`lm_head(final_hidden)` `[..., V]`, the ids `generate` always suppresses at -inf (not Whisper's begin-
-        suppressed ids, masked at the first position only): the scores of `target_argmax` / `target_distribution`."""
-        logits = self.lm_head(final_hidden)
+        """The scores of `target_argmax` / `target_distribution` labels: `suppress(lm_head(final_hidden))`."""
+        return self.suppress(self.lm_head(final_hidden))
+
+    def suppress(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` `[..., V]`, the ids `generate` always suppresses at -inf (`suppressed_ids`: Whisper's punctuation,
+        task tokens; not its begin-suppressed ids, masked at the first position only; ids past V ignored)."""
         if self.suppressed_ids:
             if logits.device not in self._suppressed:  # one copy to each device, not one per call
-                ids = [i for i in self.suppressed_ids if i < logits.shape[-1]]  # ids past V: no such logit
+                ids = [i for i in self.suppressed_ids if i < logits.shape[-1]]
                 self._suppressed[logits.device] = torch.tensor(ids, dtype=torch.long, device=logits.device)
             logits = logits.index_fill(-1, self._suppressed[logits.device], float("-inf"))
         return logits
@@ -384,9 +385,8 @@ class FrozenTarget:
         doc_ids: torch.Tensor,  # [b, S], -1 on padding
         chunk_size: int = 128,
     ) -> torch.Tensor:
-        """`label[t] = argmax(lm_head(final_hidden[t-1]))` (over the ids `generate` does not suppress) for supervised
-        t whose predecessor is a real token of the same document; other positions keep their id. Projects only those
-        positions, `chunk_size` at a time, so `[S, vocab]` logits never exist."""
+        """`label[t] = argmax(label_logits(final_hidden[t-1]))` for supervised t whose predecessor is a real token of
+        the same document; other positions keep their id. Only those, `chunk_size` at a time: no `[S, V]` logits."""
         if chunk_size <= 0:
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {chunk_size}")
         labels = input_ids.clone()

@@ -24,7 +24,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
-from dflash_hf.evaluation import target_greedy
+from dflash_hf.evaluation import target_greedy_new_tokens
 from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
 from dflash_hf.target import FrozenTarget
 from dflash_hf.whisper_features import with_fast_features
@@ -88,23 +88,16 @@ def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
 
 
 def _greedy_new_tokens(target: FrozenTarget, processor, texts: list[str], audios: list, args) -> list[torch.Tensor]:
-    """The target's greedy new tokens for each prompt (`evaluation.target_greedy`). One left-padded batch, except
-    where a batch would change the outputs: a model-side single-placeholder row (its greedy is not `generate`) and
-    a row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
+    """The target's greedy new tokens for each prompt (`evaluation.target_greedy_new_tokens`). One left-padded batch,
+    except where a batch would change the outputs: a model-side single-placeholder row (its greedy is not `generate`)
+    and a row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
     family, model = target.family, target.model
 
     def new_tokens(txts, auds) -> torch.Tensor:
         inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
         # audio (features or waveform) in the target's dtype; ids and masks as they are
         inputs = {k: v.to(args.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-        if family.name == "whisper":
-            # Whisper's plain call gives the new tokens (its final end token dropped, which the decoded text skips
-            # anyway); with return_dict_in_generate it copies every row's self- and cross-attention cache to the
-            # CPU and back (37 MB a row for Whisper-base, 2.4 GB a batch of 64)
-            return model.generate(**generate_kwargs(family, inputs), max_new_tokens=args.max_new_tokens,
-                                  do_sample=False)
-        sequences = target_greedy(target, generate_kwargs(family, inputs), args.max_new_tokens)
-        return sequences[:, inputs["input_ids"].shape[1]:]  # prompt + new tokens for every family
+        return target_greedy_new_tokens(target, generate_kwargs(family, inputs), args.max_new_tokens)
 
     if family.expansion == "model" or family.prepare_forward is not None:
         return [new_tokens([t], audios[i : i + 1])[0] for i, t in enumerate(texts)]

@@ -43,7 +43,7 @@ class TargetDistribution(LabelSource):
 
 @torch.no_grad()
 def topk_distribution(
-    lm_head,  # final hidden [m, H] -> logits [m, V]: the target's `label_logits` (or its bare lm_head)
+    logits_of,  # final hidden [m, H] -> logits [m, V]: the target's `label_logits` (or a bare lm_head)
     final_hidden: torch.Tensor,  # [b, S, H] final-normed states
     input_ids: torch.Tensor,  # [b, S]
     loss_mask: torch.Tensor,  # [b, S]
@@ -63,7 +63,7 @@ def topk_distribution(
     rows, cols = (i.to(final_hidden.device, non_blocking=True) for i in need.nonzero(as_tuple=True))
     for start in range(0, rows.numel(), chunk_size):
         r, c = rows[start : start + chunk_size], cols[start : start + chunk_size]
-        logits, top = lm_head(final_hidden[r, c - 1]).topk(top_k, dim=-1)  # [chunk, k]
+        logits, top = logits_of(final_hidden[r, c - 1]).topk(top_k, dim=-1)  # [chunk, k]
         ids[r, c] = top
         probs[r, c] = torch.softmax(logits.float(), dim=-1)
     return SoftLabels(ids=ids, probs=probs)
