@@ -133,21 +133,37 @@ def _clock(device: torch.device) -> float:
 
 
 def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
-    """The target's own greedy decoding: prompt + new tokens (Whisper's plain `generate` drops the prompt). A
-    model-side single-placeholder target decodes without `generate`, which cannot run its audio merge."""
+    """The target's own greedy decoding: prompt + new tokens, as `generate(return_dict_in_generate=True)` gives them
+    (rows padded with the end token). A model-side single-placeholder target decodes without `generate`, which cannot
+    run its audio merge. Whisper with its decoder prompt given takes its plain `generate` (`_whisper_greedy`)."""
     if ft.family.expansion == "model":
         return model_side_greedy(ft, max_new_tokens, **inputs)
+    if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
+        gc = ft.model.generation_config
+        if gc.pad_token_id == gc.eos_token_id or inputs["decoder_input_ids"].shape[0] == 1:
+            return _whisper_greedy(ft, inputs, max_new_tokens)
     out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
     return out.sequences
 
 
+def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+    """Whisper's plain `generate` returns only the new tokens, its final end token dropped; with
+    `return_dict_in_generate` it would copy every row's self- and cross-attention cache to the CPU and back (37 MB a
+    row for Whisper-base), a cost neither a user's `generate` nor speculative decoding pays. The end token is put back
+    unless the longest row ran to `max_new_tokens` (then no row of that length ended); shorter rows are padded with
+    the pad token, which must be the end token for a batch to equal the dict call's sequences (Whisper's is)."""
+    prompt = inputs["decoder_input_ids"]
+    new = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)  # [b, n]
+    if new.shape[1] < max_new_tokens:
+        eos = ft.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, int) else eos[0]
+        new = torch.cat([new, new.new_full((new.shape[0], 1), eos)], dim=1)
+    return torch.cat([prompt.to(new.device), new], dim=1)
+
+
 def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
     """The new tokens of `target_greedy` (`[b, new]`, padded with the end token), where only they are needed
-    (generated labels). Whisper takes its plain `generate`, which gives just them (its final end token dropped):
-    with `return_dict_in_generate` it copies every row's self- and cross-attention cache to the CPU and back
-    (37 MB a row for Whisper-base). `target_greedy` keeps the dict call: decoding compares whole sequences."""
-    if ft.family.name == "whisper":
-        return ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    (generated labels)."""
     prompt = inputs["decoder_input_ids"] if ft.is_encoder_decoder else inputs["input_ids"]
     return target_greedy(ft, inputs, max_new_tokens)[:, prompt.shape[1] :]
 

@@ -11,7 +11,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from utils import tiny_text_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, speculative_generate, tiny
 from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
 from dflash_hf.speculative import dflash_custom_generate
@@ -195,6 +195,39 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     ref = model.generate(feats, decoder_input_ids=prompt, max_new_tokens=10, return_dict_in_generate=True).sequences
     out = speculative_generate(draft, model, 10, input_features=feats, decoder_input_ids=prompt)
     assert torch.equal(out.sequences, ref) and torch.equal(out.sequences[:, :4], prompt)
+
+
+def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
+    """`target_greedy` takes Whisper's plain `generate` (no cache copy to the CPU) and gives the dict call's
+    sequences: the prompt back in front, the end token back where a row ended, rows of a batch padded alike."""
+    model, processor = whisper
+    eos, prompt = processor.tokenizer.eos_token_id, torch.tensor([[257, 258, 359, 363]])
+    feats = torch.cat([_features(processor, seed) for seed in range(4)])
+    # the tiny target never ends on its own: give the end token the output row of a token it writes late
+    late = model.generate(feats[:1], decoder_input_ids=prompt, max_new_tokens=24)[0].tolist()
+    late = next(t for t in late if t != late[0])
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.proj_out.weight[eos] = model.proj_out.weight[late] * 1.05
+    target = FrozenTarget(model)
+    ended = capped = 0
+    for n in (2, 6, 24):
+        ref = model.generate(feats, decoder_input_ids=prompt.repeat(4, 1), max_new_tokens=n,
+                             return_dict_in_generate=True).sequences
+        for row in range(4):  # one utterance at a time, as dflash-eval decodes
+            one = model.generate(feats[row : row + 1], decoder_input_ids=prompt, max_new_tokens=n,
+                                 return_dict_in_generate=True).sequences
+            got = evaluation.target_greedy(target, {"input_features": feats[row : row + 1],
+                                                    "decoder_input_ids": prompt}, n)
+            assert torch.equal(got, one), (n, row)
+            ended += int(one[0, -1]) == eos
+            capped += one.shape[1] == 4 + n and int(one[0, -1]) != eos
+        got = evaluation.target_greedy(target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, n)
+        assert torch.equal(got, ref), n
+    assert ended and capped  # both ways a decode stops were seen
+    new = evaluation.target_greedy_new_tokens(target, {"input_features": feats, "decoder_input_ids":
+                                                       prompt.repeat(4, 1)}, 24)
+    assert torch.equal(new, ref[:, 4:]) and int(new[0, -1]) == eos
 
 
 def test_speculative_sampling_applies_whispers_logits_processors(whisper):
