@@ -8,11 +8,15 @@ See docs/GENERATED_LABELS.md.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
@@ -30,6 +34,7 @@ from dflash_hf.target import FrozenTarget
 from dflash_hf.whisper_features import with_fast_features
 
 logger = logging.getLogger("dflash_hf.generate_labels")
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +50,8 @@ class GenerateLabelsArguments:
     reference_key: str = field(default="reference_text", metadata={"help": "where the original text is kept"})
     skip_bad_samples: bool = field(default=False)
     device: str = field(default="cpu")
+    prefetch: bool = field(default=True, metadata={"help": "read the next batch's audio and make its features in a "
+                                                           "background thread while the target decodes this one"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
 
 
@@ -87,21 +94,39 @@ def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
     return os.path.relpath(manifest_dir.resolve() / path, output_dir.resolve())
 
 
-def _greedy_new_tokens(target: FrozenTarget, processor, texts: list[str], audios: list, args) -> list[torch.Tensor]:
-    """The target's greedy new tokens for each prompt (`evaluation.target_greedy_new_tokens`). One left-padded batch,
-    except where a batch would change the outputs: a model-side single-placeholder row (its greedy is not `generate`)
-    and a row whose encoder output depends on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
-    family, model = target.family, target.model
-
-    def new_tokens(txts, auds) -> torch.Tensor:
-        inputs = encode_batch(family, processor, model.config, txts, auds, padding_side="left")
-        # audio (features or waveform) in the target's dtype; ids and masks as they are
-        inputs = {k: v.to(args.device, model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-        return target_greedy_new_tokens(target, generate_kwargs(family, inputs), args.max_new_tokens)
-
+def _encode(family, processor, config, texts: list[str], audios: list) -> list[dict]:
+    """The prompts' `generate` inputs on the CPU: one left-padded batch, except where a batch would change the
+    outputs: a model-side single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends
+    on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
     if family.expansion == "model" or family.prepare_forward is not None:
-        return [new_tokens([t], audios[i : i + 1])[0] for i, t in enumerate(texts)]
-    return list(new_tokens(texts, audios))
+        return [encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
+                for i, t in enumerate(texts)]
+    return [encode_batch(family, processor, config, texts, audios, padding_side="left")]
+
+
+def _greedy_new_tokens(target: FrozenTarget, encoded: list[dict], args) -> list[torch.Tensor]:
+    """The target's greedy new tokens (`evaluation.target_greedy_new_tokens`), one per prompt, for `_encode`'s
+    inputs; audio (features or waveform) goes to the target's dtype, ids and masks as they are."""
+    rows = []
+    for inputs in encoded:
+        inputs = {k: v.to(args.device, target.model.dtype if v.is_floating_point() else v.dtype)
+                  for k, v in inputs.items()}
+        rows.extend(target_greedy_new_tokens(target, generate_kwargs(target.family, inputs), args.max_new_tokens))
+    return rows
+
+
+def _prefetched(items: Iterator[T]) -> Iterator[T]:
+    """`items`, each next one made in a background thread while the caller works on the current one (audio
+    decoding and features overlap the target's decoding; the order and any exception are kept)."""
+    it = iter(items)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(next, it, _END)
+        while (item := future.result()) is not _END:
+            future = pool.submit(next, it, _END)
+            yield item
+
+
+_END = object()
 
 
 def generate_labels(args: GenerateLabelsArguments) -> int:
@@ -109,7 +134,9 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
     model, processor, family = _load_target(args)
     target = FrozenTarget(model, family.name)
     renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
-    tokenizer = renderer.tokenizer
+    # decoding here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer that sets its
+    # padding in one thread fails ("Already borrowed") while another thread uses it, so decode with a copy
+    tokenizer = copy.deepcopy(renderer.tokenizer)
     manifest, output = Path(args.manifest), Path(args.output)
     bad = BadSamples(skip=args.skip_bad_samples)
     records = []
@@ -120,8 +147,8 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
     done = _done_ids(output)
     todo = [(i, r) for i, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
-    written = 0
-    with open(output, "a") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
+
+    def batches():  # (size of the chunk, its cuts with their records, their encoded prompts)
         for start in range(0, len(todo), args.batch_size):
             chunk = todo[start : start + args.batch_size]
             cuts = []
@@ -133,12 +160,16 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                     cut = _make_cut(cut_id, None, 0.0, 0.0, record.get("text", ""), record.get("lang"), extras)
                 if cut is not None:
                     cuts.append((cut, record))
+            texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
+                                          add_generation_prompt=True) for c, _ in cuts]
+            audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
+            yield len(chunk), cuts, _encode(family, processor, model.config, texts, audios) if cuts else []
+
+    written = 0
+    with open(output, "a") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
+        for size, cuts, encoded in _prefetched(batches()) if args.prefetch else batches():
             if cuts:
-                texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
-                                              add_generation_prompt=True) for c, _ in cuts]
-                audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
-                new_tokens = _greedy_new_tokens(target, processor, texts, audios, args)
-                for (cut, record), ids in zip(cuts, new_tokens):
+                for (cut, record), ids in zip(cuts, _greedy_new_tokens(target, encoded, args)):
                     line = dict(record)
                     line[args.reference_key] = record.get("text")
                     line["text"] = tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -148,7 +179,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                     out.write(json.dumps(line, ensure_ascii=False) + "\n")
                     written += 1
                 out.flush()
-            bar.update(len(chunk))
+            bar.update(size)
     if bad.num_skipped:
         logger.warning(bad.summary())
     return written

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 import yaml
 
@@ -83,3 +84,34 @@ def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):
         texts[family] = [json.loads(x)["text"] for x in out.read_text().splitlines()]
     assert len(texts["qwen2_audio"]) == 3 and all(texts["qwen2_audio"])
     assert texts["qwen2_audio_single_placeholder"] == texts["qwen2_audio"]
+
+
+def test_prefetching_the_next_batch_changes_nothing_written(tmp_path):
+    """With the next batch read and encoded in a background thread the output is the same file, and a bad sample in
+    a later batch still stops the run after the batches before it were written."""
+    from dflash_hf.data.bad_samples import BadSampleError
+
+    kw = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
+    model_dir = tiny.save_tiny_target(tmp_path / "target", "qwen3_asr", **kw)
+    manifest = tiny.synthesize_speech(tmp_path / "data", 7, seed=3, min_dur=0.5, max_dur=1.5)
+    outputs = {}
+    for prefetch in ("false", "true"):
+        outputs[prefetch] = tmp_path / f"labels_{prefetch}.json"
+        assert main(["--model", str(model_dir), "--manifest", str(manifest), "--output", str(outputs[prefetch]),
+                     "--batch_size", "2", "--max_new_tokens", "4", "--prefetch", prefetch]) == 0
+    assert outputs["true"].read_text() == outputs["false"].read_text()
+    assert len(outputs["true"].read_text().splitlines()) == 7
+
+    lines = manifest.read_text().splitlines()
+    broken = json.loads(lines[4])
+    broken["audio_filepath"] = "audio/missing.wav"
+    lines[4] = json.dumps(broken)
+    manifest.write_text("\n".join(lines) + "\n")
+    written = {}
+    for prefetch in ("false", "true"):
+        out = tmp_path / f"partial_{prefetch}.json"
+        with pytest.raises(BadSampleError, match="missing.wav"):
+            main(["--model", str(model_dir), "--manifest", str(manifest), "--output", str(out), "--batch_size", "2",
+                  "--max_new_tokens", "4", "--prefetch", prefetch])
+        written[prefetch] = out.read_text()
+    assert written["true"] == written["false"] == "".join(outputs["true"].read_text().splitlines(True)[:4])
