@@ -139,25 +139,32 @@ def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.
     if ft.family.expansion == "model":
         return model_side_greedy(ft, max_new_tokens, **inputs)
     if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
-        gc = ft.model.generation_config
-        if gc.pad_token_id == gc.eos_token_id or inputs["decoder_input_ids"].shape[0] == 1:
-            return _whisper_greedy(ft, inputs, max_new_tokens)
+        new = _whisper_greedy(ft, inputs, max_new_tokens)
+        if new is not None:
+            return new
     out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
     return out.sequences
 
 
-def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
-    """Whisper's plain `generate` returns only the new tokens, its final end token dropped; with
-    `return_dict_in_generate` it would copy every row's self- and cross-attention cache to the CPU and back (37 MB a
-    row for Whisper-base), a cost neither a user's `generate` nor speculative decoding pays. The end token is put back
-    unless the longest row ran to `max_new_tokens` (then no row of that length ended); shorter rows are padded with
-    the pad token, which must be the end token for a batch to equal the dict call's sequences (Whisper's is)."""
+def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor | None:
+    """Whisper's plain `generate` returns only the new tokens, its final end token dropped and rows padded with the
+    pad token; with `return_dict_in_generate` it would copy every row's self- and cross-attention cache to the CPU and
+    back (37 MB a row for Whisper-base), a cost neither a user's `generate` nor speculative decoding pays. The prompt
+    and the end token are put back (unless the longest row ran to `max_new_tokens`: then no row of that length ended).
+    None (take the dict call) where the two could differ: a pad token other than the one end token (the plain call
+    strips every pad id of a row), or a timestamp token in the output (Whisper then splits segments and may decode
+    past the window, where the dict call returns the last call's sequences)."""
+    gc = ft.model.generation_config
+    if not isinstance(gc.eos_token_id, int) or gc.pad_token_id != gc.eos_token_id:
+        return None
     prompt = inputs["decoder_input_ids"]
-    new = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)  # [b, n]
+    new = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                            return_dict_in_generate=False)  # [b, n]
+    timestamps = getattr(gc, "no_timestamps_token_id", None)
+    if new.shape[1] > max_new_tokens or (timestamps is not None and bool((new > timestamps).any())):
+        return None
     if new.shape[1] < max_new_tokens:
-        eos = ft.model.generation_config.eos_token_id
-        eos = eos if isinstance(eos, int) else eos[0]
-        new = torch.cat([new, new.new_full((new.shape[0], 1), eos)], dim=1)
+        new = torch.cat([new, new.new_full((new.shape[0], 1), gc.eos_token_id)], dim=1)
     return torch.cat([prompt.to(new.device), new], dim=1)
 
 

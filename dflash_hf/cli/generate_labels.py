@@ -135,7 +135,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
     target = FrozenTarget(model, family.name)
     renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
     # decoding here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer that sets its
-    # padding in one thread fails ("Already borrowed") while another thread uses it, so decode with a copy
+    # padding in one thread can fail ("Already borrowed") while another thread uses it, so decode with a copy
     tokenizer = copy.deepcopy(renderer.tokenizer)
     manifest, output = Path(args.manifest), Path(args.output)
     bad = BadSamples(skip=args.skip_bad_samples)

@@ -228,6 +228,20 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
     new = evaluation.target_greedy_new_tokens(target, {"input_features": feats, "decoder_input_ids":
                                                        prompt.repeat(4, 1)}, 24)
     assert torch.equal(new, ref[:, 4:]) and int(new[0, -1]) == eos
+    # where the plain call could differ, the dict call's sequences: a timestamp token in the output (Whisper then
+    # splits segments and decodes on), a pad token other than the end token, several end tokens
+    stamps = copy.deepcopy(model)
+    with torch.no_grad():
+        stamps.proj_out.weight[370] = stamps.proj_out.weight[late] * 1.1  # <|0.12|> wins where `late` would
+    pad = copy.deepcopy(model)
+    pad.generation_config.pad_token_id = late
+    ends = copy.deepcopy(model)
+    ends.generation_config.eos_token_id = [eos, late]
+    for odd in (stamps, pad, ends):
+        for n in (8, 25):
+            one = {"input_features": feats[:1], "decoder_input_ids": prompt}
+            ref = odd.generate(**one, max_new_tokens=n, return_dict_in_generate=True).sequences
+            assert torch.equal(evaluation.target_greedy(FrozenTarget(odd), one, n), ref), n
 
 
 def test_speculative_sampling_applies_whispers_logits_processors(whisper):
