@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -450,8 +451,8 @@ def git_commit() -> str:
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    except (OSError, subprocess.CalledProcessError):  # a copy without .git (the device): what the caller says
+        return os.environ.get("DFLASH_COMMIT", "unknown")
     return head + ("+dirty" if dirty else "")
 
 

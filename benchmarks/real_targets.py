@@ -1370,7 +1370,7 @@ def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, prec
     results["train"] = json.loads(train_done.read_text()) if train_done.is_file() else None
     results["training_log"] = training_log(out_dir)
     results["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip()
+                                       text=True).stdout.strip() or os.environ.get("DFLASH_COMMIT", "")  # no .git
     results["torch_threads"] = __import__("torch").get_num_threads()
     dest = RESULTS_DIR / f"quality_{cfg.name}_{device.split(':')[0]}_{precision}.json"
     write_json(dest, results)
