@@ -225,6 +225,12 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
         got = evaluation.target_greedy(target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, n)
         assert torch.equal(got, ref), n
     assert ended and capped  # both ways a decode stops were seen
+    calls = []  # and without the dict call's cache copy: the plain call, once
+    generate = model.generate
+    model.generate = lambda *a, **kw: calls.append(kw.get("return_dict_in_generate")) or generate(*a, **kw)
+    evaluation.target_greedy(target, {"input_features": feats[:1], "decoder_input_ids": prompt}, 6)
+    del model.generate
+    assert calls == [False]
     new = evaluation.target_greedy_new_tokens(target, {"input_features": feats, "decoder_input_ids":
                                                        prompt.repeat(4, 1)}, 24)
     assert torch.equal(new, ref[:, 4:]) and int(new[0, -1]) == eos
