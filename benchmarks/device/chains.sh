@@ -16,7 +16,7 @@ case $kind in
     n=$1; minutes=${2:-7}; steps=${3:-800}; workers=${4:-4}; init=()
     [ -n "${5:-}" ] && init=(--init_from_pretrained "$C/init/$5")
     # whisper-gen-*: Whisper's own transcripts first (one set for every such run; a second chain waits for it)
-    case $n in whisper-gen-*) $B labels "$n" --device cuda --dtype float32 --batch_size 64 --shards 4 \
+    case $n in whisper-gen-*) $B labels "$n" --device cuda --dtype float32 --batch_size 128 --shards 4 \
       > /tmp/logs/$n.labels.log 2>&1 || { echo "rc=labels" > /tmp/logs/$n.done; exit 1; } ;; esac
     $B train "$n" -- ${init[@]+"${init[@]}"} --precision bf16 --dataloader_num_workers "$workers" --max_steps "$steps" \
       --max_train_minutes "$minutes" --eval_steps $(( steps / 5 )) --real_tau_steps 0 --save_steps $(( steps / 2 )) \
