@@ -1181,14 +1181,17 @@ def whisper_labels_current(cache: Path, made_from: dict | None = None) -> bool:
 
 def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: str, shards: int = 1) -> dict[str, Path]:
     """Whisper-base's own greedy transcripts of the speech train and dev clips (``dflash-generate-labels``; ``shards``
-    processes at once, each over a contiguous part of a manifest, joined in the manifest's order). One set serves
-    every ``generated_labels`` configuration; a second caller waits for the first (a file lock) and reuses it."""
+    processes at once, each over a contiguous part of a manifest (its ``--num_shards``), joined in the manifest's
+    order). One set serves every ``generated_labels`` configuration; a second caller waits for the first (a file lock)
+    and reuses it."""
     speech = cache / "data" / "speech"
     if not stamp_ok(speech / "speech.json"):
         raise SystemExit(f"{speech / 'speech.json'} missing: run `real_targets.py data speech` first")
     if shards < 1:
         raise SystemExit(f"--shards must be >= 1, got {shards}")
     check_whisper_conversion(cache)
+    from dflash_hf.cli.generate_labels import shard_of
+
     out = whisper_label_manifests(cache)
     root = out["train"].parent
     root.mkdir(parents=True, exist_ok=True)
@@ -1210,16 +1213,13 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             ids = [json.loads(line).get("id") for line in lines]
             if path.is_file() and [r["id"] for r in read_jsonl(path)] == ids:
                 continue  # this manifest finished in an earlier, interrupted call
-            size = -(-len(lines) // shards)
             jobs = []
-            for k in range(0, len(lines), size):
-                # shard sources beside the manifest (its relative audio paths stay valid), outputs beside the result
-                src, part = speech / f".{name}.shard{k // size}.json", root / f".{name}.part{k // size}.json"
-                src.write_text("\n".join(lines[k : k + size]) + "\n")
+            for k in (k for k in range(shards) if shard_of(lines, shards, k)):  # the CLI's non-empty parts
+                part = root / f".{name}.part{k}.json"
                 jobs.append((part, subprocess.Popen([str(a) for a in [
-                    *cli("dflash_hf.cli.generate_labels"), "--model", whisper_dirs(cache)[1], "--manifest", src,
-                    "--output", part, "--batch_size", batch_size, "--max_new_tokens", 128, "--device", device,
-                    "--dtype", dtype]])))
+                    *cli("dflash_hf.cli.generate_labels"), "--model", whisper_dirs(cache)[1], "--manifest",
+                    speech / f"{name}.json", "--num_shards", shards, "--shard_index", k, "--output", part,
+                    "--batch_size", batch_size, "--max_new_tokens", 128, "--device", device, "--dtype", dtype]])))
             failed = [str(part) for part, proc in jobs if proc.wait() != 0]
             if failed:
                 raise RuntimeError(f"dflash-generate-labels failed for {failed} (rerun: finished lines are kept)")
@@ -1231,8 +1231,6 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             write_jsonl(path, rows)
             for part, _ in jobs:
                 part.unlink()
-            for src in speech.glob(f".{name}.shard*.json"):
-                src.unlink()
             changed = sum(r["text"].strip() != r["reference_text"].strip() for r in rows)
             print(f"{name}: {len(rows)} transcripts, {changed} differ from the flite text")
         write_stamp(stamp, list(out.values()), made_from=made_from)

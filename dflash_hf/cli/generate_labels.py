@@ -53,6 +53,24 @@ class GenerateLabelsArguments:
     prefetch: bool = field(default=True, metadata={"help": "read the next batch's audio and make its features in a "
                                                            "background thread while the target decodes this one"})
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
+    num_shards: int = field(default=1, metadata={"help": "split the manifest's lines into this many contiguous parts, "
+                                                         "one per process (e.g. one per GPU)"})
+    shard_index: int = field(default=0, metadata={"help": "the part this process labels (0-based); concatenating the "
+                                                          "outputs in shard order keeps the manifest's order"})
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_new_tokens", "num_shards"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"field '{name}' must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
+                             f"{self.shard_index}: number the parts 0 .. num_shards - 1")
+
+
+def shard_of(records: list, num_shards: int, shard_index: int) -> list:
+    """Part `shard_index` of `num_shards` contiguous, near-equal parts of `records` (the last ones may be empty)."""
+    size = -(-len(records) // num_shards)
+    return records[shard_index * size : (shard_index + 1) * size]
 
 
 def make_parser() -> HfArgumentParser:
@@ -144,6 +162,9 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
         if line.strip():
             record = json.loads(line)
             records.append((str(record.get("id", f"{manifest.stem}-{index:08d}")), record))
+    if args.num_shards > 1:
+        total, records = len(records), shard_of(records, args.num_shards, args.shard_index)
+        logger.info("shard %d of %d: %d of the %d lines", args.shard_index, args.num_shards, len(records), total)
     done = _done_ids(output)
     todo = [(i, r) for i, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))

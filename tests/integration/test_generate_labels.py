@@ -115,3 +115,22 @@ def test_prefetching_the_next_batch_changes_nothing_written(tmp_path):
                   "--max_new_tokens", "4", "--prefetch", prefetch])
         written[prefetch] = out.read_text()
     assert written["true"] == written["false"] == "".join(outputs["true"].read_text().splitlines(True)[:4])
+
+
+def test_shards_concatenated_in_order_equal_the_whole_run(tmp_path):
+    kw = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
+    model_dir = tiny.save_tiny_target(tmp_path / "target", "qwen3_asr", **kw)
+    manifest = tiny.synthesize_speech(tmp_path / "data", 7, seed=4, min_dur=0.5, max_dur=1.2)
+    common = ["--model", str(model_dir), "--manifest", str(manifest), "--batch_size", "2", "--max_new_tokens", "3"]
+    assert main([*common, "--output", str(tmp_path / "whole.json")]) == 0
+    parts = []
+    for k in range(3):  # 7 lines in parts of 3, 3, 1
+        parts.append(tmp_path / f"part{k}.json")
+        assert main([*common, "--output", str(parts[-1]), "--num_shards", "3", "--shard_index", str(k)]) == 0
+    assert [len(p.read_text().splitlines()) for p in parts] == [3, 3, 1]
+    assert "".join(p.read_text() for p in parts) == (tmp_path / "whole.json").read_text()
+    for bad, field in ((["--num_shards", "2", "--shard_index", "2"], "shard_index"),
+                       (["--num_shards", "0"], "num_shards"), (["--batch_size", "0"], "batch_size")):
+        with pytest.raises(ValueError, match=f"field '{field}'"):
+            main([*common, "--output", str(tmp_path / "never.json"), *bad])
+    assert not (tmp_path / "never.json").exists()

@@ -332,6 +332,9 @@ a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
 if os.environ.get("FAIL_ON") and os.environ["FAIL_ON"] in a["--manifest"]:
     sys.exit(1)
 rows = [json.loads(line) for line in open(a["--manifest"]) if line.strip()]
+n, k = int(a["--num_shards"]), int(a["--shard_index"])
+size = -(-len(rows) // n)
+rows = rows[k * size : (k + 1) * size]
 with open(a["--output"], "w") as out:
     for r in rows:
         out.write(json.dumps({**r, "text": r["text"].upper(), "reference_text": r["text"]}) + "\\n")
@@ -379,7 +382,7 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     """A call that fails on dev keeps the finished train set (the rerun labels dev only); other shards, a rebuilt
     speech set or another model start afresh instead of mixing parts."""
     hf, calls = _labelling(tmp_path, monkeypatch, train=6, dev=2)
-    monkeypatch.setenv("FAIL_ON", ".dev.")
+    monkeypatch.setenv("FAIL_ON", "/dev.json")
     with pytest.raises(RuntimeError, match="failed"):
         rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
     assert len(calls) == 4 and len(rt.read_jsonl(rt.whisper_label_manifests(tmp_path)["train"])) == 6
