@@ -62,6 +62,8 @@ class GenerateLabelsArguments:
         for name in ("batch_size", "max_new_tokens", "num_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"field '{name}' must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"field 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
                              f"{self.shard_index}: number the parts 0 .. num_shards - 1")

@@ -130,7 +130,8 @@ def test_shards_concatenated_in_order_equal_the_whole_run(tmp_path):
     assert [len(p.read_text().splitlines()) for p in parts] == [3, 3, 1]
     assert "".join(p.read_text() for p in parts) == (tmp_path / "whole.json").read_text()
     for bad, field in ((["--num_shards", "2", "--shard_index", "2"], "shard_index"),
-                       (["--num_shards", "0"], "num_shards"), (["--batch_size", "0"], "batch_size")):
+                       (["--num_shards", "0"], "num_shards"), (["--batch_size", "0"], "batch_size"),
+                       (["--dtype", "fp16"], "dtype")):
         with pytest.raises(ValueError, match=f"field '{field}'"):
             main([*common, "--output", str(tmp_path / "never.json"), *bad])
     assert not (tmp_path / "never.json").exists()
