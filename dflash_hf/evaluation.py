@@ -214,9 +214,9 @@ def decode_benchmark(
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)
-            greedy = target_greedy(ft, inputs, max_new_tokens)
+            greedy = target_greedy_new_tokens(ft, inputs, max_new_tokens)
             stats.greedy_seconds += _clock(device) - start
-            greedy_new = greedy[0, n_prompt:].tolist()
+            greedy_new = greedy[0].tolist()
             stats.greedy_tokens += len(greedy_new)
             if greedy_new != spec_new:
                 stats.mismatches.append(i)

@@ -55,9 +55,7 @@ def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: 
     log_spec = torch.clamp(mel, min=1e-10).log10()
     peak = log_spec.amax(dim=(1, 2), keepdim=True)
     log_spec = (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0  # [batch, n_mels, kept]
-    if kept == frames:
-        return log_spec
-    out = log_spec[..., -1:].expand(-1, -1, frames).contiguous()
+    out = log_spec[..., -1:].expand(-1, -1, frames).contiguous()  # (with no padding frame, all overwritten below)
     out[..., :kept] = log_spec
     return out
 

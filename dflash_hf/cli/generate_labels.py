@@ -135,6 +135,9 @@ def _greedy_new_tokens(target: FrozenTarget, encoded: list[dict], args) -> list[
     return rows
 
 
+_END = object()  # what `next` returns once the prefetched items are used up
+
+
 def _prefetched(items: Iterator[T]) -> Iterator[T]:
     """`items`, each next one made in a background thread while the caller works on the current one (audio
     decoding and features overlap the target's decoding; the order and any exception are kept)."""
@@ -144,9 +147,6 @@ def _prefetched(items: Iterator[T]) -> Iterator[T]:
         while (item := future.result()) is not _END:
             future = pool.submit(next, it, _END)
             yield item
-
-
-_END = object()
 
 
 def generate_labels(args: GenerateLabelsArguments) -> int:
