@@ -1435,8 +1435,8 @@ def results_table(paths: list[Path]) -> str:
     rows = [TABLE_HEADER]
     for path in paths:
         r = json.loads(path.read_text())
-        slots = r["per_slot_acceptance"]
-        picked = " / ".join(f"{slots[k - 1]:.2f}" for k in (1, 2, 4, 7) if k <= len(slots))
+        slots = r.get("per_slot_acceptance", [])  # dflash-eval's own JSON (a timing run) has none
+        picked = " / ".join(f"{slots[k - 1]:.2f}" for k in (1, 2, 4, 7) if k <= len(slots)) or "-"
         pl = r.get("prompt_lookup")
         lookup = "-"
         if pl:

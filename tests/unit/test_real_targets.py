@@ -392,3 +392,17 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     (hf / "converted.json").write_text('{"tokenizer_repairs": [], "another": "model"}')
     rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
     assert len(calls) == 6 + 3 + 2  # everything again: 3 train shards, 2 dev shards (one clip each)
+
+
+def test_results_table_rows_with_and_without_per_slot_acceptance(tmp_path):
+    base = {"device": "cuda", "precision": "fp32", "prompts": 40, "tau": 3.5, "spec_tokens_per_s": 400.0,
+            "greedy_tokens_per_s": 160.0, "speedup": 2.5, "outputs_identical": True}
+    trained = tmp_path / "quality_run-a_cuda_fp32.json"
+    trained.write_text(json.dumps({**base, "per_slot_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
+                                   "prompt_lookup": {"tokens_per_s": 50.0, "outputs_identical_to_greedy": False}}))
+    timing = tmp_path / "quality_run-b_cuda_fp32_alone.json"  # dflash-eval's own JSON: no per-slot figures
+    timing.write_text(json.dumps({**base, "outputs_identical": False}))
+    header, rule, row_a, row_b = rt.results_table([trained, timing]).splitlines()
+    assert row_a.split(" | ")[:5] == ["| run-a", "cuda, fp32", "40", "3.50", "0.90 / 0.80 / 0.60 / 0.30"]
+    assert "50.0 (differs)" in row_a and row_a.endswith("| yes |")
+    assert row_b.split(" | ")[4] == "-" and row_b.endswith("| NO |")
