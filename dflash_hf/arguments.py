@@ -237,6 +237,15 @@ class DFlashRunArguments:
                   "each optimizer step, agreed across ranks), then save a checkpoint (unless save_strategy is "
                   "'no') and export as at max_steps. The schedule still follows max_steps. None = no limit."},
     )
+    early_stopping_patience: int | None = field(
+        default=None,
+        metadata={"help": "Stop training once --metric_for_best_model (e.g. dev_tau_est) has not improved for this "
+                  "many evaluations; with --load_best_model_at_end true the best checkpoint's draft is exported. "
+                  "None = off."},
+    )
+    early_stopping_threshold: float = field(
+        default=0.0, metadata={"help": "How much the metric must improve to count as better (early stopping)."}
+    )
     compile_draft_layers: bool = field(
         default=False,
         metadata={

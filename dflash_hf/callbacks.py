@@ -11,6 +11,7 @@ from transformers import DefaultFlowCallback, ProgressCallback, TrainerCallback
 from transformers.utils import logging
 
 from .assembly import is_speech_source
+from .best_model import add_early_stopping
 from .evaluation import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
 
 logger = logging.get_logger(__name__)
@@ -196,7 +197,7 @@ class DataEpochCallback(TrainerCallback):
 
 def add_dflash_callbacks(trainer, args) -> None:
     """The `DFlashTrainer`'s callbacks: the concise progress bar, real tau (`real_tau_steps`), the data epoch, the
-    label-agreement warning and the time budget (`max_train_minutes`)."""
+    label-agreement warning, the time budget (`max_train_minutes`) and early stopping (`early_stopping_patience`)."""
     use_concise_progress_bar(trainer)
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
@@ -204,6 +205,7 @@ def add_dflash_callbacks(trainer, args) -> None:
     trainer.add_callback(LabelAgreementCallback())
     if args.max_train_minutes is not None:
         trainer.add_callback(TimeBudgetCallback(args.max_train_minutes))
+    add_early_stopping(trainer, args)
 
 
 def use_concise_progress_bar(trainer) -> None:

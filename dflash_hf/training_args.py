@@ -104,6 +104,12 @@ class DFlashTrainingArguments(
         if self.max_train_minutes is not None and not 0 < self.max_train_minutes < float("inf"):
             raise ValueError(f"max_train_minutes must be a positive number of minutes (or unset), got "
                              f"{self.max_train_minutes}")
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(
+                f"early_stopping_patience must be >= 1 evaluation (or unset), got {self.early_stopping_patience}"
+            )
+        if not self.early_stopping_threshold >= 0:
+            raise ValueError(f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(
                 f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "

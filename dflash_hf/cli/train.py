@@ -152,12 +152,14 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
+    from ..best_model import check_best_model_args, eval_prefixes
     from ..families import get_tokenizer
     from ..mask_token import mask_token_candidates, missing_mask_token_message
     from ..target import FrozenTarget, load_target
     from ..trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
+    check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
     check_data_rows(data_args)
     target = FrozenTarget(
         load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family

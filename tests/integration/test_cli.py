@@ -249,3 +249,20 @@ def test_python_dash_m_runs_the_command(module):
     proc = subprocess.run([sys.executable, "-m", module, "--no_such_option_xyz"], capture_output=True, text=True,
                           cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    import dflash_hf.target
+
+    monkeypatch.setattr(dflash_hf.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    for name in ("train.json", "dev.json"):
+        (tmp_path / name).write_text("")
+    argv = ["--target_name_or_path", str(tmp_path), "--train_data", str(tmp_path / "train.json"), "--eval_data",
+            f"dev={tmp_path / 'dev.json'}", "--mask_token_id", "5", "--output_dir", str(tmp_path / "out"),
+            "--eval_strategy", "steps", "--eval_steps", "50", "--early_stopping_patience", "3", "--use_cpu", "true"]
+    assert console.run_command("dflash-train", argv) == 2
+    err = capsys.readouterr().err
+    assert "--early_stopping_patience need --metric_for_best_model" in err and "dev_tau_est" in err
+    assert console.run_command("dflash-train", [*argv, "--metric_for_best_model", "test_tau_est"]) == 2
+    assert "got 'test_tau_est'" in capsys.readouterr().err

@@ -185,3 +185,76 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     assert len(prompts) == 2
     assert all(int((p["input_ids"] == placeholder).sum()) == 1 for p in prompts)  # one placeholder per audio
     assert 1.0 <= real.measure()["eval_tau"] <= BLOCK
+
+
+def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(target, tmp_path):
+    model, tok = target
+    train, evals, collate = _data(tok)
+    # a threshold no tau_est gain can pass: the second evaluation does not count as better, so training stops there
+    args = _args(tmp_path / "run", tok, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                 save_steps=2, load_best_model_at_end=True, metric_for_best_model="dev_tau_est",
+                 early_stopping_patience=1, early_stopping_threshold=100.0)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
+    trainer.train()
+    assert trainer.state.global_step == 4  # not 12
+    assert args.greater_is_better  # tau_est: higher is better
+    taus = {e["step"]: e["eval_dev_tau_est"] for e in trainer.state.log_history if "eval_dev_tau_est" in e}
+    best_step = max(taus, key=taus.get)
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
+    assert trainer.state.best_metric == taus[best_step]
+    # the trainer's draft is the best checkpoint's (load_best_model_at_end), so an export is that draft
+    from safetensors.torch import load_file
+
+    best = load_file(str(Path(trainer.state.best_model_checkpoint) / "model.safetensors"))
+    for name, value in trainer.model.state_dict().items():
+        torch.testing.assert_close(value, best[name], rtol=0, atol=0, msg=name)
+    assert trainer.final_eval_metrics()["eval_dev_tau_est"] == pytest.approx(taus[best_step])
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(load_best_model_at_end=True), r"metric_for_best_model .*got 'loss' \(transformers default\).*dev_tau_est"),
+        (dict(early_stopping_patience=2, metric_for_best_model="tau_est"), "got 'tau_est'"),
+        (dict(early_stopping_patience=2, metric_for_best_model="dev_selector_tau_est"), "dflash2|got"),
+        (dict(early_stopping_patience=2, metric_for_best_model="dev_tau_est", eval_strategy="no"), "eval_strategy"),
+    ],
+)
+def test_best_model_settings_naming_no_reported_metric_are_refused_before_training(target, tmp_path, kw, message):
+    model, tok = target
+    train, evals, collate = _data(tok)
+    base = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
+    with pytest.raises(ValueError, match=message):
+        DFlashTrainer(args=_args(tmp_path, tok, **(base | kw)), target=model, train_dataset=train,
+                      eval_dataset=evals, data_collator=collate)
+    assert not (tmp_path / "checkpoint-2").exists()
+
+
+def test_early_stopping_settings_are_checked_with_the_arguments(tmp_path):
+    for bad, message in ((dict(early_stopping_patience=0), "early_stopping_patience must be >= 1"),
+                         (dict(early_stopping_threshold=-1.0), "early_stopping_threshold must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            make_args(tmp_path, mask_token_id=5, **bad)
+
+
+def test_a_resumed_run_stops_early_at_the_step_the_uninterrupted_one_did(target, tmp_path):
+    model, tok = target
+    train, evals, collate = _data(tok)
+
+    def trainer(name: str) -> DFlashTrainer:
+        # patience 2 with an impassable threshold: evaluations at 2 (best), 4 (1 without gain), 6 (2: stop)
+        args = _args(tmp_path / name, tok, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                     save_steps=2, metric_for_best_model="dev_tau_est", early_stopping_patience=2,
+                     early_stopping_threshold=100.0)
+        torch.manual_seed(0)
+        return DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
+
+    straight = trainer("a")
+    straight.train()
+    assert straight.state.global_step == 6
+    resumed = trainer("b")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))  # its counter: 1
+    assert resumed.state.global_step == 6  # not 8, as a counter restarted at 0 would give
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
