@@ -26,11 +26,18 @@ def selectable_metrics(variant: str, block_size: int) -> list[str]:
     return [*DRAFT_METRICS, *(DFLASH2_METRICS if variant == "dflash2" else ()), *slots]
 
 
+def _value(strategy) -> str:
+    """A strategy setting as its string (TrainingArguments turns them into enums)."""
+    return str(getattr(strategy, "value", strategy))
+
+
 def check_best_model_args(args, prefixes: list[str]) -> None:
     """Refuse, before any step, a best-model or early-stopping setting whose metric no evaluation reports.
 
     `args`: the training arguments; `prefixes`: `eval_prefixes` of the validation data."""
-    wants = [f for f in ("load_best_model_at_end",) if getattr(args, f)]
+    wants = ["load_best_model_at_end"] if args.load_best_model_at_end else []
+    if _value(args.save_strategy) == "best":
+        wants.append("save_strategy best")
     if args.early_stopping_patience is not None:
         wants.append("early_stopping_patience")
     if not wants:
@@ -38,7 +45,7 @@ def check_best_model_args(args, prefixes: list[str]) -> None:
     asked = " and ".join(f"--{w}" for w in wants)
     if not prefixes:
         raise ValueError(f"{asked} need validation data to measure the draft on: give --eval_data NAME=PATH")
-    if str(args.eval_strategy) in ("no", "IntervalStrategy.NO"):
+    if _value(args.eval_strategy) == "no":
         raise ValueError(f"{asked} need evaluations during training: set --eval_strategy steps --eval_steps N")
     metrics = selectable_metrics(args.variant, args.block_size)
     choices = [f"{p[len('eval_'):]}{m}" for p in prefixes for m in metrics]

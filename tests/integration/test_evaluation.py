@@ -215,7 +215,8 @@ def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(targ
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        (dict(load_best_model_at_end=True), r"metric_for_best_model .*got 'loss' \(transformers default\).*dev_tau_est"),
+        (dict(load_best_model_at_end=True), r"metric_for_best_model .*'loss' \(transformers default\).*dev_tau_est"),
+        (dict(save_strategy="best", metric_for_best_model="dev_tau"), r"--save_strategy best need .*got 'dev_tau'"),
         (dict(early_stopping_patience=2, metric_for_best_model="tau_est"), "got 'tau_est'"),
         (dict(early_stopping_patience=2, metric_for_best_model="dev_selector_tau_est"), "dflash2|got"),
         (dict(early_stopping_patience=2, metric_for_best_model="dev_tau_est", eval_strategy="no"), "eval_strategy"),
