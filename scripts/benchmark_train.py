@@ -131,11 +131,14 @@ TINY_QWEN3_ASR = dict(
 _WHISPER_ROWS = dict(durations=(5.0, 20.0), tokens=(20, 40), num_anchors=16)
 _ASR_ROWS = dict(durations=(5.0, 20.0), num_batches=4, max_tokens=8192, num_anchors=32, tokens_per_second=3.0)
 _TINY_ASR_ROWS = dict(_ASR_ROWS, durations=(0.5, 2.0), max_tokens=384, num_anchors=8, tokens_per_second=6.0)
+_QWEN3_1_7B = dict(
+    hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    intermediate_size=6144, vocab_size=151936,
+)
 SHAPES = {
-    "qwen3-1.7b": dict(
-        hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-        intermediate_size=6144, vocab_size=151936, seq_len=1024, num_anchors=256,
-    ),
+    "qwen3-1.7b": dict(_QWEN3_1_7B, seq_len=1024, num_anchors=256),
+    # issue 16's "speech-like" text row: 64 rows of 256 tokens (the first eighth prompt), 40 anchors a row
+    "qwen3-1.7b-speechlike": dict(_QWEN3_1_7B, seq_len=256, num_anchors=40, batch_size=64),
     "qwen3-8b": dict(
         hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         intermediate_size=12288, vocab_size=151936, seq_len=3072, num_anchors=512,
