@@ -4,7 +4,8 @@
 #   setup [TRAIN_CLIPS] [BENCH]  carry .devcarry/.whl .devcarry/debs .devcarry/flite_env.sh .devcarry/corpus (and,
 #                                for the speech LLM, .devcarry/smollm2-gguf/group_02): wheels, flite, corpus; speech
 #                                synthesis starts in the background; BENCH=1 runs the training-benchmark rows in the
-#                                foreground, BENCH=2 only the compiled padded Qwen3-ASR row's diagnosis
+#                                foreground, BENCH=2 only the compiled padded Qwen3-ASR row's diagnosis, BENCH=3 the
+#                                speech-like 1.7B text row (issue 16)
 #   carry GROUP...               copy carried groups (e.g. whisper-base/group_00) to their staging folders
 #   unpack MODEL...              whisper-base | smollm2 | qwen2.5-coder: reassemble, verify, convert (smollm2, qwen)
 #   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
@@ -34,7 +35,10 @@ case $step in
     if [ -d .devcarry/smollm2-gguf/group_02 ]; then cp .devcarry/smollm2-gguf/group_02/* /tmp/stage2/ || exit 1; fi
     # the speech chains wait for its stamp (speech.json); the smol chain makes its prompts itself
     setsid nohup $B data speech --train "$train" --dev 300 --eval 200 --workers 12 > /tmp/logs/speech.log 2>&1 < /dev/null &
-    if [ "$bench" != 0 ]; then
+    if [ "$bench" = 3 ]; then  # issue 16's speech-like text row while the GPU waits for the synthesis
+      timeout 240 python3 scripts/benchmark_train.py --shape qwen3-1.7b-speechlike --modes draft full --steps 10 \
+        --out /tmp/results/speechlike_rows.json > /tmp/logs/bench_speechlike.log 2>&1; tail -c 1500 /tmp/logs/bench_speechlike.log
+    elif [ "$bench" != 0 ]; then
       # the padded Qwen3-ASR row failed compiling the draft layers on 2026-12-03 (InductorError): eager layers here,
       # and the compiled case with dynamo's verbose trace for the diagnosis
       [ "$bench" = 1 ] && timeout 150 python3 scripts/benchmark_train.py --shape qwen3-asr-1.7b smollm2-135m \
