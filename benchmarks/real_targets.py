@@ -1282,12 +1282,6 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
 # ----------------------------------------------------------------------------------------------------- evaluate
 
 
-def per_slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
-    """Fraction of cycles whose draft slot k (1-based, k < block_size) was accepted: P(acceptance length > k)."""
-    n = max(len(acceptance_lengths), 1)
-    return [sum(a > k for a in acceptance_lengths) / n for k in range(1, block_size)]
-
-
 def prompt_inputs_for(cache: Path, cfg: RunConfig, data: Path, num_samples: int):
     """The exact inputs dflash-eval decodes (its own prompt loader)."""
     import itertools
@@ -1310,7 +1304,7 @@ def extra_decoding(cache: Path, cfg: RunConfig, data: Path, num_samples: int, de
     prompt-lookup decoding on the same prompts, timed like dflash-eval and checked against plain greedy."""
     import torch
 
-    from dflash_hf.evaluation import _clock, decode_benchmark
+    from dflash_hf.evaluation import DecodeStats, _clock, decode_benchmark
     from dflash_hf.hub import load_draft_strict
     from dflash_hf.target import FrozenTarget, load_target, resolve_dtype
 
@@ -1318,11 +1312,12 @@ def extra_decoding(cache: Path, cfg: RunConfig, data: Path, num_samples: int, de
     target = FrozenTarget(load_target(str(target_dir(cache, cfg.target)), precision).to(dev))
     draft = load_draft_strict(str(run_dir(cache, cfg.name) / "draft")).to(device=dev, dtype=resolve_dtype(precision))
     prompts = prompt_inputs_for(cache, cfg, data, num_samples)
-    if acceptance_lengths is None:  # dflash-eval's JSON holds totals only: decode once more, untimed use
+    if acceptance_lengths is None:  # a JSON of dflash-eval before 2026-12-04 holds totals only: decode once more
         acceptance_lengths = decode_benchmark(draft.eval(), target, prompts, cfg.eval_max_new_tokens,
                                               compare_greedy=False).acceptance_lengths
+    stats = DecodeStats(acceptance_lengths=acceptance_lengths)
     out = {"acceptance_lengths": acceptance_lengths,
-           "per_slot_acceptance": per_slot_acceptance(acceptance_lengths, draft.config.block_size)}
+           "per_slot_acceptance": stats.per_slot_acceptance(draft.config.block_size)}
     if cfg.prompt_lookup:
         seconds, tokens, greedy_seconds, greedy_tokens, mismatches = 0.0, 0, 0.0, 0, []
         for i, inputs in enumerate(tqdm(prompts, desc="prompt-lookup")):

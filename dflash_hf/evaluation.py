@@ -105,11 +105,17 @@ class DecodeStats:
         n = len(self.acceptance_lengths)
         return sum(self.acceptance_lengths) / n if n else float("nan")
 
+    def per_slot_acceptance(self, block_size: int) -> list[float]:
+        """Fraction of cycles whose drafted slot k (1-based, k < block_size) was accepted: P(acceptance length > k)."""
+        n = max(len(self.acceptance_lengths), 1)
+        return [sum(a > k for a in self.acceptance_lengths) / n for k in range(1, block_size)]
+
     def as_dict(self) -> dict:
         out = {
             "prompts": self.prompts,
             "cycles": len(self.acceptance_lengths),
             "tau": self.tau,
+            "acceptance_lengths": list(self.acceptance_lengths),
             "spec_tokens": self.spec_tokens,
             "spec_tokens_per_s": self.spec_tokens / max(self.spec_seconds, 1e-9),
             "draft_steps": dict(self.draft_steps),

@@ -141,8 +141,8 @@ def evaluate(args: EvalArguments) -> dict:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
     steps = stats.draft_steps  # how the draft's step ran, per prompt (auto falls back to eager on very long decodes)
     draft_step = next(iter(steps)) if len(steps) == 1 else ", ".join(f"{k}: {n} prompts" for k, n in steps.items())
-    return {**stats.as_dict(), "block_size": cfg.block_size, "device": str(device), "draft_step": draft_step,
-            **asdict(args)}
+    return {**stats.as_dict(), "per_slot_acceptance": stats.per_slot_acceptance(cfg.block_size),
+            "block_size": cfg.block_size, "device": str(device), "draft_step": draft_step, **asdict(args)}
 
 
 def results_table(results: dict) -> str:
@@ -154,6 +154,7 @@ def results_table(results: dict) -> str:
         f"tau {results['tau']:.3f} "
         f"(mean acceptance length over {results['cycles']} cycles), speedup {results['speedup']:.2f}x, "
         f"outputs identical: {'yes' if results['outputs_identical'] else 'NO'}",
+        "slot k accepted (k = 1..block_size-1): " + " ".join(f"{a:.3f}" for a in results["per_slot_acceptance"]),
     ]
     return "\n".join(rows)
 
