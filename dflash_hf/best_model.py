@@ -31,15 +31,18 @@ def _value(strategy) -> str:
     return str(getattr(strategy, "value", strategy))
 
 
-def check_best_model_args(args, prefixes: list[str]) -> None:
+def check_best_model_args(args, prefixes: list[str], variant: str | None = None, block_size: int | None = None) -> None:
     """Refuse, before any step, a best-model or early-stopping setting whose metric no evaluation reports.
 
-    `args`: the training arguments; `prefixes`: `eval_prefixes` of the validation data."""
+    `args`: the training arguments; `prefixes`: `eval_prefixes` of the validation data; `variant` / `block_size`:
+    the draft's (default: `args`'s, as the CLI builds the draft from them)."""
     wants = ["load_best_model_at_end"] if args.load_best_model_at_end else []
     if _value(args.save_strategy) == "best":
         wants.append("save_strategy best")
     if args.early_stopping_patience is not None:
         wants.append("early_stopping_patience")
+    if args.metric_for_best_model is not None and not wants:  # transformers tracks the best metric all the same
+        wants.append("metric_for_best_model")
     if not wants:
         return
     asked = " and ".join(f"--{w}" for w in wants)
@@ -47,14 +50,20 @@ def check_best_model_args(args, prefixes: list[str]) -> None:
         raise ValueError(f"{asked} need validation data to measure the draft on: give --eval_data NAME=PATH")
     if _value(args.eval_strategy) == "no":
         raise ValueError(f"{asked} need evaluations during training: set --eval_strategy steps --eval_steps N")
-    metrics = selectable_metrics(args.variant, args.block_size)
+    if args.load_best_model_at_end and _value(args.save_strategy) == "steps" and args.save_steps != args.eval_steps:
+        raise ValueError(
+            f"--load_best_model_at_end true saves only every save_steps={args.save_steps} steps, so the best "
+            f"evaluation (every eval_steps={args.eval_steps}) may have no checkpoint to load: set --save_steps "
+            f"{args.eval_steps} or --save_strategy best"
+        )
+    metrics = selectable_metrics(variant or args.variant, block_size or args.block_size)
     choices = [f"{p[len('eval_'):]}{m}" for p in prefixes for m in metrics]
     example = choices[0] if prefixes == ["eval_"] else f"{prefixes[0][len('eval_'):]}tau_est"
     metric = args.metric_for_best_model
     full = metric if metric is None or metric.startswith("eval_") else f"eval_{metric}"
     if full is None or full not in {f"eval_{c}" for c in choices}:
         raise ValueError(
-            f"{asked} need --metric_for_best_model naming a metric the validation reports, got {metric!r}"
+            f"{asked}: --metric_for_best_model must name a metric the validation reports, got {metric!r}"
             f"{' (transformers default)' if metric == 'loss' else ''}: e.g. --metric_for_best_model {example} "
             f"(higher is better; loss names: lower is better). One of: {', '.join(choices)}"
         )
@@ -63,19 +72,29 @@ def check_best_model_args(args, prefixes: list[str]) -> None:
 class ResumableEarlyStopping(EarlyStoppingCallback):
     """transformers' `EarlyStoppingCallback` whose count of evaluations without improvement resumes from the
     checkpoint (transformers restores callback states only with `restore_callback_states_from_checkpoint`), so a
-    resumed run stops at the step the uninterrupted one would."""
+    resumed run stops at the step the uninterrupted one would. Resumed from the checkpoint at which it stopped, a
+    run takes one more optimizer step (transformers checks the stop after a step) and stops."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
         saved = state.stateful_callbacks.get(type(self).__name__) if state.global_step > 0 else None
         if isinstance(saved, dict):  # the checkpoint's trainer_state.json
             self.early_stopping_patience_counter = saved["attributes"]["early_stopping_patience_counter"]
+            if self.early_stopping_patience_counter >= self.early_stopping_patience:
+                control.should_training_stop = True
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        """`DFlashTrainer.evaluate` reports each validation set on its own; only the metric's set counts (its name
+        was checked before training)."""
+        name = args.metric_for_best_model
+        if (name if name.startswith("eval_") else f"eval_{name}") in metrics:
+            super().on_evaluate(args, state, control, metrics, **kwargs)
 
 
 def add_early_stopping(trainer, args) -> None:
     """Check the best-model settings against the trainer's validation sets and, with `early_stopping_patience`,
     add the early-stopping callback."""
-    check_best_model_args(args, eval_prefixes(trainer.eval_dataset))
+    check_best_model_args(args, eval_prefixes(trainer.eval_dataset), trainer.draft_config.variant, trainer.block_size)
     if args.early_stopping_patience is not None:
         trainer.add_callback(ResumableEarlyStopping(args.early_stopping_patience, args.early_stopping_threshold))
 

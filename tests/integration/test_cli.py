@@ -263,6 +263,6 @@ def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_l
             "--eval_strategy", "steps", "--eval_steps", "50", "--early_stopping_patience", "3", "--use_cpu", "true"]
     assert console.run_command("dflash-train", argv) == 2
     err = capsys.readouterr().err
-    assert "--early_stopping_patience need --metric_for_best_model" in err and "dev_tau_est" in err
+    assert "--early_stopping_patience: --metric_for_best_model must name a metric" in err and "dev_tau_est" in err
     assert console.run_command("dflash-train", [*argv, "--metric_for_best_model", "test_tau_est"]) == 2
     assert "got 'test_tau_est'" in capsys.readouterr().err

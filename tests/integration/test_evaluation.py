@@ -216,10 +216,13 @@ def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(targ
     ("kw", "message"),
     [
         (dict(load_best_model_at_end=True), r"metric_for_best_model .*'loss' \(transformers default\).*dev_tau_est"),
-        (dict(save_strategy="best", metric_for_best_model="dev_tau"), r"--save_strategy best need .*got 'dev_tau'"),
+        (dict(save_strategy="best", metric_for_best_model="dev_tau"), r"--save_strategy best: .*got 'dev_tau'"),
         (dict(early_stopping_patience=2, metric_for_best_model="tau_est"), "got 'tau_est'"),
         (dict(early_stopping_patience=2, metric_for_best_model="dev_selector_tau_est"), "dflash2|got"),
         (dict(early_stopping_patience=2, metric_for_best_model="dev_tau_est", eval_strategy="no"), "eval_strategy"),
+        (dict(metric_for_best_model="dev_tau"), r"--metric_for_best_model: .*got 'dev_tau'"),  # tracked on its own
+        (dict(load_best_model_at_end=True, metric_for_best_model="dev_tau_est", save_steps=4),
+         "may have no checkpoint to load: set --save_steps 2"),
     ],
 )
 def test_best_model_settings_naming_no_reported_metric_are_refused_before_training(target, tmp_path, kw, message):
@@ -259,3 +262,18 @@ def test_a_resumed_run_stops_early_at_the_step_the_uninterrupted_one_did(target,
     assert resumed.state.global_step == 6  # not 8, as a counter restarted at 0 would give
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    after_stop = trainer("c")  # from the checkpoint where it stopped: one more step (checked after a step), no more
+    after_stop.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-6"))
+    assert after_stop.state.global_step == 7
+
+
+def test_the_metric_check_reads_the_drafts_variant_and_block_size(target, tmp_path):
+    model, tok = target
+    train, evals, collate = _data(tok)
+    kw = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
+    built = DFlashTrainer(args=_args(tmp_path / "a", tok, variant="dflash2", **kw), target=model,
+                          train_dataset=train, eval_dataset=evals, data_collator=collate)
+    # the same DFlash2 draft handed to a trainer whose arguments keep the defaults: its selector metrics are reported
+    args = _args(tmp_path / "b", tok, early_stopping_patience=1, metric_for_best_model="dev_selector_tau_est", **kw)
+    DFlashTrainer(model=built.model, args=args, target=model, train_dataset=train, eval_dataset=evals,
+                  data_collator=collate)
