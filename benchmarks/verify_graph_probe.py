@@ -254,7 +254,7 @@ def run(args, command: str) -> dict:
                              "positions": sum(r["positions"] for r in rows)}
     ms = {name: median(clock.read()) for name, clock in clocks.items()}
     return {
-        "what": "Whisper block verify: growing cache vs static cache vs static cache as a CUDA graph",
+        "what": "Whisper block verify: growing cache vs fixed key/value buffers, eager and as a CUDA graph",
         "commit": commit, "command": command, "device": device_name(device), "precision": args.precision,
         "target": "tiny random Whisper" if args.tiny else args.target, "clips": len(prompts),
         "block_size": args.block_size, "step": args.step, "verifies": len(clocks["dynamic"].ms),
