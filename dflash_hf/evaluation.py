@@ -98,6 +98,7 @@ class DecodeStats:
     mismatches: list[int] = field(default_factory=list)  # indices of prompts whose outputs differ
     compared: bool = False
     draft_steps: dict[str, int] = field(default_factory=dict)  # prompts per way the draft's step ran
+    verify_steps: dict[str, int] = field(default_factory=dict)  # and the target's verify
 
     @property
     def tau(self) -> float:
@@ -119,6 +120,7 @@ class DecodeStats:
             "spec_tokens": self.spec_tokens,
             "spec_tokens_per_s": self.spec_tokens / max(self.spec_seconds, 1e-9),
             "draft_steps": dict(self.draft_steps),
+            "verify_steps": dict(self.verify_steps),
         }
         if self.compared:
             greedy_tps = self.greedy_tokens / max(self.greedy_seconds, 1e-9)
@@ -193,12 +195,13 @@ def decode_benchmark(
     progress: bool = False,
     total: int | None = None,
     draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool = False,
 ) -> DecodeStats:
     """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
     outputs must be token-identical (a mismatch is recorded, not raised). `warmup` decodes the first prompt
-    once untimed (kernel and allocator start-up, and the draft step's CUDA graph capture). `draft_cuda_graph`:
-    as for `speculative_generate`."""
+    once untimed (kernel and allocator start-up, and the CUDA graph captures). `draft_cuda_graph`,
+    `verify_cuda_graph`: as for `speculative_generate`."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
@@ -207,16 +210,19 @@ def decode_benchmark(
         on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         inputs = generate_kwargs(ft.family, ft.cast_features(on_device))  # float features in the target's dtype
         if warmup and i == 0:
-            speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
+            speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
+                                 verify_cuda_graph=verify_cuda_graph, **inputs)
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
-        spec = speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
+        spec = speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
+                                 verify_cuda_graph=verify_cuda_graph, **inputs)
         stats.spec_seconds += _clock(device) - start
         spec_new = spec.sequences[0, n_prompt:].tolist()
         stats.spec_tokens += len(spec_new)
         stats.acceptance_lengths += spec.acceptance_lengths
         stats.draft_steps[spec.draft_step] = stats.draft_steps.get(spec.draft_step, 0) + 1
+        stats.verify_steps[spec.verify_step] = stats.verify_steps.get(spec.verify_step, 0) + 1
         stats.prompts += 1
         if compare_greedy:
             start = _clock(device)

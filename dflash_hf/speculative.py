@@ -37,6 +37,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     propose_block,
     with_cached_masks,
 )
+from .verify_graph import verify_step_for
 
 
 @dataclass
@@ -45,6 +46,7 @@ class SpeculativeOutput:
     acceptance_lengths: list[int] = field(default_factory=list)  # accepted draft tokens + 1 per cycle
     num_target_forwards: int = 0
     draft_step: str = "eager"  # how the draft ran: "cuda graph", "fixed-shape, no graph" or "eager"
+    verify_step: str = "eager"  # how the target verified: the same three (`verify_cuda_graph`)
 
     @property
     def tau(self) -> float:
@@ -71,6 +73,7 @@ class _Verifier:
     step_kwargs: dict = field(default_factory=dict)
     forwards: int = 0
     draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
+    verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
 
     def __call__(self, **kwargs):
         self.forwards += 1
@@ -111,6 +114,7 @@ def _decode(
     generator,
     max_length: int | None = None,
     draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool = False,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
@@ -118,7 +122,8 @@ def _decode(
     `max_positions` caps decoder positions (Whisper's 448), `max_length` the token count (prompt included) where
     decoding stops. `draft_cuda_graph` (greedy only): None = on when decoding on a GPU and the decode's positions are
     bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
-    (`dflash_hf.draft_graph`). Returns the sequence and acceptance lengths."""
+    (`dflash_hf.draft_graph`). `verify_cuda_graph`: the target's verify as a fixed-shape forward (a CUDA graph on the
+    GPU; `dflash_hf.verify_graph`). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
     bsz, mask_id = cfg.block_size, cfg.mask_token_id
@@ -138,6 +143,11 @@ def _decode(
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}
     logits, pending = verifier(**prefill)
+    fixed_verify = verify_step_for(ft, verifier.layer_ids, bsz, verifier.cache, verifier.step_kwargs,
+                                   wanted=verify_cuda_graph, sample=sample, max_positions=max_positions,
+                                   max_length=max_length)
+    if fixed_verify is not None:
+        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)
     # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
@@ -191,10 +201,15 @@ def _decode(
                                         else 0.0, generator)
             proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
         verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
-        logits, feats = verifier.step(verify_ids)
+        if fixed_verify is None:
+            logits, feats = verifier.step(verify_ids)
+        else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
+            logits, feats = fixed_verify.verify(ft, verify_ids, a)
+            verifier.forwards += 1
         scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
         k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
-        crop_cache(verifier.cache, a + k + 1)
+        if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
+            crop_cache(verifier.cache, a + k + 1)
         grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
         stop = first_stop(grown, length, scores, new_ids)  # the first stop token anywhere among the accepted ones
         stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
@@ -217,6 +232,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool = False,
     **target_inputs,
 ) -> SpeculativeOutput:
     """Decode one prompt with draft proposals verified by the target.
@@ -227,14 +243,16 @@ def speculative_generate(
     their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
     returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
     the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.draft_graph`); the output
-    is the same either way."""
+    is the same either way. `verify_cuda_graph` (greedy Whisper, opt-in): the target's verify as a fixed-shape
+    forward, a CUDA graph on a GPU (`dflash_hf.verify_graph`; it rounds like the growing cache only up to rounding)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     if ft.family.expansion != "model":
         # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
         # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
-        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs, draft_cuda_graph)
+        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs, draft_cuda_graph,
+                                 verify_cuda_graph)
     # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
@@ -246,7 +264,7 @@ def speculative_generate(
         draft, verifier, ft.cast_features(target_inputs), input_ids, processors=processors, sample=temperature > 0,
         draft_temperature=temperature, first_stop=_stop_at(eos, input_ids.shape[1] + max_new_tokens),
         max_positions=None, generator=generator, max_length=input_ids.shape[1] + max_new_tokens,
-        draft_cuda_graph=draft_cuda_graph,
+        draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph,
     )
     return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards,
                              draft_step=verifier.draft_step)
@@ -281,7 +299,7 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
 
 
 def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs,
-                      draft_cuda_graph: bool | None = None):
+                      draft_cuda_graph: bool | None = None, verify_cuda_graph: bool = False):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
     key = ft.family.audio_kwargs[0] if ft.is_encoder_decoder else "input_ids"  # Whisper: input_features
@@ -289,11 +307,13 @@ def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, gene
         kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
     _check_one_prompt(target_inputs[key])
-    decode = DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph)
+    decode = DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph,
+                                  verify_cuda_graph=verify_cuda_graph)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
     return SpeculativeOutput(sequences=decode.sequences, acceptance_lengths=decode.acceptance_lengths,
-                             num_target_forwards=decode.num_target_forwards, draft_step=decode.draft_step)
+                             num_target_forwards=decode.num_target_forwards, draft_step=decode.draft_step,
+                             verify_step=decode.verify_step)
 
 
 # Keywords of the standard decoding step that the speculative loop sets itself.
@@ -310,15 +330,16 @@ class DFlashCustomGenerate:
     and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
     `draft_cuda_graph`: as for :func:`speculative_generate`."""
 
-    def __init__(self, draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None):
+    def __init__(self, draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None,
+                 verify_cuda_graph: bool = False):
         self.draft = draft
         self.generator = generator
-        self.draft_cuda_graph = draft_cuda_graph
+        self.draft_cuda_graph, self.verify_cuda_graph = draft_cuda_graph, verify_cuda_graph
         self._target: FrozenTarget | None = None
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
         self.num_target_forwards = 0
-        self.draft_step = "eager"  # how the last call's draft step ran (`SpeculativeOutput.draft_step`)
+        self.draft_step = self.verify_step = "eager"  # how the last call's steps ran (`SpeculativeOutput`)
 
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  synced_gpus=False, streamer=None, **model_kwargs):
@@ -353,16 +374,18 @@ class DFlashCustomGenerate:
             sample=sample, draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
             first_stop=_criteria_stop(stopping_criteria), max_positions=max_positions, generator=self.generator,
             max_length=getattr(generation_config, "max_length", None), draft_cuda_graph=self.draft_cuda_graph,
+            verify_cuda_graph=self.verify_cuda_graph,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
-        self.draft_step = verifier.draft_step
+        self.draft_step, self.verify_step = verifier.draft_step, verifier.verify_step
         if generation_config is not None and generation_config.return_dict_in_generate:
             cls = GenerateEncoderDecoderOutput if ft.is_encoder_decoder else GenerateDecoderOnlyOutput
             return cls(sequences=seq)
         return seq
 
 
-def dflash_custom_generate(draft, generator: torch.Generator | None = None,
-                           draft_cuda_graph: bool | None = None) -> DFlashCustomGenerate:
+def dflash_custom_generate(draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None,
+                           verify_cuda_graph: bool = False) -> DFlashCustomGenerate:
     """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
-    return DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph)
+    return DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph,
+                                verify_cuda_graph=verify_cuda_graph)

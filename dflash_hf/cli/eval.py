@@ -52,6 +52,12 @@ class EvalArguments:
                           "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
                           "output is the same in every mode."},
     )
+    verify_cuda_graph: str = field(
+        default="off",
+        metadata={"help": "on: the target's verify as a fixed-shape forward, a CUDA graph on a GPU (greedy Whisper "
+                          "only; dflash_hf.verify_graph). Its logits equal the growing cache's up to rounding, so it "
+                          "is opt-in until measured on the GPU; outputs are checked as usual. off: the growing cache."},
+    )
     allow_mismatch: bool = field(
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
@@ -64,6 +70,8 @@ class EvalArguments:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         resolve_dtype(self.precision)
         graph_mode(self.draft_cuda_graph)
+        if self.verify_cuda_graph not in ("on", "off"):
+            raise ValueError(f"--verify_cuda_graph must be on or off, got {self.verify_cuda_graph!r}")
         check_paths_exist(self, ("draft", "target", "data"))
 
 
@@ -136,7 +144,8 @@ def evaluate(args: EvalArguments) -> dict:
         prompts = itertools.islice(prompts, args.num_samples)
         total = min(total, args.num_samples)
     stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total,
-                             draft_cuda_graph=graph_mode(args.draft_cuda_graph))
+                             draft_cuda_graph=graph_mode(args.draft_cuda_graph),
+                             verify_cuda_graph=args.verify_cuda_graph == "on")
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
     steps = stats.draft_steps  # how the draft's step ran, per prompt (auto falls back to eager on very long decodes)

@@ -1,0 +1,189 @@
+"""Whisper's block verify as one fixed-shape forward, replayed as a CUDA graph (opt-in: `verify_cuda_graph=True`).
+
+At batch 1 the target's forward over a block is launch-bound: on the H200 it was half of a Whisper cycle once the
+draft's step ran as a graph (`docs/PERFORMANCE.md`). :class:`StaticVerifyStep` runs the same forward with every shape
+fixed, so it can be captured once and replayed:
+
+- the decoder's self-attention keys/values live in fixed buffers of `max_target_positions` rows per layer
+  (:class:`FixedSelfCache`); a verify writes the block's rows at its positions and attends to every row through a
+  mask that keeps the rows at or before each query's position. Rows of rejected tokens lie past the next anchor and
+  are overwritten by the next block before any query reaches them, so nothing is cropped;
+- the cross-attention keys/values and the encoder output are copied per utterance into fixed tensors;
+- the block's ids and positions are copied into fixed tensors before each replay.
+
+Attention over the masked fixed buffers may round differently from attention over the growing cache: the verify's
+logits agree up to rounding (`benchmarks/verify_graph_probe.py`: on Whisper-base, CPU, no argmax of 2440 block
+positions differed), so greedy decoding stays `generate`'s unless a rounding flips a near-tie. That is why it is
+opt-in until measured on the GPU; `dflash-eval --verify_cuda_graph on` checks the outputs as always. On the CPU the
+same fixed-shape forward runs without a graph (how the tests compare it with the growing cache).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+
+# Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_STEPS_PER_TARGET = 4
+
+
+class FixedSelfCache(DynamicCache):
+    """Self-attention keys/values in fixed buffers `[1, heads, positions, head_dim]` per decoder layer, written at
+    `write_index` (a fixed tensor updated in place): a cache's `update` without growth. A `DynamicCache` only so that
+    `EncoderDecoderCache` takes it; its own layers stay empty."""
+
+    def __init__(self, num_layers: int, heads: int, head_dim: int, positions: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        shape = (1, heads, positions, head_dim)  # zeros: masked rows must be finite (0 * inf would be NaN)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.columns = torch.arange(positions, device=device)
+        self.write_index = self.columns[:0]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.write_index, key)
+        self.values[layer_idx].index_copy_(2, self.write_index, value)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are explicit: position ids, `write_index` and the mask
+
+    def keep_mask(self, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's, else the lowest
+        value of `dtype`."""
+        keep = self.columns[None, :] <= query_positions[:, None]
+        return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
+class StaticVerifyStep:
+    """One target's fixed tensors and the fixed-shape verify over them (module docstring). Made by
+    :func:`static_verify_step`; :meth:`start` once per utterance, :meth:`verify` once per cycle. One decode at a time
+    per target (its buffers are shared by every decode with the same key)."""
+
+    def __init__(self, ft, layer_ids: list[int], block: int, positions: int, prefill_cache: EncoderDecoderCache,
+                 encoder_hidden: torch.Tensor, graph: bool):
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, updated in place by later decodes
+            self._build(ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph)
+
+    def _build(self, ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph) -> None:
+        cfg, dev, dtype = ft.model.config, ft.device, ft.dtype
+        self._model = weakref.ref(ft.model)
+        self.addresses = weight_addresses(ft.model)
+        self.layer_ids, self.block, self.dtype = list(layer_ids), block, dtype
+        heads = cfg.decoder_attention_heads
+        self.self_cache = FixedSelfCache(cfg.decoder_layers, heads, cfg.d_model // heads, positions, dtype, dev)
+        cross = DynamicCache()
+        for i, layer in enumerate(prefill_cache.cross_attention_cache.layers):
+            cross.update(layer.keys.clone(), layer.values.clone(), i)  # this utterance's: refilled by `start`
+        self.cache = EncoderDecoderCache(self.self_cache, cross)
+        self.cache.is_updated.update({i: True for i in range(len(cross.layers))})  # cross keys/values are reused
+        self.encoder_hidden = encoder_hidden.clone()  # only says "cross-attend" to the layers: its keys are cached
+        self.ids = torch.zeros(1, block, dtype=torch.long, device=dev)
+        self.base = torch.arange(block, device=dev)
+        self.pos = self.base.clone()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if graph:
+            self._capture(ft, positions - block)
+
+    def serves(self, ft) -> bool:
+        """Whether this step still fits `ft`: the same model, every weight where it was when the step was made."""
+        return self._model() is ft.model and self.addresses == weight_addresses(ft.model)
+
+    def _forward(self, ft) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify over the fixed inputs (what the graph captures): logits `[B, V]` and taps `[1, B, T*H]`."""
+        self.self_cache.write_index = self.pos
+        out, feats = ft.tapped_forward(
+            self.layer_ids, encoder_outputs=(self.encoder_hidden,), decoder_input_ids=self.ids,
+            past_key_values=self.cache, use_cache=True, decoder_position_ids=self.pos[None],
+            decoder_attention_mask=self.self_cache.keep_mask(self.pos, self.dtype),
+        )
+        return out.logits[0], feats.taps
+
+    def _capture(self, ft, at: int) -> None:
+        # warm-up on a side stream, then capture, at the last block's positions: those rows are written again
+        # before any query of a decode reaches them
+        torch.add(self.base, at, out=self.pos)
+        with torch.cuda.device(ft.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._forward(ft)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._forward(ft)
+
+    def start(self, prefill_cache: EncoderDecoderCache, encoder_hidden: torch.Tensor) -> None:
+        """Per utterance: the prompt's self-attention keys/values (rows 0..L-1), the cross-attention keys/values and
+        the encoder output, from the growing cache of the prefill."""
+        for i, layer in enumerate(prefill_cache.self_attention_cache.layers):
+            n = layer.keys.shape[2]
+            self.self_cache.keys[i][:, :, :n].copy_(layer.keys)
+            self.self_cache.values[i][:, :, :n].copy_(layer.values)
+        for fixed, layer in zip(self.cache.cross_attention_cache.layers, prefill_cache.cross_attention_cache.layers):
+            fixed.keys.copy_(layer.keys)
+            fixed.values.copy_(layer.values)
+        self.encoder_hidden.copy_(encoder_hidden)
+
+    def verify(self, ft, ids: torch.Tensor, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's logits `[B, V]` and taps `[1, B, T*H]` for the block `ids` `[1, B]` at positions `a..a+B-1`;
+        fixed tensors that the next call overwrites."""
+        self.ids.copy_(ids)
+        torch.add(self.base, a, out=self.pos)
+        if self.graph is None:
+            return self._forward(ft)
+        with torch.cuda.device(ft.device):
+            self.graph.replay()
+        return self.out
+
+
+def weight_addresses(model) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
+def static_verify_step(ft, layer_ids: list[int], block: int, positions: int, prefill_cache: EncoderDecoderCache,
+                       encoder_hidden: torch.Tensor, graph: bool) -> StaticVerifyStep:
+    """The target's :class:`StaticVerifyStep` for these taps, block, positions and encoder frame shape (made once,
+    kept beside the target model: a capture costs a few forwards), started for this utterance."""
+    store = _STEPS.setdefault(ft.model, {})
+    key = (ft.device, ft.dtype, tuple(layer_ids), block, positions, tuple(encoder_hidden.shape), graph)
+    step = store.pop(key, None)  # re-inserted last: the store is in order of use
+    if step is None or not step.serves(ft):
+        while len(store) >= MAX_STEPS_PER_TARGET:
+            store.pop(next(iter(store)))
+        step = StaticVerifyStep(ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph)
+    store[key] = step
+    step.start(prefill_cache, encoder_hidden)
+    return step
+
+
+def verify_step_for(ft, layer_ids: list[int], block: int, prefill_cache, step_kwargs: dict, *, wanted: bool,
+                    sample: bool, max_positions: int | None, max_length: int | None) -> StaticVerifyStep | None:
+    """The fixed-shape verify for a decode, or None for the growing cache. `wanted` (`verify_cuda_graph=True`) asks
+    for it; it applies to greedy decoding of a Whisper-layout encoder-decoder target whose blocks stay within its
+    decoder positions, else a clear error."""
+    if not wanted:
+        return None
+    encoder = step_kwargs.get("encoder_outputs")
+    why = None
+    if not (ft.is_encoder_decoder and isinstance(prefill_cache, EncoderDecoderCache) and encoder is not None
+            and hasattr(ft.model.config, "decoder_attention_heads")):
+        why = "a target other than an encoder-decoder (Whisper) one"
+    elif sample:
+        why = "sampling (temperature > 0)"
+    elif max_positions is None or max_length is None or max_length - 1 + block > max_positions:
+        why = f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length})"
+    if why is not None:
+        raise ValueError(f"verify_cuda_graph=True: the fixed-shape verify is for bounded greedy Whisper decoding, not "
+                         f"{why}; leave verify_cuda_graph off")
+    return static_verify_step(ft, layer_ids, block, max_positions, prefill_cache, encoder[0],
+                              graph=ft.device.type == "cuda")
+
+
+__all__ = ["FixedSelfCache", "StaticVerifyStep", "static_verify_step", "verify_step_for"]
