@@ -1,5 +1,5 @@
-"""Would Whisper's block verify gain from a CUDA graph, and would it stay exact? (issue 16: a probe; the package does
-not use a static verify.)
+"""Would Whisper's block verify gain from a CUDA graph, and would it stay exact? (issue 16: the probe behind the
+package's opt-in `verify_cuda_graph`, `dflash_hf/verify_graph.py`, whose fixed self-attention cache it uses.)
 
     python benchmarks/verify_graph_probe.py --target whisper-base/hf --data data/speech/eval.json --device cuda
     python benchmarks/verify_graph_probe.py --tiny       # tiny random Whisper on the CPU (smoke run)
@@ -46,6 +46,7 @@ from dflash_hf.evaluation import target_greedy  # noqa: E402
 from dflash_hf.families import generate_kwargs  # noqa: E402
 from dflash_hf.speculative import crop_cache  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target  # noqa: E402
+from dflash_hf.verify_graph import FixedSelfCache  # noqa: E402
 
 SCRIPT_PATH = Path(__file__).resolve()
 
@@ -105,35 +106,6 @@ def dynamic_pass(model, enc, seq, prompt_len: int, starts: list[int], block: int
     return logits
 
 
-class FixedSelfCache(DynamicCache):
-    """Whisper's self-attention keys/values in fixed buffers `[1, heads, positions, head_dim]` per decoder layer,
-    written at `write_index` (set before each forward): the growing cache's `update`, without its growth. Stale
-    rows past the block are masked (`keep_mask`) and overwritten before any block attends to them."""
-
-    def __init__(self, config, positions: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()  # a `Cache` to `EncoderDecoderCache`; its own layers stay unused
-        heads = config.decoder_attention_heads
-        shape = (1, heads, positions, config.d_model // heads)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.decoder_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.decoder_layers)]
-        self.columns = torch.arange(positions, device=device)
-        self.write_index = self.columns[:0]
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.write_index, key)
-        self.values[layer_idx].index_copy_(2, self.write_index, value)
-        return self.keys[layer_idx], self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are given explicitly (position ids, write index, mask)
-
-    def keep_mask(self, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive `[1, 1, q, positions]`: 0 where a key's position is at or before the query's, else the dtype's
-        lowest value."""
-        keep = self.columns[None, :] <= query_positions[:, None]
-        return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
-
-
 class StaticVerify:
     """The verify forward over fixed tensors: the block's ids and positions, a fixed self-attention cache and mask;
     the cross-attention keys/values are the prefill's (computed once per clip)."""
@@ -142,7 +114,9 @@ class StaticVerify:
         self.model, self.enc, self.block = model, enc, block
         dev, dtype = seq.device, model.dtype
         self.dtype = dtype
-        self.self_cache = FixedSelfCache(model.config, positions, dtype, dev)
+        cfg = model.config
+        heads = cfg.decoder_attention_heads
+        self.self_cache = FixedSelfCache(cfg.decoder_layers, heads, cfg.d_model // heads, positions, dtype, dev)
         self.cache = EncoderDecoderCache(self.self_cache, DynamicCache())
         prefill = torch.arange(prompt_len, device=dev)
         self.self_cache.write_index = prefill
