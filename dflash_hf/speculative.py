@@ -37,7 +37,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     propose_block,
     with_cached_masks,
 )
-from .verify_graph import verify_step_for
+from .verify_graph import check_verify_step, static_verify_step
 
 
 @dataclass
@@ -142,11 +142,14 @@ def _decode(
 
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}
+    if verify_cuda_graph:
+        check_verify_step(ft, bsz, verifier.step_kwargs, sample=sample, max_positions=max_positions,
+                          max_length=max_length)
     logits, pending = verifier(**prefill)
-    fixed_verify = verify_step_for(ft, verifier.layer_ids, bsz, verifier.cache, verifier.step_kwargs,
-                                   wanted=verify_cuda_graph, sample=sample, max_positions=max_positions,
-                                   max_length=max_length)
-    if fixed_verify is not None:
+    fixed_verify = None
+    if verify_cuda_graph:  # after the prefill: it copies the prompt's rows and the cross-attention keys
+        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, max_positions, verifier.cache,
+                                          verifier.step_kwargs["encoder_outputs"][0], graph=dev.type == "cuda")
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)

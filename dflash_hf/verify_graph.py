@@ -152,6 +152,8 @@ def static_verify_step(ft, layer_ids: list[int], block: int, positions: int, pre
     """The target's :class:`StaticVerifyStep` for these taps, block, positions and encoder frame shape (made once,
     kept beside the target model: a capture costs a few forwards), started for this utterance."""
     store = _STEPS.setdefault(ft.model, {})
+    for stale in [k for k in store if k[0] != ft.device]:  # the model moved: those buffers and graphs serve no one
+        del store[stale]
     key = (ft.device, ft.dtype, tuple(layer_ids), block, positions, tuple(encoder_hidden.shape), graph)
     step = store.pop(key, None)  # re-inserted last: the store is in order of use
     if step is None or not step.serves(ft):
@@ -163,27 +165,29 @@ def static_verify_step(ft, layer_ids: list[int], block: int, positions: int, pre
     return step
 
 
-def verify_step_for(ft, layer_ids: list[int], block: int, prefill_cache, step_kwargs: dict, *, wanted: bool,
-                    sample: bool, max_positions: int | None, max_length: int | None) -> StaticVerifyStep | None:
-    """The fixed-shape verify for a decode, or None for the growing cache. `wanted` (`verify_cuda_graph=True`) asks
-    for it; it applies to greedy decoding of a Whisper-layout encoder-decoder target whose blocks stay within its
-    decoder positions, else a clear error."""
-    if not wanted:
-        return None
-    encoder = step_kwargs.get("encoder_outputs")
+def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
+                      max_length: int | None) -> None:
+    """Refuse `verify_cuda_graph=True` before the prefill where the fixed-shape verify cannot run: it is for greedy
+    decoding of a Whisper target on one device, with SDPA or eager attention (its mask is additive), whose blocks
+    stay within the decoder's positions."""
     why = None
-    if not (ft.is_encoder_decoder and isinstance(prefill_cache, EncoderDecoderCache) and encoder is not None
-            and hasattr(ft.model.config, "decoder_attention_heads")):
-        why = "a target other than an encoder-decoder (Whisper) one"
+    spread = {p.device for p in ft.model.parameters()} - {ft.device}
+    attention = getattr(ft.model.config, "_attn_implementation", None)
+    if getattr(ft.model.config, "model_type", None) != "whisper" or step_kwargs.get("encoder_outputs") is None:
+        why = "a target other than Whisper"
     elif sample:
         why = "sampling (temperature > 0)"
-    elif max_positions is None or max_length is None or max_length - 1 + block > max_positions:
-        why = f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length})"
+    elif spread:
+        why = f"weights on {sorted(map(str, spread))} besides {ft.device}"
+    elif attention not in ("sdpa", "eager"):
+        why = f"attn_implementation {attention!r} (load the target with sdpa or eager attention)"
+    elif max_positions is None or max_length is None or max_length - 2 + block > max_positions:
+        # a cycle's anchor is at most max_length - 2, its block's last row at max_length + block - 3
+        why = (f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length}; "
+               f"pass max_new_tokens so that prompt + max_new_tokens + {block - 2} <= {max_positions})")
     if why is not None:
         raise ValueError(f"verify_cuda_graph=True: the fixed-shape verify is for bounded greedy Whisper decoding, not "
                          f"{why}; leave verify_cuda_graph off")
-    return static_verify_step(ft, layer_ids, block, max_positions, prefill_cache, encoder[0],
-                              graph=ft.device.type == "cuda")
 
 
-__all__ = ["FixedSelfCache", "StaticVerifyStep", "static_verify_step", "verify_step_for"]
+__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "static_verify_step"]

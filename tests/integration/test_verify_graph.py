@@ -3,6 +3,8 @@ as the growing cache, whole blocks, partly accepted blocks and rejected ones ali
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -81,12 +83,18 @@ def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
     feats = _features(processor, 0)
     with pytest.raises(ValueError, match=r"verify_cuda_graph=True: .* not sampling \(temperature > 0\)"):
         speculative_generate(_draft(model), model, 8, temperature=1.0, verify_cuda_graph=True, input_features=feats)
-    with pytest.raises(ValueError, match="may pass the decoder's 448 positions"):
+    with pytest.raises(ValueError, match="may pass the decoder's 448 positions"):  # 4 + 443 - 2 + 4 > 448
         speculative_generate(_draft(model), model, 443, verify_cuda_graph=True, input_features=feats)
+    flash = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="whisper",
+                                                                       _attn_implementation="flash_attention_2"),
+                                                  parameters=model.parameters), device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2'"):  # its mask would not be additive
+        verify_graph.check_verify_step(flash, BLOCK, {"encoder_outputs": (None,)}, sample=False, max_positions=448,
+                                       max_length=30)
     text, _ = tiny_text_target()
     draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(text).text_config, mask_token_id=262,
                                                              num_hidden_layers=1, block_size=BLOCK)).eval()
-    with pytest.raises(ValueError, match="not a target other than an encoder-decoder"):
+    with pytest.raises(ValueError, match="not a target other than Whisper"):
         speculative_generate(draft, text, 8, verify_cuda_graph=True, input_ids=torch.tensor([[5, 6, 7]]))
 
 
