@@ -37,7 +37,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     propose_block,
     with_cached_masks,
 )
-from .verify_graph import check_verify_step, static_verify_step
+from .verify_graph import check_verify_step, static_verify_step, verify_rows
 
 
 @dataclass
@@ -146,11 +146,6 @@ def _decode(
         check_verify_step(ft, bsz, verifier.step_kwargs, sample=sample, max_positions=max_positions,
                           max_length=max_length)
     logits, pending = verifier(**prefill)
-    fixed_verify = None
-    if verify_cuda_graph:  # after the prefill: it copies the prompt's rows and the cross-attention keys
-        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, max_positions, verifier.cache,
-                                          verifier.step_kwargs["encoder_outputs"][0], graph=dev.type == "cuda")
-        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)
     # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
@@ -160,6 +155,11 @@ def _decode(
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
+    fixed_verify = None
+    if verify_cuda_graph:  # after the prefill: it copies the prompt's rows (and Whisper's cross-attention keys)
+        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, verify_rows(max_positions, max_length,
+                                          expansion, bsz), verifier.cache, verifier.step_kwargs, dev.type == "cuda")
+        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     static = None  # the fixed-shape draft step (a CUDA graph on the GPU), when it applies
     if draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda" and not sample):
         limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion

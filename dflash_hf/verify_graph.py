@@ -1,14 +1,16 @@
-"""Whisper's block verify as one fixed-shape forward, replayed as a CUDA graph (opt-in: `verify_cuda_graph=True`).
+"""The target's block verify as one fixed-shape forward, replayed as a CUDA graph (opt-in: `verify_cuda_graph=True`).
 
 At batch 1 the target's forward over a block is launch-bound: on the H200 it was half of a Whisper cycle once the
 draft's step ran as a graph (`docs/PERFORMANCE.md`). :class:`StaticVerifyStep` runs the same forward with every shape
-fixed, so it can be captured once and replayed:
+fixed, so it can be captured once and replayed (Whisper and decoder-only targets: text LLMs and speech LLMs, whose
+prompt's audio positions are prefilled as usual):
 
-- the decoder's self-attention keys/values live in fixed buffers of `max_target_positions` rows per layer
-  (:class:`FixedSelfCache`); a verify writes the block's rows at its positions and attends to every row through a
-  mask that keeps the rows at or before each query's position. Rows of rejected tokens lie past the next anchor and
-  are overwritten by the next block before any query reaches them, so nothing is cropped;
-- the cross-attention keys/values and the encoder output are copied per utterance into fixed tensors;
+- the self-attention keys/values live in fixed buffers per layer (:class:`FixedSelfCache`; Whisper: its 448 decoder
+  positions, a decoder-only target: the decode's bound rounded up); a verify writes the block's rows at its positions
+  and attends to every row through a mask that keeps the rows at or before each query's position. Rows of rejected
+  tokens lie past the next anchor and are overwritten by the next block before any query reaches them, so nothing is
+  cropped;
+- the prompt's rows (and Whisper's cross-attention keys/values and encoder output) are copied in per prompt;
 - the block's ids and positions are copied into fixed tensors before each replay.
 
 Attention over the masked fixed buffers may round differently from attention over the growing cache: the verify's
@@ -28,6 +30,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_STEPS_PER_TARGET = 4
+ROW_ROUNDING = 128  # a decoder-only target's buffer rows are rounded up to this
 
 
 class FixedSelfCache(DynamicCache):
@@ -61,34 +64,37 @@ class FixedSelfCache(DynamicCache):
 
 class StaticVerifyStep:
     """One target's fixed tensors and the fixed-shape verify over them (module docstring). Made by
-    :func:`static_verify_step`; :meth:`start` once per utterance, :meth:`verify` once per cycle. One decode at a time
+    :func:`static_verify_step`; :meth:`start` once per prompt, :meth:`verify` once per cycle. One decode at a time
     per target (its buffers are shared by every decode with the same key)."""
 
-    def __init__(self, ft, layer_ids: list[int], block: int, positions: int, prefill_cache: EncoderDecoderCache,
-                 encoder_hidden: torch.Tensor, graph: bool):
+    def __init__(self, ft, layer_ids: list[int], block: int, rows: int, prefill_cache, encoder_hidden, graph: bool):
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, updated in place by later decodes
-            self._build(ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph)
+            self._build(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
 
-    def _build(self, ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph) -> None:
-        cfg, dev, dtype = ft.model.config, ft.device, ft.dtype
+    def _build(self, ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph) -> None:
+        dev, dtype = ft.device, ft.dtype
         self._model = weakref.ref(ft.model)
         self.addresses = weight_addresses(ft.model)
         self.layer_ids, self.block, self.dtype = list(layer_ids), block, dtype
-        heads = cfg.decoder_attention_heads
-        self.self_cache = FixedSelfCache(cfg.decoder_layers, heads, cfg.d_model // heads, positions, dtype, dev)
-        cross = DynamicCache()
-        for i, layer in enumerate(prefill_cache.cross_attention_cache.layers):
-            cross.update(layer.keys.clone(), layer.values.clone(), i)  # this utterance's: refilled by `start`
-        self.cache = EncoderDecoderCache(self.self_cache, cross)
-        self.cache.is_updated.update({i: True for i in range(len(cross.layers))})  # cross keys/values are reused
-        self.encoder_hidden = encoder_hidden.clone()  # only says "cross-attend" to the layers: its keys are cached
+        self.encoder_decoder = encoder_hidden is not None
+        first = _self_attention(prefill_cache).layers[0].keys  # [1, kv_heads, L, head_dim]
+        self.self_cache = FixedSelfCache(len(_self_attention(prefill_cache).layers), first.shape[1], first.shape[3],
+                                         rows, first.dtype, dev)
+        self.cache, self.encoder_hidden = self.self_cache, None
+        if self.encoder_decoder:
+            cross = DynamicCache()
+            for i, layer in enumerate(prefill_cache.cross_attention_cache.layers):
+                cross.update(layer.keys.clone(), layer.values.clone(), i)  # this utterance's: refilled by `start`
+            self.cache = EncoderDecoderCache(self.self_cache, cross)
+            self.cache.is_updated.update({i: True for i in range(len(cross.layers))})  # cross keys are reused
+            self.encoder_hidden = encoder_hidden.clone()  # only says "cross-attend" to the layers: keys are cached
         self.ids = torch.zeros(1, block, dtype=torch.long, device=dev)
         self.base = torch.arange(block, device=dev)
         self.pos = self.base.clone()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
         if graph:
-            self._capture(ft, positions - block)
+            self._capture(ft, rows - block)
 
     def serves(self, ft) -> bool:
         """Whether this step still fits `ft`: the same model, every weight where it was when the step was made."""
@@ -97,16 +103,18 @@ class StaticVerifyStep:
     def _forward(self, ft) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify over the fixed inputs (what the graph captures): logits `[B, V]` and taps `[1, B, T*H]`."""
         self.self_cache.write_index = self.pos
-        out, feats = ft.tapped_forward(
-            self.layer_ids, encoder_outputs=(self.encoder_hidden,), decoder_input_ids=self.ids,
-            past_key_values=self.cache, use_cache=True, decoder_position_ids=self.pos[None],
-            decoder_attention_mask=self.self_cache.keep_mask(self.pos, self.dtype),
-        )
+        mask = self.self_cache.keep_mask(self.pos, self.dtype)
+        if self.encoder_decoder:
+            kwargs = dict(encoder_outputs=(self.encoder_hidden,), decoder_input_ids=self.ids,
+                          decoder_position_ids=self.pos[None], decoder_attention_mask=mask)
+        else:
+            kwargs = dict(input_ids=self.ids, position_ids=self.pos[None], attention_mask=mask)
+        out, feats = ft.tapped_forward(self.layer_ids, past_key_values=self.cache, use_cache=True, **kwargs)
         return out.logits[0], feats.taps
 
     def _capture(self, ft, at: int) -> None:
-        # warm-up on a side stream, then capture, at the last block's positions: those rows are written again
-        # before any query of a decode reaches them
+        # warm-up on a side stream, then capture, at the last block's rows: they are written again before any query
+        # of a decode reaches them
         torch.add(self.base, at, out=self.pos)
         with torch.cuda.device(ft.device):
             side = torch.cuda.Stream()
@@ -119,17 +127,19 @@ class StaticVerifyStep:
             with torch.cuda.graph(self.graph):
                 self.out = self._forward(ft)
 
-    def start(self, prefill_cache: EncoderDecoderCache, encoder_hidden: torch.Tensor) -> None:
-        """Per utterance: the prompt's self-attention keys/values (rows 0..L-1), the cross-attention keys/values and
-        the encoder output, from the growing cache of the prefill."""
-        for i, layer in enumerate(prefill_cache.self_attention_cache.layers):
+    def start(self, prefill_cache, encoder_hidden: torch.Tensor | None) -> None:
+        """Per prompt: its self-attention keys/values (rows 0..L-1; a speech LLM's audio positions included) and,
+        for Whisper, the cross-attention keys/values and the encoder output, from the growing cache of the prefill."""
+        for i, layer in enumerate(_self_attention(prefill_cache).layers):
             n = layer.keys.shape[2]
             self.self_cache.keys[i][:, :, :n].copy_(layer.keys)
             self.self_cache.values[i][:, :, :n].copy_(layer.values)
-        for fixed, layer in zip(self.cache.cross_attention_cache.layers, prefill_cache.cross_attention_cache.layers):
-            fixed.keys.copy_(layer.keys)
-            fixed.values.copy_(layer.values)
-        self.encoder_hidden.copy_(encoder_hidden)
+        if self.encoder_decoder:
+            for fixed, layer in zip(self.cache.cross_attention_cache.layers,
+                                    prefill_cache.cross_attention_cache.layers):
+                fixed.keys.copy_(layer.keys)
+                fixed.values.copy_(layer.values)
+            self.encoder_hidden.copy_(encoder_hidden)
 
     def verify(self, ft, ids: torch.Tensor, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's logits `[B, V]` and taps `[1, B, T*H]` for the block `ids` `[1, B]` at positions `a..a+B-1`;
@@ -143,23 +153,39 @@ class StaticVerifyStep:
         return self.out
 
 
+def _self_attention(cache):
+    return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+
+
+def verify_rows(max_positions: int | None, max_length: int, expansion: int, block: int) -> int:
+    """Rows of the fixed buffers: Whisper's decoder positions; a decoder-only target's last block's end (the prompt's
+    audio positions included), rounded up to `ROW_ROUNDING` so that prompts of similar length share a step."""
+    if max_positions is not None:
+        return max_positions
+    need = max_length + expansion + block
+    return -(-need // ROW_ROUNDING) * ROW_ROUNDING
+
+
 def weight_addresses(model) -> tuple[int, ...]:
     return tuple(p.data_ptr() for p in model.parameters())
 
 
-def static_verify_step(ft, layer_ids: list[int], block: int, positions: int, prefill_cache: EncoderDecoderCache,
-                       encoder_hidden: torch.Tensor, graph: bool) -> StaticVerifyStep:
-    """The target's :class:`StaticVerifyStep` for these taps, block, positions and encoder frame shape (made once,
-    kept beside the target model: a capture costs a few forwards), started for this utterance."""
+def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_cache, step_kwargs: dict,
+                       graph: bool) -> StaticVerifyStep:
+    """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
+    and kept beside the target model (a capture costs a few forwards), started for this prompt."""
+    encoder = step_kwargs.get("encoder_outputs")
+    encoder_hidden = None if encoder is None else encoder[0]
     store = _STEPS.setdefault(ft.model, {})
     for stale in [k for k in store if k[0] != ft.device]:  # the model moved: those buffers and graphs serve no one
         del store[stale]
-    key = (ft.device, ft.dtype, tuple(layer_ids), block, positions, tuple(encoder_hidden.shape), graph)
+    frames = None if encoder_hidden is None else tuple(encoder_hidden.shape)
+    key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph)
     step = store.pop(key, None)  # re-inserted last: the store is in order of use
     if step is None or not step.serves(ft):
         while len(store) >= MAX_STEPS_PER_TARGET:
             store.pop(next(iter(store)))
-        step = StaticVerifyStep(ft, layer_ids, block, positions, prefill_cache, encoder_hidden, graph)
+        step = StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
     store[key] = step
     step.start(prefill_cache, encoder_hidden)
     return step
@@ -168,26 +194,29 @@ def static_verify_step(ft, layer_ids: list[int], block: int, positions: int, pre
 def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
                       max_length: int | None) -> None:
     """Refuse `verify_cuda_graph=True` before the prefill where the fixed-shape verify cannot run: it is for greedy
-    decoding of a Whisper target on one device, with SDPA or eager attention (its mask is additive), whose blocks
-    stay within the decoder's positions."""
+    decoding, bounded by `max_length`, of a Whisper or decoder-only target on one device with SDPA or eager attention
+    (its mask is additive); Whisper's blocks must stay within its decoder positions."""
     why = None
     spread = {p.device for p in ft.model.parameters()} - {ft.device}
     attention = getattr(ft.model.config, "_attn_implementation", None)
-    if getattr(ft.model.config, "model_type", None) != "whisper" or step_kwargs.get("encoder_outputs") is None:
-        why = "a target other than Whisper"
+    whisper = getattr(ft.model.config, "model_type", None) == "whisper"
+    if ft.is_encoder_decoder and not (whisper and step_kwargs.get("encoder_outputs") is not None):
+        why = "an encoder-decoder target other than Whisper"
     elif sample:
         why = "sampling (temperature > 0)"
     elif spread:
         why = f"weights on {sorted(map(str, spread))} besides {ft.device}"
     elif attention not in ("sdpa", "eager"):
         why = f"attn_implementation {attention!r} (load the target with sdpa or eager attention)"
-    elif max_positions is None or max_length is None or max_length - 2 + block > max_positions:
+    elif max_length is None:
+        why = "a decode without a length bound"
+    elif ft.is_encoder_decoder and (max_positions is None or max_length - 2 + block > max_positions):
         # a cycle's anchor is at most max_length - 2, its block's last row at max_length + block - 3
         why = (f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length}; "
                f"pass max_new_tokens so that prompt + max_new_tokens + {block - 2} <= {max_positions})")
     if why is not None:
-        raise ValueError(f"verify_cuda_graph=True: the fixed-shape verify is for bounded greedy Whisper decoding, not "
-                         f"{why}; leave verify_cuda_graph off")
+        raise ValueError(f"verify_cuda_graph=True: the fixed-shape verify is for bounded greedy decoding, not {why}; "
+                         "leave verify_cuda_graph off")
 
 
-__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "static_verify_step"]
+__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "static_verify_step", "verify_rows"]

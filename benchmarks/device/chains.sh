@@ -119,14 +119,15 @@ case $kind in
     wait; echo done > /tmp/logs/sllmduo.done ;;
   timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each (32 prompts for t:), to /tmp/results/clean.
     # ITEM = w:NAME[:GRAPH] (a Whisper run of real_targets.py; GRAPH = auto|on|off, dflash-eval's --draft_cuda_graph),
-    # v:NAME (the same with the target's verify as a CUDA graph too: --verify_cuda_graph on),
+    # v:NAME (the same with the target's verify as a CUDA graph too: --verify_cuda_graph on; sv:NAME:FAMILY likewise for
+    # a speech-LLM draft),
     # t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM), p:NAME[:GRAPH] (a Whisper run's per-phase
     # decode breakdown with CUDA events: benchmarks/decode_profile.py)
     mkdir -p /tmp/results/clean
     for item in "$@"; do
       IFS=: read -r k n fam <<< "$item"
       [ -d $C/runs/$n/draft ] || { echo "timing: no draft $C/runs/$n/draft (not trained this session); skipped"; continue; }
-      g=${fam:-auto}; [ "$k" = s ] && g=auto
+      g=${fam:-auto}; case $k in s|sv) g=auto ;; esac
       case $k in
         w) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph "$g" \
@@ -139,10 +140,13 @@ case $kind in
         p) python3 benchmarks/decode_profile.py --target $C/whisper-base/hf --draft $C/runs/$n/draft --data $SP/eval.json \
              --num_prompts 40 --max_new_tokens 128 --device cuda --precision fp32 --no_progress --draft_cuda_graph "$g" \
              --output_json /tmp/results/clean/decode_profile_$n-graph-$g.json ;;
+        sv) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
+             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
+             --precision fp32 --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
         s) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
-        *) echo "timing: unknown item $item (w:NAME, v:NAME, t:NAME, s:NAME:FAMILY, p:NAME)" ;;
+        *) echo "timing: unknown item $item (w:NAME, v:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing)"; exit 2 ;;

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from utils import tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny, verify_graph
 from dflash_hf.speculative import dflash_custom_generate
@@ -85,17 +84,15 @@ def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
         speculative_generate(_draft(model), model, 8, temperature=1.0, verify_cuda_graph=True, input_features=feats)
     with pytest.raises(ValueError, match="may pass the decoder's 448 positions"):  # 4 + 443 - 2 + 4 > 448
         speculative_generate(_draft(model), model, 443, verify_cuda_graph=True, input_features=feats)
-    flash = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type="whisper",
-                                                                       _attn_implementation="flash_attention_2"),
-                                                  parameters=model.parameters), device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="attn_implementation 'flash_attention_2'"):  # its mask would not be additive
-        verify_graph.check_verify_step(flash, BLOCK, {"encoder_outputs": (None,)}, sample=False, max_positions=448,
-                                       max_length=30)
-    text, _ = tiny_text_target()
-    draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(text).text_config, mask_token_id=262,
-                                                             num_hidden_layers=1, block_size=BLOCK)).eval()
-    with pytest.raises(ValueError, match="not a target other than Whisper"):
-        speculative_generate(draft, text, 8, verify_cuda_graph=True, input_ids=torch.tensor([[5, 6, 7]]))
+    for model_type, attention, message in (("moonshine", "sdpa", "an encoder-decoder target other than Whisper"),
+                                           ("whisper", "flash_attention_2", "attn_implementation 'flash_attention_2'")):
+        fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type=model_type,
+                                                                            _attn_implementation=attention),
+                                                     parameters=model.parameters),
+                               device=torch.device("cpu"), is_encoder_decoder=True)
+        with pytest.raises(ValueError, match=message):  # flash attention: its mask would not be additive
+            verify_graph.check_verify_step(fake, BLOCK, {"encoder_outputs": (None,)}, sample=False,
+                                           max_positions=448, max_length=30)
 
 
 def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
@@ -106,3 +103,36 @@ def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
     assert keys[0, 0, :, 0].tolist() == [0, 0, 1, 1, 0, 0] and values[0, 0, 2, 1] == 2
     mask = cache.keep_mask(torch.tensor([2, 3]), torch.float32)[0, 0]
     assert (mask[0, :3] == 0).all() and (mask[0, 3:] < -1e30).all() and (mask[1, :4] == 0).all()
+
+
+def _decoder_only_cases():
+    tok = tiny.build_tokenizer()
+    text = tiny.sharpen(tiny.build_text_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1))
+    yield "text", text, {"input_ids": torch.tensor([[5, 17, 99, 42, 7, 13, 64]])}
+    asr, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    tiny.sharpen(asr)
+    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
+    rendered = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[rendered], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
+                       return_tensors="pt")
+    yield "speech LLM (Qwen3-ASR)", asr, dict(inputs)
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_fixed_shape_verify_of_decoder_only_targets_decodes_as_the_growing_cache(case):
+    name, model, inputs = list(_decoder_only_cases())[case]
+    ft = FrozenTarget(model)
+    ref = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    start = inputs["input_ids"].shape[1]
+    for right in (0, 1, BLOCK - 1):
+        def draft(right=right):
+            cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=262, num_hidden_layers=1,
+                                                  block_size=BLOCK)
+            torch.manual_seed(0)
+            return _partly_right(DFlashDraftModel(cfg).eval(), ref, right, start=start)
+
+        eager = speculative_generate(draft(), model, 20, **inputs)
+        fixed = speculative_generate(draft(), model, 20, verify_cuda_graph=True, **inputs)
+        assert torch.equal(fixed.sequences, eager.sequences) and torch.equal(eager.sequences, ref), (name, right)
+        assert fixed.acceptance_lengths == eager.acceptance_lengths and fixed.verify_step == "fixed-shape, no graph"
+    assert eager.acceptance_lengths[0] == BLOCK, name
