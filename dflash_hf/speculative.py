@@ -270,7 +270,7 @@ def speculative_generate(
         draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph,
     )
     return SpeculativeOutput(sequences=seq, acceptance_lengths=accepted, num_target_forwards=verifier.forwards,
-                             draft_step=verifier.draft_step)
+                             draft_step=verifier.draft_step, verify_step=verifier.verify_step)
 
 
 @torch.no_grad()

@@ -333,3 +333,29 @@ def test_batches_are_the_same_with_the_fast_whisper_extractor(name, manifest, mo
     for k in slow:
         if torch.is_tensor(slow[k]):
             assert fast[k].dtype == slow[k].dtype and torch.equal(fast[k], slow[k]), k
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name, manifest):
+    """`verify_cuda_graph=True` (on the CPU: the fixed-shape verify without a graph) decodes each audio LLM family
+    exactly as the growing cache does: the prompt's audio positions (model-side expansion included) prefilled, then
+    blocks over fixed key/value buffers."""
+    from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
+    from dflash_hf.evaluation import prompt_inputs
+    from dflash_hf.target import FrozenTarget
+
+    tok = tiny.build_tokenizer()
+    torch.manual_seed(0)
+    model, processor = BUILDERS[name](tok)
+    tiny.sharpen(model.get_decoder(), seed=1)
+    ft = FrozenTarget(model, name)
+    loader = build_train_dataloader(manifest, processor, model.config, family=ft.family, max_tokens=100_000,
+                                    max_batch_size=1, shuffle=False)
+    inputs = prompt_inputs(next(iter(loader)))
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+                                          num_hidden_layers=1, block_size=4, target_layer_ids=[0, 1])
+    draft = DFlashDraftModel(cfg).eval()
+    eager = speculative_generate(draft, ft, 12, **inputs)
+    fixed = speculative_generate(draft, ft, 12, verify_cuda_graph=True, **inputs)
+    assert torch.equal(fixed.sequences, eager.sequences), name
+    assert fixed.acceptance_lengths == eager.acceptance_lengths and fixed.verify_step == "fixed-shape, no graph"
