@@ -14,10 +14,11 @@ prompt's audio positions are prefilled as usual):
 - the block's ids and positions are copied into fixed tensors before each replay.
 
 Attention over the masked fixed buffers may round differently from attention over the growing cache: the verify's
-logits agree up to rounding (`benchmarks/verify_graph_probe.py`: on Whisper-base, CPU, no argmax of 2440 block
-positions differed), so greedy decoding stays `generate`'s unless a rounding flips a near-tie. That is why it is
-opt-in until measured on the GPU; `dflash-eval --verify_cuda_graph on` checks the outputs as always. On the CPU the
-same fixed-shape forward runs without a graph (how the tests compare it with the growing cache).
+logits agree up to rounding (`benchmarks/verify_graph_probe.py`, CPU: no argmax of 2440 block positions differed on
+Whisper-base, nor of 1488 on SmolLM2-135M), so greedy decoding stays `generate`'s unless a rounding flips a near-tie.
+That is why it is opt-in until measured on the GPU; `dflash-eval --verify_cuda_graph on` checks the outputs as
+always. On the CPU the same fixed-shape forward runs without a graph (how the tests compare it with the growing
+cache).
 """
 
 from __future__ import annotations
