@@ -52,7 +52,7 @@ from dflash_hf.evaluation import target_greedy  # noqa: E402
 from dflash_hf.families import generate_kwargs  # noqa: E402
 from dflash_hf.speculative import crop_cache  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target  # noqa: E402
-from dflash_hf.verify_graph import _STEPS, static_verify_step, verify_rows  # noqa: E402
+from dflash_hf.verify_graph import static_verify_step, static_verify_steps, verify_rows  # noqa: E402
 
 SCRIPT_PATH = Path(__file__).resolve()
 
@@ -129,10 +129,10 @@ def dynamic_pass(ft, inputs, seq, prompt_len: int, starts: list[int], block: int
 def static_pass(ft, inputs, seq, prompt_len, starts, block, rows, clock: Clock, graph: bool,
                 capture_ms: list[float]):
     cache, kwargs, _ = prefill(ft, inputs, seq, prompt_len)
-    made = len(_STEPS.get(ft.model, {}))
+    kept = list(static_verify_steps(ft.model).values())
     start = time.perf_counter()
     step = static_verify_step(ft, LAYER_IDS, block, rows, cache, kwargs, graph)
-    if graph and len(_STEPS[ft.model]) > made:  # a new step: it was captured just now
+    if graph and all(step is not other for other in kept):  # a new step: it was captured just now
         torch.cuda.synchronize()
         capture_ms.append(1e3 * (time.perf_counter() - start))
     return [clock.time(lambda a=a: step.verify(ft, block_ids(seq, a, block), a))[0].clone() for a in starts]

@@ -84,7 +84,7 @@ class StaticDraftStep:
         cfg = draft.config
         # Weak references only: the store is keyed by the draft, and a step must keep neither it nor the target alive.
         self._draft, self._model = weakref.ref(draft), weakref.ref(target.model)
-        self.addresses = weight_addresses(draft, target)  # what a captured graph reads the weights from
+        self.addresses = self._addresses(draft, target)  # what a captured graph reads the weights from
         self.block = cfg.block_size
         self.capacity = capacity
         dtype = next(draft.parameters()).dtype
@@ -118,7 +118,11 @@ class StaticDraftStep:
     def serves(self, draft, target) -> bool:
         """Whether this step is still valid for `draft` and `target`: the same target model, and every weight where
         it was when the step was made (a dtype round trip or `load_state_dict(assign=True)` moves them)."""
-        return self._model() is target.model and self.addresses == weight_addresses(draft, target)
+        return self._model() is target.model and self.addresses == self._addresses(draft, target)
+
+    @staticmethod
+    def _addresses(draft, target) -> tuple[int, ...]:
+        return weight_addresses(draft, target.embed_tokens, target.lm_head)
 
     def _fixed_step(self, ft) -> torch.Tensor:
         """`_step` over the fixed inputs: what the graph captures."""
@@ -151,16 +155,7 @@ class StaticDraftStep:
         # context before overwriting them.
         self.start_pos.fill_(self.capacity - self.block)
         self.anchor_pos.fill_(self.capacity - self.block)
-        with torch.cuda.device(self.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._fixed_step(ft)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.proposal = self._fixed_step(ft)
+        self.graph, self.proposal = capture_graph(self.device, lambda: self._fixed_step(ft))
 
     def start(self, encoder_frames: torch.Tensor | None) -> None:
         """Per utterance: the encoder frames' keys/values of an encoder-context draft (the context buffer needs no
@@ -218,10 +213,37 @@ def graph_capacity(limit: int, block_size: int) -> int | None:
     return -(-need // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
 
 
-def weight_addresses(draft, target) -> tuple[int, ...]:
-    """Where the draft's parameters and the target's embedding and lm_head live (a captured graph reads them there)."""
-    modules = (draft, target.embed_tokens, target.lm_head)
+def weight_addresses(*modules) -> tuple[int, ...]:
+    """Where the modules' parameters live (a captured graph reads them there)."""
     return tuple(p.data_ptr() for m in modules for p in m.parameters())
+
+
+def capture_graph(device: torch.device, step):
+    """Warm `step` up twice on a side stream (allocator, library handles), then capture it as a CUDA graph on
+    `device` (not necessarily the current GPU): (the graph, the outputs its replays overwrite)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    return graph, out
+
+
+def reused_step(store: dict, key, limit: int, serves, make):
+    """The step kept in `store` under `key` while `serves(step)` holds, else a new one from `make()`; `store` keeps
+    at most `limit` steps in order of use (the least recently used dropped first)."""
+    step = store.pop(key, None)  # re-inserted last
+    if step is None or not serves(step):
+        while len(store) >= limit:
+            store.pop(next(iter(store)))
+        step = make()
+    store[key] = step
+    return step
 
 
 def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor | None,
@@ -231,12 +253,8 @@ def static_draft_step(draft, target, capacity: int, encoder_frames: torch.Tensor
     store = _STEPS.setdefault(draft, {})
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
     key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
-    step = store.pop(key, None)  # re-inserted last: the store is in order of use
-    if step is None or not step.serves(draft, target):
-        while len(store) >= MAX_STEPS_PER_DRAFT:
-            store.pop(next(iter(store)))
-        step = StaticDraftStep(draft, target, capacity, frames_shape, graph)
-    store[key] = step
+    step = reused_step(store, key, MAX_STEPS_PER_DRAFT, lambda s: s.serves(draft, target),
+                       lambda: StaticDraftStep(draft, target, capacity, frames_shape, graph))
     step.start(encoder_frames)
     return step
 
@@ -251,6 +269,5 @@ def clear_static_steps(draft) -> None:
     _STEPS.pop(draft, None)
 
 
-__all__ = ["StaticDraftCache", "StaticDraftStep", "graph_capacity", "graph_mode", "static_draft_step", "static_steps",
-           "clear_static_steps",
-           "MAX_GRAPH_POSITIONS"]
+__all__ = ["StaticDraftCache", "StaticDraftStep", "capture_graph", "graph_capacity", "graph_mode", "reused_step",
+           "static_draft_step", "static_steps", "clear_static_steps", "weight_addresses", "MAX_GRAPH_POSITIONS"]

@@ -28,6 +28,8 @@ import weakref
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from .draft_graph import capture_graph, reused_step, weight_addresses
+
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_STEPS_PER_TARGET = 4
@@ -117,16 +119,7 @@ class StaticVerifyStep:
         # warm-up on a side stream, then capture, at the last block's rows: they are written again before any query
         # of a decode reaches them
         torch.add(self.base, at, out=self.pos)
-        with torch.cuda.device(ft.device):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(ft)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = self._forward(ft)
+        self.graph, self.out = capture_graph(ft.device, lambda: self._forward(ft))
 
     def start(self, prefill_cache, encoder_hidden: torch.Tensor | None) -> None:
         """Per prompt: its self-attention keys/values (rows 0..L-1; a speech LLM's audio positions included) and,
@@ -167,10 +160,6 @@ def verify_rows(max_positions: int | None, max_length: int, expansion: int, bloc
     return -(-need // ROW_ROUNDING) * ROW_ROUNDING
 
 
-def weight_addresses(model) -> tuple[int, ...]:
-    return tuple(p.data_ptr() for p in model.parameters())
-
-
 def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_cache, step_kwargs: dict,
                        graph: bool) -> StaticVerifyStep:
     """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
@@ -182,14 +171,20 @@ def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_
         del store[stale]
     frames = None if encoder_hidden is None else tuple(encoder_hidden.shape)
     key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph)
-    step = store.pop(key, None)  # re-inserted last: the store is in order of use
-    if step is None or not step.serves(ft):
-        while len(store) >= MAX_STEPS_PER_TARGET:
-            store.pop(next(iter(store)))
-        step = StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
-    store[key] = step
+    step = reused_step(store, key, MAX_STEPS_PER_TARGET, lambda s: s.serves(ft),
+                       lambda: StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph))
     step.start(prefill_cache, encoder_hidden)
     return step
+
+
+def static_verify_steps(model) -> dict:
+    """The verify steps made for the target `model` so far (keyed by device, dtype, taps, block, rows, frames, mode)."""
+    return _STEPS.get(model, {})
+
+
+def clear_static_verify_steps(model) -> None:
+    """Drop `model`'s verify steps and their buffers (and CUDA graphs)."""
+    _STEPS.pop(model, None)
 
 
 def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
@@ -220,4 +215,5 @@ def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_po
                          "leave verify_cuda_graph off")
 
 
-__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "static_verify_step", "verify_rows"]
+__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "clear_static_verify_steps", "static_verify_step",
+           "static_verify_steps", "verify_rows"]

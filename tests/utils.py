@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset
 
-from dflash_hf import DFlashConfig, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
 from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding
 from dflash_hf.target import FrozenTarget
 
@@ -81,6 +82,51 @@ def tiny_draft_config(dflash_config: dict, **fields) -> DFlashConfig:
         architectures=["DFlashDraftModel"],
     )
     return DFlashConfig(dflash_config=dflash_config, **(base | fields))
+
+
+TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
+
+
+def tiny_whisper():
+    """The sharpened tiny random Whisper of the Whisper tests, and its processor."""
+    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
+    return tiny.sharpen(model, seed=2), processor
+
+
+def whisper_features(processor, seed: int, seconds: float = 1.0) -> torch.Tensor:
+    """Log-mel features of `seconds` of seeded noise."""
+    audio = np.random.default_rng(seed).standard_normal(int(seconds * 16000)).astype(np.float32) * 0.1
+    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+
+
+def whisper_draft(target, block: int = 4) -> DFlashDraftModel:
+    """A seeded random 1-layer draft for `target` (a model or a `FrozenTarget`) with the tiny Whisper's mask id."""
+    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=TINY_WHISPER_MASK, num_hidden_layers=1,
+                                          block_size=block)
+    cfg.vocab_size = ft.vocab_size
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg).eval()
+
+
+def scripted_draft(draft, reference: torch.Tensor, start: int, right: int | None = None):
+    """Make `draft` propose `reference`'s next tokens: all of them (`right` None: every proposal accepted, whole
+    blocks), or the next `right` and then wrong ones (cycles of `right + 1` accepted tokens, the target's greedy being
+    the reference). `reference[0, start]` is the first anchor."""
+    state = {"pos": start}
+
+    def propose_block(hidden, lm_head, anchor_token, temperature, generator):
+        pos, n = state["pos"], hidden.shape[0] - 1
+        assert anchor_token == int(reference[0, pos])
+        tokens = reference[0, pos + 1 : pos + 1 + n].clone()
+        tokens = torch.cat([tokens, tokens.new_zeros(n - len(tokens))])
+        kept = n if right is None else right
+        tokens[kept:] = (tokens[kept:] + 1) % 300
+        state["pos"] = pos + kept + 1
+        return tokens, None
+
+    draft.propose_block = propose_block
+    return draft
 
 
 def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):

@@ -12,14 +12,13 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from utils import decode_with_proposals, make_args, tiny_text_target
+from utils import TINY_WHISPER_MASK as MASK
+from utils import decode_with_proposals, make_args, tiny_text_target, tiny_whisper
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate, tiny
 from dflash_hf.assembly import build_draft
 from dflash_hf.draft_graph import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
 from dflash_hf.target import FrozenTarget
-
-MASK = 364  # a Whisper timestamp token, never produced when decoding without timestamps
 
 
 def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
@@ -63,8 +62,7 @@ def test_text_target_static_step_proposes_what_the_eager_loop_proposes(cls, prom
 
 @pytest.fixture(scope="module")
 def whisper():
-    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
-    return tiny.sharpen(model, seed=2), processor
+    return tiny_whisper()
 
 
 def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path):

@@ -8,82 +8,51 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from utils import scripted_draft, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny, verify_graph
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
 
 BLOCK = 4
-MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
 
 
 @pytest.fixture(scope="module")
 def whisper():
-    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
-    return tiny.sharpen(model, seed=2), processor
-
-
-def _features(processor, seed: int) -> torch.Tensor:
-    audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
-    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
-
-
-def _draft(model) -> DFlashDraftModel:
-    target = FrozenTarget(model)
-    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=MASK, num_hidden_layers=1,
-                                          block_size=BLOCK)
-    cfg.vocab_size = target.vocab_size
-    torch.manual_seed(0)
-    return DFlashDraftModel(cfg).eval()
-
-
-def _partly_right(draft, reference: torch.Tensor, right: int, start: int = 4):
-    """`draft` proposes the reference's next `right` tokens, then wrong ones: cycles of `right + 1` accepted tokens
-    (the target's greedy is the reference), with rejected rows that the next block must overwrite."""
-    state = {"pos": start}
-
-    def propose_block(hidden, lm_head, anchor_token, temperature, generator):
-        pos, n = state["pos"], hidden.shape[0] - 1
-        assert anchor_token == int(reference[0, pos])
-        tokens = reference[0, pos + 1 : pos + 1 + n].clone()
-        tokens = torch.cat([tokens, tokens.new_zeros(n - len(tokens))])
-        tokens[right:] = (tokens[right:] + 1) % 300
-        state["pos"] = pos + right + 1
-        return tokens, None
-
-    draft.propose_block = propose_block
-    return draft
+    return tiny_whisper()
 
 
 def test_fixed_shape_verify_decodes_as_the_growing_cache(whisper):
     model, processor = whisper
-    verify_graph._STEPS.pop(model, None)
+    verify_graph.clear_static_verify_steps(model)
     for seed in range(3):  # one step serves every utterance: its prompt rows and cross keys are refilled
-        feats = _features(processor, seed)
+        feats = whisper_features(processor, seed)
         ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
         for right in (0, 1, BLOCK - 1):
-            eager = speculative_generate(_partly_right(_draft(model), ref, right), model, 24, input_features=feats)
-            fixed = speculative_generate(_partly_right(_draft(model), ref, right), model, 24, input_features=feats,
-                                         verify_cuda_graph=True)
+            eager = speculative_generate(scripted_draft(whisper_draft(model), ref, 4, right), model, 24,
+                                         input_features=feats)
+            fixed = speculative_generate(scripted_draft(whisper_draft(model), ref, 4, right), model, 24,
+                                         input_features=feats, verify_cuda_graph=True)
             assert torch.equal(fixed.sequences, ref) and torch.equal(eager.sequences, ref), (seed, right)
             assert fixed.acceptance_lengths == eager.acceptance_lengths, (seed, right)
             assert fixed.verify_step == "fixed-shape, no graph" and eager.verify_step == "eager"
             assert fixed.num_target_forwards == eager.num_target_forwards
         assert eager.acceptance_lengths[0] == BLOCK  # the last setting accepts whole blocks
-    assert len(verify_graph._STEPS[model]) == 1
+    assert len(verify_graph.static_verify_steps(model)) == 1
     plain = model.generate(feats, max_new_tokens=24)
-    custom = dflash_custom_generate(_draft(model), verify_cuda_graph=True)
+    custom = dflash_custom_generate(whisper_draft(model), verify_cuda_graph=True)
     assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=custom), plain)
     assert custom.verify_step == "fixed-shape, no graph"
 
 
 def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
     model, processor = whisper
-    feats = _features(processor, 0)
+    feats = whisper_features(processor, 0)
     with pytest.raises(ValueError, match=r"verify_cuda_graph=True: .* not sampling \(temperature > 0\)"):
-        speculative_generate(_draft(model), model, 8, temperature=1.0, verify_cuda_graph=True, input_features=feats)
+        speculative_generate(whisper_draft(model), model, 8, temperature=1.0, verify_cuda_graph=True,
+                             input_features=feats)
     with pytest.raises(ValueError, match="may pass the decoder's 448 positions"):  # 4 + 443 - 2 + 4 > 448
-        speculative_generate(_draft(model), model, 443, verify_cuda_graph=True, input_features=feats)
+        speculative_generate(whisper_draft(model), model, 443, verify_cuda_graph=True, input_features=feats)
     for model_type, attention, message in (("moonshine", "sdpa", "an encoder-decoder target other than Whisper"),
                                            ("whisper", "flash_attention_2", "attn_implementation 'flash_attention_2'")):
         fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type=model_type,
@@ -129,7 +98,7 @@ def test_fixed_shape_verify_of_decoder_only_targets_decodes_as_the_growing_cache
             cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=262, num_hidden_layers=1,
                                                   block_size=BLOCK)
             torch.manual_seed(0)
-            return _partly_right(DFlashDraftModel(cfg).eval(), ref, right, start=start)
+            return scripted_draft(DFlashDraftModel(cfg).eval(), ref, start, right)
 
         eager = speculative_generate(draft(), model, 20, **inputs)
         fixed = speculative_generate(draft(), model, 20, verify_cuda_graph=True, **inputs)

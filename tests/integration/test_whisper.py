@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from utils import tiny_text_target
+from utils import TINY_WHISPER_MASK as MASK
+from utils import scripted_draft, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, speculative_generate, tiny
 from dflash_hf.data import ConversationConfig, build_train_dataloader
@@ -18,42 +19,11 @@ from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
 
 BLOCK = 4
-MASK = 364  # <|0.00|>: a timestamp token, never produced when decoding without timestamps
 
 
 @pytest.fixture(scope="module")
 def whisper():
-    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
-    return tiny.sharpen(model, seed=2), processor
-
-
-def _features(processor, seed: int, seconds: float = 1.0) -> torch.Tensor:
-    audio = np.random.default_rng(seed).standard_normal(int(seconds * 16000)).astype(np.float32) * 0.1
-    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
-
-
-def _draft(target: FrozenTarget, block: int = BLOCK) -> DFlashDraftModel:
-    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=MASK, num_hidden_layers=1,
-                                          block_size=block)
-    cfg.vocab_size = target.vocab_size
-    torch.manual_seed(0)
-    return DFlashDraftModel(cfg).eval()
-
-
-def _oracle(draft, reference: torch.Tensor, start: int):
-    """Make `draft` propose the reference continuation (every proposal accepted): `reference[0, start]` is the
-    first anchor; each cycle then advances by a whole block."""
-    state = {"pos": start}
-
-    def propose_block(hidden, lm_head, anchor_token, temperature, generator):
-        pos, n = state["pos"], hidden.shape[0] - 1
-        assert anchor_token == int(reference[0, pos])
-        tokens = reference[0, pos + 1 : pos + 1 + n]
-        state["pos"] = pos + n + 1
-        return torch.cat([tokens, tokens.new_zeros(n - len(tokens))]), None
-
-    draft.propose_block = propose_block
-    return draft
+    return tiny_whisper()
 
 
 def _manifest(tmp_path, rows_extra=None):
@@ -98,7 +68,7 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     target = FrozenTarget(model)
     ids = torch.tensor([[257, 258, 359, 363, 32, 104, 105, 256]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.zeros_like(ids),
-             "input_features": _features(processor, 0)}
+             "input_features": whisper_features(processor, 0)}
     layers = [0, 2, 3]
     feats = target.capture(batch, layers, keep_final=True)
     out = model(input_features=batch["input_features"], decoder_input_ids=ids, output_hidden_states=True)
@@ -153,9 +123,9 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
 def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
-    draft = _draft(target)
+    draft = whisper_draft(target)
     for seed in range(2):
-        feats = _features(processor, seed)
+        feats = whisper_features(processor, seed)
         ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
         out = speculative_generate(draft, model, 24, input_features=feats)
         assert torch.equal(out.sequences, ref), seed
@@ -171,7 +141,7 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     hooks = [model.model.encoder.register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1)),
              model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
                  lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1))]
-    out = speculative_generate(_oracle(_draft(target), ref, 4), model, 24, input_features=feats)
+    out = speculative_generate(scripted_draft(whisper_draft(target), ref, 4), model, 24, input_features=feats)
     for h in hooks:
         h.remove()
     assert torch.equal(out.sequences, ref)
@@ -202,7 +172,7 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
     sequences: the prompt back in front, the end token back where a row ended, rows of a batch padded alike."""
     model, processor = whisper
     eos, prompt = processor.tokenizer.eos_token_id, torch.tensor([[257, 258, 359, 363]])
-    feats = torch.cat([_features(processor, seed) for seed in range(4)])
+    feats = torch.cat([whisper_features(processor, seed) for seed in range(4)])
     # the tiny target never ends on its own: give the end token the output row of a token it writes late
     late = model.generate(feats[:1], decoder_input_ids=prompt, max_new_tokens=24)[0].tolist()
     late = next(t for t in late if t != late[0])
@@ -254,12 +224,12 @@ def test_speculative_sampling_applies_whispers_logits_processors(whisper):
     """At T > 0 the target's distribution is the processed one: suppressed tokens are never emitted, even though
     the unsuppressed target prefers them and a random draft proposes anything."""
     model, processor = whisper
-    feats = _features(processor, 1)
+    feats = whisper_features(processor, 1)
     greedy = model.generate(feats, max_new_tokens=12, return_dict_in_generate=True).sequences[0, 4:].tolist()
     model = copy.deepcopy(model)
     banned = sorted(set(greedy) - {processor.tokenizer.eos_token_id})
     model.generation_config.suppress_tokens = list(model.generation_config.suppress_tokens) + banned
-    draft = _draft(FrozenTarget(model))
+    draft = whisper_draft(FrozenTarget(model))
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         out = speculative_generate(draft, model, 12, temperature=1.0, generator=gen, input_features=feats)
@@ -287,14 +257,14 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     assert ref.shape[1] == first_eos + 1
     cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1,
                                           block_size=BLOCK)
-    draft = _oracle(DFlashDraftModel(cfg).eval(), free, 7)
+    draft = scripted_draft(DFlashDraftModel(cfg).eval(), free, 7)
     out = speculative_generate(draft, model, 12, input_ids=prompt, attention_mask=am)
     assert torch.equal(out.sequences, ref)
     new = first_eos + 1 - 7
     assert sum(out.acceptance_lengths) == new - 1  # the first new token comes from the prompt's forward
     assert out.acceptance_lengths[:-1] == [BLOCK] * (len(out.acceptance_lengths) - 1)
     assert out.acceptance_lengths[-1] < BLOCK  # the end token was accepted mid-block
-    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    custom = dflash_custom_generate(scripted_draft(DFlashDraftModel(cfg).eval(), free, 7))
     assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
                                       custom_generate=custom), ref)
     assert custom.acceptance_lengths == out.acceptance_lengths
@@ -307,7 +277,7 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
 
     kw = dict(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
               stopping_criteria=StoppingCriteriaList([StopOn()]))
-    custom = dflash_custom_generate(_oracle(DFlashDraftModel(cfg).eval(), free, 7))
+    custom = dflash_custom_generate(scripted_draft(DFlashDraftModel(cfg).eval(), free, 7))
     assert torch.equal(model.generate(**kw, custom_generate=custom), model.generate(**kw))
     assert sum(custom.acceptance_lengths) == new - 1
 
@@ -380,7 +350,7 @@ def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
     target_dir = tmp_path / "target"
     tiny.sharpen(model, seed=2).save_pretrained(target_dir)
     processor.save_pretrained(target_dir)
-    _draft(FrozenTarget(model)).save_pretrained(tmp_path / "draft")
+    whisper_draft(FrozenTarget(model)).save_pretrained(tmp_path / "draft")
     manifest = _manifest(tmp_path)
     out = tmp_path / "eval.json"
     assert cli_eval.main(["--draft", str(tmp_path / "draft"), "--target", str(target_dir), "--data", str(manifest),
@@ -413,7 +383,7 @@ def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
 
     model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
     tiny.sharpen(model, seed=2, embed_std=1.0, layer_std=0.3)
-    feats = _features(processor, 0)
+    feats = whisper_features(processor, 0)
     full = model.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
     assert len(set(full[0, 4:].tolist())) > 10  # a varied transcript, not one repeated token
     ids = full.clone()
@@ -459,9 +429,10 @@ def test_decode_benchmark_gives_a_bf16_whisper_its_features_in_bf16(whisper):
 
     model, processor = whisper
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    draft = _draft(FrozenTarget(bf16)).to(torch.bfloat16)
+    draft = whisper_draft(FrozenTarget(bf16)).to(torch.bfloat16)
     prompt = torch.tensor([[257, 258, 359, 363]])
-    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt), "input_features": _features(processor, 0)}
+    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
+              "input_features": whisper_features(processor, 0)}
     assert inputs["input_features"].dtype == torch.float32  # as the collator emits them
     stats = decode_benchmark(draft, bf16, [inputs], 8, warmup=False)
     assert stats.prompts == 1 and not stats.mismatches and stats.spec_tokens > 0

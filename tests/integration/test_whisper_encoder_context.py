@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModel, WhisperForConditionalGeneration
-from utils import make_args, tiny_text_target
+from utils import TINY_WHISPER_MASK as MASK
+from utils import make_args, tiny_text_target, tiny_whisper, whisper_features
 
 from dflash_hf import speculative_generate, tiny
 from dflash_hf.assembly import build_draft, check_encoder_context
@@ -18,18 +19,10 @@ from dflash_hf.hub import DraftCardInfo, build_model_card
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
 
-MASK = 364  # a timestamp token, never produced when decoding without timestamps
-
 
 @pytest.fixture(scope="module")
 def whisper():
-    model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
-    return tiny.sharpen(model, seed=2), processor
-
-
-def _features(processor, seed: int) -> torch.Tensor:
-    audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
-    return processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
+    return tiny_whisper()
 
 
 def _draft(tmp_path, model, **kw):
@@ -57,7 +50,7 @@ def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whi
     taps = torch.randn(1, 5, cfg.num_taps * cfg.hidden_size)
     noise = torch.randn(1, 4, cfg.hidden_size)
     pos = torch.arange(9)[None]
-    frames = [model.model.encoder(_features(processor, s)).last_hidden_state for s in (0, 1)]
+    frames = [model.model.encoder(whisper_features(processor, s)).last_hidden_state for s in (0, 1)]
     with torch.no_grad():
         a = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0])
         cache = {}
@@ -111,7 +104,7 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
     model, processor = whisper
     draft = _draft(tmp_path, model)
     for seed in (0, 1):
-        feats = _features(processor, seed)
+        feats = whisper_features(processor, seed)
         reference = model.generate(feats, max_new_tokens=20, return_dict_in_generate=True).sequences
         out = speculative_generate(draft, model, 20, input_features=feats)
         assert torch.equal(out.sequences, reference)
@@ -138,7 +131,7 @@ def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_wid
 
 def _two_utterances(model, processor, side: str):
     """Two utterances of different decoder lengths padded on `side`, prompts (4 tokens) unsupervised."""
-    feats = torch.cat([_features(processor, 0), _features(processor, 1)])
+    feats = torch.cat([whisper_features(processor, 0), whisper_features(processor, 1)])
     seqs = [model.generate(feats[i : i + 1], max_new_tokens=n, return_dict_in_generate=True).sequences[0]
             for i, n in ((0, 14), (1, 9))]
     width = max(len(s) for s in seqs)
@@ -166,7 +159,7 @@ def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_
     # the classic-bug gate on the new path: overfit one utterance, then decode it in whole blocks
     sharp, _ = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
     tiny.sharpen(sharp, seed=2, embed_std=1.0, layer_std=0.3)
-    feats = _features(processor, 0)
+    feats = whisper_features(processor, 0)
     full = sharp.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
     batch = {"input_ids": full, "attention_mask": torch.ones_like(full), "input_features": feats,
              "loss_mask": torch.arange(full.shape[1])[None] >= 4}
