@@ -209,14 +209,16 @@ def decode_benchmark(
         n_prompt = inputs["input_ids"].shape[1]
         on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         inputs = generate_kwargs(ft.family, ft.cast_features(on_device))  # float features in the target's dtype
+        def decode(inputs=inputs):
+            return speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
+                                        verify_cuda_graph=verify_cuda_graph, **inputs)
+
         if warmup and i == 0:
-            speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
-                                 verify_cuda_graph=verify_cuda_graph, **inputs)
+            decode()
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
         start = _clock(device)
-        spec = speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
-                                 verify_cuda_graph=verify_cuda_graph, **inputs)
+        spec = decode()
         stats.spec_seconds += _clock(device) - start
         spec_new = spec.sequences[0, n_prompt:].tolist()
         stats.spec_tokens += len(spec_new)
