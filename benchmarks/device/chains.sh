@@ -126,24 +126,25 @@ case $kind in
     mkdir -p /tmp/results/clean
     for item in "$@"; do
       IFS=: read -r k n fam <<< "$item"
-      [ -d $C/runs/$n/draft ] || { echo "timing: no draft $C/runs/$n/draft (not trained this session); skipped"; continue; }
+      d=$C/runs/$n/draft; [ -d "$d" ] || d=$C/init/$n  # this session's run, else a carried one (`session.sh unpack drafts/NAME`)
+      [ -d "$d" ] || { echo "timing: no draft $C/runs/$n/draft nor $C/init/$n; skipped"; continue; }
       g=${fam:-auto}; case $k in s|sv) g=auto ;; esac
       case $k in
-        w) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $C/whisper-base/hf --data $SP/eval.json \
+        w) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph "$g" \
              --output_json /tmp/results/clean/$n-graph-$g.json ;;
-        v) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $C/whisper-base/hf --data $SP/eval.json \
+        v) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph auto \
              --verify_cuda_graph on --output_json /tmp/results/clean/$n-verify-graph.json ;;
         t) mv $C/runs/$n/eval_cuda_fp32.json $C/runs/$n/eval_cuda_fp32_shared.json 2>/dev/null
            $B eval $n --device cuda --precision fp32 --num_samples 32 && cp docs/results/quality_"$n"_* /tmp/results/clean/ ;;
-        p) python3 benchmarks/decode_profile.py --target $C/whisper-base/hf --draft $C/runs/$n/draft --data $SP/eval.json \
+        p) python3 benchmarks/decode_profile.py --target $C/whisper-base/hf --draft "$d" --data $SP/eval.json \
              --num_prompts 40 --max_new_tokens 128 --device cuda --precision fp32 --no_progress --draft_cuda_graph "$g" \
              --output_json /tmp/results/clean/decode_profile_$n-graph-$g.json ;;
-        sv) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
+        sv) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
-        s) python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
+        s) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
         *) echo "timing: unknown item $item (w:NAME, v:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, p:NAME)" ;;
