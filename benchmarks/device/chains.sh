@@ -46,11 +46,13 @@ case $kind in
     minutes=${1:-5}; shift $(( $# > 0 ? 1 : 0 ))
     speech_ready
     $S assemble --whisper $C/whisper-base/hf --llm $C/smollm2/hf --out $M/assembled \
-      --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1
+      --check_audio "$(ls $SP/wav/slt/*.wav | head -1)" > /tmp/logs/sllm.assemble.log 2>&1 \
+      || { echo "rc=assemble" > /tmp/logs/sllm.done; exit 1; }
     # every other training clip: the tower pass over all 20000 would take ~3 minutes of a 30-minute session
     [ -f $SP/train_half.json ] || awk 'NR % 2 == 1' $SP/train.json > $SP/train_half.json
     $S train --model $M/assembled --train $SP/train_half.json --out $M/trained --device cuda --precision bf16 \
-      --steps 2000 --batch_size 32 --max_minutes "$minutes" "$@" > /tmp/logs/sllm.train.log 2>&1
+      --steps 2000 --batch_size 32 --max_minutes "$minutes" "$@" > /tmp/logs/sllm.train.log 2>&1 \
+      || { echo "rc=train" > /tmp/logs/sllm.done; exit 1; }  # the chains after it need the trained model
     $S wer --model $M/trained --manifest $SP/eval.json --num_samples 200 --batch_size 32 --device cuda \
       --precision bf16 --output /tmp/results/speech_llm_wer_eval.json > /tmp/logs/sllm.wer.log 2>&1
     cp $M/assembled/assembled.json $M/trained/recipe.json /tmp/results/ 2>/dev/null; echo done > /tmp/logs/sllm.done ;;
@@ -92,7 +94,8 @@ case $kind in
     # as dflash-eval decodes; a failed one ends the chain, the others finish on their own),
     # then its DFlash2 b8 draft on them with ground_truth labels (docs/GENERATED_LABELS.md; not yet run)
     lm=$1; dm=$2; clips=$3; shift 3
-    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000 \
+      || { echo "rc=sllm" > /tmp/logs/sllmgen.done; exit 1; }
     [ -f $SP/dev64.json ] || head -64 $SP/dev.json > $SP/dev64.json
     G=$SP/sllm_generated; rm -rf $G $SP/.sllm_shard*; mkdir -p $G  # labels of this run's speech LLM only
     head -n "$clips" $SP/train.json > $SP/.sllm_first.json

@@ -23,7 +23,7 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer, HfArgumentParser
 
-from dflash_hf.cli.config import parse_with_config
+from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
@@ -64,6 +64,11 @@ class GenerateLabelsArguments:
                 raise ValueError(f"field '{name}' must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"field 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_model_dir(self.model, "model", "the target")
+        if not Path(self.manifest).is_file():
+            raise FileNotFoundError(
+                f"field 'manifest': {self.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
+            )
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
                              f"{self.shard_index}: number the parts 0 .. num_shards - 1")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashUserError
-from .config import apply_config, option_actions, parse_with_config
+from .config import apply_config, check_model_dir, option_actions, parse_with_config
 from .options import help_parser
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -45,30 +45,6 @@ def load_processor(path: str):
         return AutoProcessor.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         return AutoTokenizer.from_pretrained(path)
-
-
-def check_target_path(name: str) -> None:
-    """A target given as a local path must be an existing directory (a Hub id is left to transformers)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return
-    if path.exists():
-        raise NotADirectoryError(
-            f"target_name_or_path={name} is a file; give the directory of the frozen target (its save_pretrained)"
-        )
-    try:
-        validate_repo_id(name)
-        looks_local = name.startswith((".", "~")) or Path(name).is_absolute()
-    except HFValidationError:
-        looks_local = True
-    if looks_local:
-        raise FileNotFoundError(
-            f"target_name_or_path={name}: the directory does not exist; give the directory of the frozen target "
-            "(a model saved with save_pretrained) or a Hub model id"
-        )
 
 
 def _is_hub_id(name: str) -> bool:
@@ -129,7 +105,7 @@ def check_run_inputs(args, data_args) -> None:
     validate on. `args` / `data_args`: the parsed arguments (or the light parser's namespace for both)."""
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
-    check_target_path(args.target_name_or_path)
+    check_model_dir(args.target_name_or_path, "target_name_or_path", "the frozen target")
     if args.validate_only:
         if not data_args.eval_data:
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")

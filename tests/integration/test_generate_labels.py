@@ -64,9 +64,22 @@ def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
     assert [r["orig"] for r in resumed[2:]] == [x["text"] for x in lines[2:]]
 
 
-def test_parser_fields():
-    (args,) = make_parser().parse_args_into_dataclasses(["--model", "m", "--manifest", "a", "--output", "b"])
+def test_parser_fields(tmp_path):
+    (tmp_path / "a.json").write_text("")
+    argv = ["--model", str(tmp_path), "--manifest", str(tmp_path / "a.json"), "--output", "b"]
+    (args,) = make_parser().parse_args_into_dataclasses(argv)
     assert args.reference_key == "reference_text" and args.batch_size == 8 and args.dtype == "float32"
+
+
+def test_missing_model_or_manifest_named_before_loading(tmp_path):
+    (tmp_path / "a.json").write_text("")
+    missing = str(tmp_path / "no_model")
+    with pytest.raises(FileNotFoundError, match=r"model=.*no_model: the directory does not exist"):
+        make_parser().parse_args_into_dataclasses(["--model", missing, "--manifest", str(tmp_path / "a.json"),
+                                                   "--output", "b"])
+    with pytest.raises(FileNotFoundError, match=r"field 'manifest': .*nope.json' is not a file"):
+        make_parser().parse_args_into_dataclasses(["--model", str(tmp_path), "--manifest", str(tmp_path / "nope.json"),
+                                                   "--output", "b"])
 
 
 def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):

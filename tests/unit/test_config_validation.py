@@ -14,8 +14,8 @@ from utils import make_args, tiny_draft_config, tiny_text_target
 from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.assembly import build_draft
 from dflash_hf.cli import console
-from dflash_hf.cli.config import parse_with_config
-from dflash_hf.cli.train import check_target_path, make_parser, train
+from dflash_hf.cli.config import check_model_dir, parse_with_config
+from dflash_hf.cli.train import make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.target import FrozenTarget
 from dflash_hf.training_args import DFlashDataArguments
@@ -122,6 +122,9 @@ def test_warm_start_from_another_vocabulary_is_refused(tmp_path):
 
 
 def test_missing_local_target_directory(tmp_path):
+    def check_target_path(name):
+        check_model_dir(name, "target_name_or_path", "the frozen target")
+
     missing = str(tmp_path / "no" / "target")
     with pytest.raises(FileNotFoundError, match=r"the directory does not exist"):
         check_target_path(missing)
