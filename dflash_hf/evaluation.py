@@ -195,7 +195,7 @@ def decode_benchmark(
     progress: bool = False,
     total: int | None = None,
     draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool = False,
+    verify_cuda_graph: bool | None = None,
 ) -> DecodeStats:
     """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two

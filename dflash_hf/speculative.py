@@ -37,7 +37,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     propose_block,
     with_cached_masks,
 )
-from .verify_graph import check_verify_step, static_verify_step, verify_rows
+from .verify_graph import check_verify_step, fixed_verify_rows, static_verify_step
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _decode(
     generator,
     max_length: int | None = None,
     draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool = False,
+    verify_cuda_graph: bool | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
@@ -122,8 +122,8 @@ def _decode(
     `max_positions` caps decoder positions (Whisper's 448), `max_length` the token count (prompt included) where
     decoding stops. `draft_cuda_graph` (greedy only): None = on when decoding on a GPU and the decode's positions are
     bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
-    (`dflash_hf.draft_graph`). `verify_cuda_graph`: the target's verify as a fixed-shape forward (a CUDA graph on the
-    GPU; `dflash_hf.verify_graph`). Returns the sequence and acceptance lengths."""
+    (`dflash_hf.draft_graph`). `verify_cuda_graph`: the target's verify as a fixed-shape forward, the same three
+    ways (`dflash_hf.verify_graph`). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
     bsz, mask_id = cfg.block_size, cfg.mask_token_id
@@ -156,9 +156,11 @@ def _decode(
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
     fixed_verify = None
-    if verify_cuda_graph:  # after the prefill: it copies the prompt's rows (and Whisper's cross-attention keys)
-        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, verify_rows(max_positions, max_length,
-                                          expansion, bsz), verifier.cache, verifier.step_kwargs, dev.type == "cuda")
+    rows = fixed_verify_rows(verify_cuda_graph, ft, bsz, verifier.step_kwargs, sample=sample,
+                             max_positions=max_positions, max_length=max_length, expansion=expansion)
+    if rows is not None:  # after the prefill: it copies the prompt's rows (and Whisper's cross-attention keys)
+        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, rows, verifier.cache, verifier.step_kwargs,
+                                          dev.type == "cuda")
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     static = None  # the fixed-shape draft step (a CUDA graph on the GPU), when it applies
     if draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda" and not sample):
@@ -235,7 +237,7 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool = False,
+    verify_cuda_graph: bool | None = None,
     **target_inputs,
 ) -> SpeculativeOutput:
     """Decode one prompt with draft proposals verified by the target.
@@ -246,8 +248,8 @@ def speculative_generate(
     their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
     returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
     the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.draft_graph`); the output
-    is the same either way. `verify_cuda_graph` (greedy Whisper, opt-in): the target's verify as a fixed-shape
-    forward, a CUDA graph on a GPU (`dflash_hf.verify_graph`; it rounds like the growing cache only up to rounding)."""
+    is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
+    three ways (`dflash_hf.verify_graph`; its logits equal the growing cache's up to rounding)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
@@ -302,7 +304,7 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
 
 
 def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, generator, target_inputs,
-                      draft_cuda_graph: bool | None = None, verify_cuda_graph: bool = False):
+                      draft_cuda_graph: bool | None = None, verify_cuda_graph: bool | None = None):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
     key = ft.family.audio_kwargs[0] if ft.is_encoder_decoder else "input_ids"  # Whisper: input_features
@@ -331,10 +333,10 @@ class DFlashCustomGenerate:
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
     distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
     and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
-    `draft_cuda_graph`: as for :func:`speculative_generate`."""
+    `draft_cuda_graph`, `verify_cuda_graph`: as for :func:`speculative_generate`."""
 
     def __init__(self, draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None,
-                 verify_cuda_graph: bool = False):
+                 verify_cuda_graph: bool | None = None):
         self.draft = draft
         self.generator = generator
         self.draft_cuda_graph, self.verify_cuda_graph = draft_cuda_graph, verify_cuda_graph
@@ -388,7 +390,7 @@ class DFlashCustomGenerate:
 
 
 def dflash_custom_generate(draft, generator: torch.Generator | None = None, draft_cuda_graph: bool | None = None,
-                           verify_cuda_graph: bool = False) -> DFlashCustomGenerate:
+                           verify_cuda_graph: bool | None = None) -> DFlashCustomGenerate:
     """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
     return DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph,
                                 verify_cuda_graph=verify_cuda_graph)

@@ -1,4 +1,4 @@
-"""The target's block verify as one fixed-shape forward, replayed as a CUDA graph (opt-in: `verify_cuda_graph=True`).
+"""The target's block verify as one fixed-shape forward, replayed as a CUDA graph (on a GPU by default).
 
 At batch 1 the target's forward over a block is launch-bound: on the H200 it was half of a Whisper cycle once the
 draft's step ran as a graph (`docs/PERFORMANCE.md`). :class:`StaticVerifyStep` runs the same forward with every shape
@@ -13,12 +13,14 @@ prompt's audio positions are prefilled as usual):
 - the prompt's rows (and Whisper's cross-attention keys/values and encoder output) are copied in per prompt;
 - the block's ids and positions are copied into fixed tensors before each replay.
 
-Attention over the masked fixed buffers may round differently from attention over the growing cache: the verify's
-logits agree up to rounding (`benchmarks/verify_graph_probe.py`, CPU: no argmax of 2440 block positions differed on
-Whisper-base, nor of 1488 on SmolLM2-135M), so greedy decoding stays `generate`'s unless a rounding flips a near-tie.
-That is why it is opt-in until measured on the GPU; `dflash-eval --verify_cuda_graph on` checks the outputs as
-always. On the CPU the same fixed-shape forward runs without a graph (how the tests compare it with the growing
-cache).
+Attention over the masked fixed buffers may round differently from attention over the growing cache, so greedy
+decoding stays `generate`'s unless a rounding flips a near-tie. Measured (`benchmarks/verify_graph_probe.py`,
+`docs/PERFORMANCE.md`): no argmax of 2440 Whisper-base block positions differed on the CPU or on an H200 (whose
+logits were equal to the bit), nor of 1488 on SmolLM2-135M (CPU); on the H200 every output of Whisper-base and of the
+speech LLM of issue 19 equalled plain greedy `generate` (40/40 each) at 1.4x and 1.9x the growing cache's tokens/s.
+Hence the default `verify_cuda_graph=None`: on a GPU wherever it can run (:func:`fixed_verify_rows`), the growing
+cache elsewhere; `dflash-eval` checks the outputs as always. On the CPU the same fixed-shape forward runs without a
+graph only when asked for (how the tests compare it with the growing cache).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import weakref
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from .draft_graph import capture_graph, reused_step, weight_addresses
+from .draft_graph import MAX_GRAPH_POSITIONS, capture_graph, reused_step, weight_addresses
 
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -187,33 +189,55 @@ def clear_static_verify_steps(model) -> None:
     _STEPS.pop(model, None)
 
 
-def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
-                      max_length: int | None) -> None:
-    """Refuse `verify_cuda_graph=True` before the prefill where the fixed-shape verify cannot run: it is for greedy
-    decoding, bounded by `max_length`, of a Whisper or decoder-only target on one device with SDPA or eager attention
-    (its mask is additive); Whisper's blocks must stay within its decoder positions."""
-    why = None
+def verify_step_blocker(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
+                        max_length: int | None) -> str | None:
+    """Why the fixed-shape verify cannot run for this decode, or None: it is for greedy decoding, bounded by
+    `max_length`, of a Whisper or decoder-only target on one device with SDPA or eager attention (its mask is
+    additive); Whisper's blocks must stay within its decoder positions."""
     spread = {p.device for p in ft.model.parameters()} - {ft.device}
     attention = getattr(ft.model.config, "_attn_implementation", None)
     whisper = getattr(ft.model.config, "model_type", None) == "whisper"
     if ft.is_encoder_decoder and not (whisper and step_kwargs.get("encoder_outputs") is not None):
-        why = "an encoder-decoder target other than Whisper"
-    elif sample:
-        why = "sampling (temperature > 0)"
-    elif spread:
-        why = f"weights on {sorted(map(str, spread))} besides {ft.device}"
-    elif attention not in ("sdpa", "eager"):
-        why = f"attn_implementation {attention!r} (load the target with sdpa or eager attention)"
-    elif max_length is None:
-        why = "a decode without a length bound"
-    elif ft.is_encoder_decoder and (max_positions is None or max_length - 2 + block > max_positions):
+        return "an encoder-decoder target other than Whisper"
+    if sample:
+        return "sampling (temperature > 0)"
+    if spread:
+        return f"weights on {sorted(map(str, spread))} besides {ft.device}"
+    if attention not in ("sdpa", "eager"):
+        return f"attn_implementation {attention!r} (load the target with sdpa or eager attention)"
+    if max_length is None:
+        return "a decode without a length bound"
+    if ft.is_encoder_decoder and (max_positions is None or max_length - 2 + block > max_positions):
         # a cycle's anchor is at most max_length - 2, its block's last row at max_length + block - 3
-        why = (f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length}; "
-               f"pass max_new_tokens so that prompt + max_new_tokens + {block - 2} <= {max_positions})")
+        return (f"a decode whose blocks may pass the decoder's {max_positions} positions (max_length {max_length}; "
+                f"pass max_new_tokens so that prompt + max_new_tokens + {block - 2} <= {max_positions})")
+    return None
+
+
+def check_verify_step(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
+                      max_length: int | None) -> None:
+    """Refuse `verify_cuda_graph=True` before the prefill where the fixed-shape verify cannot run
+    (:func:`verify_step_blocker`)."""
+    why = verify_step_blocker(ft, block, step_kwargs, sample=sample, max_positions=max_positions,
+                              max_length=max_length)
     if why is not None:
         raise ValueError(f"verify_cuda_graph=True: the fixed-shape verify is for bounded greedy decoding, not {why}; "
-                         "leave verify_cuda_graph off")
+                         "pass verify_cuda_graph=None (it then falls back to the growing cache) or False")
 
 
-__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "clear_static_verify_steps", "static_verify_step",
-           "static_verify_steps", "verify_rows"]
+def fixed_verify_rows(setting: bool | None, ft, block: int, step_kwargs: dict, *, sample: bool,
+                      max_positions: int | None, max_length: int | None, expansion: int) -> int | None:
+    """Rows of the fixed-shape verify this decode uses, or None for the growing cache. `setting`: True = always
+    (refused before the prefill by :func:`check_verify_step` where it cannot run), None = on a GPU where it can run
+    and its buffers hold at most `MAX_GRAPH_POSITIONS` rows, False = never."""
+    if setting is False or (setting is None and ft.device.type != "cuda"):
+        return None
+    if setting is None and verify_step_blocker(ft, block, step_kwargs, sample=sample, max_positions=max_positions,
+                                               max_length=max_length) is not None:
+        return None
+    rows = verify_rows(max_positions, max_length, expansion, block)
+    return rows if setting or rows <= MAX_GRAPH_POSITIONS else None
+
+
+__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "clear_static_verify_steps", "fixed_verify_rows",
+           "static_verify_step", "static_verify_steps", "verify_rows", "verify_step_blocker"]

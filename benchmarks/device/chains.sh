@@ -92,7 +92,7 @@ case $kind in
   sllmgen)  # LLM_MINUTES DRAFT_MINUTES CLIPS [dflash-train flags]: the speech LLM, its own greedy transcripts of the first
     # CLIPS training clips and of the 64 dev clips (5 dflash-generate-labels processes: 4 train shards and dev; fp32
     # as dflash-eval decodes; a failed one ends the chain, the others finish on their own),
-    # then its DFlash2 b8 draft on them with ground_truth labels (docs/GENERATED_LABELS.md; not yet run)
+    # then its DFlash2 b8 draft on them with ground_truth labels (docs/GENERATED_LABELS.md; ninth session: 7 5 6000)
     lm=$1; dm=$2; clips=$3; shift 3
     bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000 \
       || { echo "rc=sllm" > /tmp/logs/sllmgen.done; exit 1; }
@@ -121,9 +121,10 @@ case $kind in
     bash /tmp/chains.sh sllmdraft sllm-dflash2-b8 qwen2_audio "$dm" --block_size 8 --variant dflash2 "$@" &
     wait; echo done > /tmp/logs/sllmduo.done ;;
   timing)  # ITEM...: decoding timed alone (nothing else running), 40 samples each (32 prompts for t:), to /tmp/results/clean.
-    # ITEM = w:NAME[:GRAPH] (a Whisper run of real_targets.py; GRAPH = auto|on|off, dflash-eval's --draft_cuda_graph),
-    # v:NAME (the same with the target's verify as a CUDA graph too: --verify_cuda_graph on; sv:NAME:FAMILY likewise for
-    # a speech-LLM draft),
+    # ITEM = w:NAME[:GRAPH] (a Whisper run of real_targets.py; GRAPH = auto|on|off, dflash-eval's --draft_cuda_graph;
+    # the target's verify as dflash-eval's default: a CUDA graph on a GPU since the ninth session),
+    # v:NAME (the verify as a graph explicitly: --verify_cuda_graph on; sv:NAME:FAMILY likewise for a speech-LLM draft),
+    # c:NAME / sc:NAME:FAMILY (the growing-cache verify, --verify_cuda_graph off, for the comparison),
     # t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM), p:NAME[:GRAPH] (a Whisper run's per-phase
     # decode breakdown with CUDA events: benchmarks/decode_profile.py)
     mkdir -p /tmp/results/clean
@@ -131,7 +132,7 @@ case $kind in
       IFS=: read -r k n fam <<< "$item"
       d=$C/runs/$n/draft; [ -d "$d" ] || d=$C/init/$n  # this session's run, else a carried one (`session.sh unpack drafts/NAME`)
       [ -d "$d" ] || { echo "timing: no draft $C/runs/$n/draft nor $C/init/$n; skipped"; continue; }
-      g=${fam:-auto}; case $k in s|sv) g=auto ;; esac
+      g=${fam:-auto}; case $k in s|sv|sc) g=auto ;; esac
       case $k in
         w) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph "$g" \
@@ -144,13 +145,19 @@ case $kind in
         p) python3 benchmarks/decode_profile.py --target $C/whisper-base/hf --draft "$d" --data $SP/eval.json \
              --num_prompts 40 --max_new_tokens 128 --device cuda --precision fp32 --no_progress --draft_cuda_graph "$g" \
              --output_json /tmp/results/clean/decode_profile_$n-graph-$g.json ;;
+        c) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
+             --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph auto \
+             --verify_cuda_graph off --output_json /tmp/results/clean/$n-growing-cache.json ;;
+        sc) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
+             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
+             --precision fp32 --verify_cuda_graph off --output_json /tmp/results/clean/sllm_$n-growing-cache.json ;;
         sv) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
         s) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
-        *) echo "timing: unknown item $item (w:NAME, v:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, p:NAME)" ;;
+        *) echo "timing: unknown item $item (w:NAME, v:NAME, c:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, sc:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing)"; exit 2 ;;

@@ -53,10 +53,12 @@ class EvalArguments:
                           "output is the same in every mode."},
     )
     verify_cuda_graph: str = field(
-        default="off",
-        metadata={"help": "on: the target's verify as a fixed-shape forward, a CUDA graph on a GPU (greedy Whisper "
-                          "only; dflash_hf.verify_graph). Its logits equal the growing cache's up to rounding, so it "
-                          "is opt-in until measured on the GPU; outputs are checked as usual. off: the growing cache."},
+        default="auto",
+        metadata={"help": "auto: on a GPU, the target's greedy verify as a fixed-shape forward replayed as a CUDA "
+                          "graph where it can run (Whisper and decoder-only targets, SDPA or eager attention; "
+                          "dflash_hf.verify_graph), else the growing cache; on: always (refused where it cannot run; "
+                          "on the CPU without a graph); off: the growing cache. Its logits equal the growing cache's "
+                          "up to rounding; outputs are checked against greedy as usual."},
     )
     allow_mismatch: bool = field(
         default=False,
@@ -70,8 +72,7 @@ class EvalArguments:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         resolve_dtype(self.precision)
         graph_mode(self.draft_cuda_graph)
-        if self.verify_cuda_graph not in ("on", "off"):
-            raise ValueError(f"--verify_cuda_graph must be on or off, got {self.verify_cuda_graph!r}")
+        graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
         check_paths_exist(self, ("draft", "target", "data"))
 
 
@@ -145,13 +146,17 @@ def evaluate(args: EvalArguments) -> dict:
         total = min(total, args.num_samples)
     stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total,
                              draft_cuda_graph=graph_mode(args.draft_cuda_graph),
-                             verify_cuda_graph=args.verify_cuda_graph == "on")
+                             verify_cuda_graph=graph_mode(args.verify_cuda_graph, "verify_cuda_graph"))
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
-    steps = stats.draft_steps  # how the draft's step ran, per prompt (auto falls back to eager on very long decodes)
-    draft_step = next(iter(steps)) if len(steps) == 1 else ", ".join(f"{k}: {n} prompts" for k, n in steps.items())
     return {**stats.as_dict(), "per_slot_acceptance": stats.per_slot_acceptance(cfg.block_size),
-            "block_size": cfg.block_size, "device": str(device), "draft_step": draft_step, **asdict(args)}
+            "block_size": cfg.block_size, "device": str(device), "draft_step": _ways(stats.draft_steps),
+            "verify_step": _ways(stats.verify_steps), **asdict(args)}
+
+
+def _ways(steps: dict[str, int]) -> str:
+    """How a step ran over the prompts (auto falls back to eager where the fixed shape cannot run)."""
+    return next(iter(steps)) if len(steps) == 1 else ", ".join(f"{k}: {n} prompts" for k, n in steps.items())
 
 
 def results_table(results: dict) -> str:
@@ -160,7 +165,7 @@ def results_table(results: dict) -> str:
         f"{'speculative':<16} {results['spec_tokens']:>8} {results['spec_tokens_per_s']:>10.1f}",
         f"{'target greedy':<16} {results['greedy_tokens']:>8} {results['greedy_tokens_per_s']:>10.1f}",
         f"prompts {results['prompts']}, block size {results['block_size']}, draft step {results['draft_step']}, "
-        f"tau {results['tau']:.3f} "
+        f"verify {results['verify_step']}, tau {results['tau']:.3f} "
         f"(mean acceptance length over {results['cycles']} cycles), speedup {results['speedup']:.2f}x, "
         f"outputs identical: {'yes' if results['outputs_identical'] else 'NO'}",
         "slot k accepted (k = 1..block_size-1): " + " ".join(f"{a:.3f}" for a in results["per_slot_acceptance"]),

@@ -52,13 +52,20 @@ def test_text_prompts_config_and_overrides(text_setup, capsys):
     out = capsys.readouterr().out
     assert "speculative" in out and "target greedy" in out and "outputs identical: yes" in out
     assert res["draft_step"] == "eager" and "draft step eager" in out  # auto on the CPU
+    assert res["verify_step"] == "eager" and "verify eager" in out  # auto on the CPU: the growing cache
     # the fixed-shape draft step (a CUDA graph on a GPU) on the CPU: the same proposals, so the same cycles
     assert cli_eval.main(["--config", str(config), "--max_new_tokens", "10", "--draft_cuda_graph", "on"]) == 0
     fixed = json.loads((root / "out.json").read_text())
     assert fixed["draft_step"] == "fixed-shape, no graph" and fixed["outputs_identical"]
     assert (fixed["cycles"], fixed["tau"]) == (res["cycles"], res["tau"])
+    assert cli_eval.main(["--config", str(config), "--max_new_tokens", "10", "--verify_cuda_graph", "on"]) == 0
+    fixed = json.loads((root / "out.json").read_text())
+    assert fixed["verify_step"] == "fixed-shape, no graph" and fixed["outputs_identical"]
+    assert (fixed["cycles"], fixed["tau"]) == (res["cycles"], res["tau"])
     with pytest.raises(ValueError, match="--draft_cuda_graph must be one of"):
         cli_eval.main(["--config", str(config), "--draft_cuda_graph", "yes"])
+    with pytest.raises(ValueError, match="--verify_cuda_graph must be one of"):
+        cli_eval.main(["--config", str(config), "--verify_cuda_graph", "yes"])
 
 
 def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from utils import scripted_draft, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny, verify_graph
+from dflash_hf.draft_graph import MAX_GRAPH_POSITIONS
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
 
@@ -62,6 +63,30 @@ def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
         with pytest.raises(ValueError, match=message):  # flash attention: its mask would not be additive
             verify_graph.check_verify_step(fake, BLOCK, {"encoder_outputs": (None,)}, sample=False,
                                            max_positions=448, max_length=30)
+
+
+def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
+    """`verify_cuda_graph=None` (dflash-eval's default `auto`): the fixed-shape verify on a GPU where it can run and
+    its buffers stay within MAX_GRAPH_POSITIONS rows, the growing cache otherwise, without an error; True forces it."""
+    def fake(model_type, device, encoder_decoder):
+        config = SimpleNamespace(model_type=model_type, _attn_implementation="sdpa")
+        return SimpleNamespace(model=SimpleNamespace(config=config, parameters=lambda: iter(())),
+                               device=torch.device(device), is_encoder_decoder=encoder_decoder)
+
+    whisper_kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
+    rows = verify_graph.fixed_verify_rows
+    assert rows(None, fake("whisper", "cuda", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) == 448
+    assert rows(None, fake("whisper", "cpu", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) is None
+    assert rows(True, fake("whisper", "cpu", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) == 448
+    assert rows(False, fake("whisper", "cuda", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) is None
+    sampled = dict(whisper_kw, sample=True)
+    assert rows(None, fake("whisper", "cuda", True), BLOCK, {"encoder_outputs": (None,)}, **sampled) is None
+    text = fake("qwen3", "cuda", False)
+    assert rows(None, text, BLOCK, {}, sample=False, max_positions=None, max_length=100, expansion=50) == 256
+    assert rows(None, text, BLOCK, {}, sample=False, max_positions=None, max_length=None, expansion=0) is None
+    long = dict(sample=False, max_positions=None, max_length=MAX_GRAPH_POSITIONS, expansion=0)
+    assert rows(None, text, BLOCK, {}, **long) is None  # too many rows for auto
+    assert rows(True, text, BLOCK, {}, **long) > MAX_GRAPH_POSITIONS  # asked for: it runs
 
 
 def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
