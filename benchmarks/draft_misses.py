@@ -34,8 +34,9 @@ from dflash_hf import speculative  # noqa: E402
 from dflash_hf.cli.config import check_paths_exist  # noqa: E402
 from dflash_hf.cli.eval import EvalArguments, load_prompts  # noqa: E402
 from dflash_hf.cli.train import load_processor  # noqa: E402
+from dflash_hf.evaluation import generate_inputs  # noqa: E402
 from dflash_hf.export import load_draft_strict  # noqa: E402
-from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
+from dflash_hf.families import get_tokenizer  # noqa: E402
 from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
 
 KINDS = ("end", "punctuation", "word start", "word piece")
@@ -118,8 +119,7 @@ def run(args: MissArguments) -> dict:
     kinds, capitalized, skipped, repeated, slots, cycles_total, records = Counter(), 0, 0, 0, Counter(), 0, []
     with torch.no_grad():
         for inputs in tqdm(prompts, total=args.num_samples, desc="draft misses"):
-            inputs = generate_kwargs(ft.family, ft.cast_features({k: v.to(device) if torch.is_tensor(v) else v
-                                                                  for k, v in inputs.items()}))
+            inputs = generate_inputs(ft, inputs)
             out, cycles = decode_recording(draft, ft, args.max_new_tokens, inputs)
             sequence = out.sequences[0].tolist()
             start = len(sequence) - sum(out.acceptance_lengths) - 1

@@ -140,21 +140,32 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+def generate_inputs(ft: FrozenTarget, inputs: dict) -> dict:
+    """A prompt's processor outputs on the target's device, float features in its dtype, as `generate` takes them."""
+    on_device = {k: v.to(ft.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    return generate_kwargs(ft.family, ft.cast_features(on_device))
+
+
+def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
     """The target's own greedy decoding: prompt + new tokens, as `generate(return_dict_in_generate=True)` gives them
     (rows padded with the end token). A model-side single-placeholder target decodes without `generate`, which cannot
-    run its audio merge. Whisper with its decoder prompt given takes its plain `generate` (`_whisper_greedy`)."""
+    run its audio merge. Whisper with its decoder prompt given takes its plain `generate` (`_whisper_greedy`).
+    `generate_options` go to `generate` (e.g. `cache_implementation="static"`: a static cache, compiled on a GPU)."""
     if ft.family.expansion == "model":
+        if generate_options:
+            raise ValueError(f"generate options {sorted(generate_options)}: a model-side single-placeholder target "
+                             "decodes without generate")
         return model_side_greedy(ft, max_new_tokens, **inputs)
     if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
-        new = _whisper_greedy(ft, inputs, max_new_tokens)
+        new = _whisper_greedy(ft, inputs, max_new_tokens, generate_options)
         if new is not None:
             return new
-    out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                            **generate_options)
     return out.sequences
 
 
-def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor | None:
+def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, options: dict) -> torch.Tensor | None:
     """Whisper's plain `generate` returns only the new tokens, its final end token dropped and rows padded with the
     pad token; with `return_dict_in_generate` it would copy every row's self- and cross-attention cache to the CPU and
     back (37 MB a row for Whisper-base), a cost neither a user's `generate` nor speculative decoding pays. The prompt
@@ -166,8 +177,8 @@ def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torc
     if not isinstance(gc.eos_token_id, int) or gc.pad_token_id != gc.eos_token_id:
         return None
     prompt = inputs["decoder_input_ids"]
-    new = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                            return_dict_in_generate=False)  # [b, n]
+    new = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=False,
+                            **options)  # [b, n]
     timestamps = getattr(gc, "no_timestamps_token_id", None)
     if new.shape[1] > max_new_tokens or (timestamps is not None and bool((new > timestamps).any())):
         return None
@@ -176,11 +187,11 @@ def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torc
     return torch.cat([prompt.to(new.device), new], dim=1)
 
 
-def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int) -> torch.Tensor:
+def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
     """The new tokens of `target_greedy` (`[b, new]`, padded with the end token), where only they are needed
     (generated labels)."""
     prompt = inputs["decoder_input_ids"] if ft.is_encoder_decoder else inputs["input_ids"]
-    return target_greedy(ft, inputs, max_new_tokens)[:, prompt.shape[1] :]
+    return target_greedy(ft, inputs, max_new_tokens, **generate_options)[:, prompt.shape[1] :]
 
 
 @torch.no_grad()
@@ -207,8 +218,7 @@ def decode_benchmark(
     stats = DecodeStats(compared=compare_greedy)
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
         n_prompt = inputs["input_ids"].shape[1]
-        on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-        inputs = generate_kwargs(ft.family, ft.cast_features(on_device))  # float features in the target's dtype
+        inputs = generate_inputs(ft, inputs)
         def decode(inputs=inputs):
             return speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
                                         verify_cuda_graph=verify_cuda_graph, **inputs)
@@ -240,6 +250,7 @@ def decode_benchmark(
 __all__ = [
     "DecodeStats",
     "decode_benchmark",
+    "generate_inputs",
     "target_greedy",
     "target_greedy_new_tokens",
     "prompt_inputs",

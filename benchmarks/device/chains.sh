@@ -125,6 +125,7 @@ case $kind in
     # the target's verify as dflash-eval's default: a CUDA graph on a GPU since the ninth session),
     # v:NAME (the verify as a graph explicitly: --verify_cuda_graph on; sv:NAME:FAMILY likewise for a speech-LLM draft),
     # c:NAME / sc:NAME:FAMILY (the growing-cache verify, --verify_cuda_graph off, for the comparison),
+    # gb:NAME / sgb:NAME:FAMILY (benchmarks/greedy_baselines.py: beside static-cache greedy, compiled by transformers),
     # t:NAME (a text run: with prompt lookup), s:NAME:FAMILY (speech LLM), p:NAME[:GRAPH] (a Whisper run's per-phase
     # decode breakdown with CUDA events: benchmarks/decode_profile.py)
     mkdir -p /tmp/results/clean
@@ -132,7 +133,7 @@ case $kind in
       IFS=: read -r k n fam <<< "$item"
       d=$C/runs/$n/draft; [ -d "$d" ] || d=$C/init/$n  # this session's run, else a carried one (`session.sh unpack drafts/NAME`)
       [ -d "$d" ] || { echo "timing: no draft $C/runs/$n/draft nor $C/init/$n; skipped"; continue; }
-      g=${fam:-auto}; case $k in s|sv|sc) g=auto ;; esac
+      g=${fam:-auto}; case $k in s|sv|sc|sgb) g=auto ;; esac
       case $k in
         w) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
              --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph "$g" \
@@ -151,13 +152,18 @@ case $kind in
         sc) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --verify_cuda_graph off --output_json /tmp/results/clean/sllm_$n-growing-cache.json ;;
+        gb) python3 benchmarks/greedy_baselines.py --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
+             --num_samples 40 --device cuda --output_json /tmp/results/clean/greedy_baselines_$n.json ;;
+        sgb) python3 benchmarks/greedy_baselines.py --draft "$d" --target $M/trained --family "$fam" \
+             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --device cuda \
+             --output_json /tmp/results/clean/greedy_baselines_sllm_$n.json ;;
         sv) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
         s) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
              --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
-        *) echo "timing: unknown item $item (w:NAME, v:NAME, c:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, sc:NAME:FAMILY, p:NAME)" ;;
+        *) echo "timing: unknown item $item (w:NAME, v:NAME, c:NAME, gb:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, sc:NAME:FAMILY, sgb:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing)"; exit 2 ;;

@@ -131,8 +131,9 @@ def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:
     return iter_prompts(rows, collate)
 
 
-def evaluate(args: EvalArguments) -> dict:
-    """Decode the prompts both ways; returns the results written to `args.output_json`."""
+def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, torch.nn.Module, Iterator[dict], int]:
+    """The device, the frozen target, the draft (checked against the target), the prompts (lazily, at most
+    `num_samples`) and their count at most (a row without an assistant response gives no prompt)."""
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = resolve_dtype(args.precision)
     target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
@@ -140,10 +141,17 @@ def evaluate(args: EvalArguments) -> dict:
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
     prompts = load_prompts(args, load_processor(args.target), target.model.config)
-    total = count_records(args.data)  # rows; one without an assistant response gives no prompt
+    total = count_records(args.data)
     if args.num_samples:
         prompts = itertools.islice(prompts, args.num_samples)
         total = min(total, args.num_samples)
+    return device, target, draft, prompts, total
+
+
+def evaluate(args: EvalArguments) -> dict:
+    """Decode the prompts both ways; returns the results written to `args.output_json`."""
+    device, target, draft, prompts, total = load_evaluation(args)
+    cfg = draft.config
     stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total,
                              draft_cuda_graph=graph_mode(args.draft_cuda_graph),
                              verify_cuda_graph=graph_mode(args.verify_cuda_graph, "verify_cuda_graph"))
