@@ -127,7 +127,9 @@ class ProfileArguments:
     draft_cuda_graph: str = field(
         default="auto",
         metadata={"help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
-                          "forward), as dflash-eval's option; both passes use it."},
+                          "forward), as dflash-eval's option; both passes use it. The target verifies with the "
+                          "growing cache in both (the phase clock times that verifier; dflash-eval's default "
+                          "replays a fixed-shape verify as a CUDA graph on a GPU instead)."},
     )
 
     def __post_init__(self):
@@ -389,7 +391,7 @@ def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: i
                                                  for k, v in inputs.items()})
             with clock.measure("total"):
                 out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
-                                                       **kwargs)
+                                                       verify_cuda_graph=False, **kwargs)
             sequences.append(out.sequences)
             cycles += len(out.acceptance_lengths)
             tokens += out.sequences.shape[1] - n_prompt
@@ -412,7 +414,7 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
         stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts),
-                                 draft_cuda_graph=graph)
+                                 draft_cuda_graph=graph, verify_cuda_graph=False)
     reference = reference[-len(prompts):]  # the warm-up decode of the first prompt comes first
     with torch.no_grad():
         profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph)

@@ -56,18 +56,18 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
     inputs = [generate_inputs(ft, p) for p in prompts]
     longest = max(range(len(inputs)), key=lambda i: prompts[i]["input_ids"].shape[1])
     out = {"warmup_prompt": longest}
+    plain = [target_greedy_new_tokens(ft, x, max_new_tokens)[0].tolist() for x in inputs]  # failures raise
     try:
         start = _clock(device)
         target_greedy_new_tokens(ft, inputs[longest], max_new_tokens, **STATIC)
         out["warmup_seconds"] = _clock(device) - start
         seconds, tokens, mismatches = 0.0, 0, []
         for i, x in enumerate(tqdm(inputs, desc="static-cache greedy")):
-            plain = target_greedy_new_tokens(ft, x, max_new_tokens)[0].tolist()
             start = _clock(device)
             new = target_greedy_new_tokens(ft, x, max_new_tokens, **STATIC)[0].tolist()
             seconds += _clock(device) - start
             tokens += len(new)
-            if new != plain:
+            if new != plain[i]:
                 mismatches.append(i)
     except Exception as error:  # noqa: BLE001 (recorded: a target transformers cannot decode with a static cache)
         return {**out, "error": f"{type(error).__name__}: {error}"}
@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "what": "speculative decoding (package defaults) against plain greedy generate and static-cache greedy "
                 "generate (compiled by transformers on a GPU), the same prompts, batch 1",
-        "commit": _commit(), "command": " ".join([sys.executable, *sys.argv]), "device": str(device),
+        **vars(args), "commit": _commit(), "command": " ".join([sys.executable, *sys.argv]), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "transformers": __import__("transformers").__version__, "torch": torch.__version__, **vars(args),
+        "transformers": __import__("transformers").__version__, "torch": torch.__version__,
         "speculative": spec, "static_greedy": static,
         "speedup_vs_static_greedy": (spec["spec_tokens_per_s"] / static["tokens_per_s"]
                                      if "tokens_per_s" in static else None),

@@ -1,5 +1,5 @@
 """Would the target's block verify gain from a CUDA graph, and would it stay exact? (issue 16: the probe behind the
-package's opt-in `verify_cuda_graph`, whose `StaticVerifyStep` (`dflash_hf/verify_graph.py`) it drives.)
+package's `verify_cuda_graph`, whose `StaticVerifyStep` (`dflash_hf/verify_graph.py`) it drives.)
 
     python benchmarks/verify_graph_probe.py --target whisper-base/hf --data data/speech/eval.json --device cuda
     python benchmarks/verify_graph_probe.py --target smollm2/hf --data data/prompts/eval.jsonl --device cuda
@@ -16,7 +16,8 @@ gives the sequence; the verify forwards of a decode are then replayed teacher-fo
 `block_size` tokens at anchor position `a` (the first new token's position first), then `a += step` (`step` about
 tau). Three ways, each through `FrozenTarget.tapped_forward` (taps included, as in decoding):
 
-- `dynamic`: the growing cache, cropped to `a + step` after each block, as `speculative_generate` verifies by default;
+- `dynamic`: the growing cache, cropped to `a + step` after each block, as `speculative_generate` verifies on the CPU
+  (and on a GPU with `verify_cuda_graph=False`);
 - `static`: the package's `StaticVerifyStep` without a graph (fixed buffers, explicit mask, position ids);
 - `graph` (CUDA only): the same step captured as a CUDA graph (once per target and shape) and replayed.
 

@@ -73,10 +73,10 @@ class RealTauCallback(TrainerCallback):
         try:
             taus = {
                 f"{prefix}tau": decode_benchmark(
-                    # the eager draft forward: in training its layers may be compiled or sharded, and a captured
-                    # graph would keep its buffers on the draft for the rest of the run
+                    # the eager draft forward and growing-cache verify: in training the draft's layers may be
+                    # compiled or sharded, and captured graphs would keep their buffers for the rest of the run
                     draft, tr.target, prompts, tr.args.real_tau_max_new_tokens, compare_greedy=False, warmup=False,
-                    draft_cuda_graph=False,
+                    draft_cuda_graph=False, verify_cuda_graph=False,
                 ).tau
                 for prefix, prompts in self.prompts().items()
             }

@@ -76,6 +76,15 @@ def check_block_size(block_size: int, name: str = "block_size") -> None:
         )
 
 
+def decoder_attends_fully(config) -> bool:
+    """Whether every layer of a target decoder with this config attends to every earlier position: no sliding
+    window's band and no layer of another kind (hybrid models), so an explicit causal mask reproduces it."""
+    types = getattr(config, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        return False
+    return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
 def check_target_layer_ids(ids, num_target_layers: int | None = None, name: str = "target_layer_ids") -> None:
     """Non-empty integer layer indices, in range when `num_target_layers` is known."""
     if not ids:

@@ -23,6 +23,7 @@ the CPU (``draft_cuda_graph=True``), which is how the tests compare it with the 
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -36,6 +37,8 @@ CAPACITY_ROUNDING = 128  # capacities are rounded up so that prompts of similar 
 # MAX_STEPS_PER_DRAFT, the least recently used dropped first (text prompts of many lengths make many capacities).
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_STEPS_PER_DRAFT = 8
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafts whose step failed under the default
+logger = logging.getLogger(__name__)
 
 
 class StaticDraftCache:
@@ -197,6 +200,42 @@ class StaticDraftStep:
 GRAPH_MODES = {"auto": None, "on": True, "off": False}
 
 
+def fixed_draft_step(setting: bool | None, draft, ft, block: int, encoder_frames: torch.Tensor | None, *,
+                     device: torch.device, sample: bool, max_positions: int | None, max_length: int | None,
+                     expansion: int) -> StaticDraftStep | None:
+    """The decode's :class:`StaticDraftStep`, or None for the eager draft forward. `setting`: True = always (refused
+    for sampling, an unbounded decode, more than `MAX_GRAPH_POSITIONS` positions or weights on several devices; on
+    the CPU without a graph), None = on a GPU where it can run (a step that fails to build or capture falls back to
+    the eager forward with a warning, for this draft from then on), False = never. `device`: the decode's."""
+    dev, setting = device, None if setting is None else bool(setting)
+    if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
+        return None
+    limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
+    capacity = None if limit is None else graph_capacity(limit, block)
+    # a graph is captured on one device: the draft, the target's embedding and its lm_head must all be there
+    spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {dev}
+    if setting and (sample or capacity is None or spread):  # asked for explicitly: say why it cannot run
+        why = "sampling (temperature > 0)" if sample else (
+            f"weights on {sorted(map(str, spread))} besides {dev}" if spread else
+            "a decode without a length bound" if limit is None else f"{limit} positions (more than the fixed "
+            f"step's {MAX_GRAPH_POSITIONS})")
+        raise ValueError(f"draft_cuda_graph=True: the fixed-shape draft step is for bounded greedy decoding, not "
+                         f"{why}; pass draft_cuda_graph=None (it then falls back to the eager draft) or False")
+    if capacity is None or spread:
+        return None
+    try:
+        return static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda")
+    except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
+        if setting:
+            raise
+        _STEPS.pop(draft, None)
+        _FAILED[draft] = f"{type(error).__name__}: {error}"
+        logger.warning("the draft's fixed-shape step could not run (%s); this draft runs its eager forward from now "
+                       "on (draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt)",
+                       _FAILED[draft])
+        return None
+
+
 def graph_mode(value: str, field: str = "draft_cuda_graph") -> bool | None:
     """A command line's `auto | on | off` as `speculative_generate`'s `draft_cuda_graph` (None, True, False)."""
     if value not in GRAPH_MODES:
@@ -269,5 +308,6 @@ def clear_static_steps(draft) -> None:
     _STEPS.pop(draft, None)
 
 
-__all__ = ["StaticDraftCache", "StaticDraftStep", "capture_graph", "graph_capacity", "graph_mode", "reused_step",
-           "static_draft_step", "static_steps", "clear_static_steps", "weight_addresses", "MAX_GRAPH_POSITIONS"]
+__all__ = ["StaticDraftCache", "StaticDraftStep", "capture_graph", "fixed_draft_step", "graph_capacity", "graph_mode",
+           "reused_step", "static_draft_step", "static_steps", "clear_static_steps", "weight_addresses",
+           "MAX_GRAPH_POSITIONS"]

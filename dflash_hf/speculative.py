@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from .draft_graph import MAX_GRAPH_POSITIONS, graph_capacity, static_draft_step
+from .draft_graph import fixed_draft_step
 from .target import FrozenTarget
 from .verification import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
@@ -37,7 +37,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     propose_block,
     with_cached_masks,
 )
-from .verify_graph import check_verify_step, fixed_verify_rows, static_verify_step
+from .verify_graph import check_verify_step, fixed_verify_step
 
 
 @dataclass
@@ -155,32 +155,16 @@ def _decode(
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
     expansion = pending.shape[1] - prompt.shape[1]
-    fixed_verify = None
-    rows = fixed_verify_rows(verify_cuda_graph, ft, bsz, verifier.step_kwargs, sample=sample,
-                             max_positions=max_positions, max_length=max_length, expansion=expansion)
-    if rows is not None:  # after the prefill: it copies the prompt's rows (and Whisper's cross-attention keys)
-        fixed_verify = static_verify_step(ft, verifier.layer_ids, bsz, rows, verifier.cache, verifier.step_kwargs,
-                                          dev.type == "cuda")
+    # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
+    fixed_verify = fixed_verify_step(verify_cuda_graph, ft, verifier.layer_ids, bsz, verifier.cache,
+                                     verifier.step_kwargs, sample=sample, max_positions=max_positions,
+                                     max_length=max_length, expansion=expansion)
+    if fixed_verify is not None:
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
-    static = None  # the fixed-shape draft step (a CUDA graph on the GPU), when it applies
-    if draft_cuda_graph or (draft_cuda_graph is None and dev.type == "cuda" and not sample):
-        limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
-        capacity = None if limit is None else graph_capacity(limit, bsz)
-        # a graph is captured on one device: the draft, the target's embedding and its lm_head must all be there
-        spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {dev}
-        if spread:
-            capacity = None
-        if draft_cuda_graph and (sample or capacity is None):  # asked for explicitly: say why it cannot run
-            why = "sampling (temperature > 0)" if sample else (
-                f"weights on {sorted(map(str, spread))} besides {dev}" if spread else
-                "a decode without a length bound" if limit is None else f"{limit} positions (more than the fixed "
-                f"step's {MAX_GRAPH_POSITIONS})")
-            raise ValueError(f"draft_cuda_graph=True: the fixed-shape draft step is for bounded greedy decoding, not "
-                             f"{why}; pass draft_cuda_graph=None (it then falls back to the eager draft) or False")
-        if capacity is not None:
-            static = static_draft_step(draft, ft, capacity, draft_kwargs.get("encoder_hidden_states"),
-                                       graph=dev.type == "cuda")
-            verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
+    static = fixed_draft_step(draft_cuda_graph, draft, ft, bsz, draft_kwargs.get("encoder_hidden_states"), device=dev,
+                              sample=sample, max_positions=max_positions, max_length=max_length, expansion=expansion)
+    if static is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
+        verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None

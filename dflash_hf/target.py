@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 
 from .blocks import label_positions
-from .configuration_dflash import check_target_layer_ids
+from .configuration_dflash import check_target_layer_ids, decoder_attends_fully
 from .families import DecoderStreams, decoder_positions, decoder_stream_kwargs, decoder_streams, resolve_family
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -280,12 +280,7 @@ class FrozenTarget:
         config = self.decoder.config
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return False
-        if getattr(config, "model_type", None) not in PREBUILT_MASK_MODEL_TYPES:
-            return False
-        types = getattr(config, "layer_types", None)
-        if types is not None and any(t != "full_attention" for t in types):
-            return False
-        return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+        return getattr(config, "model_type", None) in PREBUILT_MASK_MODEL_TYPES and decoder_attends_fully(config)
 
     def padded_decoder_mask_applies(self) -> bool:
         """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): a family checked against

@@ -25,15 +25,19 @@ graph only when asked for (how the tests compare it with the growing cache).
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from .configuration_dflash import decoder_attends_fully
 from .draft_graph import MAX_GRAPH_POSITIONS, capture_graph, reused_step, weight_addresses
 
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
+logger = logging.getLogger(__name__)
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models whose step failed under the default
 MAX_STEPS_PER_TARGET = 4
 ROW_ROUNDING = 128  # a decoder-only target's buffer rows are rounded up to this
 
@@ -205,6 +209,8 @@ def verify_step_blocker(ft, block: int, step_kwargs: dict, *, sample: bool, max_
         return f"weights on {sorted(map(str, spread))} besides {ft.device}"
     if attention not in ("sdpa", "eager"):
         return f"attn_implementation {attention!r} (load the target with sdpa or eager attention)"
+    if not decoder_attends_fully(ft.decoder.config):  # its explicit causal mask would drop a window's band
+        return "a decoder with sliding-window or non-attention layers (its mask is not only causal)"
     if max_length is None:
         return "a decode without a length bound"
     if ft.is_encoder_decoder and (max_positions is None or max_length - 2 + block > max_positions):
@@ -230,6 +236,7 @@ def fixed_verify_rows(setting: bool | None, ft, block: int, step_kwargs: dict, *
     """Rows of the fixed-shape verify this decode uses, or None for the growing cache. `setting`: True = always
     (refused before the prefill by :func:`check_verify_step` where it cannot run), None = on a GPU where it can run
     and its buffers hold at most `MAX_GRAPH_POSITIONS` rows, False = never."""
+    setting = None if setting is None else bool(setting)
     if setting is False or (setting is None and ft.device.type != "cuda"):
         return None
     if setting is None and verify_step_blocker(ft, block, step_kwargs, sample=sample, max_positions=max_positions,
@@ -239,5 +246,28 @@ def fixed_verify_rows(setting: bool | None, ft, block: int, step_kwargs: dict, *
     return rows if setting or rows <= MAX_GRAPH_POSITIONS else None
 
 
+def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int, prefill_cache, step_kwargs: dict, *,
+                      sample: bool, max_positions: int | None, max_length: int | None,
+                      expansion: int) -> StaticVerifyStep | None:
+    """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
+    (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) a step that fails to build or capture
+    falls back to the growing cache with a warning; asked for with True, the error is raised."""
+    rows = fixed_verify_rows(setting, ft, block, step_kwargs, sample=sample, max_positions=max_positions,
+                             max_length=max_length, expansion=expansion)
+    if rows is None or (setting is None and ft.model in _FAILED):
+        return None
+    try:
+        return static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda")
+    except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
+        if setting:
+            raise
+        clear_static_verify_steps(ft.model)
+        _FAILED[ft.model] = f"{type(error).__name__}: {error}"
+        logger.warning("the fixed-shape verify could not run for %s (%s); this model verifies with the growing "
+                       "cache from now on (verify_cuda_graph=False, dflash-eval --verify_cuda_graph off, skips the "
+                       "attempt)", type(ft.model).__name__, _FAILED[ft.model])
+        return None
+
+
 __all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "clear_static_verify_steps", "fixed_verify_rows",
-           "static_verify_step", "static_verify_steps", "verify_rows", "verify_step_blocker"]
+           "fixed_verify_step", "static_verify_step", "static_verify_steps", "verify_rows", "verify_step_blocker"]

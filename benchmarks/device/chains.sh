@@ -73,7 +73,8 @@ case $kind in
   sllmall)  # LLM_MINUTES DRAFT_MINUTES ADAPT_MINUTES: the speech LLM, its four drafts at once, then projection-only
     # adaptation of the block-8 draft to block 16 and to the held-out voice (slt dev sentences; eval sentences differ)
     lm=$1; dm=$2; am=$3
-    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 3000
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 3000 \
+      || { echo "rc=sllm" > /tmp/logs/sllmall.done; exit 1; }
     head -64 $SP/dev.json > $SP/dev64.json; tail -n +65 $SP/dev.json > $SP/dev_rest.json  # adapt on the rest
     for spec in "sllm-dflash-b8 qwen2_audio --block_size 8" \
                 "sllm-dflash-b8-single qwen2_audio_single_placeholder --block_size 8" \
@@ -115,7 +116,8 @@ case $kind in
   sllmduo)  # LLM_MINUTES DRAFT_MINUTES [dflash-train flags]: the speech LLM (taught on every other training clip), then its DFlash b8 and
     # DFlash2 b8 drafts at once (the sixth session's plan: longer drafts than sllmall's four, no adaptations)
     lm=$1; dm=$2
-    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000
+    bash /tmp/chains.sh sllm "$lm" --lr 3e-3 --lora_lr 1e-3 --warmup 50 --steps 4000 \
+      || { echo "rc=sllm" > /tmp/logs/sllmduo.done; exit 1; }
     shift 2  # more dflash-train flags for both drafts (e.g. --max_steps, planned for the shared rate)
     bash /tmp/chains.sh sllmdraft sllm-dflash-b8 qwen2_audio "$dm" --block_size 8 "$@" &
     bash /tmp/chains.sh sllmdraft sllm-dflash2-b8 qwen2_audio "$dm" --block_size 8 --variant dflash2 "$@" &

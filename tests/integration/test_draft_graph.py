@@ -163,3 +163,28 @@ def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():
         speculative_generate(draft, ft, 16384, draft_cuda_graph=True, input_ids=ids)
     speculative_generate(draft, ft, 8, input_ids=ids)  # auto on the CPU: eager
     assert not static_steps(draft)
+
+
+def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
+    from dflash_hf import draft_graph
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(draft_graph, "static_draft_step", broken)
+    model, _ = tiny_text_target(seed=3)
+    ft = FrozenTarget(model)
+    draft = _text_draft(ft, DFlashDraftModel, block=4)
+    cuda = type("OnCuda", (), {"device": torch.device("cuda"), "embed_tokens": torch.nn.Identity(),
+                               "lm_head": torch.nn.Identity()})()  # a target on a GPU, its weights nowhere else
+    monkeypatch.setattr(draft, "parameters", lambda: iter(()))
+    kw = dict(device=torch.device("cuda"), sample=False, max_positions=None, max_length=64, expansion=0)
+    with caplog.at_level("WARNING", logger="dflash_hf.draft_graph"):
+        assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+    assert "RuntimeError: capture failed" in caplog.text and "eager forward" in caplog.text
+    assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
+    with pytest.raises(RuntimeError, match="capture failed"):
+        draft_graph.fixed_draft_step(True, draft, cuda, 4, None, **kw)

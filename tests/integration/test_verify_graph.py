@@ -71,7 +71,8 @@ def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
     def fake(model_type, device, encoder_decoder):
         config = SimpleNamespace(model_type=model_type, _attn_implementation="sdpa")
         return SimpleNamespace(model=SimpleNamespace(config=config, parameters=lambda: iter(())),
-                               device=torch.device(device), is_encoder_decoder=encoder_decoder)
+                               decoder=SimpleNamespace(config=config), device=torch.device(device),
+                               is_encoder_decoder=encoder_decoder)
 
     whisper_kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
     rows = verify_graph.fixed_verify_rows
@@ -87,6 +88,45 @@ def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
     long = dict(sample=False, max_positions=None, max_length=MAX_GRAPH_POSITIONS, expansion=0)
     assert rows(None, text, BLOCK, {}, **long) is None  # too many rows for auto
     assert rows(True, text, BLOCK, {}, **long) > MAX_GRAPH_POSITIONS  # asked for: it runs
+
+
+def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(verify_graph, "static_verify_step", broken)
+    model = torch.nn.Linear(2, 2)
+    ft = SimpleNamespace(model=model, device=torch.device("cuda"))
+    monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 448)
+    kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
+    with caplog.at_level("WARNING", logger="dflash_hf.verify_graph"):
+        assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, None, {}, **kw) is None
+    assert "RuntimeError: capture failed" in caplog.text and "growing cache" in caplog.text
+    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, None, {}, **kw) is None
+    assert len(calls) == 1  # not tried again for this model
+    with pytest.raises(RuntimeError, match="capture failed"):
+        verify_graph.fixed_verify_step(True, ft, [1], BLOCK, None, {}, **kw)
+
+
+def test_a_sliding_window_decoder_keeps_the_growing_cache():
+    """The fixed verify's explicit causal mask would take a sliding window's band away: refused when asked for, and
+    never chosen by the default."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
+    ft = FrozenTarget(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
+    kw = dict(sample=False, max_positions=None, max_length=30)
+    assert "sliding-window" in verify_graph.verify_step_blocker(ft, BLOCK, {}, **kw)
+    with pytest.raises(ValueError, match="verify_cuda_graph=True: .* sliding-window"):
+        verify_graph.check_verify_step(ft, BLOCK, {}, **kw)
+    model = SimpleNamespace(config=ft.model.config, parameters=lambda: iter(()))  # as if all on the GPU
+    on_gpu = SimpleNamespace(model=model, decoder=ft.decoder, device=torch.device("cuda"), is_encoder_decoder=False)
+    assert "sliding-window" in verify_graph.verify_step_blocker(on_gpu, BLOCK, {}, **kw)
+    assert verify_graph.fixed_verify_rows(None, on_gpu, BLOCK, {}, expansion=0, **kw) is None
 
 
 def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
