@@ -40,6 +40,9 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models whose step failed under the default
 MAX_STEPS_PER_TARGET = 4
 ROW_ROUNDING = 128  # a decoder-only target's buffer rows are rounded up to this
+# The default takes the fixed-shape verify only while its key/value buffers stay this small (a step is kept beside the
+# model for later decodes); larger decodes keep the growing cache unless verify_cuda_graph=True.
+AUTO_MAX_BUFFER_BYTES = 1 << 30
 
 
 class FixedSelfCache(DynamicCache):
@@ -157,6 +160,13 @@ def _self_attention(cache):
     return cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
 
 
+def buffer_bytes(prefill_cache, rows: int) -> int:
+    """Bytes of the fixed self-attention keys and values for `rows` positions, shaped as the prefill's cache."""
+    layers = _self_attention(prefill_cache).layers
+    keys = layers[0].keys  # [1, kv_heads, L, head_dim]
+    return 2 * len(layers) * keys.shape[1] * keys.shape[3] * rows * keys.element_size()
+
+
 def verify_rows(max_positions: int | None, max_length: int, expansion: int, block: int) -> int:
     """Rows of the fixed buffers: Whisper's decoder positions; a decoder-only target's last block's end (the prompt's
     audio positions included), rounded up to `ROW_ROUNDING` so that prompts of similar length share a step."""
@@ -250,11 +260,13 @@ def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int
                       sample: bool, max_positions: int | None, max_length: int | None,
                       expansion: int) -> StaticVerifyStep | None:
     """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
-    (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) a step that fails to build or capture
-    falls back to the growing cache with a warning; asked for with True, the error is raised."""
+    (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the step's key/value buffers may hold at
+    most `AUTO_MAX_BUFFER_BYTES`, and a step that fails to build or capture falls back to the growing cache with a
+    warning; asked for with True, the error is raised."""
     rows = fixed_verify_rows(setting, ft, block, step_kwargs, sample=sample, max_positions=max_positions,
                              max_length=max_length, expansion=expansion)
-    if rows is None or (setting is None and ft.model in _FAILED):
+    if rows is None or (setting is None and (ft.model in _FAILED or
+                                             buffer_bytes(prefill_cache, rows) > AUTO_MAX_BUFFER_BYTES)):
         return None
     try:
         return static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda")
@@ -269,5 +281,6 @@ def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int
         return None
 
 
-__all__ = ["FixedSelfCache", "StaticVerifyStep", "check_verify_step", "clear_static_verify_steps", "fixed_verify_rows",
-           "fixed_verify_step", "static_verify_step", "static_verify_steps", "verify_rows", "verify_step_blocker"]
+__all__ = ["AUTO_MAX_BUFFER_BYTES", "FixedSelfCache", "StaticVerifyStep", "buffer_bytes", "check_verify_step",
+           "clear_static_verify_steps", "fixed_verify_rows", "fixed_verify_step", "static_verify_step",
+           "static_verify_steps", "verify_rows", "verify_step_blocker"]

@@ -102,13 +102,36 @@ def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_ask
     ft = SimpleNamespace(model=model, device=torch.device("cuda"))
     monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 448)
     kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
+    cache = _small_cache()
     with caplog.at_level("WARNING", logger="dflash_hf.verify_graph"):
-        assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, None, {}, **kw) is None
+        assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
     assert "RuntimeError: capture failed" in caplog.text and "growing cache" in caplog.text
-    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, None, {}, **kw) is None
+    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
     assert len(calls) == 1  # not tried again for this model
     with pytest.raises(RuntimeError, match="capture failed"):
-        verify_graph.fixed_verify_step(True, ft, [1], BLOCK, None, {}, **kw)
+        verify_graph.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw)
+
+
+def _small_cache(layers: int = 1):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(layers):  # 2 kv heads, head_dim 4, float32
+        cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), layer)
+    return cache
+
+
+def test_the_default_keeps_the_growing_cache_when_the_buffers_would_be_large(monkeypatch):
+    cache = _small_cache(layers=3)
+    assert verify_graph.buffer_bytes(cache, 448) == 2 * 3 * 2 * 4 * 448 * 4
+    monkeypatch.setattr(verify_graph, "static_verify_step", lambda *a, **k: "step")
+    monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 448)
+    ft = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cuda"))
+    kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
+    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) == "step"
+    monkeypatch.setattr(verify_graph, "AUTO_MAX_BUFFER_BYTES", 2 * 3 * 2 * 4 * 448 * 4 - 1)
+    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
+    assert verify_graph.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw) == "step"  # asked for: it runs
 
 
 def test_a_sliding_window_decoder_keeps_the_growing_cache():
