@@ -5,7 +5,8 @@
 #                                for the speech LLM, .devcarry/smollm2-gguf/group_02): wheels, flite, corpus; speech
 #                                synthesis starts in the background; BENCH=1 runs the training-benchmark rows in the
 #                                foreground, BENCH=2 only the compiled padded Qwen3-ASR row's diagnosis, BENCH=3 the
-#                                speech-like 1.7B text row (issue 16)
+#                                speech-like 1.7B text row, BENCH=4 the 1.7B and 8B text full steps with compiled
+#                                target and draft layers (issue 16)
 #   carry GROUP...               copy carried groups (e.g. whisper-base/group_00) to their staging folders
 #   unpack MODEL...              whisper-base | smollm2 | qwen2.5-coder: reassemble, verify, convert (smollm2, qwen)
 #   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
@@ -38,6 +39,10 @@ case $step in
     if [ "$bench" = 3 ]; then  # issue 16's speech-like text row while the GPU waits for the synthesis
       timeout 240 python3 scripts/benchmark_train.py --shape qwen3-1.7b-speechlike --modes draft full --steps 10 \
         --out /tmp/results/speechlike_rows.json > /tmp/logs/bench_speechlike.log 2>&1; tail -c 1500 /tmp/logs/bench_speechlike.log
+    elif [ "$bench" = 4 ]; then  # issue 16's text rows as a training run pays them: compiled target and draft layers
+      timeout 240 python3 scripts/benchmark_train.py --shape qwen3-1.7b qwen3-8b --modes full --full-configs \
+        attn=flex,ce=2048,compile=layers --compile-target --steps 10 --out /tmp/results/text_rows_compiled.json \
+        > /tmp/logs/bench_text_compiled.log 2>&1; tail -c 1500 /tmp/logs/bench_text_compiled.log
     elif [ "$bench" != 0 ]; then
       # the padded Qwen3-ASR row failed compiling the draft layers on 2026-12-03 (InductorError): eager layers here,
       # and the compiled case with dynamo's verbose trace for the diagnosis
