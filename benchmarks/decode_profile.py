@@ -25,7 +25,9 @@ Phases of the instrumented pass (summed over prompts, also per cycle):
   default `auto`: on a GPU), `draft` is the whole replayed step, the proposal included (its first call captures
   it), and `proposal` is zero.
 - `proposal`: the draft's tokens from its hidden states (`propose_block`: lm_head and argmax, DFlash2's selector).
-- `verify`: the target's forward over a block.
+- `verify`: the target's forward over a block. With the fixed-shape verify (`--verify_cuda_graph`, default `auto`: a
+  CUDA graph on a GPU where it can run), the replayed step (block ids and positions copied in, taps and logits out);
+  its capture, on the first block of a shape, falls in `setup`.
 - `host`: everything else inside the loop; its measured parts are `scores` (the target's logits processors),
   `accept` (acceptance), `stop` (stop checks) and `crop` (KV cache cropping); `host_other` is the rest (block and
   position tensors, sequence growth, Python).
@@ -61,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, draft_graph, speculative, tiny  # noqa: E402
+from dflash_hf import DFlashConfig, DFlashDraftModel, draft_graph, speculative, tiny, verify_graph  # noqa: E402
 from dflash_hf.cli.config import check_paths_exist  # noqa: E402
 from dflash_hf.evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
 from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
@@ -127,9 +129,12 @@ class ProfileArguments:
     draft_cuda_graph: str = field(
         default="auto",
         metadata={"help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
-                          "forward), as dflash-eval's option; both passes use it. The target verifies with the "
-                          "growing cache in both (the phase clock times that verifier; dflash-eval's default "
-                          "replays a fixed-shape verify as a CUDA graph on a GPU instead)."},
+                          "forward), as dflash-eval's option; both passes use it."},
+    )
+    verify_cuda_graph: str = field(
+        default="auto",
+        metadata={"help": "auto (the target's verify as a fixed-shape step replayed as a CUDA graph on a GPU where it "
+                          "can run), on or off (the growing cache), as dflash-eval's option; both passes use it."},
     )
 
     def __post_init__(self):
@@ -139,6 +144,7 @@ class ProfileArguments:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         resolve_dtype(self.precision)
         draft_graph.graph_mode(self.draft_cuda_graph)
+        draft_graph.graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
         given = [name for name in ("target", "draft", "data") if getattr(self, name) is not None]
         if self.tiny is not None:
             if self.tiny not in TINY_KINDS:
@@ -203,11 +209,16 @@ def instrumented(draft, clock: PhaseClock):
     sp = speculative
     graph_step = getattr(draft_graph, "StaticDraftStep", None)
     graph_propose = None if graph_step is None else graph_step.propose
+    fixed_verify = verify_graph.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
     inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = host_functions(sp)
     originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
     verifier_call = sp._Verifier.__call__
     decode = originals["_decode"]
+
+    def fixed_verify_timed(self, *args, **kwargs):
+        with clock.measure("verify"):
+            return fixed_verify(self, *args, **kwargs)
 
     def verifier_timed(self, **kwargs):
         with clock.measure("prefill" if self.forwards == 0 else "verify"):
@@ -246,6 +257,8 @@ def instrumented(draft, clock: PhaseClock):
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))
+        stack.callback(setattr, verify_graph.StaticVerifyStep, "verify", fixed_verify)
+        verify_graph.StaticVerifyStep.verify = fixed_verify_timed
         if graph_step is not None:
             stack.callback(setattr, graph_step, "propose", graph_propose)
             graph_step.propose = graph_propose_timed
@@ -380,7 +393,7 @@ def recorded_sequences(store: list):
 
 
 def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, progress: bool,
-                 draft_cuda_graph: bool | None = None):
+                 draft_cuda_graph: bool | None = None, verify_cuda_graph: bool | None = None):
     """Instrumented speculative decoding of every prompt: (breakdown, sequences)."""
     clock = PhaseClock(ft.device)
     sequences, cycles, tokens = [], 0, 0
@@ -391,7 +404,7 @@ def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: i
                                                  for k, v in inputs.items()})
             with clock.measure("total"):
                 out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
-                                                       verify_cuda_graph=False, **kwargs)
+                                                       verify_cuda_graph=verify_cuda_graph, **kwargs)
             sequences.append(out.sequences)
             cycles += len(out.acceptance_lengths)
             tokens += out.sequences.shape[1] - n_prompt
@@ -410,14 +423,15 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
         else:
             ft, draft, prompts = real_setup(args, device)
     graph = draft_graph.graph_mode(args.draft_cuda_graph)
+    verify = draft_graph.graph_mode(args.verify_cuda_graph, "verify_cuda_graph")
     prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
         stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts),
-                                 draft_cuda_graph=graph, verify_cuda_graph=False)
+                                 draft_cuda_graph=graph, verify_cuda_graph=verify)
     reference = reference[-len(prompts):]  # the warm-up decode of the first prompt comes first
     with torch.no_grad():
-        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph)
+        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph, verify)
     same = [torch.equal(a.cpu(), b.cpu()) for a, b in zip(sequences, reference)]
     wall = stats.as_dict()
     return {
@@ -441,6 +455,7 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
 # ------------------------------------------------------------------------------------------------ reporting
 def run_name(args: ProfileArguments) -> str:
     mode = "" if args.draft_cuda_graph == "auto" else f"-graph-{args.draft_cuda_graph}"
+    mode += "" if args.verify_cuda_graph == "auto" else f"-verify-{args.verify_cuda_graph}"
     if args.tiny:
         return f"tiny-{args.tiny}{mode}"
     draft = Path(args.draft).resolve()

@@ -49,6 +49,20 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
     assert speculative.propose_block is verification.propose_block and speculative._accept is verification._accept
 
 
+def test_the_fixed_shape_verify_is_timed_as_verify(profile, tmp_path):
+    """--verify_cuda_graph on (the fixed-shape verify; on the CPU without a graph): its forwards count as `verify`,
+    not as host work, and the outputs stay identical."""
+    results = profile.main(["--tiny", "text", "--num_prompts", "2", "--max_new_tokens", "10", "--progress", "false",
+                            "--verify_cuda_graph", "on", "--output_json", str(tmp_path / "p.json")])
+    assert results["outputs_identical"] and results["instrumented_outputs_identical"]
+    seconds = results["instrumented"]["seconds"]
+    assert seconds["verify"] > 0  # without its wrapper the fixed-shape verify would count as host work (0 here)
+    assert results["wall_clock"]["verify_steps"] == {"fixed-shape, no graph": 2}
+    from dflash_hf import verify_graph
+
+    assert verify_graph.StaticVerifyStep.verify.__qualname__ == "StaticVerifyStep.verify"  # restored
+
+
 def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
     """--family picks the model-side single-placeholder row (and --prompt its user text): both passes decode on that
     row's path, identical to its greedy baseline."""
