@@ -99,6 +99,10 @@ class OpsArguments:
                                                                       "Whisper, the tiny targets' own)."})
     output_json: str | None = field(default=None, metadata={"help": "Default docs/results/decode_ops_<name>_cpu."
                                                                     "json."})
+    fixed_steps: bool = field(default=False, metadata={
+        "help": "Decode with the fixed-shape draft step and verify (draft_cuda_graph and verify_cuda_graph on): on a "
+                "GPU each is one CUDA graph replay, so what the cycle counts outside `draft` and `verify` is the "
+                "host work left per cycle."})
 
     def __post_init__(self):
         if (self.tiny is None) == (self.target is None):
@@ -298,14 +302,17 @@ def count_greedy(ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> 
     return counter.summary(), sequences
 
 
-def count_speculative(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> tuple[dict, list]:
-    """`speculative_generate`: counts per cycle (a cycle starts at a draft forward)."""
+def count_speculative(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int,
+                      fixed_steps: bool = False) -> tuple[dict, list]:
+    """`speculative_generate`: counts per cycle (a cycle starts at a draft forward). `fixed_steps`: the fixed-shape
+    draft step and verify (False: the package's default on the CPU, the eager draft and the growing cache)."""
     counter = OpCounter(starts="draft", ends="decode", phases=SPEC_PHASES)
     accepted, sequences = [], []
     with profile.instrumented(draft, counter), counting(counter):
         for inputs in prompts:
             counter.new_prompt()
-            out = speculative.speculative_generate(draft, ft, max_new_tokens, **inputs)
+            out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=fixed_steps or None,
+                                                   verify_cuda_graph=fixed_steps or None, **inputs)
             sequences.append(out.sequences)
             accepted += out.acceptance_lengths
     summary = counter.summary()
@@ -363,13 +370,14 @@ def run(args: OpsArguments, command: str) -> dict:
     commit = profile.git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         ft, prompts, mask, name = setup(args, Path(tmp))
+    name += "-fixed-steps" if args.fixed_steps else ""
     greedy, reference = count_greedy(ft, prompts, args.max_new_tokens)
     results = {"name": name, "commit": commit, "command": command, "device": profile.device_name(torch.device("cpu")),
                "torch": torch.__version__, "family": ft.family.name, "prompts": len(prompts),
                "greedy_step": greedy, "speculative": {}, "args": asdict(args)}
     for variant in args.variants.split(","):
         draft = random_draft(ft, variant, mask, args.num_draft_layers, args.block_size)
-        spec, sequences = count_speculative(draft, ft, prompts, args.max_new_tokens)
+        spec, sequences = count_speculative(draft, ft, prompts, args.max_new_tokens, args.fixed_steps)
         spec["outputs_identical"] = all(torch.equal(a, b) for a, b in zip(sequences, reference))
         spec["draft"] = {"class": type(draft).__name__, "layers": args.num_draft_layers,
                          "block_size": args.block_size, "encoder_context": draft.config.encoder_context}

@@ -83,3 +83,18 @@ def test_a_cycle_stays_within_its_operator_bounds(whisper_counts):
         assert per["reads"]["total"] == 1, variant
         assert all(v == 0 for phase, v in per["host_tensors"].items() if phase not in ("draft", "total")), variant
     assert whisper_counts["speculative"]["dflash"]["per_iteration"]["ops"]["proposal"] == 2  # lm_head and argmax
+
+
+def test_with_the_fixed_steps_the_loop_outside_them_stays_small(ops, tmp_path):
+    """--fixed_steps: the draft step and the verify as fixed-shape steps (each one CUDA graph replay on a GPU); the
+    loop around them: Whisper's suppression, the acceptance, at most 2 more operators and one host read a cycle,
+    and no host tensor."""
+    results = ops.main(["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--fixed_steps", "true",
+                        "--variants", "dflash", "--output_json", str(tmp_path / "ops.json")])
+    assert results["name"] == "tiny-whisper-fixed-steps"
+    spec = results["speculative"]["dflash"]
+    per = spec["per_iteration"]
+    assert spec["outputs_identical"] and per["ops"]["proposal"] == 0  # the proposal is inside the draft step
+    assert per["ops"]["scores"] == 1 and per["ops"]["accept"] == 2 and per["ops"]["crop"] == 0
+    assert per["ops"]["other"] <= 2 and per["reads"]["total"] == 1
+    assert all(v == 0 for phase, v in per["host_tensors"].items() if phase not in ("draft", "verify", "total"))
