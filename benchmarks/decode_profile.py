@@ -463,6 +463,10 @@ def run_name(args: ProfileArguments) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit (`+dirty` with uncommitted changes); `DFLASH_COMMIT` when set (the device machine's copy
+    is the session's base commit plus the working tree, which git would report as that base, dirty)."""
+    if os.environ.get("DFLASH_COMMIT"):
+        return os.environ["DFLASH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,9 @@ from tqdm.auto import tqdm
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from decode_profile import git_commit  # noqa: E402
 
 from dflash_hf.cli.eval import EvalArguments, load_evaluation  # noqa: E402
 from dflash_hf.evaluation import decode_benchmark, generate_inputs, target_greedy_new_tokens  # noqa: E402
@@ -75,14 +77,6 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
             "identical_to_greedy": not mismatches, "mismatched_prompts": mismatches}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=False).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="draft export directory")
@@ -116,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "what": "speculative decoding (package defaults) against plain greedy generate and static-cache greedy "
                 "generate (compiled by transformers on a GPU), the same prompts, batch 1",
-        **vars(args), "commit": _commit(), "command": " ".join([sys.executable, *sys.argv]), "device": str(device),
+        **vars(args), "commit": git_commit(), "command": " ".join([sys.executable, *sys.argv]), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "transformers": __import__("transformers").__version__, "torch": torch.__version__,
         "speculative": spec, "static_greedy": static,
