@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from .families import generate_kwargs
 from .speculative import model_side_greedy, speculative_generate
 from .target import NON_TARGET_KEYS, FrozenTarget
+from .verification import max_new_tokens_given
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,12 +157,13 @@ def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generat
             raise ValueError(f"generate options {sorted(generate_options)}: a model-side single-placeholder target "
                              "decodes without generate")
         return model_side_greedy(ft, max_new_tokens, **inputs)
-    if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
-        new = _whisper_greedy(ft, inputs, max_new_tokens, generate_options)
-        if new is not None:
-            return new
-    out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                            **generate_options)
+    with max_new_tokens_given():
+        if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
+            new = _whisper_greedy(ft, inputs, max_new_tokens, generate_options)
+            if new is not None:
+                return new
+        out = ft.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                return_dict_in_generate=True, **generate_options)
     return out.sequences
 
 

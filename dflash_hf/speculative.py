@@ -34,6 +34,7 @@ from .verification import (  # noqa: F401 (accept_tokens and propose_block stay 
     _processed,
     _stop_at,
     accept_tokens,
+    max_new_tokens_given,
     propose_block,
     with_cached_masks,
 )
@@ -299,7 +300,8 @@ def _through_generate(draft, ft: FrozenTarget, max_new_tokens, temperature, gene
     decode = DFlashCustomGenerate(draft, generator=generator, draft_cuda_graph=draft_cuda_graph,
                                   verify_cuda_graph=verify_cuda_graph)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
-    ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
+    with max_new_tokens_given():
+        ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
     return SpeculativeOutput(sequences=decode.sequences, acceptance_lengths=decode.acceptance_lengths,
                              num_target_forwards=decode.num_target_forwards, draft_step=decode.draft_step,
                              verify_step=decode.verify_step)

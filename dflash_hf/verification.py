@@ -4,7 +4,9 @@ and where decoding stops. Used by :mod:`dflash_hf.speculative`'s draft/verify lo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from transformers import (
@@ -21,6 +23,24 @@ from transformers import (
 )
 
 from .target import FrozenTarget
+
+
+class _DropLengthWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "seem to have been set. `max_new_tokens` will take precedence" not in record.getMessage()
+
+
+@contextmanager
+def max_new_tokens_given():
+    """Around a `generate(max_new_tokens=...)` call: drop transformers' warning that the model's generation config
+    also sets `max_length` (Whisper's 448: once per call, so once per prompt), since `max_new_tokens` is meant."""
+    log = logging.getLogger("transformers.generation.utils")
+    quiet = _DropLengthWarning()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _eos_ids(target: FrozenTarget) -> set[int]:

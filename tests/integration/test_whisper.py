@@ -436,3 +436,27 @@ def test_decode_benchmark_gives_a_bf16_whisper_its_features_in_bf16(whisper):
     assert inputs["input_features"].dtype == torch.float32  # as the collator emits them
     stats = decode_benchmark(draft, bf16, [inputs], 8, warmup=False)
     assert stats.prompts == 1 and not stats.mismatches and stats.spec_tokens > 0
+
+
+def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(whisper):
+    """Whisper's generation config sets max_length (448): transformers warns on every `generate(max_new_tokens=...)`;
+    the package's decoders pass max_new_tokens on purpose and drop that one warning (once per prompt otherwise)."""
+    import logging
+
+    model, processor = whisper
+    feats = whisper_features(processor, 0)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("transformers.generation.utils")
+    log.addHandler(handler)
+    try:
+        model.generate(input_features=feats, max_new_tokens=4)  # transformers' own call warns
+        assert any("seem to have been set" in r.getMessage() for r in records)
+        records.clear()
+        ft = FrozenTarget(model)
+        evaluation.target_greedy(ft, {"input_features": feats}, 4)
+        speculative_generate(whisper_draft(model), ft, 4, input_features=feats)
+        assert not any("seem to have been set" in r.getMessage() for r in records)
+    finally:
+        log.removeHandler(handler)
