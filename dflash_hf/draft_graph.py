@@ -206,7 +206,8 @@ def fixed_draft_step(setting: bool | None, draft, ft, block: int, encoder_frames
     """The decode's :class:`StaticDraftStep`, or None for the eager draft forward. `setting`: True = always (refused
     for sampling, an unbounded decode, more than `MAX_GRAPH_POSITIONS` positions or weights on several devices; on
     the CPU without a graph), None = on a GPU where it can run (a step that fails to build or capture falls back to
-    the eager forward with a warning, for this draft from then on), False = never. `device`: the decode's."""
+    the eager forward with a warning, for this draft from then on until `clear_static_steps`; out of memory: for
+    this decode only), False = never. `device`: the decode's."""
     dev, setting = device, None if setting is None else bool(setting)
     if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
         return None
@@ -229,10 +230,11 @@ def fixed_draft_step(setting: bool | None, draft, ft, block: int, encoder_frames
         if setting:
             raise
         _STEPS.pop(draft, None)
-        _FAILED[draft] = f"{type(error).__name__}: {error}"
-        logger.warning("the draft's fixed-shape step could not run (%s); this draft runs its eager forward from now "
-                       "on (draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt)",
-                       _FAILED[draft])
+        why = f"{type(error).__name__}: {error}"
+        if not isinstance(error, torch.OutOfMemoryError):  # out of memory: this decode only
+            _FAILED[draft] = why
+        logger.warning("the draft's fixed-shape step could not run (%s); the eager draft forward runs instead "
+                       "(draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt)", why)
         return None
 
 
@@ -261,15 +263,19 @@ def capture_graph(device: torch.device, step):
     """Warm `step` up twice on a side stream (allocator, library handles), then capture it as a CUDA graph on
     `device` (not necessarily the current GPU): (the graph, the outputs its replays overwrite)."""
     with torch.cuda.device(device):
+        main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        side.wait_stream(main)
         with torch.cuda.stream(side):
             for _ in range(2):
                 step()
-        torch.cuda.current_stream().wait_stream(side)
+        main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        try:
+            with torch.cuda.graph(graph):
+                out = step()
+        finally:  # a failed capture_end leaves torch.cuda.graph's capture stream current: the caller's again
+            torch.cuda.set_stream(main)
     return graph, out
 
 
@@ -304,8 +310,9 @@ def static_steps(draft) -> dict:
 
 
 def clear_static_steps(draft) -> None:
-    """Drop `draft`'s steps and their buffers (and CUDA graphs)."""
+    """Drop `draft`'s steps and their buffers (and CUDA graphs), and forget a failure under the default."""
     _STEPS.pop(draft, None)
+    _FAILED.pop(draft, None)
 
 
 __all__ = ["StaticDraftCache", "StaticDraftStep", "capture_graph", "fixed_draft_step", "graph_capacity", "graph_mode",

@@ -108,6 +108,14 @@ class StaticVerifyStep:
         if graph:
             self._capture(ft, rows - block)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its key/value buffers (self-attention, and Whisper's cross-attention)."""
+        tensors = self.self_cache.keys + self.self_cache.values
+        if self.encoder_decoder:
+            tensors += [t for layer in self.cache.cross_attention_cache.layers for t in (layer.keys, layer.values)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def serves(self, ft) -> bool:
         """Whether this step still fits `ft`: the same model, every weight where it was when the step was made."""
         return self._model() is ft.model and self.addresses == weight_addresses(ft.model)
@@ -161,10 +169,15 @@ def _self_attention(cache):
 
 
 def buffer_bytes(prefill_cache, rows: int) -> int:
-    """Bytes of the fixed self-attention keys and values for `rows` positions, shaped as the prefill's cache."""
+    """Bytes of a step's key/value buffers for `rows` positions, shaped as the prefill's cache: the fixed
+    self-attention rows, and (Whisper) a copy of the cross-attention keys and values."""
     layers = _self_attention(prefill_cache).layers
     keys = layers[0].keys  # [1, kv_heads, L, head_dim]
-    return 2 * len(layers) * keys.shape[1] * keys.shape[3] * rows * keys.element_size()
+    total = 2 * len(layers) * keys.shape[1] * keys.shape[3] * rows * keys.element_size()
+    if isinstance(prefill_cache, EncoderDecoderCache):
+        total += sum(t.numel() * t.element_size() for layer in prefill_cache.cross_attention_cache.layers
+                     for t in (layer.keys, layer.values))
+    return total
 
 
 def verify_rows(max_positions: int | None, max_length: int, expansion: int, block: int) -> int:
@@ -177,9 +190,10 @@ def verify_rows(max_positions: int | None, max_length: int, expansion: int, bloc
 
 
 def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_cache, step_kwargs: dict,
-                       graph: bool) -> StaticVerifyStep:
+                       graph: bool, budget: int | None = None) -> StaticVerifyStep:
     """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
-    and kept beside the target model (a capture costs a few forwards), started for this prompt."""
+    and kept beside the target model (a capture costs a few forwards), started for this prompt. `budget`: bytes the
+    model's kept steps may hold together, the new one included (the least recently used are dropped to fit)."""
     encoder = step_kwargs.get("encoder_outputs")
     encoder_hidden = None if encoder is None else encoder[0]
     store = _STEPS.setdefault(ft.model, {})
@@ -187,6 +201,10 @@ def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_
         del store[stale]
     frames = None if encoder_hidden is None else tuple(encoder_hidden.shape)
     key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph)
+    if budget is not None and key not in store:
+        need = buffer_bytes(prefill_cache, rows)
+        while store and need + sum(s.nbytes for s in store.values()) > budget:
+            store.pop(next(iter(store)))
     step = reused_step(store, key, MAX_STEPS_PER_TARGET, lambda s: s.serves(ft),
                        lambda: StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph))
     step.start(prefill_cache, encoder_hidden)
@@ -199,8 +217,9 @@ def static_verify_steps(model) -> dict:
 
 
 def clear_static_verify_steps(model) -> None:
-    """Drop `model`'s verify steps and their buffers (and CUDA graphs)."""
+    """Drop `model`'s verify steps and their buffers (and CUDA graphs), and forget a failure under the default."""
     _STEPS.pop(model, None)
+    _FAILED.pop(model, None)
 
 
 def verify_step_blocker(ft, block: int, step_kwargs: dict, *, sample: bool, max_positions: int | None,
@@ -209,7 +228,8 @@ def verify_step_blocker(ft, block: int, step_kwargs: dict, *, sample: bool, max_
     `max_length`, of a Whisper or decoder-only target on one device with SDPA or eager attention (its mask is
     additive); Whisper's blocks must stay within its decoder positions."""
     spread = {p.device for p in ft.model.parameters()} - {ft.device}
-    attention = getattr(ft.model.config, "_attn_implementation", None)
+    attention = getattr(ft.decoder.config, "_attn_implementation", None)  # the decoder's (a multimodal config's
+    # top level may name another implementation than its text config)
     whisper = getattr(ft.model.config, "model_type", None) == "whisper"
     if ft.is_encoder_decoder and not (whisper and step_kwargs.get("encoder_outputs") is not None):
         return "an encoder-decoder target other than Whisper"
@@ -260,24 +280,29 @@ def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int
                       sample: bool, max_positions: int | None, max_length: int | None,
                       expansion: int) -> StaticVerifyStep | None:
     """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
-    (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the step's key/value buffers may hold at
-    most `AUTO_MAX_BUFFER_BYTES`, and a step that fails to build or capture falls back to the growing cache with a
-    warning; asked for with True, the error is raised."""
+    (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the steps kept for a model hold at most
+    `AUTO_MAX_BUFFER_BYTES` of key/value buffers together, and a step that fails to build or capture falls back to
+    the growing cache with a warning (for this model from then on, until `clear_static_verify_steps`; out of memory:
+    for this decode only); asked for with True, the error is raised."""
     rows = fixed_verify_rows(setting, ft, block, step_kwargs, sample=sample, max_positions=max_positions,
                              max_length=max_length, expansion=expansion)
     if rows is None or (setting is None and (ft.model in _FAILED or
                                              buffer_bytes(prefill_cache, rows) > AUTO_MAX_BUFFER_BYTES)):
         return None
+    budget = AUTO_MAX_BUFFER_BYTES if setting is None else None
     try:
-        return static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda")
+        return static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda",
+                                  budget)
     except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
         if setting:
             raise
         clear_static_verify_steps(ft.model)
-        _FAILED[ft.model] = f"{type(error).__name__}: {error}"
-        logger.warning("the fixed-shape verify could not run for %s (%s); this model verifies with the growing "
-                       "cache from now on (verify_cuda_graph=False, dflash-eval --verify_cuda_graph off, skips the "
-                       "attempt)", type(ft.model).__name__, _FAILED[ft.model])
+        why = f"{type(error).__name__}: {error}"
+        if not isinstance(error, torch.OutOfMemoryError):
+            _FAILED[ft.model] = why
+        logger.warning("the fixed-shape verify could not run for %s (%s); verifying with the growing cache "
+                       "(verify_cuda_graph=False, dflash-eval --verify_cuda_graph off, skips the attempt)",
+                       type(ft.model).__name__, why)
         return None
 
 

@@ -184,7 +184,19 @@ def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked
     kw = dict(device=torch.device("cuda"), sample=False, max_positions=None, max_length=64, expansion=0)
     with caplog.at_level("WARNING", logger="dflash_hf.draft_graph"):
         assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
-    assert "RuntimeError: capture failed" in caplog.text and "eager forward" in caplog.text
+    assert "RuntimeError: capture failed" in caplog.text and "eager draft forward" in caplog.text
     assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
     with pytest.raises(RuntimeError, match="capture failed"):
         draft_graph.fixed_draft_step(True, draft, cuda, 4, None, **kw)
+    clear_static_steps(draft)  # forgets the failure
+    assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(draft_graph, "static_draft_step", out_of_memory)
+    clear_static_steps(draft)
+    for _ in range(2):  # out of memory: not remembered
+        assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+    assert len(calls) == 5

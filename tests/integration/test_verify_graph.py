@@ -56,10 +56,10 @@ def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
         speculative_generate(whisper_draft(model), model, 443, verify_cuda_graph=True, input_features=feats)
     for model_type, attention, message in (("moonshine", "sdpa", "an encoder-decoder target other than Whisper"),
                                            ("whisper", "flash_attention_2", "attn_implementation 'flash_attention_2'")):
-        fake = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(model_type=model_type,
-                                                                            _attn_implementation=attention),
-                                                     parameters=model.parameters),
-                               device=torch.device("cpu"), is_encoder_decoder=True)
+        config = SimpleNamespace(model_type=model_type, _attn_implementation=attention)
+        fake = SimpleNamespace(model=SimpleNamespace(config=config, parameters=model.parameters),
+                               decoder=SimpleNamespace(config=config), device=torch.device("cpu"),
+                               is_encoder_decoder=True)
         with pytest.raises(ValueError, match=message):  # flash attention: its mask would not be additive
             verify_graph.check_verify_step(fake, BLOCK, {"encoder_outputs": (None,)}, sample=False,
                                            max_positions=448, max_length=30)
@@ -110,6 +110,65 @@ def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_ask
     assert len(calls) == 1  # not tried again for this model
     with pytest.raises(RuntimeError, match="capture failed"):
         verify_graph.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw)
+    verify_graph.clear_static_verify_steps(model)  # forgets the failure: tried again
+    assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None and len(calls) == 3
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(verify_graph, "static_verify_step", out_of_memory)
+    other = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cuda"))
+    for _ in range(2):  # out of memory: not remembered, tried again next decode
+        assert verify_graph.fixed_verify_step(None, other, [1], BLOCK, cache, {}, **kw) is None
+    assert len(calls) == 5
+
+
+def test_a_decode_after_a_failed_fixed_verify_is_the_growing_cache_decode(monkeypatch):
+    _, model, inputs = next(_decoder_only_cases())
+    ft = FrozenTarget(model)
+    ref = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=262, num_hidden_layers=1, block_size=BLOCK)
+
+    def draft():  # a scripted draft follows one decode
+        torch.manual_seed(0)
+        return scripted_draft(DFlashDraftModel(cfg).eval(), ref, inputs["input_ids"].shape[1], 1)
+
+    ids = inputs["input_ids"]
+    eager = speculative_generate(draft(), ft, 12, verify_cuda_graph=False, input_ids=ids)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 128)  # as if on a GPU
+    monkeypatch.setattr(verify_graph, "static_verify_step", broken)
+    out = speculative_generate(draft(), ft, 12, input_ids=ids)
+    assert out.verify_step == "eager" and torch.equal(out.sequences, eager.sequences)
+    assert out.acceptance_lengths == eager.acceptance_lengths
+    verify_graph.clear_static_verify_steps(model)
+
+
+def test_the_kept_steps_of_a_model_stay_within_the_budget(monkeypatch):
+    class FakeStep:
+        def __init__(self, ft, layer_ids, block, rows, *rest):
+            self.rows, self.nbytes = rows, verify_graph.buffer_bytes(_small_cache(), rows)
+
+        def serves(self, ft):
+            return True
+
+        def start(self, *args):
+            pass
+
+    monkeypatch.setattr(verify_graph, "StaticVerifyStep", FakeStep)
+    ft = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cpu"), dtype=torch.float32)
+    per_row = verify_graph.buffer_bytes(_small_cache(), 1)
+    for rows in (128, 256, 384):
+        verify_graph.static_verify_step(ft, [1], BLOCK, rows, _small_cache(), {}, False, budget=per_row * 500)
+    kept = [k[4] for k in verify_graph.static_verify_steps(ft.model)]
+    assert kept == [384]  # 128 + 256 + 384 rows would pass 500: the least recently used went first
+    verify_graph.static_verify_step(ft, [1], BLOCK, 128, _small_cache(), {}, False, budget=per_row * 600)
+    assert [k[4] for k in verify_graph.static_verify_steps(ft.model)] == [384, 128]
+    verify_graph.clear_static_verify_steps(ft.model)
 
 
 def _small_cache(layers: int = 1):

@@ -458,5 +458,7 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
         evaluation.target_greedy(ft, {"input_features": feats}, 4)
         speculative_generate(whisper_draft(model), ft, 4, input_features=feats)
         assert not any("seem to have been set" in r.getMessage() for r in records)
+        model.generate(input_features=feats, max_new_tokens=4)  # the filter is gone afterwards
+        assert any("seem to have been set" in r.getMessage() for r in records)
     finally:
         log.removeHandler(handler)
