@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,16 +38,15 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_profile import git_commit  # noqa: E402
 
 from dflash_hf.cli.eval import EvalArguments, load_evaluation  # noqa: E402
-from dflash_hf.evaluation import decode_benchmark, generate_inputs, target_greedy_new_tokens  # noqa: E402
+from dflash_hf.evaluation import (  # noqa: E402
+    decode_benchmark,
+    generate_inputs,
+    synced_clock,
+    target_greedy_new_tokens,
+)
 from dflash_hf.launch import configure_cpu_threads  # noqa: E402
 
 STATIC = {"cache_implementation": "static"}
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
@@ -60,14 +58,14 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
     out = {"warmup_prompt": longest}
     plain = [target_greedy_new_tokens(ft, x, max_new_tokens)[0].tolist() for x in inputs]  # failures raise
     try:
-        start = _clock(device)
+        start = synced_clock(device)
         target_greedy_new_tokens(ft, inputs[longest], max_new_tokens, **STATIC)
-        out["warmup_seconds"] = _clock(device) - start
+        out["warmup_seconds"] = synced_clock(device) - start
         seconds, tokens, mismatches = 0.0, 0, []
         for i, x in enumerate(tqdm(inputs, desc="static-cache greedy")):
-            start = _clock(device)
+            start = synced_clock(device)
             new = target_greedy_new_tokens(ft, x, max_new_tokens, **STATIC)[0].tolist()
-            seconds += _clock(device) - start
+            seconds += synced_clock(device) - start
             tokens += len(new)
             if new != plain[i]:
                 mismatches.append(i)

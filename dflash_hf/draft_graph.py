@@ -224,17 +224,27 @@ def fixed_draft_step(setting: bool | None, draft, ft, block: int, encoder_frames
                          f"{why}; pass draft_cuda_graph=None (it then falls back to the eager draft) or False")
     if capacity is None or spread:
         return None
+    return built_or_fallback(setting, _FAILED, draft, clear_static_steps,
+                             lambda: static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda"),
+                             "the draft's fixed-shape step", "the eager draft forward", "draft_cuda_graph")
+
+
+def built_or_fallback(setting: bool | None, failed: weakref.WeakKeyDictionary, owner, clear, build, what: str,
+                      instead: str, option: str):
+    """`build()`; where it raises under the default (`setting` None), None with a warning, after `clear(owner)`
+    (its kept steps), and `owner` is remembered in `failed` (not tried again until `clear`) unless it ran out of
+    memory (that decode only). Asked for (`setting` True), the error is raised."""
     try:
-        return static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda")
+        return build()
     except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
         if setting:
             raise
-        _STEPS.pop(draft, None)
+        clear(owner)
         why = f"{type(error).__name__}: {error}"
-        if not isinstance(error, torch.OutOfMemoryError):  # out of memory: this decode only
-            _FAILED[draft] = why
-        logger.warning("the draft's fixed-shape step could not run (%s); the eager draft forward runs instead "
-                       "(draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt)", why)
+        if not isinstance(error, torch.OutOfMemoryError):
+            failed[owner] = why
+        logger.warning("%s could not run (%s); %s instead (%s=False, dflash-eval --%s off, skips the attempt)",
+                       what, why, instead, option, option)
         return None
 
 
@@ -315,6 +325,6 @@ def clear_static_steps(draft) -> None:
     _FAILED.pop(draft, None)
 
 
-__all__ = ["StaticDraftCache", "StaticDraftStep", "capture_graph", "fixed_draft_step", "graph_capacity", "graph_mode",
-           "reused_step", "static_draft_step", "static_steps", "clear_static_steps", "weight_addresses",
-           "MAX_GRAPH_POSITIONS"]
+__all__ = ["StaticDraftCache", "StaticDraftStep", "built_or_fallback", "capture_graph", "fixed_draft_step",
+           "graph_capacity", "graph_mode", "reused_step", "static_draft_step", "static_steps", "clear_static_steps",
+           "weight_addresses", "MAX_GRAPH_POSITIONS"]

@@ -135,7 +135,8 @@ class DecodeStats:
         return out
 
 
-def _clock(device: torch.device) -> float:
+def synced_clock(device: torch.device) -> float:
+    """`time.perf_counter()` after the device's queued work (a CUDA synchronize): wall time of what ran."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -229,9 +230,9 @@ def decode_benchmark(
             decode()
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
-        start = _clock(device)
+        start = synced_clock(device)
         spec = decode()
-        stats.spec_seconds += _clock(device) - start
+        stats.spec_seconds += synced_clock(device) - start
         spec_new = spec.sequences[0, n_prompt:].tolist()
         stats.spec_tokens += len(spec_new)
         stats.acceptance_lengths += spec.acceptance_lengths
@@ -239,9 +240,9 @@ def decode_benchmark(
         stats.verify_steps[spec.verify_step] = stats.verify_steps.get(spec.verify_step, 0) + 1
         stats.prompts += 1
         if compare_greedy:
-            start = _clock(device)
+            start = synced_clock(device)
             greedy = target_greedy_new_tokens(ft, inputs, max_new_tokens)
-            stats.greedy_seconds += _clock(device) - start
+            stats.greedy_seconds += synced_clock(device) - start
             greedy_new = greedy[0].tolist()
             stats.greedy_tokens += len(greedy_new)
             if greedy_new != spec_new:
@@ -253,6 +254,7 @@ __all__ = [
     "DecodeStats",
     "decode_benchmark",
     "generate_inputs",
+    "synced_clock",
     "target_greedy",
     "target_greedy_new_tokens",
     "prompt_inputs",

@@ -25,17 +25,15 @@ graph only when asked for (how the tests compare it with the growing cache).
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from .configuration_dflash import decoder_attends_fully
-from .draft_graph import MAX_GRAPH_POSITIONS, capture_graph, reused_step, weight_addresses
+from .draft_graph import MAX_GRAPH_POSITIONS, built_or_fallback, capture_graph, reused_step, weight_addresses
 
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
-logger = logging.getLogger(__name__)
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models whose step failed under the default
 MAX_STEPS_PER_TARGET = 4
@@ -290,20 +288,11 @@ def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int
                                              buffer_bytes(prefill_cache, rows) > AUTO_MAX_BUFFER_BYTES)):
         return None
     budget = AUTO_MAX_BUFFER_BYTES if setting is None else None
-    try:
-        return static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda",
-                                  budget)
-    except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
-        if setting:
-            raise
-        clear_static_verify_steps(ft.model)
-        why = f"{type(error).__name__}: {error}"
-        if not isinstance(error, torch.OutOfMemoryError):
-            _FAILED[ft.model] = why
-        logger.warning("the fixed-shape verify could not run for %s (%s); verifying with the growing cache "
-                       "(verify_cuda_graph=False, dflash-eval --verify_cuda_graph off, skips the attempt)",
-                       type(ft.model).__name__, why)
-        return None
+    return built_or_fallback(setting, _FAILED, ft.model, clear_static_verify_steps,
+                             lambda: static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs,
+                                                        ft.device.type == "cuda", budget),
+                             f"the fixed-shape verify of {type(ft.model).__name__}", "the growing cache",
+                             "verify_cuda_graph")
 
 
 __all__ = ["AUTO_MAX_BUFFER_BYTES", "FixedSelfCache", "StaticVerifyStep", "buffer_bytes", "check_verify_step",

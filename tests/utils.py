@@ -41,6 +41,39 @@ def loaded_script(path: Path) -> Iterator:
         sys.modules.pop(spec.name, None)
 
 
+def script_fixture(path: Path):
+    """A module-scoped pytest fixture yielding the script at `path` imported with `loaded_script`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture():
+        with loaded_script(path) as module:
+            yield module
+
+    return fixture
+
+
+def raising(calls: list, error: BaseException):
+    """A stand-in that records each call in `calls` and raises `error` (a step that fails to build)."""
+    def fail(*args, **kwargs):
+        calls.append(1)
+        raise error
+
+    return fail
+
+
+def tiny_qwen3_asr_prompt():
+    """The sharpened tiny Qwen3-ASR target, its processor, and one audio prompt's inputs as its processor gives them."""
+    asr, processor = tiny.build_qwen3_asr_target(tiny.build_tokenizer(), hidden_size=32, num_layers=4, num_heads=2,
+                                                 num_kv_heads=1)
+    tiny.sharpen(asr)
+    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
+    rendered = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[rendered], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
+                       return_tensors="pt")
+    return asr, processor, dict(inputs)
+
+
 def text_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, padding_side: str = "right") -> dict:
     """Padded batch from (prompt ids, response ids) pairs; the response is supervised."""
     width = max(len(p) + len(r) for p, r in rows)

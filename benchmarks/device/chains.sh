@@ -7,6 +7,13 @@ cd "${REPO:?export REPO=<repository root on the device>}" || exit 1
 C=/tmp/bench; M=$C/speech_llm; S="python3 benchmarks/speech_llm.py"; SP=$C/data/speech
 speech_ready() { while [ ! -f $SP/speech.json ]; do sleep 5; done; }  # session.sh setup synthesizes in the background
 keep() { cp docs/results/quality_"$1"_* /tmp/results/ 2>/dev/null; cp -r docs/figures/quality_"$1"_* /tmp/results/ 2>/dev/null; }
+# dflash-eval of a draft on the 40 held-out clips, fp32, 128 new tokens: DRAFT [FLAGS...] (Whisper-base) and
+# DRAFT FAMILY [FLAGS...] (the speech LLM)
+whisper_eval() { local draft=$1; shift; python3 -m dflash_hf.cli.eval --draft "$draft" --target $C/whisper-base/hf \
+  --data $SP/eval.json --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 "$@"; }
+sllm_eval() { local draft=$1 family=$2; shift 2; python3 -m dflash_hf.cli.eval --draft "$draft" --target $M/trained \
+  --family "$family" --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 \
+  --device cuda --precision fp32 "$@"; }
 kind=$1; shift
 case $kind in
   whisper)  # NAME [MINUTES [STEPS [WORKERS [INIT]]]]: train (warm-started from $C/init/INIT, a draft of an earlier
@@ -66,9 +73,7 @@ case $kind in
       --lr_scheduler_type cosine --warmup_steps 100 --max_steps 800 --max_train_minutes "$minutes" --eval_strategy steps \
       --eval_steps 200 --save_steps 400 --logging_steps 10 --report_to none --dataloader_num_workers 2 \
       --output_dir $C/runs/$n "$@" > /tmp/logs/$n.train.log 2>&1
-    python3 -m dflash_hf.cli.eval --draft $C/runs/$n/draft --target $M/trained --family "$fam" \
-      --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
-      --precision fp32 --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
+    sllm_eval $C/runs/$n/draft "$fam" --output_json /tmp/results/sllm_$n.json > /tmp/logs/$n.eval.log 2>&1
     echo "rc=$?" > /tmp/logs/$n.done ;;
   sllmall)  # LLM_MINUTES DRAFT_MINUTES ADAPT_MINUTES: the speech LLM, its four drafts at once, then projection-only
     # adaptation of the block-8 draft to block 16 and to the held-out voice (slt dev sentences; eval sentences differ)
@@ -137,34 +142,22 @@ case $kind in
       [ -d "$d" ] || { echo "timing: no draft $C/runs/$n/draft nor $C/init/$n; skipped"; continue; }
       g=${fam:-auto}; case $k in s|sv|sc|sgb) g=auto ;; esac
       case $k in
-        w) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
-             --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph "$g" \
-             --output_json /tmp/results/clean/$n-graph-$g.json ;;
-        v) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
-             --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph auto \
-             --verify_cuda_graph on --output_json /tmp/results/clean/$n-verify-graph.json ;;
+        w) whisper_eval "$d" --draft_cuda_graph "$g" --output_json /tmp/results/clean/$n-graph-$g.json ;;
+        v) whisper_eval "$d" --verify_cuda_graph on --output_json /tmp/results/clean/$n-verify-graph.json ;;
         t) mv $C/runs/$n/eval_cuda_fp32.json $C/runs/$n/eval_cuda_fp32_shared.json 2>/dev/null
            $B eval $n --device cuda --precision fp32 --num_samples 32 && cp docs/results/quality_"$n"_* /tmp/results/clean/ ;;
         p) python3 benchmarks/decode_profile.py --target $C/whisper-base/hf --draft "$d" --data $SP/eval.json \
              --num_prompts 40 --max_new_tokens 128 --device cuda --precision fp32 --no_progress --draft_cuda_graph "$g" \
              --output_json /tmp/results/clean/decode_profile_$n-graph-$g.json ;;
-        c) python3 -m dflash_hf.cli.eval --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
-             --max_new_tokens 128 --num_samples 40 --device cuda --precision fp32 --draft_cuda_graph auto \
-             --verify_cuda_graph off --output_json /tmp/results/clean/$n-growing-cache.json ;;
-        sc) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
-             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
-             --precision fp32 --verify_cuda_graph off --output_json /tmp/results/clean/sllm_$n-growing-cache.json ;;
+        c) whisper_eval "$d" --verify_cuda_graph off --output_json /tmp/results/clean/$n-growing-cache.json ;;
+        sc) sllm_eval "$d" "$fam" --verify_cuda_graph off --output_json /tmp/results/clean/sllm_$n-growing-cache.json ;;
         gb) python3 benchmarks/greedy_baselines.py --draft "$d" --target $C/whisper-base/hf --data $SP/eval.json \
              --num_samples 40 --device cuda --output_json /tmp/results/clean/greedy_baselines_$n.json ;;
         sgb) python3 benchmarks/greedy_baselines.py --draft "$d" --target $M/trained --family "$fam" \
              --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --device cuda \
              --output_json /tmp/results/clean/greedy_baselines_sllm_$n.json ;;
-        sv) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
-             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
-             --precision fp32 --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
-        s) python3 -m dflash_hf.cli.eval --draft "$d" --target $M/trained --family "$fam" \
-             --prompt "Transcribe the audio." --data $SP/eval.json --num_samples 40 --max_new_tokens 128 --device cuda \
-             --precision fp32 --output_json /tmp/results/clean/sllm_$n.json ;;
+        sv) sllm_eval "$d" "$fam" --verify_cuda_graph on --output_json /tmp/results/clean/sllm_$n-verify-graph.json ;;
+        s) sllm_eval "$d" "$fam" --output_json /tmp/results/clean/sllm_$n.json ;;
         *) echo "timing: unknown item $item (w:NAME, v:NAME, c:NAME, gb:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, sc:NAME:FAMILY, sgb:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;

@@ -3,15 +3,12 @@
 import json
 
 import pytest
-from utils import REPO_ROOT, loaded_script
+from utils import REPO_ROOT, script_fixture
 
 SCRIPT = REPO_ROOT / "benchmarks" / "decode_ops.py"
 
 
-@pytest.fixture(scope="module")
-def ops():
-    with loaded_script(SCRIPT) as module:
-        yield module
+ops = script_fixture(SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import StoppingCriteria
-from utils import REPO_ROOT, loaded_script
+from utils import REPO_ROOT, script_fixture
 
 from dflash_hf import speculative, tiny
 
 SCRIPT = REPO_ROOT / "benchmarks" / "decode_profile.py"
 
 
-@pytest.fixture(scope="module")
-def profile():
-    with loaded_script(SCRIPT) as module:
-        yield module
+profile = script_fixture(SCRIPT)
 
 
 @pytest.mark.parametrize("kind", ["text", "whisper"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from utils import TINY_WHISPER_MASK as MASK
-from utils import decode_with_proposals, make_args, tiny_text_target, tiny_whisper
+from utils import decode_with_proposals, make_args, raising, tiny_text_target, tiny_whisper
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate, tiny
 from dflash_hf.assembly import build_draft
@@ -169,12 +169,7 @@ def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked
     from dflash_hf import draft_graph
 
     calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("capture failed")
-
-    monkeypatch.setattr(draft_graph, "static_draft_step", broken)
+    monkeypatch.setattr(draft_graph, "static_draft_step", raising(calls, RuntimeError("capture failed")))
     model, _ = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
@@ -190,12 +185,7 @@ def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked
         draft_graph.fixed_draft_step(True, draft, cuda, 4, None, **kw)
     clear_static_steps(draft)  # forgets the failure
     assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
-
-    def out_of_memory(*args, **kwargs):
-        calls.append(1)
-        raise torch.OutOfMemoryError("no room")
-
-    monkeypatch.setattr(draft_graph, "static_draft_step", out_of_memory)
+    monkeypatch.setattr(draft_graph, "static_draft_step", raising(calls, torch.OutOfMemoryError("no room")))
     clear_static_steps(draft)
     for _ in range(2):  # out of memory: not remembered
         assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from utils import scripted_draft, tiny_whisper, whisper_draft, whisper_features
+from utils import raising, scripted_draft, tiny_qwen3_asr_prompt, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate, tiny, verify_graph
 from dflash_hf.draft_graph import MAX_GRAPH_POSITIONS
@@ -92,18 +91,13 @@ def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
 
 def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
     calls = []
-
-    def broken(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("capture failed")
-
-    monkeypatch.setattr(verify_graph, "static_verify_step", broken)
+    monkeypatch.setattr(verify_graph, "static_verify_step", raising(calls, RuntimeError("capture failed")))
     model = torch.nn.Linear(2, 2)
     ft = SimpleNamespace(model=model, device=torch.device("cuda"))
     monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 448)
     kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
     cache = _small_cache()
-    with caplog.at_level("WARNING", logger="dflash_hf.verify_graph"):
+    with caplog.at_level("WARNING", logger="dflash_hf.draft_graph"):  # the shared fallback logs there
         assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
     assert "RuntimeError: capture failed" in caplog.text and "growing cache" in caplog.text
     assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
@@ -112,12 +106,7 @@ def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_ask
         verify_graph.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw)
     verify_graph.clear_static_verify_steps(model)  # forgets the failure: tried again
     assert verify_graph.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None and len(calls) == 3
-
-    def out_of_memory(*args, **kwargs):
-        calls.append(1)
-        raise torch.OutOfMemoryError("no room")
-
-    monkeypatch.setattr(verify_graph, "static_verify_step", out_of_memory)
+    monkeypatch.setattr(verify_graph, "static_verify_step", raising(calls, torch.OutOfMemoryError("no room")))
     other = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cuda"))
     for _ in range(2):  # out of memory: not remembered, tried again next decode
         assert verify_graph.fixed_verify_step(None, other, [1], BLOCK, cache, {}, **kw) is None
@@ -137,11 +126,8 @@ def test_a_decode_after_a_failed_fixed_verify_is_the_growing_cache_decode(monkey
     ids = inputs["input_ids"]
     eager = speculative_generate(draft(), ft, 12, verify_cuda_graph=False, input_ids=ids)
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("capture failed")
-
     monkeypatch.setattr(verify_graph, "fixed_verify_rows", lambda *a, **k: 128)  # as if on a GPU
-    monkeypatch.setattr(verify_graph, "static_verify_step", broken)
+    monkeypatch.setattr(verify_graph, "static_verify_step", raising([], RuntimeError("capture failed")))
     out = speculative_generate(draft(), ft, 12, input_ids=ids)
     assert out.verify_step == "eager" and torch.equal(out.sequences, eager.sequences)
     assert out.acceptance_lengths == eager.acceptance_lengths
@@ -225,13 +211,8 @@ def _decoder_only_cases():
     tok = tiny.build_tokenizer()
     text = tiny.sharpen(tiny.build_text_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1))
     yield "text", text, {"input_ids": torch.tensor([[5, 17, 99, 42, 7, 13, 64]])}
-    asr, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
-    tiny.sharpen(asr)
-    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
-    rendered = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[rendered], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
-                       return_tensors="pt")
-    yield "speech LLM (Qwen3-ASR)", asr, dict(inputs)
+    asr, _, inputs = tiny_qwen3_asr_prompt()
+    yield "speech LLM (Qwen3-ASR)", asr, inputs
 
 
 @pytest.mark.parametrize("case", [0, 1])

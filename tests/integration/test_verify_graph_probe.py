@@ -4,15 +4,12 @@ cache's, block by block."""
 import json
 
 import pytest
-from utils import REPO_ROOT, loaded_script
+from utils import REPO_ROOT, script_fixture
 
 SCRIPT = REPO_ROOT / "benchmarks" / "verify_graph_probe.py"
 
 
-@pytest.fixture(scope="module")
-def probe():
-    with loaded_script(SCRIPT) as module:
-        yield module
+probe = script_fixture(SCRIPT)
 
 
 @pytest.mark.parametrize("kind", ["whisper", "text"])

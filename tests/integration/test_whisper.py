@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from utils import TINY_WHISPER_MASK as MASK
-from utils import scripted_draft, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
+from utils import scripted_draft, tiny_qwen3_asr_prompt, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, speculative_generate, tiny
 from dflash_hf.data import ConversationConfig, build_train_dataloader
@@ -148,13 +148,7 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     assert out.acceptance_lengths[0] == BLOCK and len(out.acceptance_lengths) > 2
     assert calls == {"encoder": 1, "cross_keys": 1}
     # an audio decoder-only target (Qwen3-ASR) through custom_generate too
-    tok = tiny.build_tokenizer()
-    asr, asr_processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
-    tiny.sharpen(asr)
-    conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
-    text = asr_processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    inputs = asr_processor(text=[text], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
-                           return_tensors="pt")
+    asr, _, inputs = tiny_qwen3_asr_prompt()
     asr_draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(asr).text_config, mask_token_id=262,
                                                                  num_hidden_layers=1, block_size=BLOCK)).eval()
     assert torch.equal(asr.generate(**inputs, max_new_tokens=12, do_sample=False,
