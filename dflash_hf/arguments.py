@@ -262,6 +262,16 @@ class DFlashRunArguments:
             "compiles (tens of seconds)."
         },
     )
+    target_cuda_graph: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Replay the frozen target's training forward as a CUDA graph for batch shapes seen before "
+            "(the same kernels, none of the host work; docs/PERFORMANCE.md). Unset: on a GPU where the target "
+            "can be captured (text and Whisper families, sdpa decoders with full attention), falling back to the "
+            "eager forward with a warning if a capture fails; true: always (refused where it cannot run); false: "
+            "never."
+        },
+    )
 
 
 @dataclass

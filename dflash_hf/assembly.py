@@ -17,6 +17,7 @@ from .export import check_warm_start, check_warm_start_sizes, draft_class_for, l
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .modeling_dflash_encoder import copy_cross_attention
 from .target import FrozenTarget, resolve_dtype
+from .target_graph import forward_graphs
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
@@ -84,12 +85,13 @@ def seed_like_trainer(args: DFlashTrainingArguments) -> None:
 
 def prepare_target(target, args: DFlashTrainingArguments) -> FrozenTarget:
     """The frozen target (an HF model is wrapped in a `FrozenTarget`) in the training precision, checked for
-    packing before any draft is built."""
+    packing and given its CUDA-graph forwards (`target_cuda_graph`) before any draft is built."""
     if not isinstance(target, FrozenTarget):
         target = FrozenTarget(target, args.target_family)
     target.model.to(resolve_dtype(args.precision))
     if args.compile_target and args.device.type == "cuda":
         compile_target_layers(target)
+    target.forward_graphs = forward_graphs(args.target_cuda_graph, target, args.device)
     if args.packing:
         target.check_packing()  # before the draft is built
     return target

@@ -18,12 +18,18 @@ from .target import FrozenTarget
 def shard_frozen_target_layers(target: FrozenTarget, mesh: DeviceMesh | None = None) -> int:
     """`fully_shard` every decoder layer of the frozen target over `mesh` (default: all ranks of the
     default process group, on the target's device type). Each layer's weights are all-gathered for its
-    forward and freed after it (`reshard_after_forward=True`); tap hooks on the layers keep working.
+    forward and freed after it (`reshard_after_forward=True`); tap hooks on the layers keep working. Its forward
+    then gathers weights, so it is not captured as a CUDA graph (`target_cuda_graph=True` is refused).
     Returns the number of sharded layers."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     if not torch.distributed.is_initialized():
         raise RuntimeError("sharding the frozen target needs an initialized process group (torchrun / accelerate)")
+    graphs = target.forward_graphs
+    if graphs is not None and graphs.setting:
+        raise ValueError("target_cuda_graph=True: the frozen target's layers are sharded (FSDP2) and its forward "
+                         "gathers their weights, which is not captured; leave target_cuda_graph unset or false")
+    target.forward_graphs = None
     if mesh is None:
         mesh = init_device_mesh(target.device.type, (torch.distributed.get_world_size(),))
     count = 0

@@ -226,14 +226,16 @@ def fixed_draft_step(setting: bool | None, draft, ft, block: int, encoder_frames
         return None
     return built_or_fallback(setting, _FAILED, draft, clear_static_steps,
                              lambda: static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda"),
-                             "the draft's fixed-shape step", "the eager draft forward", "draft_cuda_graph")
+                             "the draft's fixed-shape step", "the eager draft forward",
+                             "draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt")
 
 
 def built_or_fallback(setting: bool | None, failed: weakref.WeakKeyDictionary, owner, clear, build, what: str,
-                      instead: str, option: str):
-    """`build()`; where it raises under the default (`setting` None), None with a warning, after `clear(owner)`
-    (its kept steps), and `owner` is remembered in `failed` (not tried again until `clear`) unless it ran out of
-    memory (that decode only). Asked for (`setting` True), the error is raised."""
+                      instead: str, hint: str):
+    """`build()`; where it raises under the default (`setting` None), None with a warning (naming `instead` and, in
+    `hint`, how to skip the attempt), after `clear(owner)` (its kept steps), and `owner` is remembered in `failed`
+    (not tried again until `clear`) unless it ran out of memory (that call only). Asked for (`setting` True), the
+    error is raised."""
     try:
         return build()
     except Exception as error:  # noqa: BLE001 (the default only: re-raised when it was asked for)
@@ -243,8 +245,7 @@ def built_or_fallback(setting: bool | None, failed: weakref.WeakKeyDictionary, o
         why = f"{type(error).__name__}: {error}"
         if not isinstance(error, torch.OutOfMemoryError):
             failed[owner] = why
-        logger.warning("%s could not run (%s); %s instead (%s=False, dflash-eval --%s off, skips the attempt)",
-                       what, why, instead, option, option)
+        logger.warning("%s could not run (%s); %s instead (%s)", what, why, instead, hint)
         return None
 
 
@@ -269,9 +270,10 @@ def weight_addresses(*modules) -> tuple[int, ...]:
     return tuple(p.data_ptr() for m in modules for p in m.parameters())
 
 
-def capture_graph(device: torch.device, step):
+def capture_graph(device: torch.device, step, pool=None):
     """Warm `step` up twice on a side stream (allocator, library handles), then capture it as a CUDA graph on
-    `device` (not necessarily the current GPU): (the graph, the outputs its replays overwrite)."""
+    `device` (not necessarily the current GPU), in the memory `pool` of other graphs if given (graphs that never
+    run at the same time): (the graph, the outputs its replays overwrite)."""
     with torch.cuda.device(device):
         main = torch.cuda.current_stream()
         side = torch.cuda.Stream()
@@ -282,7 +284,7 @@ def capture_graph(device: torch.device, step):
         main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):
                 out = step()
         finally:  # a failed capture_end leaves torch.cuda.graph's capture stream current: the caller's again
             torch.cuda.set_stream(main)

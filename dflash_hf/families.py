@@ -175,7 +175,7 @@ FAMILIES: dict[str, TargetFamily] = {
         ),
         TargetFamily(
             name="text", model_types=(), expansion="none", audio_kwargs=(), encode=_encode_text,
-            render_with="tokenizer", prebuilt_packed_mask=True, prebuilt_padded_mask=True,
+            render_with="tokenizer", prebuilt_packed_mask=True, prebuilt_padded_mask=True, graph_capturable=True,
             description="plain causal LM (any AutoModelForCausalLM)",
         ),
         TargetFamily(

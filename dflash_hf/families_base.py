@@ -56,6 +56,8 @@ class TargetFamily:
       read only to build the decoder's causal mask (and, for Whisper, the decoder positions computed beside it).
     - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
+    - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
+      decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
     """
 
     name: str
@@ -77,6 +79,7 @@ class TargetFamily:
     stream_ids: Callable | None = field(default=None, repr=False)
     prebuilt_packed_mask: bool = False
     prebuilt_padded_mask: bool = False
+    graph_capturable: bool = False
 
     @property
     def has_audio(self) -> bool:

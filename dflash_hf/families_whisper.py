@@ -97,6 +97,6 @@ WHISPER = TargetFamily(
     encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
     render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
     sample_problem=_whisper_sample_problem, max_positions=lambda config: config.max_target_positions,
-    prebuilt_padded_mask=True,
+    prebuilt_padded_mask=True, graph_capturable=True,
     description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
 )

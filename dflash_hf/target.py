@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -13,21 +13,19 @@ from torch import nn
 from .blocks import label_positions
 from .configuration_dflash import check_target_layer_ids, decoder_attends_fully
 from .families import DecoderStreams, decoder_positions, decoder_stream_kwargs, decoder_streams, resolve_family
+from .target_masks import (
+    PREBUILT_MASK_MODEL_TYPES,
+    check_packing,
+    packed_causal_mask,
+    padded_causal_mask,
+    without_packed_detection,
+)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
 NON_TARGET_KEYS = frozenset(
     {"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"}
 )
-# Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x
-# (masking_utils.find_packed_sequence_indices for sdpa/eager/flex, varlen kernels for flash).
-PACKED_ATTN_IMPLEMENTATIONS = (
-    "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"
-)
-# Decoder model types whose mask is transformers' causal-plus-padding mask and nothing else (with full attention in
-# every layer), so that a prebuilt 4D mask gives the same taps (checked in tests/integration/test_target_masks.py);
-# others build their own masks (sliding windows, hybrid recurrent layers) and keep transformers' path.
-PREBUILT_MASK_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "whisper"})
 
 
 def resolve_dtype(precision: str) -> torch.dtype:
@@ -124,6 +122,7 @@ class FrozenTarget:
         self._forward_params = set(inspect.signature(model.forward).parameters)
         self.suppressed_ids = sorted(set(getattr(getattr(model, "generation_config", 0), "suppress_tokens", 0) or ()))
         self._suppressed: dict[torch.device, torch.Tensor] = {}
+        self.forward_graphs = None  # a `target_graph.TargetForwardGraphs` (`target_cuda_graph`), set by the trainer
 
     # --- facts ---------------------------------------------------------------------------
     @property
@@ -249,11 +248,13 @@ class FrozenTarget:
         `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
         given, and keeps attention inside each document (trailing padding forms its own segment); where
         `packed_sdpa_mask` applies, that 4D mask is given instead. `padded`: whether a padded batch has any
-        padding, known on the host (the trainer's CPU plan); if it has and `padded_decoder_mask` applies, that 4D
-        mask replaces the 2D one. Otherwise transformers builds the mask, reading the device mask once or twice per
-        forward (without padding it then takes SDPA's `is_causal` path, kept as it is)."""
+        padding, known on the host (the trainer's CPU plan); where the decoder's mask may be prebuilt, a padded
+        batch gets `padded_decoder_mask` and one without padding no mask (`unmasked_causal`). Otherwise
+        transformers builds the mask, reading the device mask once or twice per forward."""
         kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
-        if padded and "cu_seqlens" not in batch and "attention_mask" in kwargs and self.padded_decoder_mask_applies():
+        if self.unmasked_causal(batch, padded):  # no padding, one sequence a row: no mask (`features`)
+            kwargs.pop("attention_mask", None)
+        elif padded and "cu_seqlens" not in batch and "attention_mask" in kwargs and self.padded_decoder_mask_applies():
             if self.is_encoder_decoder:  # the decoder's positions count the real tokens of the 2D mask
                 kwargs["decoder_position_ids"] = decoder_positions(kwargs["attention_mask"])
             kwargs["attention_mask"] = self.padded_decoder_mask(kwargs["attention_mask"])
@@ -282,34 +283,36 @@ class FrozenTarget:
             return False
         return getattr(config, "model_type", None) in PREBUILT_MASK_MODEL_TYPES and decoder_attends_fully(config)
 
+    def unmasked_causal(self, batch: dict, padded: bool | None) -> bool:
+        """Whether the host knows the batch to be one causal sequence a row (no padding: `padded` False, or a packed
+        row of one document filling it) for a decoder whose mask may be prebuilt: its forward then goes without a
+        mask and without transformers' packed-sequence detection (`target_masks.without_packed_detection`), SDPA's
+        `is_causal` path, which transformers takes after reading the mask (one host read fewer)."""
+        if not self.padded_decoder_mask_applies():
+            return False
+        if "cu_seqlens" in batch:
+            max_seqlen = batch.get("max_seqlen")
+            return (isinstance(max_seqlen, int) and batch["cu_seqlens"].numel() == 2
+                    and max_seqlen == batch["position_ids"].shape[-1])
+        return padded is False
+
     def padded_decoder_mask_applies(self) -> bool:
         """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): a family checked against
         transformers' own mask, with a causal full-attention decoder."""
         return self.family.prebuilt_padded_mask and self.causal_full_attention()
 
-    @staticmethod
-    def padded_decoder_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-        """The decoder's 4D boolean mask `[b, 1, S, S]` of a padded batch, causal and over real keys, as transformers'
-        sdpa mask of that batch (built on the device, with no host read of the 2D mask)."""
-        s = attention_mask.shape[-1]
-        causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
-        return causal[None, None] & attention_mask.bool()[:, None, None, :]
+    padded_decoder_mask = staticmethod(padded_causal_mask)
 
     def packed_sdpa_mask(self, batch: dict) -> torch.Tensor | None:
-        """The decoder's 4D boolean mask `[1, 1, T, T]` of a packed row (causal within each run of consecutive
-        positions), built on the device, without the host read of the positions that transformers' own detection
-        makes (`find_packed_sequence_indices`, one sync per forward); the same segments and values as transformers'
-        sdpa mask, so the taps do not change. None (transformers builds it) for decoders other than sdpa, families
-        not checked against transformers' path, and a row of one document without padding (transformers then
-        uses no mask); `cu_seqlens` and `max_seqlen` tell that on the host."""
+        """A packed row's decoder mask (`target_masks.packed_causal_mask`, transformers' sdpa mask without its host
+        read of the positions). None (transformers' path) for decoders and families not checked against it, and for
+        a row of one document without padding (no mask then); `cu_seqlens` and `max_seqlen` tell that on the host."""
         max_seqlen, pos = batch.get("max_seqlen"), batch["position_ids"]
         if not self.family.prebuilt_packed_mask or not self.causal_full_attention() or not isinstance(max_seqlen, int):
             return None
         if batch["cu_seqlens"].numel() == 2 and max_seqlen == pos.shape[-1]:
             return None
-        segment = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # transformers' segments
-        causal = torch.ones(pos.shape[-1], pos.shape[-1], dtype=torch.bool, device=pos.device).tril()
-        return (segment[:, None, :, None] == segment[:, None, None, :]) & causal
+        return packed_causal_mask(pos)
 
     def cast_features(self, kwargs: dict) -> dict:
         """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a
@@ -318,13 +321,7 @@ class FrozenTarget:
 
     def check_packing(self) -> None:
         """Refuse packed batches when the decoder's attention implementation cannot isolate documents."""
-        impl = getattr(self.decoder.config, "_attn_implementation", None)
-        if impl not in PACKED_ATTN_IMPLEMENTATIONS:
-            raise ValueError(
-                f"packing=True needs a target attn_implementation that keeps packed documents apart via "
-                f"position_ids; the target's decoder uses {impl!r}. Load the target with attn_implementation in "
-                f"{list(PACKED_ATTN_IMPLEMENTATIONS)} (CPU: 'sdpa'), or set packing=False"
-            )
+        check_packing(self.decoder.config)
 
     @property
     def keeps_last_logits_only(self) -> bool:
@@ -350,12 +347,21 @@ class FrozenTarget:
                 padded: bool | None = None) -> TargetFeatures:
         """Run the target on its batch (its own padding and mask) and return the tapped features. The encoder of
         an encoder-decoder target runs once per utterance, under no_grad like the rest. `padded`: whether the batch
-        has padding, if known on the host (`target_inputs`)."""
+        has padding, if known on the host (`target_inputs`). With `forward_graphs` (`target_cuda_graph`), a batch
+        signature seen before replays its forward as a CUDA graph (`target_graph.TargetForwardGraphs`)."""
+        if self.forward_graphs is not None:
+            return self.forward_graphs.features(self, batch, layer_ids, keep_final, padded)
+        return self.features(batch, layer_ids, keep_final, padded)
+
+    def features(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
+                 padded: bool | None = None) -> TargetFeatures:
+        """`capture`'s eager forward (no host read where the host knows the batch's layout: `target_inputs`)."""
         kwargs = self.target_inputs(batch, padded)
         kwargs["use_cache"] = False
         if self.keeps_last_logits_only:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits
-        return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
+        with without_packed_detection() if self.unmasked_causal(batch, padded) else nullcontext():
+            return self.tapped_forward(layer_ids, keep_final=keep_final, head=False, **kwargs)[1]
 
     def label_logits(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The scores of `target_argmax` / `target_distribution` labels: `suppress(lm_head(final_hidden))`."""

@@ -292,7 +292,7 @@ def fixed_verify_step(setting: bool | None, ft, layer_ids: list[int], block: int
                              lambda: static_verify_step(ft, layer_ids, block, rows, prefill_cache, step_kwargs,
                                                         ft.device.type == "cuda", budget),
                              f"the fixed-shape verify of {type(ft.model).__name__}", "the growing cache",
-                             "verify_cuda_graph")
+                             "verify_cuda_graph=False, dflash-eval --verify_cuda_graph off, skips the attempt")
 
 
 __all__ = ["AUTO_MAX_BUFFER_BYTES", "FixedSelfCache", "StaticVerifyStep", "buffer_bytes", "check_verify_step",

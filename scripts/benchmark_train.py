@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_hf.blocks import build_blocks, dense_block_mask  # noqa: E402
 from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
+from dflash_hf.draft_graph import graph_mode  # noqa: E402
 from dflash_hf.families import FAMILIES  # noqa: E402
 from dflash_hf.losses import MetricSums  # noqa: E402
 from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
@@ -589,11 +590,13 @@ def step_sync_sites(fn) -> dict[str, int]:
 
 
 def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str, *,
-                 packing_max_tokens: int | None = None, compile_target: bool = False) -> DFlashTrainer:
+                 packing_max_tokens: int | None = None, compile_target: bool = False,
+                 target_cuda_graph: bool | None = None) -> DFlashTrainer:
     args = DFlashTrainingArguments(
         packing=packing_max_tokens is not None,
         packing_max_tokens=packing_max_tokens,
         compile_target=compile_target,
+        target_cuda_graph=target_cuda_graph,
         output_dir=out_dir,
         optim="adamw_torch_fused" if target.device.type == "cuda" else "adamw_torch",
         learning_rate=6e-4,
@@ -619,7 +622,7 @@ def target_forward_flops(target: FrozenTarget, batch: dict, layer_ids: list[int]
     `torch.utils.flop_counter` (matmuls, convolutions, attention): for targets without a closed-form count.
     Compiled layers (`--compile-target`) run eagerly here: the counter sees every operator, nothing compiles."""
     with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
-        target.capture(batch, layer_ids, keep_final=True)
+        target.features(batch, layer_ids, keep_final=True)  # eager, never a graph's replay
     return counter.get_total_flops()
 
 
@@ -663,7 +666,8 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     out_dir = tempfile.mkdtemp(prefix="dflash-bench-")
     packing = shape["max_tokens"] if shape.get("packed") else None
     trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir, packing_max_tokens=packing,
-                           compile_target=args.compile_target)
+                           compile_target=args.compile_target, target_cuda_graph=graph_mode(args.target_cuda_graph,
+                                                                                             "target-cuda-graph"))
     objective, ft = trainer.objective, trainer.target
     plans = [objective.plan(ft, b, seed=0) for b in cpu_batches]  # the first call pays one-time costs
     plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batches[0], seed=0), torch.device("cpu"),
@@ -713,6 +717,14 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     tokens = sum(int(b["attention_mask"].sum()) for b in cpu_batches) / n_items  # real decoder tokens per step
     audio_s = sum(a for _, a in items) / n_items
 
+    target_side = {}
+    if mode == "full":  # the target's forward alone (taps, final states), as the step runs it
+        def forward():
+            dev_batch, plan, _ = next(cycle)
+            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=not bool(plan.real.all()))
+
+        forward_ms = _time_ms(forward, device, *_cycle(items, 2 * len(items), 5))  # captured in the warm-up
+        target_side = {"target_forward_ms": round(statistics.median(forward_ms), 3)}
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -722,6 +734,8 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     ms, mean_ms = statistics.median(times), statistics.fmean(times)
     pipelined = _pipelined_ms(step, device, steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    # a CUDA graph's pool is reserved, not allocated, while it replays: the reserved peak counts it
+    peak_reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0
     loop = {}
     if args.trainer_loop:
         loop_ms = trainer_loop_ms(trainer, cpu_batches, warmup, steps)
@@ -751,6 +765,9 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "mode": mode,
         "config": spec,
         "compile_target": args.compile_target,
+        "target_cuda_graph": args.target_cuda_graph,
+        "target_graph_replays": None if ft.forward_graphs is None else ft.forward_graphs.replays,
+        **target_side,
         "seq_len": round(sum(w for *_, w in per_batch) / n_items, 1) if n_items > 1 else per_batch[0][4],
         "batch_size": round(sum(r for *_, r, _ in per_batch) / n_items, 1) if n_items > 1 else per_batch[0][3],
         "num_anchors": num_anchors,
@@ -779,6 +796,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
         "mfu": round(tflops / ceiling_tflops, 4),
         "static_gib": round(static / 2**30, 3),
         "peak_gib": round(peak / 2**30, 3),
+        "peak_reserved_gib": round(peak_reserved / 2**30, 3),
         "memory_gib": memory_breakdown(tmodel, ft, draft, optimizer, mode, taps, peak / 2**30),
     }
 
@@ -806,6 +824,7 @@ def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> d
         argv += [x for flag, value in optional.items() if value is not None for x in (flag, str(value))]
         argv += ["--trainer-loop"] if args.trainer_loop else []
         argv += ["--compile-target"] if args.compile_target else []
+        argv += ["--target-cuda-graph", args.target_cuda_graph]
         done = subprocess.run([sys.executable, __file__, *argv], check=False)
         rows = json.loads(out.read_text())["results"] if out.exists() else []
     if rows:
@@ -843,6 +862,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
     p.add_argument("--compile-target", "--compile_target", dest="compile_target", action="store_true",
                    help="compile_target=true: torch.compile the frozen target's decoder layers (CUDA; mode full)")
+    p.add_argument("--target-cuda-graph", default="auto", choices=["auto", "on", "off"],
+                   help="target_cuda_graph (mode full): auto = the product default (a graph on a GPU where the target "
+                   "can be captured), on = always, off = the eager target forward")
     return p
 
 

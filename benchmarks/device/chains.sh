@@ -1,4 +1,5 @@
-# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing; see the case labels). Copy out of the working tree first (the next call replaces it), then:
+# Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing,
+# trainrows; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -161,5 +162,19 @@ case $kind in
         *) echo "timing: unknown item $item (w:NAME, v:NAME, c:NAME, gb:NAME, t:NAME, s:NAME:FAMILY, sv:NAME:FAMILY, sc:NAME:FAMILY, sgb:NAME:FAMILY, p:NAME)" ;;
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
-  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing)"; exit 2 ;;
+  trainrows)  # [ROW...]: issue 16's full training steps with the target's forward as a CUDA graph (and without), the
+    # GPU tests of the graph first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph (default all)
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron" \
+      > /tmp/logs/gpu_tests.log 2>&1
+    layers=(--modes full --steps 10 --full-configs attn=flex,ce=2048,compile=layers)
+    for row in ${@:-17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph}; do
+      case $row in
+        17*) shape=qwen3-1.7b ;; wb*) shape=whisper-base ;; 8b*) shape=qwen3-8b ;; sl*) shape=qwen3-1.7b-speechlike ;;
+        *) echo "trainrows: unknown row $row"; continue ;;
+      esac
+      case $row in *off) extra=(--target-cuda-graph off) ;; *cgraph) extra=(--compile-target) ;; *) extra=() ;; esac
+      timeout 420 python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
+        --out /tmp/results/trainrows_$row.json > /tmp/logs/trainrows_$row.log 2>&1
+    done; echo done > /tmp/logs/trainrows.done ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing, trainrows)"; exit 2 ;;
 esac

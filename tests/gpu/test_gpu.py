@@ -8,6 +8,8 @@
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
 - Decoding with the draft's step captured as a CUDA graph (`dflash_hf.draft_graph`, the default on a GPU) gives the
   eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
+- The frozen target's training forward replayed as a CUDA graph (`dflash_hf.target_graph`, `target_cuda_graph`)
+  gives the eager forward's taps, final states and encoder frames bit for bit, without a host sync.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ from utils import (
     text_batch,
     tiny_draft_config,
     tiny_text_target,
+    tiny_whisper,
+    whisper_features,
 )
 
 from dflash_hf import DFlashConfig, tiny
 from dflash_hf.assembly import build_draft
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
+from dflash_hf.data.packing import pack_padded_batch
 from dflash_hf.draft_graph import clear_static_steps, static_steps
 from dflash_hf.losses import block_loss
 from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from dflash_hf.target import FrozenTarget
+from dflash_hf.target_graph import TargetForwardGraphs
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -238,6 +244,50 @@ def test_prebuilt_padded_decoder_mask_gives_transformers_taps_on_cuda(side):
     ref = target.capture(batch, [1, 2], keep_final=True)
     got = target.capture(batch, [1, 2], keep_final=True, padded=True)
     assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+
+
+def _graph_case_batches(case: str, tok, processor) -> list[dict]:
+    """Three batches of one signature (shapes and layout equal, values not) for `case`."""
+    out = []
+    for seed in range(3):
+        rows = [(p[:4], r[: 8 if case in ("unpadded", "packed") else 8 + 3 * i])
+                for i, (p, r) in enumerate(random_rows(3, 250, seed=seed, resp_len=(17, 20)))]
+        batch = text_batch(rows, 0 if tok is None else tok.pad_token_id)
+        if case == "packed":
+            batch = pack_padded_batch(batch)
+        if case == "whisper":
+            batch["input_ids"] = batch["input_ids"] % 200
+            batch["input_features"] = torch.cat([whisper_features(processor, 3 * seed + i) for i in range(3)])
+        out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["unpadded", "padded", "packed", "whisper"])
+def test_target_forward_graph_replays_the_eager_features(case):
+    """`target_cuda_graph`: a signature captured at its second sighting replays the eager features bit for bit (taps,
+    final states, Whisper's encoder frames), and a replay reads nothing back to the host."""
+    if case == "whisper":
+        model, processor = tiny_whisper()
+        tok = None
+    else:
+        (model, tok), processor = tiny_text_target(hidden_size=256), None
+    target = FrozenTarget(model.cuda())
+    graphs = target.forward_graphs = TargetForwardGraphs(True)
+    padded = {"unpadded": False, "padded": True, "packed": None, "whisper": True}[case]
+    for i, batch in enumerate(_graph_case_batches(case, tok, processor)):
+        ref = target.features(batch, [0, 2], keep_final=True, padded=padded)
+        torch.cuda.synchronize()
+        if i == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = target.capture(batch, [0, 2], keep_final=True, padded=padded)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+        if case == "whisper":
+            assert torch.equal(got.encoder_hidden, ref.encoder_hidden)
+    assert graphs.replays == 2 and len(graphs.graphs) == 1
 
 
 if __name__ == "__main__":

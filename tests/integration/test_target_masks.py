@@ -1,7 +1,8 @@
 """The frozen target's decoder mask built on the device when the host knows whether a padded batch has padding
-(`FrozenTarget.target_inputs(batch, padded=...)`, what the trainer's CPU plan tells): the taps and final states
-equal those of transformers' own mask path bit for bit, and the forward reads nothing back from the device
-(transformers' mask helpers read the 2D mask once or twice per forward: a device sync on a GPU)."""
+(`FrozenTarget.target_inputs(batch, padded=...)`, what the trainer's CPU plan tells), or no mask for a batch without
+padding: the taps and final states equal those of transformers' own mask path bit for bit, and the forward reads
+nothing back from the device (transformers' mask helpers read the 2D mask once or twice per forward: a device sync
+on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from utils import random_rows, text_batch, tiny_text_target
 
 from dflash_hf import tiny
 from dflash_hf.data import build_train_dataloader
+from dflash_hf.data.packing import pack_padded_batch
 from dflash_hf.target import FrozenTarget
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
@@ -37,8 +39,8 @@ def _same_features_without_host_reads(target: FrozenTarget, batch: dict, layers:
         got = target.capture(batch, layers, keep_final=True, padded=padded)
     assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
     assert theirs.count > 0  # transformers' mask helpers read the 2D mask
-    # with padding the prebuilt mask reads nothing; without, transformers' own path runs (SDPA's is_causal)
-    assert ours.count == (0 if padded else theirs.count)
+    # with padding the prebuilt mask reads nothing; without, no mask and no packed-sequence detection (is_causal)
+    assert ours.count == 0
     return padded
 
 
@@ -50,6 +52,24 @@ def test_text_target_prebuilt_decoder_mask(side):
         rows = [(p[:6], r[:10]) for p, r in rows]
     batch = text_batch(rows, tok.pad_token_id, "right" if side == "none" else side)
     assert _same_features_without_host_reads(FrozenTarget(model), batch, [1, 2]) == (side != "none")
+
+
+def test_packed_row_of_one_document_goes_without_mask_or_host_read():
+    """A packed row holding one document and no padding: transformers reads its positions to find that it needs no
+    mask; the host knows (`cu_seqlens`, `max_seqlen`), so the forward goes without a mask and without the read."""
+    model, tok = tiny_text_target()
+    row = pack_padded_batch(text_batch(random_rows(1, 250, seed=5), tok.pad_token_id))
+    target = FrozenTarget(model)
+    assert target.unmasked_causal(row, None) and "attention_mask" not in target.target_inputs(row)
+    with HostReads() as theirs:  # transformers' own path: the same forward, its packed-sequence detection kept
+        _, ref = target.tapped_forward([0, 2], keep_final=True, head=False, input_ids=row["input_ids"],
+                                       position_ids=row["position_ids"], use_cache=False)
+    with HostReads() as ours:
+        got = target.capture(row, [0, 2], keep_final=True)
+    assert theirs.count == 1 and ours.count == 0
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+    two = pack_padded_batch(text_batch(random_rows(2, 250, seed=5), tok.pad_token_id))
+    assert not target.unmasked_causal(two, None)  # two documents: the prebuilt packed mask
 
 
 def test_whisper_prebuilt_decoder_mask(tmp_path):
