@@ -56,18 +56,32 @@ def _one_sequence_per_row(position_ids: torch.Tensor) -> None:
     return None
 
 
+def _tracing_unless_capturing(is_tracing):
+    """transformers' `is_tracing` that, asked about no tensor, does not count a CUDA stream capture as tracing."""
+
+    def tracing(tensor=None) -> bool:
+        if tensor is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return torch.compiler.is_compiling()
+        return is_tracing(tensor)
+
+    return tracing
+
+
 @contextmanager
 def without_packed_detection():
     """Within the block, transformers' mask helpers treat a forward given no 2D mask as one sequence per row (as
     `find_packed_sequence_indices` concludes after reading the positions on the host): for a batch that the host
     knows has neither padding nor packed documents, the decoder then takes SDPA's `is_causal` path, as it does after
-    reading an all-ones mask, with no read at all."""
-    original = masking_utils.find_packed_sequence_indices
+    reading an all-ones mask, with no read at all. The same holds while the forward is captured as a CUDA graph
+    (`target_graph`): transformers up to at least 5.17 builds an explicit causal mask whenever a stream is being
+    captured, even with no padding mask to read (a different attention kernel: not the eager forward's numbers)."""
+    original = masking_utils.find_packed_sequence_indices, masking_utils.is_tracing
     masking_utils.find_packed_sequence_indices = _one_sequence_per_row
+    masking_utils.is_tracing = _tracing_unless_capturing(original[1])
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        masking_utils.find_packed_sequence_indices, masking_utils.is_tracing = original
 
 
 __all__ = ["PACKED_ATTN_IMPLEMENTATIONS", "PREBUILT_MASK_MODEL_TYPES", "check_packing", "packed_causal_mask",
