@@ -106,3 +106,20 @@ def test_a_sliding_window_decoder_keeps_transformers_mask():
         batch = {"input_ids": ids, "attention_mask": mask}
         ref = target.capture(batch, [0, 1])
         assert torch.equal(target.capture(batch, [0, 1], padded=True).taps, ref.taps)
+
+
+def test_a_stream_capture_does_not_count_as_tracing_inside_the_unmasked_forward(monkeypatch):
+    """transformers (5.17) builds an explicit causal mask whenever a CUDA stream is captured, asked about no tensor;
+    inside `without_packed_detection` (a batch known to need no mask) a capture keeps the eager forward's path."""
+    from transformers import masking_utils
+
+    from dflash_hf.target_masks import without_packed_detection
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    before = masking_utils.is_tracing
+    assert before() is True  # transformers' own: a capture counts as tracing
+    with without_packed_detection():
+        assert masking_utils.is_tracing() is False and masking_utils.find_packed_sequence_indices(None) is None
+        assert masking_utils.is_tracing(torch.ones(2)) is True  # asked about a tensor: transformers' answer
+    assert masking_utils.is_tracing is before
