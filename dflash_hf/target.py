@@ -176,10 +176,8 @@ class FrozenTarget:
         return out
 
     def mask_token_candidates(self, tokenizer, limit: int = 5) -> list[int]:
-        """Safe `mask_token_id` choices: ids with an embedding row that the tokenizer can never produce (rows past
-        its vocabulary), then, for Whisper-style targets decoded without timestamps, the timestamp tokens (the
-        ids after `generation_config.no_timestamps_token_id`), which text encoding never produces. Empty when
-        there are none: pick an unused reserved special token."""
+        """Safe `mask_token_id` choices: embedding rows past the tokenizer's vocabulary, then, for Whisper-style
+        targets decoded without timestamps, the timestamp tokens (text encoding never produces them)."""
         free = list(range(len(tokenizer), self.vocab_size))
         no_timestamps = getattr(getattr(self.model, "generation_config", None), "no_timestamps_token_id", None)
         if self.is_encoder_decoder and no_timestamps is not None:
@@ -281,7 +279,7 @@ class FrozenTarget:
         config = self.decoder.config
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return False
-        return getattr(config, "model_type", None) in PREBUILT_MASK_MODEL_TYPES and decoder_attends_fully(config)
+        return config.model_type in PREBUILT_MASK_MODEL_TYPES and decoder_attends_fully(config)
 
     def unmasked_causal(self, batch: dict, padded: bool | None) -> bool:
         """Whether the host knows the batch to be one causal sequence a row (no padding: `padded` False, or a packed
