@@ -23,13 +23,13 @@ def shard_frozen_target_layers(target: FrozenTarget, mesh: DeviceMesh | None = N
     Returns the number of sharded layers."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    if not torch.distributed.is_initialized():
-        raise RuntimeError("sharding the frozen target needs an initialized process group (torchrun / accelerate)")
     graphs = target.forward_graphs
     if graphs is not None and graphs.setting:
         raise ValueError("target_cuda_graph=True: the frozen target's layers are sharded (FSDP2) and its forward "
                          "gathers their weights, which is not captured; leave target_cuda_graph unset or false")
     target.forward_graphs = None
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("sharding the frozen target needs an initialized process group (torchrun / accelerate)")
     if mesh is None:
         mesh = init_device_mesh(target.device.type, (torch.distributed.get_world_size(),))
     count = 0

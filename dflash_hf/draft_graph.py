@@ -284,7 +284,8 @@ def capture_graph(device: torch.device, step, pool=None):
         main.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA calls of other threads (a DataLoader's pin-memory thread) do not break the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = step()
         finally:  # a failed capture_end leaves torch.cuda.graph's capture stream current: the caller's again
             torch.cuda.set_stream(main)

@@ -247,34 +247,42 @@ def test_prebuilt_padded_decoder_mask_gives_transformers_taps_on_cuda(side):
 
 
 def _graph_case_batches(case: str, tok, processor) -> list[dict]:
-    """Three batches of one signature (shapes and layout equal, values not) for `case`."""
+    """Three batches of one signature for `case`: shapes equal, values and layouts (padding, documents) not."""
     out = []
-    for seed in range(3):
-        rows = [(p[:4], r[: 8 if case in ("unpadded", "packed") else 8 + 3 * i])
-                for i, (p, r) in enumerate(random_rows(3, 250, seed=seed, resp_len=(17, 20)))]
-        batch = text_batch(rows, 0 if tok is None else tok.pad_token_id)
-        if case == "packed":
+    for seed, lengths in enumerate(([8, 11, 14], [14, 8, 11], [11, 14, 14])):
+        if case in ("unpadded", "whisper_unpadded", "packed_one"):
+            lengths = [8, 8, 8]
+        elif case == "packed":
+            lengths = [lengths[0], lengths[1], 33 - lengths[0] - lengths[1]]
+        rows = [(p[:4], r[:n]) for (p, r), n in zip(random_rows(3, 250, seed=seed, resp_len=(17, 20)), lengths)]
+        batch = text_batch(rows[:1] if case == "packed_one" else rows, 0 if tok is None else tok.pad_token_id)
+        if case.startswith("packed"):
             batch = pack_padded_batch(batch)
-        if case == "whisper":
+        if case.startswith("whisper"):
             batch["input_ids"] = batch["input_ids"] % 200
             batch["input_features"] = torch.cat([whisper_features(processor, 3 * seed + i) for i in range(3)])
         out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     return out
 
 
+GRAPH_CASES = {"unpadded": False, "padded": True, "packed": None, "packed_one": None, "whisper": True,
+               "whisper_unpadded": False}
+
+
 @needs_cuda
-@pytest.mark.parametrize("case", ["unpadded", "padded", "packed", "whisper"])
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
 def test_target_forward_graph_replays_the_eager_features(case):
     """`target_cuda_graph`: a signature captured at its second sighting replays the eager features bit for bit (taps,
-    final states, Whisper's encoder frames), and a replay reads nothing back to the host."""
-    if case == "whisper":
+    final states, Whisper's encoder frames) for batches whose padding or document boundaries differ from the captured
+    one's, and a replay reads nothing back to the host."""
+    if case.startswith("whisper"):
         model, processor = tiny_whisper()
         tok = None
     else:
         (model, tok), processor = tiny_text_target(hidden_size=256), None
     target = FrozenTarget(model.cuda())
     graphs = target.forward_graphs = TargetForwardGraphs(True)
-    padded = {"unpadded": False, "padded": True, "packed": None, "whisper": True}[case]
+    padded = GRAPH_CASES[case]
     for i, batch in enumerate(_graph_case_batches(case, tok, processor)):
         ref = target.features(batch, [0, 2], keep_final=True, padded=padded)
         torch.cuda.synchronize()
@@ -285,7 +293,7 @@ def test_target_forward_graph_replays_the_eager_features(case):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
-        if case == "whisper":
+        if case.startswith("whisper"):
             assert torch.equal(got.encoder_hidden, ref.encoder_hidden)
     assert graphs.replays == 2 and len(graphs.graphs) == 1
 

@@ -1,6 +1,7 @@
-"""`target_cuda_graph`: when the frozen target's training forward is captured, which batches replay a graph, and how
-a failed capture falls back. The capture itself needs a GPU (tests/gpu/test_gpu.py checks that a replay gives the
-eager features bit for bit); here the graph is replaced by a stand-in that records what it was asked to do."""
+"""`target_cuda_graph`: when the frozen target's training forward is captured, what a replay reads, and how a failed
+capture falls back. The CUDA graph itself needs a GPU (tests/gpu/test_gpu.py checks that a replay gives the eager
+features bit for bit); on the CPU `CapturedForward` runs the same forward on its fixed input tensors at every replay,
+so a replay that read anything but what it copies in (a mask, a layout baked in at capture) would differ here."""
 
 from __future__ import annotations
 
@@ -11,122 +12,199 @@ import torch
 from utils import make_trainer, random_rows, text_batch, tiny_text_target, tiny_whisper
 
 from dflash_hf import target_graph
+from dflash_hf.data.packing import pack_padded_batch
 from dflash_hf.target import FrozenTarget
 from dflash_hf.target_graph import TargetForwardGraphs, forward_graphs, graph_blocker
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-class StandIn:
-    """A `CapturedForward` that runs the eager forward on replay (and counts captures)."""
-
+class Counted(target_graph.CapturedForward):
     made: list = []
 
-    def __init__(self, ft, batch, layer_ids, keep_final, padded, pool):
-        self.run = lambda b: ft.features(b, layer_ids, keep_final, padded)
-        StandIn.made.append(tuple(batch["input_ids"].shape))
-
-    def replay(self, batch):
-        return self.run(batch)
+    def __init__(self, ft, batch, *args, **kwargs):
+        super().__init__(ft, batch, *args, **kwargs)
+        Counted.made.append(tuple(batch["input_ids"].shape))
 
 
 @pytest.fixture
 def graphs(monkeypatch):
-    monkeypatch.setattr(target_graph, "CapturedForward", StandIn)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    StandIn.made = []
+    monkeypatch.setattr(target_graph, "CapturedForward", Counted)
+    Counted.made = []
     return TargetForwardGraphs(None)
 
 
-def _batch(tok, rows: int, seed: int) -> dict:
-    return text_batch([(p[:4], r[:8]) for p, r in random_rows(rows, 250, seed=seed)], tok.pad_token_id)
+@pytest.fixture
+def text():
+    return tiny_text_target()
 
 
-def test_a_signature_is_captured_at_its_second_sighting_and_replayed_after(graphs):
-    model, tok = tiny_text_target()
+def _rows(rows: int, seed: int, lengths=None):
+    """Random rows of a 4-token prompt and a response of `lengths[i]` tokens (default 8)."""
+    return [(p[:4], r[: (lengths or [8] * rows)[i]])
+            for i, (p, r) in enumerate(random_rows(rows, 250, seed=seed, resp_len=(17, 20)))]
+
+
+def _layouts(tok, case: str) -> list[tuple[dict, bool | None]]:
+    """Three batches of one signature whose values and layouts (padding, document boundaries) differ."""
+    out = []
+    for seed, lengths in enumerate(([8, 11, 14], [14, 8, 11], [11, 14, 14])):
+        if case == "unpadded":
+            out.append((text_batch(_rows(3, seed), tok.pad_token_id), False))
+        elif case == "padded":
+            out.append((text_batch(_rows(3, seed, lengths), tok.pad_token_id), True))
+        elif case == "packed_one":  # one document, no padding: no mask, as unpadded
+            out.append((pack_padded_batch(text_batch(_rows(1, seed), tok.pad_token_id)), None))
+        else:  # packed: 3 documents, 45 tokens, boundaries moving; max_seqlen differs (not part of the key)
+            docs = _rows(3, seed, [lengths[0], lengths[1], 33 - lengths[0] - lengths[1]])
+            out.append((pack_padded_batch(text_batch(docs, tok.pad_token_id)), None))
+    return out
+
+
+@pytest.mark.parametrize("case", ["unpadded", "padded", "packed", "packed_one"])
+def test_replays_read_only_their_fixed_inputs(graphs, text, case):
+    model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
-    three, two = _batch(tok, 3, 0), _batch(tok, 2, 1)
-    for batch, padded in ((three, False), (two, False), (three, False), (three, False), (three, True)):
+    for batch, padded in _layouts(tok, case):
         got = ft.capture(batch, [0, 2], keep_final=True, padded=padded)
         ref = ft.features(batch, [0, 2], keep_final=True, padded=padded)
         assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
-    # [3, 12] captured at its second sighting and replayed at its third; [2, 12] and the padded key seen once
-    assert StandIn.made == [(3, 12)] and graphs.replays == 2 and len(graphs.graphs) == 1
-    ft.capture(three, [1, 2], keep_final=True, padded=False)  # other taps: another signature
+    assert len(Counted.made) == 1 and graphs.replays == 2  # captured at the second sighting, replayed twice
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_whisper_replay_reads_its_features(graphs, padded):
+    model, processor = tiny_whisper()
+    ft = FrozenTarget(model)
+    ft.forward_graphs = graphs
+    for seed, lengths in enumerate(([5, 9], [9, 5], [9, 7]) if padded else ([9, 9],) * 3):  # padding moves
+        batch = text_batch(_rows(2, seed, lengths), 0)
+        batch["input_ids"] %= 200
+        batch["input_features"] = torch.randn(2, 16, 400, generator=torch.Generator().manual_seed(seed))
+        got = ft.capture(batch, [0, 2], keep_final=True, padded=padded)
+        ref = ft.features(batch, [0, 2], keep_final=True, padded=padded)
+        assert torch.equal(got.taps, ref.taps) and torch.equal(got.encoder_hidden, ref.encoder_hidden)
     assert graphs.replays == 2
 
 
-def test_at_most_max_graphs_are_kept_least_recently_used_first(graphs, monkeypatch):
-    monkeypatch.setattr(target_graph, "MAX_GRAPHS", 2)
-    model, tok = tiny_text_target()
+def test_the_key_holds_what_the_target_reads(graphs, text):
+    model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
-    batches = [_batch(tok, n, n) for n in (1, 2, 3)]
-    for batch in batches[:2] * 2 + batches[:1] + batches[2:] * 2:
+    batch = text_batch(_rows(2, 0), tok.pad_token_id)
+    other_loss = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}  # the draft's side: the same key
+    for b in (batch, other_loss):
+        ft.capture(b, [0], padded=False)
+    assert len(Counted.made) == 1 and "loss_mask" not in next(iter(graphs.graphs.values())).inputs
+    ft.capture(batch, [1], padded=False)  # other taps: another signature
+    ft.capture(batch, [0], keep_final=True, padded=False)  # final states kept: another
+    assert len(Counted.made) == 1 and graphs.replays == 1
+
+
+def test_each_signature_is_captured_once_and_at_most_max_graphs_are_kept(graphs, text, monkeypatch):
+    monkeypatch.setattr(target_graph, "MAX_GRAPHS", 2)
+    model, tok = text
+    ft = FrozenTarget(model)
+    ft.forward_graphs = graphs
+    batches = [text_batch(_rows(n, n), tok.pad_token_id) for n in (1, 2, 3)]
+    for _ in range(5):  # three shapes cycling through room for two: no recapture once one was dropped
+        for batch in batches:
+            ft.capture(batch, [0], padded=False)
+    assert Counted.made == [(1, 12), (2, 12), (3, 12)] and len(graphs.graphs) == 2
+    assert len(graphs.dropped) == 1
+
+
+def test_kept_graphs_stay_within_max_kept_bytes(graphs, text, monkeypatch):
+    model, tok = text
+    ft = FrozenTarget(model)
+    ft.forward_graphs = graphs
+    batches = [text_batch(_rows(n, n), tok.pad_token_id) for n in (1, 2)]
+    for batch in batches * 2:
         ft.capture(batch, [0], padded=False)
-    assert [k[0][1][1][0] for k in graphs.graphs] == [1, 3]  # rows of input_ids: [2, 12] was dropped
+    sizes = [g.nbytes for g in graphs.graphs.values()]
+    assert len(sizes) == 2 and all(sizes)
+    monkeypatch.setattr(target_graph, "MAX_KEPT_BYTES", sizes[1])  # room for the larger one alone
+    batch = text_batch(_rows(3, 3), tok.pad_token_id)
+    for _ in range(2):
+        ft.capture(batch, [0], padded=False)
+    assert [k[0][0][1][0] for k in graphs.graphs] == [3]  # the newest only (input_ids rows)
 
 
-def test_a_failed_capture_falls_back_to_the_eager_forward_for_good(graphs, monkeypatch, caplog):
-    def fails(*args):
-        raise RuntimeError("operation not permitted when stream is capturing")
+@pytest.mark.parametrize("error", [RuntimeError("operation not permitted when stream is capturing"),
+                                   torch.OutOfMemoryError("CUDA out of memory")])
+def test_a_failed_capture_stops_capturing_with_one_warning(graphs, text, monkeypatch, caplog, error):
+    def fails(*args, **kwargs):
+        raise error
 
     monkeypatch.setattr(target_graph, "CapturedForward", fails)
-    model, tok = tiny_text_target()
+    model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
-    batch = _batch(tok, 2, 0)
+    batches = [text_batch(_rows(n, n), tok.pad_token_id) for n in (1, 2)]
     with caplog.at_level(logging.WARNING, logger="dflash_hf.draft_graph"):
-        for _ in range(3):
+        for batch in batches * 3:
             ref = ft.features(batch, [0])
             assert torch.equal(ft.capture(batch, [0], padded=False).taps, ref.taps)
-    assert "target_cuda_graph=false skips the attempt" in caplog.text and caplog.text.count("could not run") == 1
-    assert ft.model in target_graph._FAILED
+    assert caplog.text.count("could not run") == 1 and "target_cuda_graph=false skips the attempt" in caplog.text
+    assert graphs.stopped and (ft.model in target_graph._FAILED) != isinstance(error, torch.OutOfMemoryError)
+    target_graph._FAILED.pop(ft.model, None)
     ft.forward_graphs = TargetForwardGraphs(True)  # asked for: the error is raised
-    target_graph._FAILED.pop(ft.model)
-    ft.capture(batch, [0], padded=False)
-    with pytest.raises(RuntimeError, match="capturing"):
-        ft.capture(batch, [0], padded=False)
+    ft.capture(batches[0], [0], padded=False)
+    with pytest.raises(type(error)):
+        ft.capture(batches[0], [0], padded=False)
 
 
-def test_batches_that_cannot_be_captured_run_eagerly(graphs):
-    model, tok = tiny_text_target()
+def test_a_batch_that_cannot_be_captured(graphs, text):
+    model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
-    batch = {**_batch(tok, 2, 0), "note": ["a list"]}  # not hashable: no signature
+    batch = {**text_batch(_rows(2, 0), tok.pad_token_id), "note": ["a list"]}  # not hashable: no key
     for _ in range(3):
         ft.capture(batch, [0], padded=False)
-    assert StandIn.made == [] and not graphs.sightings
+    assert Counted.made == [] and not graphs.sightings
+    ft.forward_graphs = TargetForwardGraphs(True)
+    with pytest.raises(ValueError, match="target_cuda_graph=True: this batch cannot be captured: its 'note' is a "
+                                         "list"):
+        ft.capture(batch, [0], padded=False)
 
 
-def test_which_targets_can_be_captured():
-    model, tok = tiny_text_target()
-    text = FrozenTarget(model)
-    assert graph_blocker(text, CUDA) is None and graph_blocker(text, CPU) == "training runs on cpu, not a GPU"
+def test_which_targets_can_be_captured(text):
+    model, tok = text
+    ft = FrozenTarget(model)
+    assert graph_blocker(ft, CUDA) is None and graph_blocker(ft, CPU) == "training runs on cpu, not a GPU"
     assert graph_blocker(FrozenTarget(tiny_whisper()[0]), CUDA) is None
     eager = FrozenTarget(tiny_text_target()[0])
     eager.decoder.config._attn_implementation = "eager"
     assert "builds its own mask" in graph_blocker(eager, CUDA)
-    assert forward_graphs(None, text, CPU) is None and forward_graphs(False, text, CUDA) is None
-    assert isinstance(forward_graphs(None, text, CUDA), TargetForwardGraphs)
+    assert forward_graphs(None, ft, CPU) is None and forward_graphs(False, ft, CUDA) is None
+    assert isinstance(forward_graphs(None, ft, CUDA), TargetForwardGraphs)
     with pytest.raises(ValueError, match="target_cuda_graph=True: training runs on cpu"):
-        forward_graphs(True, text, CPU)
+        forward_graphs(True, ft, CPU)
 
 
-def test_an_audio_llm_family_is_not_captured(asr_target):
-    assert "reads values back to the host" in graph_blocker(FrozenTarget(asr_target), CUDA)
-
-
-@pytest.fixture
-def asr_target():
+def test_an_audio_llm_family_is_not_captured():
     from dflash_hf import tiny
 
-    return tiny.build_qwen3_asr_target()[0]
+    asr = FrozenTarget(tiny.build_qwen3_asr_target()[0])
+    assert "reads values back to the host" in graph_blocker(asr, CUDA)
 
 
-def test_the_trainer_refuses_target_cuda_graph_on_the_cpu_before_building_the_draft(tmp_path):
-    model, tok = tiny_text_target()
+def test_the_trainer_refuses_target_cuda_graph_on_the_cpu(tmp_path, text):
+    model, tok = text
     assert make_trainer(tmp_path, model, tok).target.forward_graphs is None  # unset: eager on the CPU
     with pytest.raises(ValueError, match="target_cuda_graph=True: training runs on cpu, not a GPU"):
         make_trainer(tmp_path, model, tok, target_cuda_graph=True)
+
+
+def test_a_target_sharded_by_fsdp2_is_not_captured(text):
+    from dflash_hf.distributed import shard_frozen_target_layers
+
+    ft = FrozenTarget(text[0])
+    ft.forward_graphs = TargetForwardGraphs(True)
+    with pytest.raises(ValueError, match="target_cuda_graph=True: the frozen target's layers are sharded"):
+        shard_frozen_target_layers(ft)
+    ft.forward_graphs = TargetForwardGraphs(None)  # the default: dropped (here before the missing process group)
+    with pytest.raises(RuntimeError, match="initialized process group"):
+        shard_frozen_target_layers(ft)
+    assert ft.forward_graphs is None
