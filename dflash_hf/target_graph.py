@@ -25,6 +25,7 @@ whose decoder mask may be prebuilt (`FrozenTarget.padded_decoder_mask_applies`).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import Counter
 
@@ -39,6 +40,7 @@ MAX_SIGHTINGS_KEPT = 4096  # signatures counted before the counts start over (wi
 _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target models whose capture failed (default)
 # Batch keys the target's forward reads besides its model inputs (`FrozenTarget.target_inputs`: the packed layout).
 PACKED_KEYS = ("cu_seqlens", "max_seqlen")
+logger = logging.getLogger(__name__)
 
 
 def graph_blocker(ft, device: torch.device) -> str | None:
@@ -174,6 +176,10 @@ class TargetForwardGraphs:
             "the target's training forward as a CUDA graph", "the eager forward",
             "target_cuda_graph=false skips the attempt")
         self.stopped = graph is None
+        if graph is not None:
+            shapes = {k: tuple(v.shape) for k, v in graph.inputs.items() if torch.is_tensor(v)}
+            logger.info("the frozen target's forward of batches shaped %s replays as a CUDA graph from now on "
+                        "(target_cuda_graph; %d kept)", shapes, len(self.graphs) + 1)
         return graph
 
 
