@@ -163,13 +163,15 @@ case $kind in
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   trainrows)  # [ROW...]: issue 16's full training steps with the target's forward as a CUDA graph (and without), the
-    # GPU tests of the graph first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph (default all)
+    # GPU tests of the graph first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph smoff smgraph
+    # (default: all but the SmolLM2 ones)
     timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron" \
       > /tmp/logs/gpu_tests.log 2>&1
     layers=(--modes full --steps 10 --full-configs attn=flex,ce=2048,compile=layers)
     for row in ${@:-17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph}; do
       case $row in
         17*) shape=qwen3-1.7b ;; wb*) shape=whisper-base ;; 8b*) shape=qwen3-8b ;; sl*) shape=qwen3-1.7b-speechlike ;;
+        sm*) shape=smollm2-135m ;;
         *) echo "trainrows: unknown row $row"; continue ;;
       esac
       case $row in *off) extra=(--target-cuda-graph off) ;; *cgraph) extra=(--compile-target) ;; *) extra=() ;; esac
