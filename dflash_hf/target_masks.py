@@ -74,7 +74,8 @@ def without_packed_detection():
     knows has neither padding nor packed documents, the decoder then takes SDPA's `is_causal` path, as it does after
     reading an all-ones mask, with no read at all. The same holds while the forward is captured as a CUDA graph
     (`target_graph`): transformers up to at least 5.17 builds an explicit causal mask whenever a stream is being
-    captured, even with no padding mask to read (a different attention kernel: not the eager forward's numbers)."""
+    captured, even with no padding mask to read (a different attention kernel: not the eager forward's numbers).
+    The patch is process-wide while the block runs (a forward of the same process in another thread would see it)."""
     original = masking_utils.find_packed_sequence_indices, masking_utils.is_tracing
     masking_utils.find_packed_sequence_indices = _one_sequence_per_row
     masking_utils.is_tracing = _tracing_unless_capturing(original[1])
