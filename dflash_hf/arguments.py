@@ -269,7 +269,8 @@ class DFlashRunArguments:
             "(the same kernels, none of the host work; docs/PERFORMANCE.md). Unset: on a GPU where the target "
             "can be captured (text and Whisper families, sdpa decoders with full attention), falling back to the "
             "eager forward with a warning if a capture fails; true: always (refused where it cannot run); false: "
-            "never."
+            "never. The graphs keep one forward's intermediates and each kept shape's taps allocated (up to a "
+            "few GiB): set false when memory is tight."
         },
     )
 
