@@ -73,16 +73,20 @@ def without_packed_detection():
     `find_packed_sequence_indices` concludes after reading the positions on the host): for a batch that the host
     knows has neither padding nor packed documents, the decoder then takes SDPA's `is_causal` path, as it does after
     reading an all-ones mask, with no read at all. The same holds while the forward is captured as a CUDA graph
-    (`target_graph`): transformers up to at least 5.17 builds an explicit causal mask whenever a stream is being
-    captured, even with no padding mask to read (a different attention kernel: not the eager forward's numbers).
-    The patch is process-wide while the block runs (a forward of the same process in another thread would see it)."""
-    original = masking_utils.find_packed_sequence_indices, masking_utils.is_tracing
-    masking_utils.find_packed_sequence_indices = _one_sequence_per_row
-    masking_utils.is_tracing = _tracing_unless_capturing(original[1])
+    (`target_graph`): transformers 5.17 builds an explicit causal mask whenever a stream is being captured, even with
+    no padding mask to read (a different attention kernel: not the eager forward's numbers). The patch is
+    process-wide while the block runs (a forward of the same process in another thread would see it); a helper that
+    a transformers version lacks is left alone (the forward is then transformers' own, with its host reads)."""
+    patches = {"find_packed_sequence_indices": lambda original: _one_sequence_per_row,
+               "is_tracing": _tracing_unless_capturing}
+    originals = {name: getattr(masking_utils, name) for name in patches if hasattr(masking_utils, name)}
+    for name, original in originals.items():
+        setattr(masking_utils, name, patches[name](original))
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices, masking_utils.is_tracing = original
+        for name, original in originals.items():
+            setattr(masking_utils, name, original)
 
 
 __all__ = ["PACKED_ATTN_IMPLEMENTATIONS", "PREBUILT_MASK_MODEL_TYPES", "check_packing", "packed_causal_mask",

@@ -123,3 +123,15 @@ def test_a_stream_capture_does_not_count_as_tracing_inside_the_unmasked_forward(
         assert masking_utils.is_tracing() is False and masking_utils.find_packed_sequence_indices(None) is None
         assert masking_utils.is_tracing(torch.ones(2)) is True  # asked about a tensor: transformers' answer
     assert masking_utils.is_tracing is before
+
+
+def test_a_transformers_without_the_packed_detection_helper_keeps_its_own_path(monkeypatch):
+    from transformers import masking_utils
+
+    from dflash_hf.target_masks import without_packed_detection
+
+    monkeypatch.delattr(masking_utils, "find_packed_sequence_indices")
+    tracing = masking_utils.is_tracing
+    with without_packed_detection():
+        assert not hasattr(masking_utils, "find_packed_sequence_indices") and masking_utils.is_tracing is not tracing
+    assert masking_utils.is_tracing is tracing and not hasattr(masking_utils, "find_packed_sequence_indices")
