@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from utils import random_rows, text_batch, tiny_text_target  # noqa: E402
+from utils import end_ranks, random_rows, text_batch, tiny_text_target  # noqa: E402
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments  # noqa: E402
 from dflash_hf.tiny import MASK_TOKEN  # noqa: E402
@@ -150,3 +150,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    end_ranks()

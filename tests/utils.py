@@ -285,6 +285,17 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
+def end_ranks() -> None:
+    """The end of a torchrun worker: every rank waits for the others, then the process group is destroyed before the
+    interpreter exits (left to exit-time destructors, a rank once aborted with "terminate called without an active
+    exception" in CI)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_torchrun(cmd: list[str], timeout_s: float) -> None:
     """Run a `torch.distributed.run` command (one thread per rank) to completion. On a timeout, kill torchrun and
     every rank (a rank hung in a collective) and fail; a non-zero exit fails with the end of its stderr."""

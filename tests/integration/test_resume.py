@@ -18,7 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when torchrun starts this file
 
-from utils import ListDataset, make_args, random_rows, run_torchrun, text_batch, tiny_text_target  # noqa: E402
+from utils import (  # noqa: E402
+    ListDataset,
+    end_ranks,
+    make_args,
+    random_rows,
+    run_torchrun,
+    text_batch,
+    tiny_text_target,
+)
 
 from dflash_hf import DFlashTrainer, tiny  # noqa: E402
 from dflash_hf.checkpoints import (  # noqa: E402
@@ -357,3 +365,4 @@ def ddp_worker(out: Path) -> None:
 
 if __name__ == "__main__":
     ddp_worker(Path(sys.argv[1]))
+    end_ranks()
