@@ -292,13 +292,28 @@ def capture_graph(device: torch.device, step, pool=None):
     return graph, out
 
 
+def drop_least_recent(store: dict, too_much, keep: int = 0) -> list:
+    """Drop the entries of `store` (kept in order of use, the most recent last) from the least recently used on while
+    `too_much(store)` holds and more than `keep` remain; the dropped keys."""
+    dropped = []
+    while len(store) > keep and too_much(store):
+        oldest = next(iter(store))
+        del store[oldest]
+        dropped.append(oldest)
+    return dropped
+
+
+def kept_bytes(store: dict) -> int:
+    """The bytes held by the steps of `store` (their `nbytes`)."""
+    return sum(step.nbytes for step in store.values())
+
+
 def reused_step(store: dict, key, limit: int, serves, make):
     """The step kept in `store` under `key` while `serves(step)` holds, else a new one from `make()`; `store` keeps
     at most `limit` steps in order of use (the least recently used dropped first)."""
     step = store.pop(key, None)  # re-inserted last
     if step is None or not serves(step):
-        while len(store) >= limit:
-            store.pop(next(iter(store)))
+        drop_least_recent(store, lambda s: len(s) >= limit)
         step = make()
     store[key] = step
     return step
@@ -328,6 +343,7 @@ def clear_static_steps(draft) -> None:
     _FAILED.pop(draft, None)
 
 
-__all__ = ["StaticDraftCache", "StaticDraftStep", "built_or_fallback", "capture_graph", "fixed_draft_step",
+__all__ = ["StaticDraftCache", "StaticDraftStep", "built_or_fallback", "capture_graph", "drop_least_recent",
+           "fixed_draft_step", "kept_bytes",
            "graph_capacity", "graph_mode", "reused_step", "static_draft_step", "static_steps", "clear_static_steps",
            "weight_addresses", "MAX_GRAPH_POSITIONS"]

@@ -53,6 +53,12 @@ class BlockPlan:
     valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
     flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
 
+    @property
+    def padded(self) -> bool | None:
+        """Whether the micro-batch has padding, known on the host from the CPU plan (None for a plan moved to a
+        device: reading it there would synchronize); the target's decoder mask is prebuilt from it."""
+        return None if self.real.is_cuda else not bool(self.real.all())
+
     def to(self, device: torch.device) -> BlockPlan:
         """The plan on `device`. Planning happens on the CPU; the copies do not wait for the device."""
         moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in vars(self).items()}
@@ -222,9 +228,7 @@ class DFlashObjective:
         """Target taps -> labels -> blocks -> draft -> loss sums and denominators (one micro-batch).
         `draft`: the (possibly wrapped) draft model; `target`: the `FrozenTarget`; `plan`: `self.plan(...)`."""
         keep_final = self.label_source.needs_final_hidden
-        # padding known from the CPU plan: the target's decoder mask is prebuilt, without a device read
-        padded = None if plan.real.is_cuda else not bool(plan.real.all())
-        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final, padded=padded)
+        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final, padded=plan.padded)
         dev = feats.taps.device
         on_dev = plan.to(dev)
         taps = move_leading_padding(feats.taps, plan.shifts)

@@ -16,6 +16,7 @@ from .families import DecoderStreams, decoder_positions, decoder_stream_kwargs, 
 from .target_masks import (
     PREBUILT_MASK_MODEL_TYPES,
     check_packing,
+    one_document_filling,
     packed_causal_mask,
     padded_causal_mask,
     without_packed_detection,
@@ -288,11 +289,7 @@ class FrozenTarget:
         `is_causal` path, which transformers takes after reading the mask (one host read fewer)."""
         if not self.padded_decoder_mask_applies():
             return False
-        if "cu_seqlens" in batch:
-            max_seqlen = batch.get("max_seqlen")
-            return (isinstance(max_seqlen, int) and batch["cu_seqlens"].numel() == 2
-                    and max_seqlen == batch["position_ids"].shape[-1])
-        return padded is False
+        return one_document_filling(batch) if "cu_seqlens" in batch else padded is False
 
     def padded_decoder_mask_applies(self) -> bool:
         """Whether a padded batch's decoder mask may be prebuilt (`padded_decoder_mask`): a family checked against
@@ -305,12 +302,11 @@ class FrozenTarget:
         """A packed row's decoder mask (`target_masks.packed_causal_mask`, transformers' sdpa mask without its host
         read of the positions). None (transformers' path) for decoders and families not checked against it, and for
         a row of one document without padding (no mask then); `cu_seqlens` and `max_seqlen` tell that on the host."""
-        max_seqlen, pos = batch.get("max_seqlen"), batch["position_ids"]
-        if not self.family.prebuilt_packed_mask or not self.causal_full_attention() or not isinstance(max_seqlen, int):
+        if not self.family.prebuilt_packed_mask or not self.causal_full_attention():
             return None
-        if batch["cu_seqlens"].numel() == 2 and max_seqlen == pos.shape[-1]:
+        if not isinstance(batch.get("max_seqlen"), int) or one_document_filling(batch):
             return None
-        return packed_causal_mask(pos)
+        return packed_causal_mask(batch["position_ids"])
 
     def cast_features(self, kwargs: dict) -> dict:
         """Floating inputs (audio features) in the target's parameter dtype: the collator emits float32, a

@@ -31,7 +31,7 @@ from collections import Counter
 
 import torch
 
-from .draft_graph import built_or_fallback, capture_graph
+from .draft_graph import built_or_fallback, capture_graph, drop_least_recent, kept_bytes
 from .target import NON_TARGET_KEYS, TargetFeatures
 
 MAX_GRAPHS = 8  # batch signatures kept per target (the least recently used dropped first)
@@ -114,9 +114,8 @@ class CapturedForward:
         for name, fixed in self.inputs.items():
             if torch.is_tensor(fixed):
                 fixed.copy_(batch[name])
-        if self.graph is None:
-            with torch.no_grad():
-                self.outputs = self.step()
+        if self.graph is None:  # under FrozenTarget.capture's no_grad
+            self.outputs = self.step()
         else:
             with torch.cuda.device(self.device):
                 self.graph.replay()
@@ -157,12 +156,8 @@ class TargetForwardGraphs:
         if graph is None:
             return ft.features(batch, layer_ids, keep_final, padded)
         self.graphs[key] = graph  # the most recently used last
-        while len(self.graphs) > MAX_GRAPHS or sum(g.nbytes for g in self.graphs.values()) > MAX_KEPT_BYTES:
-            if len(self.graphs) == 1:
-                break
-            oldest = next(iter(self.graphs))
-            self.dropped.add(oldest)
-            del self.graphs[oldest]
+        self.dropped.update(drop_least_recent(
+            self.graphs, lambda s: len(s) > MAX_GRAPHS or kept_bytes(s) > MAX_KEPT_BYTES, keep=1))
         self.replays += 1
         return graph.replay(batch)
 

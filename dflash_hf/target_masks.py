@@ -52,6 +52,14 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (segment[:, None, :, None] == segment[:, None, None, :]) & causal
 
 
+def one_document_filling(batch: dict) -> bool:
+    """Whether a packed row (`cu_seqlens`, `max_seqlen`, `position_ids`) holds one document and no padding: known on
+    the host, it needs no mask."""
+    max_seqlen = batch.get("max_seqlen")
+    return (isinstance(max_seqlen, int) and batch["cu_seqlens"].numel() == 2
+            and max_seqlen == batch["position_ids"].shape[-1])
+
+
 def _one_sequence_per_row(position_ids: torch.Tensor) -> None:
     return None
 
@@ -89,5 +97,5 @@ def without_packed_detection():
             setattr(masking_utils, name, original)
 
 
-__all__ = ["PACKED_ATTN_IMPLEMENTATIONS", "PREBUILT_MASK_MODEL_TYPES", "check_packing", "packed_causal_mask",
-           "padded_causal_mask", "without_packed_detection"]
+__all__ = ["PACKED_ATTN_IMPLEMENTATIONS", "PREBUILT_MASK_MODEL_TYPES", "check_packing", "one_document_filling",
+           "packed_causal_mask", "padded_causal_mask", "without_packed_detection"]

@@ -31,7 +31,15 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from .configuration_dflash import decoder_attends_fully
-from .draft_graph import MAX_GRAPH_POSITIONS, built_or_fallback, capture_graph, reused_step, weight_addresses
+from .draft_graph import (
+    MAX_GRAPH_POSITIONS,
+    built_or_fallback,
+    capture_graph,
+    drop_least_recent,
+    kept_bytes,
+    reused_step,
+    weight_addresses,
+)
 
 # Steps per target model, beside it (the model stays deep-copyable), at most MAX_STEPS_PER_TARGET, least recent first.
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -201,8 +209,7 @@ def static_verify_step(ft, layer_ids: list[int], block: int, rows: int, prefill_
     key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph)
     if budget is not None and key not in store:
         need = buffer_bytes(prefill_cache, rows)
-        while store and need + sum(s.nbytes for s in store.values()) > budget:
-            store.pop(next(iter(store)))
+        drop_least_recent(store, lambda s: need + kept_bytes(s) > budget)
     step = reused_step(store, key, MAX_STEPS_PER_TARGET, lambda s: s.serves(ft),
                        lambda: StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph))
     step.start(prefill_cache, encoder_hidden)

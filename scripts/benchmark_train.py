@@ -721,7 +721,7 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     if mode == "full":  # the target's forward alone (taps, final states), as the step runs it
         def forward():
             dev_batch, plan, _ = next(cycle)
-            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=not bool(plan.real.all()))
+            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=plan.padded)
 
         forward_ms = _time_ms(forward, device, *_cycle(items, 2 * len(items), 5))  # captured in the warm-up
         target_side = {"target_forward_ms": round(statistics.median(forward_ms), 3)}

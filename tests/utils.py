@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -311,3 +312,51 @@ def run_torchrun(cmd: list[str], timeout_s: float) -> None:
         proc.communicate()
         pytest.fail(f"torchrun did not finish in {timeout_s} s (a rank hung in a collective?)")
     assert proc.returncode == 0, stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------ target_cuda_graph
+# Batch layouts of the target-graph tests (CPU: tests/integration/test_target_graph.py; GPU: tests/gpu/test_gpu.py):
+# case -> whether a batch has padding, as the trainer's CPU plan tells the target (None: packed rows).
+GRAPH_CASES = {"unpadded": False, "padded": True, "packed": None, "packed_one": None, "whisper": True,
+               "whisper_unpadded": False}
+
+
+def graph_case(case: str, hidden_size: int = 64) -> tuple[torch.nn.Module, list[dict]]:
+    """A tiny target for a `GRAPH_CASES` case and three batches of one signature (shapes equal) whose values and
+    layouts (padding, document boundaries) differ from one another."""
+    from dflash_hf.data.packing import pack_padded_batch
+
+    if case.startswith("whisper"):
+        (model, processor), pad_id = tiny_whisper(), 0
+    else:
+        (model, tok), processor = tiny_text_target(hidden_size=hidden_size), None
+        pad_id = tok.pad_token_id
+    batches = []
+    for seed, lengths in enumerate(([8, 11, 14], [14, 8, 11], [11, 14, 14])):
+        if case in ("unpadded", "whisper_unpadded", "packed_one"):
+            lengths = [8, 8, 8]
+        elif case == "packed":  # three documents of 45 tokens together, their boundaries moving
+            lengths = [lengths[0], lengths[1], 33 - lengths[0] - lengths[1]]
+        rows = [(p[:4], r[:n]) for (p, r), n in zip(random_rows(3, 250, seed=seed, resp_len=(17, 20)), lengths)]
+        batch = text_batch(rows[:1] if case == "packed_one" else rows, pad_id)
+        if case.startswith("packed"):
+            batch = pack_padded_batch(batch)
+        if case.startswith("whisper"):
+            batch["input_ids"] = batch["input_ids"] % 200
+            batch["input_features"] = torch.cat([whisper_features(processor, 3 * seed + i) for i in range(3)])
+        batches.append(batch)
+    return model, batches
+
+
+def assert_replays_match_eager(target: FrozenTarget, batches: list[dict], padded: bool | None,
+                               last_call=contextlib.nullcontext) -> None:
+    """Each batch's features through `target.capture` (its `forward_graphs` capture a signature at its second sighting)
+    equal the eager forward's bit for bit: taps, final states and an encoder-decoder target's encoder frames. The
+    last call (a replay) runs inside `last_call()`."""
+    for i, batch in enumerate(batches):
+        ref = target.features(batch, [0, 2], keep_final=True, padded=padded)
+        with last_call() if i == len(batches) - 1 else contextlib.nullcontext():
+            got = target.capture(batch, [0, 2], keep_final=True, padded=padded)
+        assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+        if ref.encoder_hidden is not None:
+            assert torch.equal(got.encoder_hidden, ref.encoder_hidden)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,21 +26,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when run as a script
 
 from utils import (
+    GRAPH_CASES,
+    assert_replays_match_eager,
     decode_with_proposals,
+    graph_case,
     make_args,
     make_trainer,
     random_rows,
     text_batch,
     tiny_draft_config,
     tiny_text_target,
-    tiny_whisper,
-    whisper_features,
 )
 
 from dflash_hf import DFlashConfig, tiny
 from dflash_hf.assembly import build_draft
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
-from dflash_hf.data.packing import pack_padded_batch
 from dflash_hf.draft_graph import clear_static_steps, static_steps
 from dflash_hf.losses import block_loss
 from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
@@ -246,27 +247,15 @@ def test_prebuilt_padded_decoder_mask_gives_transformers_taps_on_cuda(side):
     assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
 
 
-def _graph_case_batches(case: str, tok, processor) -> list[dict]:
-    """Three batches of one signature for `case`: shapes equal, values and layouts (padding, documents) not."""
-    out = []
-    for seed, lengths in enumerate(([8, 11, 14], [14, 8, 11], [11, 14, 14])):
-        if case in ("unpadded", "whisper_unpadded", "packed_one"):
-            lengths = [8, 8, 8]
-        elif case == "packed":
-            lengths = [lengths[0], lengths[1], 33 - lengths[0] - lengths[1]]
-        rows = [(p[:4], r[:n]) for (p, r), n in zip(random_rows(3, 250, seed=seed, resp_len=(17, 20)), lengths)]
-        batch = text_batch(rows[:1] if case == "packed_one" else rows, 0 if tok is None else tok.pad_token_id)
-        if case.startswith("packed"):
-            batch = pack_padded_batch(batch)
-        if case.startswith("whisper"):
-            batch["input_ids"] = batch["input_ids"] % 200
-            batch["input_features"] = torch.cat([whisper_features(processor, 3 * seed + i) for i in range(3)])
-        out.append({k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
-    return out
-
-
-GRAPH_CASES = {"unpadded": False, "padded": True, "packed": None, "packed_one": None, "whisper": True,
-               "whisper_unpadded": False}
+@contextmanager
+def _no_sync():
+    """Any synchronizing call inside raises (after the device has caught up with the work queued before)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @needs_cuda
@@ -275,26 +264,11 @@ def test_target_forward_graph_replays_the_eager_features(case):
     """`target_cuda_graph`: a signature captured at its second sighting replays the eager features bit for bit (taps,
     final states, Whisper's encoder frames) for batches whose padding or document boundaries differ from the captured
     one's, and a replay reads nothing back to the host."""
-    if case.startswith("whisper"):
-        model, processor = tiny_whisper()
-        tok = None
-    else:
-        (model, tok), processor = tiny_text_target(hidden_size=256), None
+    model, batches = graph_case(case, hidden_size=256)
     target = FrozenTarget(model.cuda())
     graphs = target.forward_graphs = TargetForwardGraphs(True)
-    padded = GRAPH_CASES[case]
-    for i, batch in enumerate(_graph_case_batches(case, tok, processor)):
-        ref = target.features(batch, [0, 2], keep_final=True, padded=padded)
-        torch.cuda.synchronize()
-        if i == 2:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            got = target.capture(batch, [0, 2], keep_final=True, padded=padded)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
-        if case.startswith("whisper"):
-            assert torch.equal(got.encoder_hidden, ref.encoder_hidden)
+    cuda = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
+    assert_replays_match_eager(target, cuda, GRAPH_CASES[case], last_call=_no_sync)
     assert graphs.replays == 2 and len(graphs.graphs) == 1
 
 

@@ -9,10 +9,18 @@ import logging
 
 import pytest
 import torch
-from utils import make_trainer, random_rows, text_batch, tiny_text_target, tiny_whisper
+from utils import (
+    GRAPH_CASES,
+    assert_replays_match_eager,
+    graph_case,
+    make_trainer,
+    random_rows,
+    text_batch,
+    tiny_text_target,
+    tiny_whisper,
+)
 
 from dflash_hf import target_graph
-from dflash_hf.data.packing import pack_padded_batch
 from dflash_hf.target import FrozenTarget
 from dflash_hf.target_graph import TargetForwardGraphs, forward_graphs, graph_blocker
 
@@ -45,47 +53,13 @@ def _rows(rows: int, seed: int, lengths=None):
             for i, (p, r) in enumerate(random_rows(rows, 250, seed=seed, resp_len=(17, 20)))]
 
 
-def _layouts(tok, case: str) -> list[tuple[dict, bool | None]]:
-    """Three batches of one signature whose values and layouts (padding, document boundaries) differ."""
-    out = []
-    for seed, lengths in enumerate(([8, 11, 14], [14, 8, 11], [11, 14, 14])):
-        if case == "unpadded":
-            out.append((text_batch(_rows(3, seed), tok.pad_token_id), False))
-        elif case == "padded":
-            out.append((text_batch(_rows(3, seed, lengths), tok.pad_token_id), True))
-        elif case == "packed_one":  # one document, no padding: no mask, as unpadded
-            out.append((pack_padded_batch(text_batch(_rows(1, seed), tok.pad_token_id)), None))
-        else:  # packed: 3 documents, 45 tokens, boundaries moving; max_seqlen differs (not part of the key)
-            docs = _rows(3, seed, [lengths[0], lengths[1], 33 - lengths[0] - lengths[1]])
-            out.append((pack_padded_batch(text_batch(docs, tok.pad_token_id)), None))
-    return out
-
-
-@pytest.mark.parametrize("case", ["unpadded", "padded", "packed", "packed_one"])
-def test_replays_read_only_their_fixed_inputs(graphs, text, case):
-    model, tok = text
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+def test_replays_read_only_their_fixed_inputs(graphs, case):
+    model, batches = graph_case(case)
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
-    for batch, padded in _layouts(tok, case):
-        got = ft.capture(batch, [0, 2], keep_final=True, padded=padded)
-        ref = ft.features(batch, [0, 2], keep_final=True, padded=padded)
-        assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+    assert_replays_match_eager(ft, batches, GRAPH_CASES[case])
     assert len(Counted.made) == 1 and graphs.replays == 2  # captured at the second sighting, replayed twice
-
-
-@pytest.mark.parametrize("padded", [True, False])
-def test_a_whisper_replay_reads_its_features(graphs, padded):
-    model, processor = tiny_whisper()
-    ft = FrozenTarget(model)
-    ft.forward_graphs = graphs
-    for seed, lengths in enumerate(([5, 9], [9, 5], [9, 7]) if padded else ([9, 9],) * 3):  # padding moves
-        batch = text_batch(_rows(2, seed, lengths), 0)
-        batch["input_ids"] %= 200
-        batch["input_features"] = torch.randn(2, 16, 400, generator=torch.Generator().manual_seed(seed))
-        got = ft.capture(batch, [0, 2], keep_final=True, padded=padded)
-        ref = ft.features(batch, [0, 2], keep_final=True, padded=padded)
-        assert torch.equal(got.taps, ref.taps) and torch.equal(got.encoder_hidden, ref.encoder_hidden)
-    assert graphs.replays == 2
 
 
 def test_the_key_holds_what_the_target_reads(graphs, text):
