@@ -253,6 +253,15 @@ class DFlashRunArguments:
             "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
         },
     )
+    float8_draft_linears: bool = field(
+        default=False,
+        metadata={
+            "help": "Experimental: in training, run the forward and input-gradient matmuls of the draft's decoder "
+            "projections and fc in FP8 (e4m3, scaled per row; dflash_hf/float8.py). Weights, weight gradients, "
+            "optimizer, validation, export and decoding keep the training precision. Needs FP8 tensor cores "
+            "(compute capability >= 8.9). It changes the numbers: compare the dev tau with a run without it."
+        },
+    )
     compile_target: bool = field(
         default=False,
         metadata={

@@ -4,6 +4,7 @@ datasets are speech sources, and their lhotse loaders."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,11 +15,14 @@ from .adaptation import apply_adaptation
 from .arguments import DEFAULT_NUM_DRAFT_LAYERS
 from .configuration_dflash import DFlash2Fields, DFlashConfig
 from .export import check_warm_start, check_warm_start_sizes, draft_class_for, load_draft_strict
+from .float8 import float8_draft_linears
 from .modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from .modeling_dflash_encoder import copy_cross_attention
 from .target import FrozenTarget, resolve_dtype
 from .target_graph import forward_graphs
 from .training_args import DFlashDataArguments, DFlashTrainingArguments
+
+logger = logging.getLogger(__name__)
 
 
 def is_speech_source(dataset) -> bool:
@@ -110,7 +114,8 @@ def compile_target_layers(target: FrozenTarget) -> None:
 
 def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarget):
     """The draft to train: `model` checked against the target, or `build_draft`'s (after seeding, so its initial
-    weights and LoRA's follow `--seed`), with its adaptation applied (`projection_only` filter or peft LoRA)."""
+    weights and LoRA's follow `--seed`), with its adaptation applied (`projection_only` filter or peft LoRA) and,
+    with `float8_draft_linears`, its linear layers turned into FP8 ones."""
     seed_like_trainer(args)
     if model is None:
         model = build_draft(args, target)
@@ -120,7 +125,11 @@ def draft_for_training(model, args: DFlashTrainingArguments, target: FrozenTarge
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size
         )
         check_encoder_context(cfg, target)
-    return apply_adaptation(model, args)
+    model = apply_adaptation(model, args)
+    if args.float8_draft_linears:
+        converted = float8_draft_linears(model)
+        logger.info("float8_draft_linears: %d draft linear layers train with FP8 matmuls", len(converted))
+    return model
 
 
 def require_encoder(target: FrozenTarget, what: str) -> int:

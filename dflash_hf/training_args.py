@@ -127,6 +127,7 @@ class DFlashTrainingArguments(
         self._check_packing()
         self._check_dflash2()
         self._check_adaptation()
+        self._check_float8()
 
     def _resolve_from_export(self) -> None:
         """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
@@ -166,6 +167,16 @@ class DFlashTrainingArguments(
                     "attention_backend=flex trains on CUDA only (FlexAttention has no backward on CPU); "
                     "use attention_backend=sdpa (or auto: flex on CUDA, sdpa on CPU)"
                 )
+
+    def _check_float8(self) -> None:
+        if not self.float8_draft_linears:
+            return
+        import torch
+
+        from .float8 import check_float8_device
+
+        on_gpu = not self.use_cpu and torch.cuda.is_available()
+        check_float8_device(torch.device("cuda" if on_gpu else "cpu"))
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

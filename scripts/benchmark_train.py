@@ -167,19 +167,20 @@ GPU_CONFIGS = (
     "attn=flex,ce=2048,compile=layers",
 )
 CPU_CONFIGS = ("attn=sdpa,ce=64", "attn=sdpa,ce=64,ckpt=1")
-CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none"}
+CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none", "fp8": "0"}
 
 
 def parse_config(spec: str) -> dict:
-    """`attn=flex,ce=2048,ckpt=0,compile=none` -> dict (missing keys take CONFIG_DEFAULTS)."""
+    """`attn=flex,ce=2048,ckpt=0,compile=none,fp8=0` -> dict (missing keys take CONFIG_DEFAULTS; `fp8=1`:
+    `float8_draft_linears`)."""
     cfg = dict(CONFIG_DEFAULTS)
     for item in filter(None, spec.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in CONFIG_DEFAULTS:
             raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
         cfg[key] = value
-    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers"):
-        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers")
+    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers") or cfg["fp8"] not in ("0", "1"):
+        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers, fp8 is 0|1")
     return cfg
 
 
@@ -608,6 +609,7 @@ def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_d
         attention_backend=config["attn"],
         ce_chunk_size=int(config["ce"]),
         compile_draft_layers=config["compile"] == "layers",
+        float8_draft_linears=config["fp8"] == "1",
         num_anchors=num_anchors,
         label_source="target_argmax" if mode == "full" else "ground_truth",
         use_cpu=target.device.type == "cpu",

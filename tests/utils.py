@@ -360,3 +360,15 @@ def assert_replays_match_eager(target: FrozenTarget, batches: list[dict], padded
         assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
         if ref.encoder_hidden is not None:
             assert torch.equal(got.encoder_hidden, ref.encoder_hidden)
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    """Two name -> tensor dicts (draft weights) with the same names and bit-identical tensors."""
+    assert a.keys() == b.keys()
+    for name, w in a.items():
+        assert torch.equal(w, b[name]), f"{name}: max abs diff {(w - b[name]).abs().max().item():.3g}"
+
+
+def trainer_weights(trainer) -> dict:
+    """A copy of the trained draft's state dict."""
+    return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}

@@ -163,9 +163,10 @@ case $kind in
       esac > /tmp/logs/timing_${k}_${n}_$g.log 2>&1
     done; echo done > /tmp/logs/timing.done ;;
   trainrows)  # [ROW...]: issue 16's full training steps with the target's forward as a CUDA graph (and without), the
-    # GPU tests of the graph first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph smoff smgraph
-    # (default: all but the SmolLM2 ones)
-    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron" \
+    # GPU tests of the graph and of FP8 first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph
+    # smoff smgraph (default: all but the SmolLM2 ones), and 17fp8 8bfp8 slfp8: draft side and full step (compiled
+    # target as a graph) with bf16 and with FP8 draft linears, one process per shape
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron or float8" \
       > /tmp/logs/gpu_tests.log 2>&1
     layers=(--modes full --steps 10 --full-configs attn=flex,ce=2048,compile=layers)
     for row in ${@:-17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph}; do
@@ -175,6 +176,9 @@ case $kind in
         *) echo "trainrows: unknown row $row"; continue ;;
       esac
       case $row in *off) extra=(--target-cuda-graph off) ;; *cgraph) extra=(--compile-target) ;; *) extra=() ;; esac
+      case $row in *fp8) extra=(--modes draft full --steps 10 --compile-target --configs attn=flex,ce=2048,compile=layers
+        attn=flex,ce=2048,compile=layers,fp8=1 --full-configs attn=flex,ce=2048,compile=layers
+        attn=flex,ce=2048,compile=layers,fp8=1) ;; esac  # (the later flags win)
       timeout 420 python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
         --out /tmp/results/trainrows_$row.json > /tmp/logs/trainrows_$row.log 2>&1
     done; echo done > /tmp/logs/trainrows.done ;;

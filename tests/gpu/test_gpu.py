@@ -8,6 +8,8 @@
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
 - Decoding with the draft's step captured as a CUDA graph (`dflash_hf.draft_graph`, the default on a GPU) gives the
   eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
+- FP8 draft linears (`float8_draft_linears`, compute capability >= 8.9): `torch._scaled_mm` eager and compiled
+  against the dequantized references, and a micro-batch's draft side without a host sync.
 - The frozen target's training forward replayed as a CUDA graph (`dflash_hf.target_graph`, `target_cuda_graph`)
   gives the eager forward's taps, final states and encoder frames bit for bit, without a host sync.
 """
@@ -42,6 +44,7 @@ from dflash_hf import DFlashConfig, tiny
 from dflash_hf.assembly import build_draft
 from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
 from dflash_hf.draft_graph import clear_static_steps, static_steps
+from dflash_hf.float8 import FP8_MIN_CAPABILITY, Float8Linear, quantize
 from dflash_hf.losses import block_loss
 from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from dflash_hf.target import FrozenTarget
@@ -129,15 +132,24 @@ def test_compiled_flex_matches_dense_sdpa_loss_and_gradients(dtype, compile_laye
     assert not bad, f"flex vs sdpa differ beyond {TOLERANCE[dtype]}: {bad}"
 
 
+def _has_fp8() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= FP8_MIN_CAPABILITY
+
+
 @needs_cuda
-@pytest.mark.parametrize("backend", ["flex", "sdpa"])
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backend):
+@pytest.mark.parametrize(("variant", "backend", "fp8"), [
+    ("dflash", "flex", False), ("dflash", "sdpa", False), ("dflash2", "flex", False), ("dflash2", "sdpa", False),
+    ("dflash", "flex", True),  # float8_draft_linears: the scales stay on the device
+])
+def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backend, fp8):
+    if fp8 and not _has_fp8():
+        pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
     model, tok = tiny_text_target(hidden_size=256)  # head_dim 64: compiled flex has no fp32 kernel for 16
     rows = random_rows(6, 250, resp_len=(20, 40))
     trainer = make_trainer(
         tmp_path, model, tok, rows, use_cpu=False, variant=variant, attention_backend=backend,
         label_source="target_argmax", compile_draft_layers=backend == "flex", num_anchors=8,
+        float8_draft_linears=fp8,
     )
     batch = text_batch(rows, tok.pad_token_id, padding_side="left")
     device_batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
@@ -166,6 +178,33 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
         micro_batch(check=False)
     loss = micro_batch(check=True)
     assert torch.isfinite(loss) and trainer.train_sums.reduce()["tau_est"] >= 1.0
+
+
+@pytest.mark.skipif(not _has_fp8(), reason="needs FP8 tensor cores (compute capability >= 8.9)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
+    """`torch._scaled_mm` on the GPU (eager, and inside a compiled module as `compile_draft_layers` runs it) computes
+    the matmuls of the dequantized operands: forward, input gradient, and the exact weight gradient."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer.__class__ = Float8Linear
+    layer.train()
+    run = torch.compile(layer) if compiled else layer
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # 300 rows: not 16k
+    y = run(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+
+    def deq(t, dim):
+        q, scale = quantize(t, dim)
+        return q.float() * scale
+
+    w = layer.weight.detach()
+    refs = {"y": deq(x.detach(), -1) @ deq(w, -1).t(), "grad_x": deq(g, -1) @ deq(w, 0),
+            "grad_w": g.float().t() @ x.detach().float()}
+    for name, got in {"y": y.detach(), "grad_x": x.grad, "grad_w": layer.weight.grad}.items():
+        rel = ((got.float() - refs[name]).norm() / refs[name].norm()).item()
+        assert rel < 1e-2, f"{name}: relative difference {rel:.3g}"
 
 
 @needs_cuda

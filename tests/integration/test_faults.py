@@ -29,6 +29,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when this file runs as a script
+from utils import assert_bitwise_equal  # noqa: E402
+
 HERE = Path(__file__).resolve()
 KILL_ENV = "DFLASH_TEST_KILL"
 TIMEOUT_S = 300
@@ -57,12 +60,6 @@ def dflash_train(root: Path, *extra: str, kill: str | None = None) -> subprocess
 
 def draft_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name, w in a.items():
-        assert torch.equal(w, b[name]), f"{name}: max abs diff {(w - b[name]).abs().max().item():.3g}"
 
 
 @pytest.fixture(scope="module")

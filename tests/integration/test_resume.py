@@ -20,12 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) w
 
 from utils import (  # noqa: E402
     ListDataset,
+    assert_bitwise_equal,
     end_ranks,
     make_args,
     random_rows,
     run_torchrun,
     text_batch,
     tiny_text_target,
+    trainer_weights,
 )
 
 from dflash_hf import DFlashTrainer, tiny  # noqa: E402
@@ -70,15 +72,6 @@ def logged_epochs(trainer: DFlashTrainer) -> dict[int, float]:
     return {h["step"]: h["epoch"] for h in trainer.state.log_history if "loss" in h}
 
 
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name, w in a.items():
-        assert torch.equal(w, b[name]), f"{name}: max abs diff {(w - b[name]).abs().max().item():.3g}"
-
-
-def weights(trainer: DFlashTrainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
-
 
 @pytest.fixture(scope="module")
 def asr(tmp_path_factory):
@@ -98,7 +91,7 @@ def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     resumed = speech_trainer(tmp_path, "b", asr, **kw)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == STEPS
-    assert_bitwise_equal(weights(straight), weights(resumed))
+    assert_bitwise_equal(trainer_weights(straight), trainer_weights(resumed))
     epochs = logged_epochs(straight)
     assert list(epochs.values()) == sorted(epochs.values()) and epochs[STEPS] > 1  # monotonic data epochs
     assert logged_epochs(resumed) == epochs  # the resumed steps log the same epochs: never backwards (was 1.2, 1.1)
@@ -158,7 +151,7 @@ def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path, iterable):
     straight.train()
     resumed = trainer("b")
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-6"))  # epoch 1 of 4 steps
-    assert_bitwise_equal(weights(straight), weights(resumed))
+    assert_bitwise_equal(trainer_weights(straight), trainer_weights(resumed))
     epochs = [h["epoch"] for h in resumed.state.log_history if "loss" in h]
     assert epochs == sorted(epochs)
 
@@ -171,7 +164,7 @@ def test_seed_sets_the_draft_initial_weights(tmp_path):
     for run, seed in enumerate((7, 7, 8)):
         torch.manual_seed(100 + run)  # a different global RNG state before each run
         args = make_args(tmp_path / str(run), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), seed=seed)
-        drafts.append(weights(DFlashTrainer(args=args, target=model, train_dataset=ListDataset(rows))))
+        drafts.append(trainer_weights(DFlashTrainer(args=args, target=model, train_dataset=ListDataset(rows))))
     assert_bitwise_equal(drafts[0], drafts[1])
     assert not torch.equal(drafts[0]["fc.weight"], drafts[2]["fc.weight"])
 
@@ -359,7 +352,7 @@ def ddp_worker(out: Path) -> None:
     epoch = json.loads((checkpoint / f"dflash_data_state_rank{rank}.json").read_text())["epoch"]
     resumed = speech_trainer(out, "b", assets, max_steps=DDP_STEPS)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    torch.save({"straight": weights(straight), "resumed": weights(resumed), "resumed_from_epoch": epoch,
+    torch.save({"straight": trainer_weights(straight), "resumed": trainer_weights(resumed), "resumed_from_epoch": epoch,
                 "epochs": logged_epochs(straight), "resumed_epochs": logged_epochs(resumed)}, out / f"rank{rank}.pt")
 
 

@@ -1,0 +1,114 @@
+"""FP8 matmuls for the draft's linear layers while training (`float8_draft_linears`, opt-in).
+
+A converted layer keeps its bf16/fp32 weight (the same `Parameter`: optimizer, state dict and checkpoint unchanged)
+and, in training mode, computes two of its three matmuls in float8 e4m3 on the tensor cores (`torch._scaled_mm`):
+
+- forward `y = x @ Wᵀ`: `x` scaled per row (one scale per token), `W` per output feature;
+- input gradient `dx = dy @ W`: `dy` scaled per row, `W` per input feature;
+- weight gradient `dW = dyᵀ @ x`: in the layer's own precision (the accuracy-sensitive one, kept exact).
+
+Scales are computed from each operand's current absolute maximum (no history), so a step depends on nothing but
+its inputs: resumed runs stay bit-identical. In eval mode (validation, speculative decoding) a layer is a plain
+`nn.Linear`: the draft is evaluated and served as it is saved. The frozen lm_head (in the loss) stays in the
+training precision. Needs FP8 tensor cores on a GPU (compute capability 8.9 or newer); the CPU runs the same
+operators (slowly) for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer
+_ALIGN = 16  # torch._scaled_mm needs both dimensions of the weight to be multiples of 16
+# the draft's decoder-layer projections and its context projection; DFlash2's small selector/kernel
+# projections and any adapter stay in the training precision
+CONVERTED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[R, C]` in e4m3, scaled along `dim` (each slice's absolute maximum maps to 448), and the float32
+    scale that multiplies the fp8 values back (`[R, 1]` for `dim=-1`, `[1, C]` for `dim=0`)."""
+    amax = x.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
+    scale = E4M3_MAX / amax
+    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal()
+
+
+def _column_major(x: torch.Tensor) -> torch.Tensor:
+    """The same `[R, C]` values laid out column by column (what `_scaled_mm`'s second operand needs)."""
+    return x.t().contiguous().t()
+
+
+class _Float8Linear(torch.autograd.Function):
+    """`x @ Wᵀ` with the forward and input-gradient matmuls in e4m3 and the weight gradient in `x`'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [M, K], weight [N, K]
+        xq, x_scale = quantize(x, -1)  # [M, K], [M, 1]
+        wq, w_scale = quantize(weight, -1)  # [N, K], [N, 1]
+        ctx.save_for_backward(x, weight)
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)  # [M, N]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # grad [M, N]
+        x, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gq, g_scale = quantize(grad, -1)  # [M, N], [M, 1]
+            wq, w_scale = quantize(weight, 0)  # [N, K], [1, K]: one scale per input feature
+            grad_x = torch._scaled_mm(gq, _column_major(wq), scale_a=g_scale, scale_b=w_scale, out_dtype=x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.t() @ x).to(weight.dtype)  # [N, K]
+        return grad_x, grad_w
+
+
+class Float8Linear(nn.Linear):
+    """`nn.Linear` (no bias) whose training-mode matmuls run in FP8 (module docstring); eval mode is exact."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.linear(x, self.weight)
+        out = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def convertible(name: str, module: nn.Module) -> bool:
+    """A draft linear layer that `float8_draft_linears` converts: a decoder-layer projection or `fc`, without
+    bias, both dimensions multiples of 16."""
+    if type(module) is not nn.Linear or module.bias is not None:
+        return False
+    if not (name == "fc" or (name.startswith("layers.") and name.endswith(CONVERTED))):
+        return False
+    return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+
+
+def check_float8_device(device: torch.device) -> None:
+    """Refuse a GPU without FP8 tensor cores (the option would run slower, not faster)."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(
+                f"float8_draft_linears=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+                f"this GPU has {capability[0]}.{capability[1]}: set float8_draft_linears=false"
+            )
+    elif device.type != "cpu":
+        raise ValueError(f"float8_draft_linears=true runs on CUDA (or the CPU, for tests), not on {device.type}")
+
+
+def float8_draft_linears(draft: nn.Module) -> list[str]:
+    """Turn the draft's convertible linear layers (:func:`convertible`) into :class:`Float8Linear` in place, keeping
+    their weight `Parameter`s (so do this before an optimizer or a compile sees the modules, either works). Returns
+    the converted names; raises if there is none."""
+    names = [name for name, module in draft.named_modules() if convertible(name, module)]
+    if not names:
+        raise ValueError("float8_draft_linears=true found no draft linear layer to convert (decoder projections and "
+                         "fc without bias, dimensions multiples of 16)")
+    for name in names:
+        module = draft.get_submodule(name)
+        module.__class__ = Float8Linear  # the same object: its weight, hooks and state-dict keys stay
+    return names

@@ -1,0 +1,65 @@
+"""`float8_draft_linears`: which layers a training draft converts, what it saves, and that a resumed FP8 run ends
+bit-identical to an uninterrupted one (scales come from each step's own operands)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from utils import (
+    ListDataset,
+    assert_bitwise_equal,
+    make_args,
+    random_rows,
+    text_batch,
+    tiny_text_target,
+    trainer_weights,
+)
+
+from dflash_hf import DFlashTrainer, tiny
+from dflash_hf.float8 import Float8Linear, float8_draft_linears
+
+PROJECTIONS = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+    f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def _trainer(root, model, tok, **kw) -> DFlashTrainer:
+    base = dict(mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2,
+                max_steps=6, learning_rate=1e-3, logging_steps=1, float8_draft_linears=True)
+    return DFlashTrainer(args=make_args(root, **(base | kw)), target=model,
+                         train_dataset=ListDataset(random_rows(8, 250, seed=2)),
+                         data_collator=lambda items: text_batch(items, tok.pad_token_id))
+
+
+def test_the_draft_trains_with_fp8_linears_and_saves_the_same_checkpoint(tmp_path):
+    model, tok = tiny_text_target()
+    fp8 = _trainer(tmp_path / "fp8", model, tok)
+    converted = sorted(n for n, m in fp8.model.named_modules() if isinstance(m, Float8Linear))
+    layers = len(fp8.model.layers)
+    assert converted == sorted(["fc"] + [f"layers.{i}.{p}" for i in range(layers) for p in PROJECTIONS])
+    plain = _trainer(tmp_path / "plain", model, tok, float8_draft_linears=False)
+    assert_bitwise_equal(trainer_weights(fp8), trainer_weights(plain))  # the same initial draft (seed)
+    fp8.train()
+    plain.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (fp8, plain)]
+    assert len(losses[0]) == len(losses[1]) == 6
+    assert losses[0] != losses[1]  # FP8 rounding changes the numbers ...
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 0.05 * b  # ... by little on this draft
+    assert losses[0][-1] < losses[0][0]
+    fp8.save_model(str(tmp_path / "saved"))
+    plain.save_model(str(tmp_path / "saved_plain"))
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("saved", "saved_plain"))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
+
+
+def test_a_resumed_fp8_run_ends_bit_identical(tmp_path):
+    model, tok = tiny_text_target()
+    straight = _trainer(tmp_path / "a", model, tok, save_strategy="steps", save_steps=3)
+    straight.train()
+    resumed = _trainer(tmp_path / "b", model, tok, save_strategy="steps", save_steps=3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-3"))
+    assert_bitwise_equal(trainer_weights(straight), trainer_weights(resumed))
+
+
+def test_a_draft_without_convertible_layers_is_refused():
+    with pytest.raises(ValueError, match="float8_draft_linears=true found no draft linear layer"):
+        float8_draft_linears(torch.nn.Sequential(torch.nn.Linear(16, 16)))
