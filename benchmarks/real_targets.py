@@ -1079,7 +1079,10 @@ CONFIGS = {
         *(RunConfig(f"whisper-gen-ctx-{tag}", "whisper-base",
                     COMMON_WHISPER_CTX + ["--label_source", "ground_truth", *flags], generated_labels=True)
           for tag, flags in (("dflash-b8", ["--block_size", "8"]), ("dflash-b16", ["--block_size", "16"]),
-                             ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]))),
+                             ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]),
+                             # issue 16: the same run with FP8 draft linears, for the dev tau beside dflash2-b8's
+                             ("dflash2-b8-fp8", ["--block_size", "8", "--variant", "dflash2",
+                                                 "--float8_draft_linears", "true"]))),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
                   COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
