@@ -177,6 +177,9 @@ class DFlashTrainingArguments(
 
         on_gpu = not self.use_cpu and torch.cuda.is_available()
         check_float8_device(torch.device("cuda" if on_gpu else "cpu"))
+        if on_gpu and self.precision != "bf16":
+            raise ValueError(f"float8_draft_linears=true on a GPU needs precision=bf16 (FP8 matmuls with per-row "
+                             f"scales write bf16 there), got precision={self.precision!r}")
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

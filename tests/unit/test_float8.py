@@ -4,6 +4,7 @@ eval mode exact, and the device check. The CPU runs the same `torch._scaled_mm` 
 import pytest
 import torch
 import torch.nn.functional as F
+from utils import make_args
 
 from dflash_hf.float8 import E4M3_MAX, Float8Linear, _Float8Linear, check_float8_device, quantize
 
@@ -75,3 +76,19 @@ def test_device_check_names_the_field_and_the_fix(monkeypatch):
     check_float8_device(torch.device("cuda"))
     with pytest.raises(ValueError, match="runs on CUDA"):
         check_float8_device(torch.device("mps"))
+
+
+@pytest.mark.parametrize(("capability", "precision", "match"), [
+    ((8, 0), "bf16", r"needs FP8 tensor cores"),
+    ((9, 0), "fp32", r"float8_draft_linears=true on a GPU needs precision=bf16.*got precision='fp32'"),
+])
+def test_training_arguments_refuse_fp8_where_it_cannot_run(tmp_path, monkeypatch, capability, precision, match):
+    args = make_args(tmp_path, mask_token_id=262, float8_draft_linears=True)  # on the CPU: accepted
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    args.use_cpu, args.precision = False, precision
+    with pytest.raises(ValueError, match=match):
+        args._check_float8()
+    args.precision = "bf16"
+    if capability >= (8, 9):
+        args._check_float8()  # an FP8 GPU in bf16: accepted
