@@ -16,9 +16,13 @@ operators (slowly) for tests.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -35,7 +39,8 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale that multiplies the fp8 values back (`[R, 1]` for `dim=-1`, `[1, C]` for `dim=0`)."""
     amax = x.detach().abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
     scale = E4M3_MAX / amax
-    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale.reciprocal()
+    scaled = x.detach().to(torch.float32, copy=True).mul_(scale).clamp_(-E4M3_MAX, E4M3_MAX)  # one float32 copy
+    return scaled.to(E4M3), scale.reciprocal()
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -77,18 +82,26 @@ class Float8Linear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def convertible(name: str, module: nn.Module) -> bool:
-    """A draft linear layer that `float8_draft_linears` converts: a decoder-layer projection or `fc`, without
-    bias, both dimensions multiples of 16."""
+def _candidate(name: str, module: nn.Module) -> bool:
+    """A decoder-layer projection or `fc` of the draft, a plain `nn.Linear` without bias."""
     if type(module) is not nn.Linear or module.bias is not None:
         return False
-    if not (name == "fc" or (name.startswith("layers.") and name.endswith(CONVERTED))):
-        return False
+    return name == "fc" or (name.startswith("layers.") and name.endswith(CONVERTED))
+
+
+def _aligned(module: nn.Linear) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
+def convertible(name: str, module: nn.Module) -> bool:
+    """A draft linear layer that `float8_draft_linears` converts: a decoder-layer projection or `fc`, without
+    bias, both dimensions multiples of 16."""
+    return _candidate(name, module) and _aligned(module)
+
+
 def check_float8_device(device: torch.device) -> None:
-    """Refuse a GPU without FP8 tensor cores (the option would run slower, not faster)."""
+    """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the option would run slower, not
+    faster) or without the operators (anything but CUDA and the CPU)."""
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
@@ -97,17 +110,23 @@ def check_float8_device(device: torch.device) -> None:
                 f"this GPU has {capability[0]}.{capability[1]}: set float8_draft_linears=false"
             )
     elif device.type != "cpu":
-        raise ValueError(f"float8_draft_linears=true runs on CUDA (or the CPU, for tests), not on {device.type}")
+        raise ValueError(f"float8_draft_linears=true runs on CUDA (or the CPU, for tests), not on {device.type}: set "
+                         "float8_draft_linears=false")
 
 
 def float8_draft_linears(draft: nn.Module) -> list[str]:
     """Turn the draft's convertible linear layers (:func:`convertible`) into :class:`Float8Linear` in place, keeping
     their weight `Parameter`s (so do this before an optimizer or a compile sees the modules, either works). Returns
     the converted names; raises if there is none."""
-    names = [name for name, module in draft.named_modules() if convertible(name, module)]
+    candidates = [(name, module) for name, module in draft.named_modules() if _candidate(name, module)]
+    names = [name for name, module in candidates if _aligned(module)]
     if not names:
         raise ValueError("float8_draft_linears=true found no draft linear layer to convert (decoder projections and "
-                         "fc without bias, dimensions multiples of 16)")
+                         "fc without bias, dimensions multiples of 16): set float8_draft_linears=false")
+    skipped = [name for name, module in candidates if not _aligned(module)]
+    if skipped:
+        logger.warning("float8_draft_linears: %s stay in the training precision (a dimension is not a multiple of "
+                       "%d)", ", ".join(skipped), _ALIGN)
     for name in names:
         module = draft.get_submodule(name)
         module.__class__ = Float8Linear  # the same object: its weight, hooks and state-dict keys stay

@@ -175,8 +175,14 @@ class DFlashTrainingArguments(
 
         from .float8 import check_float8_device
 
-        on_gpu = not self.use_cpu and torch.cuda.is_available()
-        check_float8_device(torch.device("cuda" if on_gpu else "cpu"))
+        if self.lora_r > 0:
+            raise ValueError("float8_draft_linears=true converts the draft's own linear layers, which lora_r > 0 wraps "
+                             "in peft's LoRA layers: set float8_draft_linears=false or lora_r=0")
+        accelerators = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+        device = "cpu" if self.use_cpu else next((name for name, present in accelerators.items() if present()), "cpu")
+        check_float8_device(torch.device(device))  # the device the Trainer will pick
+        on_gpu = device == "cuda"
         if on_gpu and self.precision != "bf16":
             raise ValueError(f"float8_draft_linears=true on a GPU needs precision=bf16 (FP8 matmuls with per-row "
                              f"scales write bf16 there), got precision={self.precision!r}")

@@ -187,10 +187,14 @@ def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
     the matmuls of the dequantized operands: forward, input gradient, and the exact weight gradient."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():  # rows and columns of very different sizes: a scale applied along the wrong axis shows
+        layer.weight.mul_(torch.logspace(-2, 2, 2048, device="cuda")[:, None] * torch.logspace(1, -1, 1024,
+                                                                                                device="cuda"))
     layer.__class__ = Float8Linear
     layer.train()
     run = torch.compile(layer) if compiled else layer
-    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # 300 rows: not 16k
+    rows = torch.logspace(-1, 1, 300, device="cuda")[:, None]  # 300 rows: not a multiple of 16
+    x = (torch.randn(300, 1024, device="cuda") * rows).to(torch.bfloat16).requires_grad_()
     y = run(x)
     g = torch.randn_like(y)
     y.backward(g)

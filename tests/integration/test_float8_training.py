@@ -60,6 +60,15 @@ def test_a_resumed_fp8_run_ends_bit_identical(tmp_path):
     assert_bitwise_equal(trainer_weights(straight), trainer_weights(resumed))
 
 
-def test_a_draft_without_convertible_layers_is_refused():
-    with pytest.raises(ValueError, match="float8_draft_linears=true found no draft linear layer"):
+def test_a_draft_without_convertible_layers_is_refused_and_unaligned_ones_are_named(caplog):
+    with pytest.raises(ValueError, match="found no draft linear layer .*: set float8_draft_linears=false"):
         float8_draft_linears(torch.nn.Sequential(torch.nn.Linear(16, 16)))
+    draft = torch.nn.Module()
+    draft.fc = torch.nn.Linear(64, 32, bias=False)
+    draft.layers = torch.nn.ModuleList([torch.nn.Module()])
+    draft.layers[0].mlp = torch.nn.Module()
+    draft.layers[0].mlp.up_proj = torch.nn.Linear(32, 40, bias=False)  # 40: not a multiple of 16
+    with caplog.at_level("WARNING", logger="dflash_hf.float8"):
+        assert float8_draft_linears(draft) == ["fc"]
+    assert "layers.0.mlp.up_proj stay in the training precision" in caplog.text
+    assert type(draft.layers[0].mlp.up_proj) is torch.nn.Linear

@@ -78,6 +78,19 @@ def test_device_check_names_the_field_and_the_fix(monkeypatch):
         check_float8_device(torch.device("mps"))
 
 
+def test_training_arguments_refuse_fp8_with_lora_or_off_cuda(tmp_path, monkeypatch):
+    args = make_args(tmp_path, mask_token_id=262, float8_draft_linears=True)
+    args.lora_r = 4  # (LoRA itself needs an exported draft to adapt; the FP8 check alone here)
+    with pytest.raises(ValueError, match=r"lora_r > 0 wraps .*: set float8_draft_linears=false or lora_r=0"):
+        args._check_float8()
+    args.lora_r = 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    args.use_cpu = False
+    with pytest.raises(ValueError, match=r"not on mps: set float8_draft_linears=false"):
+        args._check_float8()
+
+
 @pytest.mark.parametrize(("capability", "precision", "match"), [
     ((8, 0), "bf16", r"needs FP8 tensor cores"),
     ((9, 0), "fp32", r"float8_draft_linears=true on a GPU needs precision=bf16.*got precision='fp32'"),
