@@ -90,6 +90,7 @@ def train(name: str, args, data: dict[str, Path], mask_id: int, fp8: bool) -> di
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    commit = git_commit()  # the tree the runs start from
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     mask_id = args.mask_token_id
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     data = sentence_cuts(Path(args.sentences), work, args.train, args.dev)
     runs = {name: train(name, args, data, mask_id, fp8) for name, fp8 in (("reference", False), ("float8", True))}
     final = {name: run["dev"][-1]["eval_dev_tau_est"] for name, run in runs.items() if run["dev"]}
-    result = {"what": "float8_draft_linears against the training precision, same seed and data", "commit": git_commit(),
+    result = {"what": "float8_draft_linears against the training precision, same seed and data", "commit": commit,
               "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "target": args.target, "device": args.device, "threads": args.threads, "train_sentences": args.train,
               "dev_sentences": args.dev, "final_dev_tau_est": final,
