@@ -6,9 +6,11 @@
 Two drafts are trained by `dflash-train`, one after the other, from the same seed on the same data in the same order,
 one with `--float8_draft_linears true` and one without; everything else is equal. The data are corpus sentences as
 assistant turns after a fixed user prompt, labelled by the target itself (`label_source=target_argmax`, what
-speculative decoding accepts). Reported per run: the dev curve (`eval_dev_tau_est`, `eval_dev_loss` at each
-evaluation), the training loss, and the wall time; and the difference of the final dev tau_est. The target's mask
-token comes from `converted.json` beside it (`real_targets.py fetch`) or `--mask_token_id`.
+speculative decoding accepts), or the target's own responses (`dflash-generate-labels` output: rows with a
+`context`; add `-- --label_source ground_truth`). Reported per run: the dev curve (`eval_dev_tau_est`,
+`eval_dev_loss` at each evaluation), the training loss, and the wall time; and the difference of the final dev
+tau_est. The target's mask token comes from `converted.json` beside it (`real_targets.py fetch`) or
+`--mask_token_id`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ PROMPT = "Write one sentence."
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="a text target's HF directory")
-    p.add_argument("--sentences", required=True, help="JSON lines with a 'text' field (the corpus' sentences.jsonl)")
+    p.add_argument("--sentences", required=True,
+                   help="JSON lines with a 'text' field (the assistant turn; the corpus' sentences.jsonl) and an "
+                        "optional 'context' (the user turn, default PROMPT): e.g. dflash-generate-labels' output, "
+                        "trained on with `-- --label_source ground_truth`")
     p.add_argument("--train", type=int, default=3000, help="training sentences (the first N)")
     p.add_argument("--dev", type=int, default=100, help="dev sentences (the last N)")
     p.add_argument("--max_steps", type=int, default=300)
@@ -54,7 +59,7 @@ def sentence_cuts(sentences: Path, work: Path, n_train: int, n_dev: int) -> dict
     out = {}
     for split, part in (("train", rows[:n_train]), ("dev", rows[len(rows) - n_dev:])):
         manifest = work / f"{split}.jsonl"
-        write_jsonl(manifest, [{"id": f"{split}-{i:06d}", "text": r["text"], "context": PROMPT}
+        write_jsonl(manifest, [{"id": f"{split}-{i:06d}", "text": r["text"], "context": r.get("context") or PROMPT}
                                for i, r in enumerate(part)])
         out[split] = to_text_cuts(manifest, work / f"{split}.cuts.jsonl.gz")
     return out
