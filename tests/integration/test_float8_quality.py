@@ -19,13 +19,16 @@ import float8_quality  # noqa: E402
 def test_both_runs_are_trained_evaluated_and_compared(tmp_path):
     target = tiny.save_tiny_target(tmp_path / "target", kind="text")
     sentences = tmp_path / "sentences.jsonl"
-    sentences.write_text("".join(json.dumps({"text": f"the {w} sat on mat number {i}."}) + "\n"
-                                 for i, w in enumerate(["cat", "dog", "owl", "fox"] * 6)))
+    rows = [{"text": f"the {w} sat on mat number {i}."} for i, w in enumerate(["cat", "dog", "owl", "fox"] * 6)]
+    rows[0]["context"] = "Say where the cat sat."  # a generated-labels row keeps its own user turn
+    sentences.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "result.json"
     argv = ["--target", str(target), "--sentences", str(sentences), "--train", "16", "--dev", "4", "--max_steps", "4",
             "--evals", "2", "--mask_token_id", str(tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)),
             "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out), "--", "--max_tokens", "512"]
     assert float8_quality.main(argv) == 0
+    train_rows = [json.loads(line) for line in (tmp_path / "work" / "train.jsonl").read_text().splitlines()]
+    assert [r["context"] for r in train_rows[:2]] == ["Say where the cat sat.", float8_quality.PROMPT]
     res = json.loads(out.read_text())
     runs = res["runs"]
     assert [runs[n]["float8_draft_linears"] for n in ("reference", "float8")] == [False, True]
