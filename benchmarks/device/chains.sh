@@ -179,7 +179,8 @@ case $kind in
       case $row in *fp8) extra=(--modes draft full --steps 10 --compile-target --configs attn=flex,ce=2048,compile=layers
         attn=flex,ce=2048,compile=layers,fp8=1 --full-configs attn=flex,ce=2048,compile=layers
         attn=flex,ce=2048,compile=layers,fp8=1) ;; esac  # (the later flags win)
-      timeout 420 python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
+      limit=420; case $row in *fp8) limit=900 ;; esac  # four cases, each compiled in its own process
+      timeout $limit python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
         --out /tmp/results/trainrows_$row.json > /tmp/logs/trainrows_$row.log 2>&1
     done; echo done > /tmp/logs/trainrows.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing, trainrows)"; exit 2 ;;
