@@ -93,12 +93,6 @@ def _aligned(module: nn.Linear) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def convertible(name: str, module: nn.Module) -> bool:
-    """A draft linear layer that `float8_draft_linears` converts: a decoder-layer projection or `fc`, without
-    bias, both dimensions multiples of 16."""
-    return _candidate(name, module) and _aligned(module)
-
-
 def check_float8_device(device: torch.device) -> None:
     """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the option would run slower, not
     faster) or without the operators (anything but CUDA and the CPU)."""
@@ -115,9 +109,9 @@ def check_float8_device(device: torch.device) -> None:
 
 
 def float8_draft_linears(draft: nn.Module) -> list[str]:
-    """Turn the draft's convertible linear layers (:func:`convertible`) into :class:`Float8Linear` in place, keeping
-    their weight `Parameter`s (so do this before an optimizer or a compile sees the modules, either works). Returns
-    the converted names; raises if there is none."""
+    """Turn the draft's decoder-layer projections and `fc` (plain `nn.Linear` without bias, both dimensions multiples
+    of 16) into :class:`Float8Linear` in place, keeping their weight `Parameter`s: call it before the layers are
+    compiled; an optimizer built before keeps working. Returns the converted names; raises if there is none."""
     candidates = [(name, module) for name, module in draft.named_modules() if _candidate(name, module)]
     names = [name for name, module in candidates if _aligned(module)]
     if not names:
