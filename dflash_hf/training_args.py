@@ -158,11 +158,20 @@ class DFlashTrainingArguments(
                 f"(org/name), got {self.hub_model_id!r}"
             ) from err
 
-    def _check_attention_backend(self) -> None:
+    def _device_type(self) -> str:
+        """The device type the Trainer will train on (`use_cpu`, else the first accelerator present), known before
+        its devices are set up."""
         import torch
 
+        if self.use_cpu:
+            return "cpu"
+        accelerators = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+        return next((name for name, present in accelerators.items() if present()), "cpu")
+
+    def _check_attention_backend(self) -> None:
         if self.attention_backend == "flex" and not self.validate_only:
-            if self.use_cpu or not torch.cuda.is_available():
+            if self._device_type() != "cuda":
                 raise ValueError(
                     "attention_backend=flex trains on CUDA only (FlexAttention has no backward on CPU); "
                     "use attention_backend=sdpa (or auto: flex on CUDA, sdpa on CPU)"
@@ -178,12 +187,9 @@ class DFlashTrainingArguments(
         if self.lora_r > 0:
             raise ValueError("float8_draft_linears=true converts the draft's own linear layers, which lora_r > 0 wraps "
                              "in peft's LoRA layers: set float8_draft_linears=false or lora_r=0")
-        accelerators = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
-                        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
-        device = "cpu" if self.use_cpu else next((name for name, present in accelerators.items() if present()), "cpu")
-        check_float8_device(torch.device(device))  # the device the Trainer will pick
-        on_gpu = device == "cuda"
-        if on_gpu and self.precision != "bf16":
+        device = self._device_type()
+        check_float8_device(torch.device(device))
+        if device == "cuda" and self.precision != "bf16":
             raise ValueError(f"float8_draft_linears=true on a GPU needs precision=bf16 (FP8 matmuls with per-row "
                              f"scales write bf16 there), got precision={self.precision!r}")
 
