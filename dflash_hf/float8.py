@@ -36,11 +36,13 @@ CONVERTED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
 
 def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` `[R, C]` in e4m3, scaled along `dim` (each slice's absolute maximum maps to 448), and the float32
-    scale that multiplies the fp8 values back (`[R, 1]` for `dim=-1`, `[1, C]` for `dim=0`)."""
+    scale that multiplies the fp8 values back (`[R, 1]` for `dim=-1`, `[1, C]` for `dim=0`). The fp8 tensor is
+    row-major whatever `x`'s strides (the GPU's `_scaled_mm` refuses a first operand that is not)."""
     x = x.detach()
     amax = x.abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
     scale = E4M3_MAX / amax
-    scaled = x.to(torch.float32, copy=True).mul_(scale).clamp_(-E4M3_MAX, E4M3_MAX)  # one float32 copy
+    scaled = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one float32 copy
+    scaled.mul_(scale).clamp_(-E4M3_MAX, E4M3_MAX)
     return scaled.to(E4M3), scale.reciprocal()
 
 

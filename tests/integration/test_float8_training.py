@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 from utils import (
     ListDataset,
     assert_bitwise_equal,
+    gpu_scaled_mm_contract,
     make_args,
     random_rows,
     text_batch,
@@ -50,6 +51,17 @@ def test_the_draft_trains_with_fp8_linears_and_saves_the_same_checkpoint(tmp_pat
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("saved", "saved_plain"))
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape for k in a)
 
+
+def test_every_fp8_matmul_of_a_bf16_training_step_meets_the_gpu_operator_contract(tmp_path, monkeypatch):
+    """The draft's own activations (attention output into o_proj, the taps into fc, ...) in bf16, as a GPU run trains,
+    reach `_scaled_mm` in the layouts the CUDA operator accepts; fc's input (the frozen taps) has no gradient."""
+    calls: list = []
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_scaled_mm_contract(calls))
+    model, tok = tiny_text_target()
+    trainer = _trainer(tmp_path, model, tok, max_steps=1, precision="bf16")
+    trainer.train()
+    layers = len(trainer.model.layers)
+    assert len(calls) == 2 * len(PROJECTIONS) * layers + 1  # forward and input gradient of each; fc's forward
 
 def test_a_resumed_fp8_run_ends_bit_identical(tmp_path):
     model, tok = tiny_text_target()

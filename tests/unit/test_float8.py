@@ -4,7 +4,7 @@ eval mode exact, and the device check. The CPU runs the same `torch._scaled_mm` 
 import pytest
 import torch
 import torch.nn.functional as F
-from utils import make_args
+from utils import gpu_scaled_mm_contract, make_args
 
 from dflash_hf.float8 import E4M3_MAX, Float8Linear, _Float8Linear, check_float8_device, quantize
 
@@ -50,6 +50,25 @@ def test_float8_matmuls_equal_their_dequantized_references(dtype):
     exact = x.detach().float() @ w.detach().float().t()
     rel = (y.detach().float() - exact).norm() / exact.norm()
     assert 1e-4 < rel < 0.08  # FP8 rounding, not an exact matmul
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "row_slice"])
+def test_every_fp8_matmul_meets_the_gpu_operator_contract(monkeypatch, layout):
+    """The CPU `_scaled_mm` accepts any layout and output dtype; the GPU's does not (`gpu_scaled_mm_contract`).
+    A transposed input (a column-major view, which `reshape` keeps) is quantized row-major."""
+    calls: list = []
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_scaled_mm_contract(calls))
+    torch.manual_seed(3)
+    base = {"contiguous": torch.randn(3, 7, 64), "transposed": torch.randn(64, 21).t(),
+            "row_slice": torch.randn(21, 80)[:, 8:72]}[layout]
+    x = base.to(torch.bfloat16).requires_grad_()
+    layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    layer.__class__ = Float8Linear
+    out = layer(x)
+    out.backward(torch.randn_like(out))
+    rows = x.numel() // 64
+    assert calls == [((rows, 64), (64, 48)), ((rows, 48), (48, 64))]  # forward, input gradient
+    assert x.grad.shape == x.shape and layer.weight.grad.shape == (48, 64)
 
 
 def test_float8_linear_is_exact_in_eval_mode_and_fp8_in_training():
