@@ -124,3 +124,27 @@ def test_training_arguments_refuse_fp8_where_it_cannot_run(tmp_path, monkeypatch
     args.precision = "bf16"
     if capability >= (8, 9):
         args._check_float8()  # an FP8 GPU in bf16: accepted
+
+
+def test_compiled_float8_linear_equals_eager_as_the_row_count_changes():
+    """`compile_draft_layers` compiles the converted layers (`nn.Module.compile`): the autograd function and
+    `_scaled_mm` trace in one graph, also once the token count turns dynamic, with eager's numbers."""
+    torch.manual_seed(4)
+    eager = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    eager.__class__ = Float8Linear
+    compiled = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    compiled.__class__ = Float8Linear
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(fullgraph=True)
+    for rows in (37, 53, 29):  # the second shape makes the row count symbolic
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        g = torch.randn(rows, 48, dtype=torch.bfloat16)
+        results = []
+        for layer in (eager, compiled):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            out = layer(xi)
+            out.backward(g)
+            results.append((out.detach(), xi.grad, layer.weight.grad))
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
