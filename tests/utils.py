@@ -374,25 +374,21 @@ def trainer_weights(trainer) -> dict:
     return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
 
 
-def _row_major(t: torch.Tensor) -> bool:
-    return t.stride(1) == 1 and t.stride(0) > 1
-
-
-def _column_major(t: torch.Tensor) -> bool:
-    return t.stride(0) == 1 and t.stride(1) > 1
+def _dense_column_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
 def gpu_scaled_mm_contract(calls: list):
     """A stand-in for `torch._scaled_mm` that asserts what the CUDA operator (row-wise scaling, torch 2.11-2.13)
-    accepts and the CPU one does not check: e4m3 operands, the first row-major and the second column-major, the
+    accepts and the CPU one does not check: e4m3 operands, the first contiguous and the second dense column-major, the
     shared and the second's output dimension multiples of 16, float32 contiguous scales `[M, 1]` and `[1, N]`, and a
     bfloat16 output. Then runs the real operator and appends the operand shapes to `calls`."""
     real = torch._scaled_mm
 
     def checked(a, b, *, scale_a, scale_b, out_dtype=None, **kw):
         assert a.dtype == b.dtype == torch.float8_e4m3fn, (a.dtype, b.dtype)
-        assert a.shape[0] == 0 or _row_major(a), f"first operand not row-major: strides {a.stride()}"
-        assert _column_major(b), f"second operand not column-major: strides {b.stride()}"
+        assert a.is_contiguous(), f"first operand not contiguous row-major: strides {a.stride()}"
+        assert _dense_column_major(b), f"second operand not dense column-major: strides {b.stride()}"
         assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
         assert scale_a.dtype == scale_b.dtype == torch.float32
         assert scale_a.shape == (a.shape[0], 1) and scale_b.shape == (1, b.shape[1]), (scale_a.shape, scale_b.shape)
