@@ -262,6 +262,14 @@ class DFlashRunArguments:
             "(compute capability >= 8.9). It changes the numbers: compare the dev tau with a run without it."
         },
     )
+    float8_lm_head: bool = field(
+        default=False,
+        metadata={
+            "help": "Experimental: in training, run the input-gradient matmul of the fused lm_head + CE in FP8 (e4m3; "
+            "the frozen lm_head quantized once, V x H bytes). Logits, loss and metrics stay exact. DFlash with "
+            "use_fused_linear_ce only; needs FP8 tensor cores. Compare the dev tau with a run without it."
+        },
+    )
     compile_target: bool = field(
         default=False,
         metadata={

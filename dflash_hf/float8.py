@@ -17,6 +17,7 @@ operators (slowly) for tests.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,29 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _column_major(x: torch.Tensor) -> torch.Tensor:
     """The same `[R, C]` values laid out column by column (what `_scaled_mm`'s second operand needs)."""
     return x.t().contiguous().t()
+
+
+# id(weight) -> (weak reference, version, fp8 [V, H] column-major, scale [1, H]); an entry leaves with its weight
+_FROZEN: dict[int, tuple] = {}
+
+
+def frozen_weight_for_input_grad(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen `[V, H]` weight (the lm_head) as the second operand of `dx = dy @ W` in e4m3: column-major, one
+    scale per input feature `[1, H]` (as :func:`quantize` with `dim=0`). Made once per weight and kept (V x H bytes)
+    until the weight is modified in place; quantized `rows` rows at a time, so it never holds a float32 copy."""
+    cached = _FROZEN.get(id(weight))
+    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+        return cached[2], cached[3]
+    w = weight.detach()
+    amax = torch.stack([w[i:i + rows].abs().amax(0) for i in range(0, w.shape[0], rows)]).amax(0, keepdim=True)
+    scale = E4M3_MAX / amax.float().clamp(min=1e-12)  # [1, H]
+    wq_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)  # [H, V]: W column-major
+    for i in range(0, w.shape[0], rows):
+        wq_t[:, i:i + rows] = (w[i:i + rows].float() * scale).clamp_(-E4M3_MAX, E4M3_MAX).t().to(E4M3)
+    key = id(weight)
+    _FROZEN[key] = (weakref.ref(weight, lambda _, key=key: _FROZEN.pop(key, None)), weight._version, wq_t.t(),
+                    scale.reciprocal())
+    return _FROZEN[key][2], _FROZEN[key][3]
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -96,19 +120,18 @@ def _aligned(module: nn.Linear) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def check_float8_device(device: torch.device) -> None:
+def check_float8_device(device: torch.device, field: str = "float8_draft_linears") -> None:
     """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the option would run slower, not
-    faster) or without the operators (anything but CUDA and the CPU)."""
+    faster) or without the operators (anything but CUDA and the CPU). `field`: the option asking for FP8."""
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
             raise ValueError(
-                f"float8_draft_linears=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
-                f"this GPU has {capability[0]}.{capability[1]}: set float8_draft_linears=false"
+                f"{field}=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+                f"this GPU has {capability[0]}.{capability[1]}: set {field}=false"
             )
     elif device.type != "cpu":
-        raise ValueError(f"float8_draft_linears=true runs on CUDA (or the CPU, for tests), not on {device.type}: set "
-                         "float8_draft_linears=false")
+        raise ValueError(f"{field}=true runs on CUDA (or the CPU, for tests), not on {device.type}: set {field}=false")
 
 
 def float8_draft_linears(draft: nn.Module) -> list[str]:

@@ -104,6 +104,18 @@ def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | 
     return None
 
 
+def check_float8_lm_head(args, config: DFlashConfig) -> bool:
+    """`args.float8_lm_head` (the training arguments refuse it without the fused CE), refused where `_scaled_mm`
+    cannot take the lm_head: its vocabulary and hidden size must be multiples of 16."""
+    if not getattr(args, "float8_lm_head", False):
+        return False
+    if config.vocab_size % 16 or config.hidden_size % 16:
+        raise ValueError(f"float8_lm_head=true needs the lm_head's vocabulary and hidden size to be multiples of 16 "
+                         f"(FP8 tensor-core matmuls), got {config.vocab_size} x {config.hidden_size}: set "
+                         "float8_lm_head=false")
+    return True
+
+
 def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """`value` as a float32 scalar on `device`, without waiting for the device: a Python number is filled in by a
     kernel (`torch.as_tensor` would make a blocking host-to-device copy), a tensor is copied asynchronously."""
@@ -129,6 +141,7 @@ class DFlashObjective:
     attention_backend: str = "auto"  # flex, sdpa or auto (flex on CUDA)
     ce_chunk_size: int = 2048  # slots projected to the vocabulary per chunk
     use_fused_linear_ce: bool = True  # fused lm_head + CE (hard labels, planned weights only)
+    float8_lm_head: bool = False  # the fused CE's input-gradient matmul in FP8
     selector_loss_weight: float = 1.0  # DFlash2: loss = base + weight * selector
     slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
     label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
@@ -153,6 +166,7 @@ class DFlashObjective:
             attention_backend=args.attention_backend,
             ce_chunk_size=args.ce_chunk_size,
             use_fused_linear_ce=bool(args.use_fused_linear_ce),
+            float8_lm_head=check_float8_lm_head(args, config),
             selector_loss_weight=args.selector_loss_weight,
             slot_loss=make_loss(args.loss_type, **options),
             label_source=label_source,
@@ -248,7 +262,7 @@ class DFlashObjective:
             selector = extract_model_from_parallel(draft).candidate_selector
             out = dflash2_block_loss(hidden, blocks, head, selector, chunk, loss, soft)
         else:
-            out = block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft)
+            out = block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft, self.float8_lm_head)
         if self.label_source.needs_final_hidden:  # the target relabels: how often does it write the data's token?
             out.data_agreement = data_agreement(ids, labels.ids, plan)
         return out
@@ -335,4 +349,5 @@ class DFlashObjective:
         return metrics
 
 
-__all__ = ["BlockPlan", "DFlashObjective", "data_agreement", "fused_ce_conflict", "stable_seed", "summed_denominator"]
+__all__ = ["BlockPlan", "DFlashObjective", "check_float8_lm_head", "data_agreement", "fused_ce_conflict", "stable_seed",
+           "summed_denominator"]

@@ -178,20 +178,25 @@ class DFlashTrainingArguments(
                 )
 
     def _check_float8(self) -> None:
-        if not self.float8_draft_linears:
+        flags = [name for name in ("float8_draft_linears", "float8_lm_head") if getattr(self, name)]
+        if not flags:
             return
         import torch
 
         from .float8 import check_float8_device
 
-        if self.lora_r > 0:
+        if self.float8_draft_linears and self.lora_r > 0:
             raise ValueError("float8_draft_linears=true converts the draft's own linear layers, which lora_r > 0 wraps "
                              "in peft's LoRA layers: set float8_draft_linears=false or lora_r=0")
+        if self.float8_lm_head and not self.use_fused_linear_ce:
+            raise ValueError("float8_lm_head=true runs in the fused lm_head + CE, which this run does not use "
+                             "(use_fused_linear_ce=false; DFlash2, soft labels and loss types weighted by the draft's "
+                             "own CE need the dense logits): set float8_lm_head=false")
         device = self._device_type()
-        check_float8_device(torch.device(device))
+        check_float8_device(torch.device(device), flags[0])
         if device == "cuda" and self.precision != "bf16":
-            raise ValueError(f"float8_draft_linears=true on a GPU needs precision=bf16 (FP8 matmuls with per-row "
-                             f"scales write bf16 there), got precision={self.precision!r}")
+            raise ValueError(f"{flags[0]}=true on a GPU needs precision=bf16 (FP8 matmuls with per-row scales write "
+                             f"bf16 there), got precision={self.precision!r}")
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

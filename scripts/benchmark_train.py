@@ -167,20 +167,21 @@ GPU_CONFIGS = (
     "attn=flex,ce=2048,compile=layers",
 )
 CPU_CONFIGS = ("attn=sdpa,ce=64", "attn=sdpa,ce=64,ckpt=1")
-CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none", "fp8": "0"}
+CONFIG_DEFAULTS = {"attn": "flex", "ce": "2048", "ckpt": "0", "compile": "none", "fp8": "0", "fp8lm": "0"}
 
 
 def parse_config(spec: str) -> dict:
-    """`attn=flex,ce=2048,ckpt=0,compile=none,fp8=0` -> dict (missing keys take CONFIG_DEFAULTS; `fp8=1`:
-    `float8_draft_linears`)."""
+    """`attn=flex,ce=2048,ckpt=0,compile=none,fp8=0,fp8lm=0` -> dict (missing keys take CONFIG_DEFAULTS; `fp8=1`:
+    `float8_draft_linears`, `fp8lm=1`: `float8_lm_head`)."""
     cfg = dict(CONFIG_DEFAULTS)
     for item in filter(None, spec.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in CONFIG_DEFAULTS:
             raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
         cfg[key] = value
-    if cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers") or cfg["fp8"] not in ("0", "1"):
-        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers, fp8 is 0|1")
+    if (cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers")
+            or {cfg["fp8"], cfg["fp8lm"]} - {"0", "1"}):
+        raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers, fp8 and fp8lm are 0|1")
     return cfg
 
 
@@ -610,6 +611,7 @@ def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_d
         ce_chunk_size=int(config["ce"]),
         compile_draft_layers=config["compile"] == "layers",
         float8_draft_linears=config["fp8"] == "1",
+        float8_lm_head=config["fp8lm"] == "1",
         num_anchors=num_anchors,
         label_source="target_argmax" if mode == "full" else "ground_truth",
         use_cpu=target.device.type == "cpu",

@@ -164,8 +164,9 @@ case $kind in
     done; echo done > /tmp/logs/timing.done ;;
   trainrows)  # [ROW...]: issue 16's full training steps with the target's forward as a CUDA graph (and without), the
     # GPU tests of the graph and of FP8 first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph
-    # smoff smgraph (default: all but the SmolLM2 ones), and 17fp8 8bfp8 slfp8: draft side and full step (compiled
-    # target as a graph) with bf16 and with FP8 draft linears, one process per shape
+    # smoff smgraph (default: all but the SmolLM2 ones), 17fp8 8bfp8 slfp8: draft side and full step (compiled
+    # target as a graph) with bf16 and with FP8 draft linears, one process per shape, and 17fp8lm 8bfp8lm slfp8lm:
+    # the same with FP8 draft linears and the FP8 lm_head gradient (float8_lm_head) only
     timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron or float8" \
       > /tmp/logs/gpu_tests.log 2>&1
     layers=(--modes full --steps 10 --full-configs attn=flex,ce=2048,compile=layers)
@@ -178,8 +179,10 @@ case $kind in
       case $row in *off) extra=(--target-cuda-graph off) ;; *cgraph) extra=(--compile-target) ;; *) extra=() ;; esac
       case $row in *fp8) extra=(--modes draft full --steps 10 --compile-target --configs attn=flex,ce=2048,compile=layers
         attn=flex,ce=2048,compile=layers,fp8=1 --full-configs attn=flex,ce=2048,compile=layers
-        attn=flex,ce=2048,compile=layers,fp8=1) ;; esac  # (the later flags win)
-      limit=420; case $row in *fp8) limit=900 ;; esac  # four cases, each compiled in its own process
+        attn=flex,ce=2048,compile=layers,fp8=1) ;;
+        *fp8lm) extra=(--modes draft full --steps 10 --compile-target --configs attn=flex,ce=2048,compile=layers,fp8=1,fp8lm=1
+        --full-configs attn=flex,ce=2048,compile=layers,fp8=1,fp8lm=1) ;; esac  # (the later flags win)
+      limit=420; case $row in *fp8) limit=900 ;; *fp8lm) limit=600 ;; esac  # cases compile in processes of their own
       timeout $limit python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
         --out /tmp/results/trainrows_$row.json > /tmp/logs/trainrows_$row.log 2>&1
     done; echo done > /tmp/logs/trainrows.done ;;

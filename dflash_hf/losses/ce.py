@@ -36,10 +36,12 @@ def block_loss(
     fused: bool = True,
     loss: SlotLoss | None = None,
     soft: SoftLabels | None = None,
+    fp8: bool = False,
 ) -> BlockLoss:
     """Weighted CE over slots 1..B-1 of every block (`loss`, default the decayed CE); only valid slots are projected
     to the vocabulary. `fused`: `fused_lm_head_ce` (hard labels, weights known before the forward); else dense
-    per-chunk logits, recomputed in backward (`map_chunks`). `soft`: per-position soft labels `[b, S, k]`."""
+    per-chunk logits, recomputed in backward (`map_chunks`). `soft`: per-position soft labels `[b, S, k]`. `fp8`: the
+    fused kernel's input-gradient matmul in FP8 (`float8_lm_head`)."""
     loss = loss or DecayedCE()
     valid = ValidSlots.of(hidden, blocks, soft)
     if fused:
@@ -47,8 +49,11 @@ def block_loss(
             raise ValueError(f"the fused lm_head + CE needs hard labels and planned weights (loss_type={loss.name}, "
                              f"soft labels: {soft is not None}); set use_fused_linear_ce=false")
         weights = valid.weights
-        ce_sum, pred = fused_lm_head_ce(valid.hidden, lm_head_weight, valid.labels, weights, chunk_size)
+        ce_sum, pred = fused_lm_head_ce(valid.hidden, lm_head_weight, valid.labels, weights, chunk_size, fp8)
     else:
+        if fp8:
+            raise ValueError("float8_lm_head=true runs in the fused lm_head + CE: set use_fused_linear_ce=true or "
+                             "float8_lm_head=false")
         ce, pred = map_chunks(partial(chunk_ce, weight=lm_head_weight), valid.rows(), chunk_size)
         weights = loss.weights(valid, ce.detach())
         ce_sum = (weights * ce).sum()

@@ -9,7 +9,8 @@
 - Decoding with the draft's step captured as a CUDA graph (`dflash_hf.draft_graph`, the default on a GPU) gives the
   eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
 - FP8 draft linears (`float8_draft_linears`, compute capability >= 8.9): `torch._scaled_mm` eager and compiled
-  against the dequantized references, and a micro-batch's draft side without a host sync.
+  against the dequantized references, and a micro-batch's draft side without a host sync; the FP8 lm_head gradient
+  (`float8_lm_head`) with the compiled CE kernel.
 - The frozen target's training forward replayed as a CUDA graph (`dflash_hf.target_graph`, `target_cuda_graph`)
   gives the eager forward's taps, final states and encoder frames bit for bit, without a host sync.
 """
@@ -209,6 +210,35 @@ def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
     for name, got in {"y": y.detach(), "grad_x": x.grad, "grad_w": layer.weight.grad}.items():
         rel = ((got.float() - refs[name]).norm() / refs[name].norm()).item()
         assert rel < 1e-2, f"{name}: relative difference {rel:.3g}"
+
+
+@pytest.mark.skipif(not _has_fp8(), reason="needs FP8 tensor cores (compute capability >= 8.9)")
+def test_float8_lm_head_keeps_the_loss_and_gives_the_dequantized_gradient_on_cuda():
+    """`float8_lm_head` on the GPU, where the CE kernel is compiled and writes e4m3 rows: the loss and argmax equal
+    the bf16 fused kernel's, the input gradient is the dequantized operands' matmul and near the exact one; a
+    151,936-word lm_head in chunks of two sizes (the second compiles the row count as symbolic)."""
+    from dflash_hf.losses import fused_lm_head_ce
+
+    torch.manual_seed(0)
+    v, h, m = 151936, 1024, 3000
+    weight = (torch.randn(v, h, device="cuda") / h**0.5).to(torch.bfloat16)
+    hidden = (torch.randn(m, h, device="cuda") * 3).to(torch.bfloat16)
+    labels = torch.randint(0, v, (m,), device="cuda")
+    weights = torch.rand(m, device="cuda") + 0.1
+    out = {}
+    for fp8 in (False, True):
+        x = hidden.clone().requires_grad_()
+        loss, pred = fused_lm_head_ce(x, weight, labels, weights, 2048, fp8=fp8)
+        loss.backward()
+        out[fp8] = (loss.detach(), pred, x.grad.float())
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    logits = hidden.float() @ weight.float().t()
+    delta = torch.softmax(logits, -1)
+    delta[torch.arange(m, device="cuda"), labels] -= 1
+    exact = (delta * weights[:, None]) @ weight.float()
+    rel = ((out[True][2] - exact).norm() / exact.norm()).item()
+    rel_bf16 = ((out[False][2] - exact).norm() / exact.norm()).item()
+    assert rel < 0.06 and rel_bf16 < rel, f"FP8 {rel:.3g}, bf16 {rel_bf16:.3g}"
 
 
 @needs_cuda

@@ -43,14 +43,15 @@ def test_tiny_run_writes_all_fields(bench, tmp_path):
 
 def test_config_spec_parsing(bench):
     assert bench.parse_config("attn=sdpa,ckpt=1") == {"attn": "sdpa", "ce": "2048", "ckpt": "1", "compile": "none",
-                                                      "fp8": "0"}
-    assert bench.parse_config("fp8=1")["fp8"] == "1"
+                                                      "fp8": "0", "fp8lm": "0"}
+    assert bench.parse_config("fp8=1")["fp8"] == "1" and bench.parse_config("fp8lm=1")["fp8lm"] == "1"
     with pytest.raises(ValueError, match="bad config item"):
         bench.parse_config("attention=flex")
     with pytest.raises(ValueError, match="attn is flex"):
         bench.parse_config("attn=dense")
-    with pytest.raises(ValueError, match="fp8 is 0|1"):
-        bench.parse_config("fp8=yes")
+    for bad in ("fp8=yes", "fp8lm=2"):
+        with pytest.raises(ValueError, match="fp8 and fp8lm are 0|1"):
+            bench.parse_config(bad)
 
 
 def test_tiny_speech_rows_run_the_real_target_families(bench):

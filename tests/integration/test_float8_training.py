@@ -84,3 +84,40 @@ def test_a_draft_without_convertible_layers_is_refused_and_unaligned_ones_are_na
         assert float8_draft_linears(draft) == ["fc"]
     assert "layers.0.mlp.up_proj stay in the training precision" in caplog.text
     assert type(draft.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+def _padded_vocab_target():
+    """The tiny target with its vocabulary padded to a multiple of 16 (263 -> 272 rows, as real checkpoints pad)."""
+    model, tok = tiny_text_target()
+    model.resize_token_embeddings(272)
+    return model, tok
+
+
+def test_fp8_lm_head_keeps_the_first_loss_exact_and_resumes_bit_identical(tmp_path):
+    """The forward (logits, loss) is untouched, so the first step's loss equals the plain run's to the bit; later ones
+    move apart by the FP8 gradient's rounding, little; a resumed run ends bit-identical."""
+    model, tok = _padded_vocab_target()
+    kw = dict(float8_draft_linears=False, float8_lm_head=True, label_source="target_argmax")
+    fp8 = _trainer(tmp_path / "fp8", model, tok, save_strategy="steps", save_steps=3, **kw)
+    assert fp8.objective.float8_lm_head and fp8.objective.use_fused_linear_ce
+    plain = _trainer(tmp_path / "plain", model, tok, **(kw | dict(float8_lm_head=False)))
+    fp8.train()
+    plain.train()
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (fp8, plain)]
+    assert losses[0][0] == losses[1][0] and losses[0] != losses[1]
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 0.05 * b
+    resumed = _trainer(tmp_path / "resumed", model, tok, **kw)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "fp8" / "out" / "checkpoint-3"))
+    assert_bitwise_equal(trainer_weights(fp8), trainer_weights(resumed))
+
+
+def test_fp8_lm_head_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match=r"float8_lm_head=true runs in the fused lm_head \+ CE, which this run does "
+                                         r"not use .*: set float8_lm_head=false"):
+        make_args(tmp_path, mask_token_id=262, float8_lm_head=True, variant="dflash2")
+    with pytest.raises(ValueError, match="float8_lm_head=true runs in the fused"):
+        make_args(tmp_path, mask_token_id=262, float8_lm_head=True, use_fused_linear_ce=False)
+    model, tok = tiny_text_target()  # 263 words
+    with pytest.raises(ValueError, match=r"multiples of 16 .*got 263 x 64: set float8_lm_head=false"):
+        _trainer(tmp_path, model, tok, float8_draft_linears=False, float8_lm_head=True)
