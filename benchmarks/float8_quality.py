@@ -1,10 +1,12 @@
-"""FP8 draft linears against the training precision on a real text target (issue 16, `float8_draft_linears`).
+"""FP8 training matmuls against the training precision on a real text target (issue 16: `float8_draft_linears`,
+`float8_lm_head`).
 
     python benchmarks/float8_quality.py --target $CACHE/smollm2/hf --sentences $CACHE/data/corpus/sentences.jsonl \
         --train 3000 --dev 100 --max_steps 300 --out docs/results/float8_quality_smollm2_cpu.json
 
 Two drafts are trained by `dflash-train`, one after the other, from the same seed on the same data in the same order,
-one with `--float8_draft_linears true` and one without; everything else is equal. The data are corpus sentences as
+one with FP8 (`--fp8`: the draft's linear layers, the lm_head's gradient in the fused CE, or both) and one without;
+everything else is equal. The data are corpus sentences as
 assistant turns after a fixed user prompt, labelled by the target itself (`label_source=target_argmax`, what
 speculative decoding accepts), or the target's own responses (`dflash-generate-labels` output: rows with a
 `context`; add `-- --label_source ground_truth`). Reported per run: the dev curve (`eval_dev_tau_est`,
@@ -30,6 +32,8 @@ from decode_profile import git_commit  # noqa: E402
 from real_targets import cli, read_jsonl, to_text_cuts, training_log, write_json, write_jsonl  # noqa: E402
 
 PROMPT = "Write one sentence."
+FP8_FLAGS = {"layers": ("float8_draft_linears",), "lm_head": ("float8_lm_head",),
+             "both": ("float8_draft_linears", "float8_lm_head")}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -47,6 +51,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=2, help="CPU threads of each training process")
     p.add_argument("--work", default="/tmp/float8_quality", help="data and runs go here")
+    p.add_argument("--fp8", default="layers", choices=sorted(FP8_FLAGS),
+                   help="what the FP8 run converts: layers (float8_draft_linears), lm_head (float8_lm_head) or both")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("train_flags", nargs="*", help="more dflash-train flags for both runs (after --)")
     return p
@@ -78,15 +84,15 @@ def train(name: str, args, data: dict[str, Path], mask_id: int, fp8: bool) -> di
              "--save_strategy", "steps", "--save_steps", str(args.max_steps),  # its trainer_state.json: the log
              "--report_to", "none", "--disable_tqdm", "true", "--seed", "0",
              "--precision", "bf16" if args.device == "cuda" else "fp32", "--real_tau_steps", "0",
-             "--use_cpu", str(args.device == "cpu").lower(), "--float8_draft_linears", str(fp8).lower(),
-             *args.train_flags]
+             "--use_cpu", str(args.device == "cpu").lower(),
+             *[item for flag in FP8_FLAGS[args.fp8] for item in (f"--{flag}", str(fp8).lower())], *args.train_flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [*cli("dflash_hf.cli.train"), *map(str, flags)]
     print("+", " ".join(cmd[3:]), flush=True)
     start = time.time()
     subprocess.run(cmd, check=True, env=env)
     log = training_log(out_dir)
-    return {"float8_draft_linears": fp8, "seconds": round(time.time() - start, 1),
+    return {**{flag: fp8 for flag in FP8_FLAGS[args.fp8]}, "seconds": round(time.time() - start, 1),
             "dev": [{k: e[k] for k in ("step", "eval_dev_tau_est", "eval_dev_loss") if k in e}
                     for e in log if "eval_dev_tau_est" in e],
             "train_loss": [(e["step"], e["loss"]) for e in log if "loss" in e],
@@ -107,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     data = sentence_cuts(Path(args.sentences), work, args.train, args.dev)
     runs = {name: train(name, args, data, mask_id, fp8) for name, fp8 in (("reference", False), ("float8", True))}
     final = {name: run["dev"][-1]["eval_dev_tau_est"] for name, run in runs.items() if run["dev"]}
-    result = {"what": "float8_draft_linears against the training precision, same seed and data", "commit": commit,
+    what = " and ".join(FP8_FLAGS[args.fp8])
+    result = {"what": f"{what} against the training precision, same seed and data", "commit": commit,
               "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
               "target": args.target, "device": args.device, "threads": args.threads, "train_sentences": args.train,
               "dev_sentences": args.dev, "final_dev_tau_est": final,
