@@ -1,5 +1,5 @@
 # Background chains on the GPU machine (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing,
-# trainrows; see the case labels). Copy out of the working tree first (the next call replaces it), then:
+# trainrows, f8q; see the case labels). Copy out of the working tree first (the next call replaces it), then:
 #   cp benchmarks/device/*.sh /tmp/ && setsid nohup bash /tmp/chains.sh KIND ARGS > /tmp/logs/KIND.log 2>&1 < /dev/null &
 # Results and logs go to /tmp/results and /tmp/logs; bring them back with `tar czf $OUT/r.tgz /tmp/results /tmp/logs`
 # ($OUT returns only a few files).
@@ -186,5 +186,13 @@ case $kind in
       timeout $limit python3 scripts/benchmark_train.py --shape $shape "${layers[@]}" "${extra[@]}" \
         --out /tmp/results/trainrows_$row.json > /tmp/logs/trainrows_$row.log 2>&1
     done; echo done > /tmp/logs/trainrows.done ;;
-  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing, trainrows)"; exit 2 ;;
+  f8q)  # [FP8 [STEPS]]: FP8 (layers | lm_head | both) against bf16 on SmolLM2-135M (after `unpack smollm2`), two
+    # dflash-train runs one after the other from the same seed on 20,000 corpus sentences (benchmarks/float8_quality.py)
+    fp8=${1:-both}; steps=${2:-2000}
+    python3 benchmarks/float8_quality.py --target $C/smollm2/hf --sentences $C/data/corpus/sentences.jsonl \
+      --device cuda --fp8 "$fp8" --train 20000 --dev 256 --max_steps "$steps" --evals 10 --work /tmp/f8q_$fp8 \
+      --out /tmp/results/float8_quality_smollm2_h200_$fp8.json -- --max_tokens 8192 --num_anchors 64 \
+      > /tmp/logs/f8q_$fp8.log 2>&1
+    echo "rc=$?" > /tmp/logs/f8q_$fp8.done ;;
+  *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing, trainrows, f8q)"; exit 2 ;;
 esac
