@@ -140,17 +140,19 @@ def _has_fp8() -> bool:
 @needs_cuda
 @pytest.mark.parametrize(("variant", "backend", "fp8"), [
     ("dflash", "flex", False), ("dflash", "sdpa", False), ("dflash2", "flex", False), ("dflash2", "sdpa", False),
-    ("dflash", "flex", True),  # float8_draft_linears: the scales stay on the device
+    ("dflash", "flex", True),  # float8_draft_linears and float8_lm_head: the scales stay on the device
 ])
 def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backend, fp8):
     if fp8 and not _has_fp8():
         pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
     model, tok = tiny_text_target(hidden_size=256)  # head_dim 64: compiled flex has no fp32 kernel for 16
+    if fp8:
+        model.resize_token_embeddings(272)  # float8_lm_head: a vocabulary that is a multiple of 16
     rows = random_rows(6, 250, resp_len=(20, 40))
     trainer = make_trainer(
         tmp_path, model, tok, rows, use_cpu=False, variant=variant, attention_backend=backend,
         label_source="target_argmax", compile_draft_layers=backend == "flex", num_anchors=8,
-        float8_draft_linears=fp8, precision="bf16" if fp8 else "fp32",  # FP8 on a GPU trains in bf16
+        float8_draft_linears=fp8, float8_lm_head=fp8, precision="bf16" if fp8 else "fp32",  # FP8 trains in bf16
     )
     batch = text_batch(rows, tok.pad_token_id, padding_side="left")
     device_batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
