@@ -84,3 +84,17 @@ def test_the_frozen_lm_head_is_quantized_once_until_it_changes():
     weight.mul_(2.0)  # a frozen weight changed in place (a checkpoint loaded into the target): quantized again
     again, _ = frozen_weight_for_input_grad(weight)
     assert again is not wq and torch.equal(again.float(), quantize(weight, 0)[0].float())
+
+
+def test_the_compiled_ce_kernel_writes_the_eager_e4m3_rows():
+    """On a GPU the CE kernel runs compiled (`fused_ce._ce_grad`); its FP8 branch traces in one graph, also once the
+    row count turns dynamic, and writes eager's e4m3 rows (CE and scales equal up to float32 rounding)."""
+    compiled = torch.compile(_ce_and_logit_grad, fullgraph=True)
+    for rows in (37, 53):
+        hidden, weight, labels, weights = _case(torch.bfloat16, m=rows, seed=rows)
+        logits = hidden @ weight.t()
+        eager = _ce_and_logit_grad(logits, labels, weights, True, True)
+        got = compiled(logits, labels, weights, True, True)
+        assert torch.equal(got[1], eager[1]) and torch.equal(got[2].float(), eager[2].float())
+        torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[3], eager[3], rtol=1e-5, atol=0)
