@@ -266,8 +266,9 @@ class DFlashRunArguments:
         default=False,
         metadata={
             "help": "Experimental: in training, run the input-gradient matmul of the fused lm_head + CE in FP8 (e4m3; "
-            "the frozen lm_head quantized once, V x H bytes). Logits, loss and metrics stay exact. DFlash with "
-            "use_fused_linear_ce only; needs FP8 tensor cores. Compare the dev tau with a run without it."
+            "the frozen lm_head quantized once, V x H bytes); logits and loss stay in the training precision. DFlash "
+            "with use_fused_linear_ce only, vocabulary and hidden size multiples of 16; needs FP8 tensor cores and "
+            "precision=bf16 on a GPU. Compare the dev tau with a run without it."
         },
     )
     compile_target: bool = field(

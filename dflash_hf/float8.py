@@ -52,16 +52,24 @@ def _column_major(x: torch.Tensor) -> torch.Tensor:
     return x.t().contiguous().t()
 
 
-# id(weight) -> (weak reference, version, fp8 [V, H] column-major, scale [1, H]); an entry leaves with its weight
+# id(weight) -> (weak reference, what the weight's values were (`_state`), fp8 [V, H] column-major, scale [1, H]);
+# an entry leaves with its weight
 _FROZEN: dict[int, tuple] = {}
+
+
+def _state(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's current values: its storage, dtype, device, shape and in-place version (`.to()`
+    of its module swaps the storage; writes through `.data` are not seen)."""
+    return weight.data_ptr(), weight.dtype, weight.device, tuple(weight.shape), weight._version
 
 
 def frozen_weight_for_input_grad(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """A frozen `[V, H]` weight (the lm_head) as the second operand of `dx = dy @ W` in e4m3: column-major, one
     scale per input feature `[1, H]` (as :func:`quantize` with `dim=0`). Made once per weight and kept (V x H bytes)
-    until the weight is modified in place; quantized `rows` rows at a time, so it never holds a float32 copy."""
+    until the weight changes (in place, or moved or cast with its module); quantized `rows` rows at a time, so it
+    never holds a float32 copy."""
     cached = _FROZEN.get(id(weight))
-    if cached is not None and cached[0]() is weight and cached[1] == weight._version:
+    if cached is not None and cached[0]() is weight and cached[1] == _state(weight):
         return cached[2], cached[3]
     w = weight.detach()
     amax = torch.stack([w[i:i + rows].abs().amax(0) for i in range(0, w.shape[0], rows)]).amax(0, keepdim=True)
@@ -70,7 +78,7 @@ def frozen_weight_for_input_grad(weight: torch.Tensor, rows: int = 8192) -> tupl
     for i in range(0, w.shape[0], rows):
         wq_t[:, i:i + rows] = (w[i:i + rows].float() * scale).clamp_(-E4M3_MAX, E4M3_MAX).t().to(E4M3)
     key = id(weight)
-    _FROZEN[key] = (weakref.ref(weight, lambda _, key=key: _FROZEN.pop(key, None)), weight._version, wq_t.t(),
+    _FROZEN[key] = (weakref.ref(weight, lambda _, key=key: _FROZEN.pop(key, None)), _state(weight), wq_t.t(),
                     scale.reciprocal())
     return _FROZEN[key][2], _FROZEN[key][3]
 
@@ -120,18 +128,19 @@ def _aligned(module: nn.Linear) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
-def check_float8_device(device: torch.device, field: str = "float8_draft_linears") -> None:
-    """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the option would run slower, not
-    faster) or without the operators (anything but CUDA and the CPU). `field`: the option asking for FP8."""
+def check_float8_device(device: torch.device, fields: tuple[str, ...] = ("float8_draft_linears",)) -> None:
+    """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the options would run slower, not
+    faster) or without the operators (anything but CUDA and the CPU). `fields`: the options asking for FP8."""
+    on, off = (" and ".join(f"{name}={value}" for name in fields) for value in ("true", "false"))
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:
             raise ValueError(
-                f"{field}=true needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
-                f"this GPU has {capability[0]}.{capability[1]}: set {field}=false"
+                f"{on} needs FP8 tensor cores (compute capability >= 8.9: Ada, Hopper or newer); "
+                f"this GPU has {capability[0]}.{capability[1]}: set {off}"
             )
     elif device.type != "cpu":
-        raise ValueError(f"{field}=true runs on CUDA (or the CPU, for tests), not on {device.type}: set {field}=false")
+        raise ValueError(f"{on} runs on CUDA (or the CPU, for tests), not on {device.type}: set {off}")
 
 
 def float8_draft_linears(draft: nn.Module) -> list[str]:

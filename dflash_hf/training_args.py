@@ -178,8 +178,8 @@ class DFlashTrainingArguments(
                 )
 
     def _check_float8(self) -> None:
-        flags = [name for name in ("float8_draft_linears", "float8_lm_head") if getattr(self, name)]
-        if not flags:
+        flags = tuple(name for name in ("float8_draft_linears", "float8_lm_head") if getattr(self, name))
+        if not flags or self.validate_only:  # (a validation trains nothing)
             return
         import torch
 
@@ -193,10 +193,11 @@ class DFlashTrainingArguments(
                              "(use_fused_linear_ce=false; DFlash2, soft labels and loss types weighted by the draft's "
                              "own CE need the dense logits): set float8_lm_head=false")
         device = self._device_type()
-        check_float8_device(torch.device(device), flags[0])
+        check_float8_device(torch.device(device), flags)
         if device == "cuda" and self.precision != "bf16":
-            raise ValueError(f"{flags[0]}=true on a GPU needs precision=bf16 (FP8 matmuls with per-row scales write "
-                             f"bf16 there), got precision={self.precision!r}")
+            on = " and ".join(f"{name}=true" for name in flags)
+            raise ValueError(f"{on} on a GPU needs precision=bf16 (FP8 matmuls with per-row scales write bf16 there), "
+                             f"got precision={self.precision!r}")
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

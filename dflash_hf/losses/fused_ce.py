@@ -6,7 +6,8 @@ labels (`--use_fused_linear_ce`, the DFlash default): its slot weights must be k
 cores. A row of `softmax - onehot` has its largest magnitude at the label, `1 - p_label` (every other probability is
 at most the rest of the mass), so the CE kernel writes the row already scaled to e4m3's range (the rest of the mass
 is a second log-sum-exp over the row it reads anyway) and `w·(1 - p_label)/448` is the row's scale; `W` is quantized
-once (`float8.frozen_weight_for_input_grad`). The logits, loss and argmax stay exact."""
+once (`float8.frozen_weight_for_input_grad`). The logits, loss and argmax are the ones without it (up to float32
+rounding where the kernel is compiled: the FP8 branch is another graph)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def _ce_grad(logits, labels, weights, need_grad, fp8):
     return _compiled_ce_grad(logits, labels, weights, need_grad, fp8)
 
 
+def _check_fp8_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """What `_scaled_mm` needs of the FP8 gradient's operands (on the host: no synchronization)."""
+    if weight.shape[0] % 16 or weight.shape[1] % 16:
+        raise ValueError(f"float8_lm_head=true needs an lm_head whose vocabulary and hidden size are multiples of 16 "
+                         f"(FP8 tensor-core matmuls), got {tuple(weight.shape)}: set float8_lm_head=false")
+    if hidden.is_cuda and hidden.dtype != torch.bfloat16:
+        raise ValueError(f"float8_lm_head=true on a GPU needs bf16 draft states (precision=bf16), got {hidden.dtype}")
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """`Σ w·CE(hidden @ Wᵀ, labels)` chunk-wise, with `d/d hidden` computed in the forward pass: each chunk's
     logits are made once (checkpointed chunks would make them twice) and never outlive their chunk; backward
@@ -68,6 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         pred = torch.empty_like(labels)
         grad = torch.empty_like(hidden) if need_grad else None
         if need_grad and fp8:
+            _check_fp8_operands(hidden, weight)
             weight_q, weight_scale = frozen_weight_for_input_grad(weight)  # [V, H] column-major, [1, H]
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)

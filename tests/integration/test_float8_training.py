@@ -63,6 +63,7 @@ def test_every_fp8_matmul_of_a_bf16_training_step_meets_the_gpu_operator_contrac
     layers = len(trainer.model.layers)
     assert len(calls) == 2 * len(PROJECTIONS) * layers + 1  # forward and input gradient of each; fc's forward
 
+
 def test_a_resumed_fp8_run_ends_bit_identical(tmp_path):
     model, tok = tiny_text_target()
     straight = _trainer(tmp_path / "a", model, tok, save_strategy="steps", save_steps=3)

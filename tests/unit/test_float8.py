@@ -59,9 +59,10 @@ def test_every_fp8_matmul_meets_the_gpu_operator_contract(monkeypatch, layout):
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", gpu_scaled_mm_contract(calls))
     torch.manual_seed(3)
-    base = {"contiguous": torch.randn(3, 7, 64), "transposed": torch.randn(64, 21).t(),
-            "row_slice": torch.randn(21, 80)[:, 8:72]}[layout]
-    x = base.to(torch.bfloat16).requires_grad_()
+    x = {"contiguous": torch.randn(3, 7, 64), "transposed": torch.randn(64, 21).t(),  # (bf16 copies keep strides)
+         "row_slice": torch.randn(21, 80).to(torch.bfloat16)[:, 8:72]}[layout].to(torch.bfloat16)
+    assert x.is_contiguous() == (layout == "contiguous")
+    x = x.detach().requires_grad_()
     layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
     layer.__class__ = Float8Linear
     out = layer(x)
