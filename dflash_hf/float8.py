@@ -40,11 +40,19 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale that multiplies the fp8 values back (`[R, 1]` for `dim=-1`, `[1, C]` for `dim=0`). The fp8 tensor is
     row-major whatever `x`'s strides (the GPU's `_scaled_mm` refuses a first operand that is not)."""
     x = x.detach()
-    amax = x.abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
-    scale = E4M3_MAX / amax
-    scaled = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # one float32 copy
-    scaled.mul_(scale).clamp_(-E4M3_MAX, E4M3_MAX)
-    return scaled.to(E4M3), scale.reciprocal()
+    scale = _scale_for(x.abs().amax(dim=dim, keepdim=True))
+    return _to_e4m3(x, scale), scale.reciprocal()
+
+
+def _scale_for(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 factor that maps `amax` to e4m3's largest value."""
+    return E4M3_MAX / amax.float().clamp(min=1e-12)
+
+
+def _to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x * scale` in e4m3, row-major whatever `x`'s strides, through one float32 copy."""
+    scaled = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return scaled.mul_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _column_major(x: torch.Tensor) -> torch.Tensor:
@@ -72,15 +80,13 @@ def frozen_weight_for_input_grad(weight: torch.Tensor, rows: int = 8192) -> tupl
     if cached is not None and cached[0]() is weight and cached[1] == _state(weight):
         return cached[2], cached[3]
     w = weight.detach()
-    amax = torch.stack([w[i:i + rows].abs().amax(0) for i in range(0, w.shape[0], rows)]).amax(0, keepdim=True)
-    scale = E4M3_MAX / amax.float().clamp(min=1e-12)  # [1, H]
+    scale = _scale_for(torch.stack([w[i:i + rows].abs().amax(0) for i in range(0, w.shape[0], rows)]).amax(0))
     wq_t = torch.empty(w.shape[1], w.shape[0], dtype=E4M3, device=w.device)  # [H, V]: W column-major
     for i in range(0, w.shape[0], rows):
-        wq_t[:, i:i + rows] = (w[i:i + rows].float() * scale).clamp_(-E4M3_MAX, E4M3_MAX).t().to(E4M3)
-    key = id(weight)
-    _FROZEN[key] = (weakref.ref(weight, lambda _, key=key: _FROZEN.pop(key, None)), _state(weight), wq_t.t(),
-                    scale.reciprocal())
-    return _FROZEN[key][2], _FROZEN[key][3]
+        wq_t[:, i:i + rows] = _to_e4m3(w[i:i + rows], scale).t()
+    key, quantized = id(weight), (wq_t.t(), scale[None, :].reciprocal())  # [V, H], [1, H]
+    _FROZEN[key] = (weakref.ref(weight, lambda _, key=key: _FROZEN.pop(key, None)), _state(weight), *quantized)
+    return quantized
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -128,10 +134,22 @@ def _aligned(module: nn.Linear) -> bool:
     return module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
 
 
+def options_set(fields: tuple[str, ...], value: str) -> str:
+    """`a=value and b=value`: the FP8 options named in an error message."""
+    return " and ".join(f"{name}={value}" for name in fields)
+
+
+def check_lm_head_shape(vocab: int, hidden: int) -> None:
+    """Refuse `float8_lm_head` for an lm_head `_scaled_mm` cannot take (both dimensions multiples of 16)."""
+    if vocab % _ALIGN or hidden % _ALIGN:
+        raise ValueError(f"float8_lm_head=true needs the lm_head's vocabulary and hidden size to be multiples of "
+                         f"{_ALIGN} (FP8 tensor-core matmuls), got {vocab} x {hidden}: set float8_lm_head=false")
+
+
 def check_float8_device(device: torch.device, fields: tuple[str, ...] = ("float8_draft_linears",)) -> None:
     """Refuse a device without FP8 tensor cores (a GPU below compute capability 8.9: the options would run slower, not
     faster) or without the operators (anything but CUDA and the CPU). `fields`: the options asking for FP8."""
-    on, off = (" and ".join(f"{name}={value}" for name in fields) for value in ("true", "false"))
+    on, off = options_set(fields, "true"), options_set(fields, "false")
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < FP8_MIN_CAPABILITY:

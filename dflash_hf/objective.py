@@ -30,6 +30,7 @@ from .blocks import (
     slot_validity,
 )
 from .configuration_dflash import DFlashConfig
+from .float8 import check_lm_head_shape
 from .labels import LABEL_SOURCES, LabelSource, make_label_source
 from .losses import LOSSES, BlockLoss, DecayedCE, DFlash2BlockLoss, MetricSums, SlotLoss, make_loss
 from .losses.ce import block_loss
@@ -109,10 +110,7 @@ def check_float8_lm_head(args, config: DFlashConfig) -> bool:
     cannot take the lm_head: its vocabulary and hidden size must be multiples of 16."""
     if not getattr(args, "float8_lm_head", False):
         return False
-    if config.vocab_size % 16 or config.hidden_size % 16:
-        raise ValueError(f"float8_lm_head=true needs the lm_head's vocabulary and hidden size to be multiples of 16 "
-                         f"(FP8 tensor-core matmuls), got {config.vocab_size} x {config.hidden_size}: set "
-                         "float8_lm_head=false")
+    check_lm_head_shape(config.vocab_size, config.hidden_size)
     return True
 
 

@@ -183,7 +183,7 @@ class DFlashTrainingArguments(
             return
         import torch
 
-        from .float8 import check_float8_device
+        from .float8 import check_float8_device, options_set
 
         if self.float8_draft_linears and self.lora_r > 0:
             raise ValueError("float8_draft_linears=true converts the draft's own linear layers, which lora_r > 0 wraps "
@@ -195,9 +195,8 @@ class DFlashTrainingArguments(
         device = self._device_type()
         check_float8_device(torch.device(device), flags)
         if device == "cuda" and self.precision != "bf16":
-            on = " and ".join(f"{name}=true" for name in flags)
-            raise ValueError(f"{on} on a GPU needs precision=bf16 (FP8 matmuls with per-row scales write bf16 there), "
-                             f"got precision={self.precision!r}")
+            raise ValueError(f"{options_set(flags, 'true')} on a GPU needs precision=bf16 (FP8 matmuls with per-row "
+                             f"scales write bf16 there), got precision={self.precision!r}")
 
     def _check_packing(self) -> None:
         if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..float8 import E4M3, E4M3_MAX, frozen_weight_for_input_grad
+from ..float8 import E4M3, E4M3_MAX, check_lm_head_shape, frozen_weight_for_input_grad
 
 
 def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool,
@@ -59,9 +59,7 @@ def _ce_grad(logits, labels, weights, need_grad, fp8):
 
 def _check_fp8_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     """What `_scaled_mm` needs of the FP8 gradient's operands (on the host: no synchronization)."""
-    if weight.shape[0] % 16 or weight.shape[1] % 16:
-        raise ValueError(f"float8_lm_head=true needs an lm_head whose vocabulary and hidden size are multiples of 16 "
-                         f"(FP8 tensor-core matmuls), got {tuple(weight.shape)}: set float8_lm_head=false")
+    check_lm_head_shape(*weight.shape)
     if hidden.is_cuda and hidden.dtype != torch.bfloat16:
         raise ValueError(f"float8_lm_head=true on a GPU needs bf16 draft states (precision=bf16), got {hidden.dtype}")
 

@@ -92,7 +92,7 @@ def test_the_frozen_lm_head_is_quantized_once_until_it_changes():
 
 def test_fp8_operands_are_checked_before_the_matmul():
     hidden, weight, labels, weights = _case(torch.float32, v=263)  # 263 words: not a multiple of 16
-    with pytest.raises(ValueError, match=r"multiples of 16 .*\(263, 64\): set float8_lm_head=false"):
+    with pytest.raises(ValueError, match=r"multiples of 16 .*got 263 x 64: set float8_lm_head=false"):
         _run(hidden, weight, labels, weights, 16, fp8=True)
 
 
