@@ -166,8 +166,8 @@ case $kind in
     # GPU tests of the graph and of FP8 first; rows: 17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph
     # smoff smgraph (default: all but the SmolLM2 ones), 17fp8 8bfp8 slfp8: draft side and full step (compiled
     # target as a graph) with bf16 and with FP8 draft linears, one process per shape, and 17fp8lm 8bfp8lm slfp8lm:
-    # the same with FP8 draft linears and the FP8 lm_head gradient (float8_lm_head) only
-    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "target_forward_graph or prebuilt or synchron or float8" \
+    # the same with FP8 draft linears and the FP8 lm_head gradient (float8_lm_head) only. GPU_TESTS_K narrows the tests
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu/test_gpu.py -k "${GPU_TESTS_K:-target_forward_graph or prebuilt or synchron or float8}" \
       > /tmp/logs/gpu_tests.log 2>&1
     layers=(--modes full --steps 10 --full-configs attn=flex,ce=2048,compile=layers)
     for row in ${@:-17off 17graph 17cgraph wboff wbgraph 8bgraph 8bcgraph slcgraph}; do
