@@ -9,7 +9,10 @@ forward + backward of three variants, each compiled as `compile_draft_layers` co
 - `fp8`: :class:`dflash_hf.float8.Float8Linear` as training runs it (quantization included);
 - `fp8_matmuls`: the same three matmuls on operands quantized beforehand (what FP8 would cost with free quantization).
 
-`fp8 - fp8_matmuls` is what quantizing costs; `bf16 - fp8` what the layer saves. The per-layer sums times the draft's
+Each variant is timed twice: its wall time per call (CUDA events, synchronized after each call: for the small
+projections mostly the host's launch time) and, on a GPU, its kernel time per call (`torch.profiler`: what it costs in
+a training step that keeps the GPU busy, the figure to read). `fp8 - fp8_matmuls` is what quantizing costs;
+`bf16 - fp8` what the layer saves. The per-layer sums times the draft's
 layers (plus `fc` once) give what FP8 can save on the shape's draft side, to set beside `benchmark_train.py`'s rows.
 
     python scripts/benchmark_float8_linears.py --shape qwen3-1.7b qwen3-8b qwen3-1.7b-speechlike \
@@ -29,7 +32,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_train import SHAPES, _time_ms, matmul_tflops  # noqa: E402
+from benchmark_train import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
 
 from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.float8 import Float8Linear, _column_major, quantize  # noqa: E402
@@ -108,21 +111,41 @@ def variant_steps(proj: dict, device: torch.device, dtype: torch.dtype, compile_
     return steps
 
 
+def kernel_ms(fn, steps: int) -> float:
+    """Milliseconds of GPU kernels per call of `fn` (`torch.profiler` over `steps` calls): the call's cost inside a
+    training step that keeps the GPU busy, without the host's launch time, which a projection timed alone shows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return device_busy_us(prof.key_averages()) / 1e3 / steps
+
+
 def measure(shape_name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
-    """Every projection of the shape: the variants' median ms and what FP8 saves."""
-    rows = []
+    """Every projection of the shape: the variants' median wall ms (CUDA events) and, on a GPU, their kernel ms; and
+    what FP8 saves by each."""
+    rows, keys = [], ["ms"] + (["kernel_ms"] if device.type == "cuda" else [])
     for proj in projections(SHAPES[shape_name], args.draft_layers, args.block_size):
         torch._dynamo.reset()
         steps = variant_steps(proj, device, dtype, not args.eager)
-        ms = {v: statistics.median(_time_ms(steps[v], device, args.warmup, args.steps)) for v in VARIANTS}
-        rows.append(dict(proj, **{f"{v}_ms": round(ms[v], 4) for v in VARIANTS},
-                         saved_ms=round(ms["bf16"] - ms["fp8"], 4),
-                         quantize_ms=round(ms["fp8"] - ms["fp8_matmuls"], 4)))
+        got = {"ms": {v: statistics.median(_time_ms(steps[v], device, args.warmup, args.steps)) for v in VARIANTS}}
+        if device.type == "cuda":
+            got["kernel_ms"] = {v: kernel_ms(steps[v], args.steps) for v in VARIANTS}
+        row = dict(proj)
+        for key in keys:
+            t = got[key]
+            row |= {f"{v}_{key}": round(t[v], 4) for v in VARIANTS}
+            row |= {f"saved_{key}": round(t["bf16"] - t["fp8"], 4),
+                    f"quantize_{key}": round(t["fp8"] - t["fp8_matmuls"], 4)}
+        rows.append(row)
+        t = got[keys[-1]]
         print(f"{shape_name:24s} {proj['name']:9s} {proj['rows']:6d} x {proj['in_features']:5d} -> "
-              f"{proj['out_features']:5d}  bf16 {ms['bf16']:8.3f}  fp8 {ms['fp8']:8.3f}  "
-              f"matmuls {ms['fp8_matmuls']:8.3f} ms", flush=True)
-    total = {key: round(sum(r[key] * r["count"] for r in rows), 3)
-             for key in ("bf16_ms", "fp8_ms", "fp8_matmuls_ms", "saved_ms", "quantize_ms")}
+              f"{proj['out_features']:5d}  {keys[-1]}: bf16 {t['bf16']:8.3f}  fp8 {t['fp8']:8.3f}  "
+              f"matmuls {t['fp8_matmuls']:8.3f}", flush=True)
+    total = {f"{name}_{key}": round(sum(r[f"{name}_{key}"] * r["count"] for r in rows), 3)
+             for key in keys for name in (*VARIANTS, "saved", "quantize")}
     return {"shape": shape_name, "projections": rows, "draft_side_total": total}
 
 

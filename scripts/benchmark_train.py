@@ -278,12 +278,16 @@ def profile_steps(fn, steps: int, path: Path) -> dict:
     tables = [events.table(sort_by=key, row_limit=50, max_name_column_width=90)
               for key in ("self_device_time_total", "cpu_time_total")]
     path.write_text("\n\n".join(tables))
-    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return {
         "profiled_wall_ms": round(wall, 3),
-        "device_busy_ms": round(busy_us / 1e3 / steps, 3),
+        "device_busy_ms": round(device_busy_us(events) / 1e3 / steps, 3),
         "host_waits": host_waits(prof.events()),
     }
+
+
+def device_busy_us(events) -> float:
+    """Microseconds the GPU spent in kernels (and copies) among a profile's `key_averages()`."""
+    return sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def host_waits(events) -> dict[str, dict]:
