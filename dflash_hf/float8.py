@@ -89,15 +89,36 @@ def frozen_weight_for_input_grad(weight: torch.Tensor, rows: int = 8192) -> tupl
     return quantized
 
 
+Operand = tuple[torch.Tensor, torch.Tensor]  # (e4m3 values, float32 scale) of one `_scaled_mm` operand
+
+
+def forward_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[Operand, Operand]:
+    """`y = x @ Wᵀ`'s operands (x `[M, K]`, weight `[N, K]`): `x` per row `[M, 1]`, `Wᵀ` per output feature `[1, N]`."""
+    xq, x_scale = quantize(x, -1)  # [M, K], [M, 1]
+    wq, w_scale = quantize(weight, -1)  # [N, K], [N, 1]
+    return (xq, x_scale), (wq.t(), w_scale.t())
+
+
+def input_grad_operands(grad: torch.Tensor, weight: torch.Tensor) -> tuple[Operand, Operand]:
+    """`dx = dy @ W`'s operands (dy `[M, N]`, weight `[N, K]`): `dy` per row `[M, 1]`, `W` column-major per input
+    feature `[1, K]`."""
+    gq, g_scale = quantize(grad, -1)  # [M, N], [M, 1]
+    wq, w_scale = quantize(weight, 0)  # [N, K], [1, K]
+    return (gq, g_scale), (_column_major(wq), w_scale)
+
+
+def scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` on the FP8 tensor cores, dequantized by the operands' scales, in `out_dtype`."""
+    return torch._scaled_mm(a[0], b[0], scale_a=a[1], scale_b=b[1], out_dtype=out_dtype)
+
+
 class _Float8Linear(torch.autograd.Function):
     """`x @ Wᵀ` with the forward and input-gradient matmuls in e4m3 and the weight gradient in `x`'s dtype."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # x [M, K], weight [N, K]
-        xq, x_scale = quantize(x, -1)  # [M, K], [M, 1]
-        wq, w_scale = quantize(weight, -1)  # [N, K], [N, 1]
         ctx.save_for_backward(x, weight)
-        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)  # [M, N]
+        return scaled_mm(*forward_operands(x, weight), x.dtype)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # grad [M, N]
@@ -105,9 +126,7 @@ class _Float8Linear(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            gq, g_scale = quantize(grad, -1)  # [M, N], [M, 1]
-            wq, w_scale = quantize(weight, 0)  # [N, K], [1, K]: one scale per input feature
-            grad_x = torch._scaled_mm(gq, _column_major(wq), scale_a=g_scale, scale_b=w_scale, out_dtype=x.dtype)
+            grad_x = scaled_mm(*input_grad_operands(grad, weight), x.dtype)  # [M, K]
         if ctx.needs_input_grad[1]:
             grad_w = (grad.t() @ x).to(weight.dtype)  # [N, K]
         return grad_x, grad_w

@@ -22,6 +22,7 @@ layers (plus `fc` once) give what FP8 can save on the shape's draft side, to set
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_train import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
 
 from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
-from dflash_hf.float8 import Float8Linear, _column_major, quantize  # noqa: E402
+from dflash_hf.float8 import Float8Linear, forward_operands, input_grad_operands, scaled_mm  # noqa: E402
 
 VARIANTS = ("bf16", "fp8", "fp8_matmuls")
 
@@ -62,24 +63,19 @@ def projections(shape: dict, draft_layers: int, block_size: int) -> list[dict]:
 
 
 def _matmuls_only(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, input_grad: bool):
-    """`Float8Linear`'s three matmuls on operands quantized outside the timed call: returns the callable."""
-    xq, x_scale = quantize(x, -1)
-    wq, w_scale = quantize(weight, -1)
-    gq, g_scale = quantize(grad, -1)
-    wq_in, w_in_scale = quantize(weight, 0)
-    wq_in = _column_major(wq_in)
+    """A callable running `Float8Linear`'s three matmuls on operands quantized beforehand (not in the timed call);
+    it returns the output and the weight and input gradients."""
+    forward, backward = forward_operands(x, weight), input_grad_operands(grad, weight)
 
     def run():
-        out = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
-        grad_w = grad.t() @ x
-        grad_x = (torch._scaled_mm(gq, wq_in, scale_a=g_scale, scale_b=w_in_scale, out_dtype=x.dtype)
-                  if input_grad else None)
-        return out, grad_w, grad_x
+        grad_x = scaled_mm(*backward, x.dtype) if input_grad else None
+        return scaled_mm(*forward, x.dtype), grad.t() @ x, grad_x
     return run
 
 
 def _module_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
-    """Forward + backward of `layer` (compiled or not): returns the callable and its output and gradients."""
+    """A callable running `layer`'s forward + backward (compiled or not); it returns the output and the weight and
+    input gradients."""
     def run():
         layer.weight.grad = None
         if x.requires_grad:
@@ -97,8 +93,7 @@ def variant_steps(proj: dict, device: torch.device, dtype: torch.dtype, compile_
     x = torch.randn(m, k, generator=g).to(device, dtype).requires_grad_(proj["input_grad"])
     grad = torch.randn(m, n, generator=g).to(device, dtype)
     bf16 = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
-    fp8 = nn.Linear(k, n, bias=False, device=device, dtype=dtype)
-    fp8.weight = nn.Parameter(bf16.weight.detach().clone())
+    fp8 = copy.deepcopy(bf16)
     fp8.__class__ = Float8Linear
     steps = {}
     for name, layer in (("bf16", bf16), ("fp8", fp8)):

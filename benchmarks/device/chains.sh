@@ -197,10 +197,10 @@ case $kind in
   f8lin)  # [SHAPE...]: where FP8 draft linears pay (scripts/benchmark_float8_linears.py: each projection bf16, FP8,
     # FP8 matmuls alone), then the 1.7B FP8 draft side under the profiler (its operator table: what quantizing costs)
     timeout 540 python3 scripts/benchmark_float8_linears.py --shape ${@:-qwen3-1.7b qwen3-8b qwen3-1.7b-speechlike} \
-      --out /tmp/results/float8_linears.json > /tmp/logs/f8lin.log 2>&1
+      --out /tmp/results/float8_linears.json > /tmp/logs/f8lin.log 2>&1; rc=$?
     timeout 300 python3 scripts/benchmark_train.py --shape qwen3-1.7b --modes draft --steps 10 --profile /tmp/results/f8lin_profile \
       --configs attn=flex,ce=2048,compile=layers,fp8=1,fp8lm=1 --out /tmp/results/f8lin_profile_17.json \
       > /tmp/logs/f8lin_profile.log 2>&1
-    echo "rc=$?" > /tmp/logs/f8lin.done ;;
+    echo "rc=$rc profile_rc=$?" > /tmp/logs/f8lin.done ;;
   *) echo "unknown chain $kind (whisper, smol, qwen, sllm, sllmdraft, sllmall, sllmduo, sllmgen, timing, trainrows, f8q, f8lin)"; exit 2 ;;
 esac

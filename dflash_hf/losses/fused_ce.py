@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..float8 import E4M3, E4M3_MAX, check_lm_head_shape, frozen_weight_for_input_grad
+from ..float8 import E4M3, E4M3_MAX, check_lm_head_shape, frozen_weight_for_input_grad, scaled_mm
 
 
 def _ce_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, need_grad: bool,
@@ -77,15 +77,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(hidden) if need_grad else None
         if need_grad and fp8:
             _check_fp8_operands(hidden, weight)
-            weight_q, weight_scale = frozen_weight_for_input_grad(weight)  # [V, H] column-major, [1, H]
+            weight_fp8 = frozen_weight_for_input_grad(weight)  # [V, H] column-major, [1, H]
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = F.linear(hidden[rows], weight)
             ce, pred[rows], g, g_scale = _ce_grad(logits, labels[rows], weights[rows], need_grad, fp8)
             loss = loss + (weights[rows] * ce).sum()
             if need_grad and fp8:
-                grad[rows] = torch._scaled_mm(g, weight_q, scale_a=g_scale, scale_b=weight_scale,
-                                              out_dtype=hidden.dtype)
+                grad[rows] = scaled_mm((g, g_scale), weight_fp8, hidden.dtype)
             elif need_grad:
                 grad[rows] = g @ weight
         ctx.save_for_backward(grad)
