@@ -9,7 +9,8 @@
 #                                target and draft layers (issue 16)
 #   carry GROUP...               copy carried groups (e.g. whisper-base/group_00) to their staging folders
 #   unpack MODEL...              whisper-base | smollm2 | qwen2.5-coder: reassemble, verify, convert (smollm2, qwen)
-#   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo (copied once: a chain must not
+#   launch CHAIN [ARGS]          start a background chain of chains.sh from /tmp/repo_CODE (a copy per code version,
+#                                CODE its scripts' checksum; the latest is /tmp/repo_current: a chain must not
 #                                import from the call's copy, which the next call replaces)
 #   poll SECONDS                 wait, then one line per log, the finished chains, GPU use; results into $OUT/r.tgz
 #   bring RUN [GROUP...]         a trained draft (runs/RUN/draft) back through $OUT: packed once into <= 15 MiB
@@ -72,11 +73,17 @@ case $step in
     done ;;
   launch)
     chain=${1:?CHAIN}; tag=$(echo "$*" | tr ' /' '__')
-    if [ ! -d /tmp/repo/dflash_hf ]; then
-      mkdir -p /tmp/repo && tar cf - --exclude=.devcarry --exclude=.git . | tar xf - -C /tmp/repo || exit 1
+    # one copy per code version (a machine can come back with an earlier session's /tmp): chains already running
+    # keep the copy they started in, a changed tree gets a copy of its own
+    code=$(find . -path ./.devcarry -prune -o -path ./.git -prune -o -type f \( -name '*.py' -o -name '*.sh' -o \
+      -name '*.yaml' -o -name '*.toml' \) -print | LC_ALL=C sort | xargs md5sum | md5sum | cut -c1-12)
+    repo=/tmp/repo_$code
+    if [ ! -d "$repo"/dflash_hf ]; then
+      mkdir -p "$repo" && tar cf - --exclude=.devcarry --exclude=.git . | tar xf - -C "$repo" || exit 1
     fi
-    (cd /tmp/repo && REPO=/tmp/repo setsid nohup bash /tmp/chains.sh "$@" > /tmp/logs/ch_"$tag".log 2>&1 < /dev/null &)
-    echo "launched $*" ;;
+    ln -sfn "$repo" /tmp/repo_current
+    (cd "$repo" && REPO="$repo" setsid nohup bash /tmp/chains.sh "$@" > /tmp/logs/ch_"$tag".log 2>&1 < /dev/null &)
+    echo "launched $* (code $code)" ;;
   poll)
     sleep "${1:-0}"
     cd /tmp/logs || exit 1
