@@ -145,6 +145,34 @@ class LabelAgreementCallback(TrainerCallback):
                 name, value, state.global_step, 100 * (1 - value), consequence)
 
 
+class LoaderPaceCallback(TrainerCallback):
+    """Warn once when the training step waits for its batches more than `share` of its wall time (`data_wait_ms`
+    against `step_ms`, logged by `DFlashTrainer`): the loader, not the device, sets the pace. The first logging
+    window is left out (the loader's start and compilation fall in it)."""
+
+    def __init__(self, share: float = 0.3):
+        self.share = share
+        self.windows = 0
+        self.warned = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.warned or not logs or "data_wait_ms" not in logs or not state.is_world_process_zero:
+            return
+        self.windows += 1
+        wait, step = logs["data_wait_ms"], logs.get("step_ms", 0.0)
+        if self.windows == 1 or step <= 0 or wait <= self.share * step:
+            return
+        self.warned = True
+        workers = args.dataloader_num_workers
+        where = ("the batches are rendered, tokenized and featurized in the training process"
+                 if workers == 0 else f"{workers} loader workers do not keep up")
+        logger.warning(
+            "the data loader sets the pace: at step %d a step waited %.0f of its %.0f ms for its batches (%s). Raise "
+            "--dataloader_num_workers (now %d; a few per GPU, up to the CPU cores there are). What stays in the "
+            "training process is the sampler's token counting, once per sample (docs/PERFORMANCE.md, \"The data "
+            "loader\").", state.global_step, wait, step, where, workers)
+
+
 class DFlashProgressCallback(ProgressCallback):
     """The Trainer's progress bar with `loss`, `tau_est` (and the real `tau` when measured) as its postfix,
     instead of printing the whole log dict at every logging step; evaluation results print as one line."""
@@ -197,12 +225,14 @@ class DataEpochCallback(TrainerCallback):
 
 def add_dflash_callbacks(trainer, args) -> None:
     """The `DFlashTrainer`'s callbacks: the concise progress bar, real tau (`real_tau_steps`), the data epoch, the
-    label-agreement warning, the time budget (`max_train_minutes`) and early stopping (`early_stopping_patience`)."""
+    label-agreement and loader-pace warnings, the time budget (`max_train_minutes`) and early stopping
+    (`early_stopping_patience`)."""
     use_concise_progress_bar(trainer)
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
     trainer.add_callback(DataEpochCallback(trainer))
     trainer.add_callback(LabelAgreementCallback())
+    trainer.add_callback(LoaderPaceCallback())
     if args.max_train_minutes is not None:
         trainer.add_callback(TimeBudgetCallback(args.max_train_minutes))
     add_early_stopping(trainer, args)
@@ -217,6 +247,7 @@ def use_concise_progress_bar(trainer) -> None:
 
 
 __all__ = [
-    "DataEpochCallback", "DFlashProgressCallback", "LabelAgreementCallback", "RealTauCallback", "TimeBudgetCallback",
+    "DataEpochCallback", "DFlashProgressCallback", "LabelAgreementCallback", "LoaderPaceCallback", "RealTauCallback",
+    "TimeBudgetCallback",
     "add_dflash_callbacks", "use_concise_progress_bar",
 ]

@@ -4,6 +4,7 @@ count each sample occupies in the decoder (audio positions after expansion + tex
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, _add_special_tokens, audio_token_id
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
+MAX_REMEMBERED_COUNTS = 1 << 20  # about 100 MB of digests and counts; later samples are counted every epoch
 
 
 class SampleValidator:
@@ -34,6 +36,7 @@ class SampleValidator:
         self.max_tokens, self.bad = max_tokens, bad
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
+        self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
 
     def _report(self, cut, field: str, problem: str, fix: str) -> None:
         self.bad.report(cut.id, field, problem, fix, origin=origin_of(cut))
@@ -136,9 +139,22 @@ class SampleValidator:
         return cut
 
     def token_counts(self, cut) -> tuple[int, int]:
-        """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion)."""
+        """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion).
+        Remembered by what decides them (the conversation and the duration), so later epochs do not render and
+        tokenize again: the sampler runs this in the loader's main process, beside the training step."""
+        messages = cut_to_messages(cut, self.family, self.renderer.config)
+        key = hashlib.blake2b(repr((messages, cut.duration if self.family.has_audio else None)).encode(),
+                              digest_size=16).digest()
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._count(messages, cut.duration)
+            if len(self._counts) < MAX_REMEMBERED_COUNTS:
+                self._counts[key] = counts
+        return counts
+
+    def _count(self, messages: list[dict], duration: float) -> tuple[int, int]:
         tokenizer = self.renderer.tokenizer
-        text = self.renderer.render_text(cut_to_messages(cut, self.family, self.renderer.config))
+        text = self.renderer.render_text(messages)
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
             ids = self.family.stream_ids(tokenizer, text)
         else:
@@ -146,7 +162,7 @@ class SampleValidator:
         if not self.family.has_audio:
             return len(ids), 0
         n_placeholders = sum(1 for i in ids if i == self.audio_id)
-        num_samples = round(cut.duration * self.family.sampling_rate)
+        num_samples = round(duration * self.family.sampling_rate)
         return len(ids) - n_placeholders, n_placeholders * self.family.audio_tokens(self.target_config, num_samples)
 
     def count_tokens(self, cut) -> int:

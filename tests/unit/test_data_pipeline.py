@@ -190,3 +190,37 @@ def test_skip_summary_and_num_workers(tmp_path, asr_target, corpus):
     assert sum(len(b["input_ids"]) for b in loader) == 9
     assert loader.bad_samples.num_skipped == 1
     assert "with_bad-00000000" in loader.bad_samples.summary()
+
+
+def test_token_counts_are_remembered_by_content(tmp_path, asr_target):
+    """A second epoch's counts come from the validator's memory, keyed by what decides them: the same id with
+    another text or another duration is counted again, and every count equals a fresh validator's."""
+    from dataclasses import replace
+
+    from lhotse.utils import fastcopy
+
+    from dflash_hf.data import BadSamples, ConversationRenderer
+    from dflash_hf.data.validation import SampleValidator
+
+    model, processor = asr_target
+    family = resolve_family(model.config)
+
+    def validator():
+        return SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=None,
+                               bad=BadSamples(skip=False))
+
+    cuts = list(open_source(tiny.synthesize_speech(tmp_path, 3, min_dur=0.6, max_dur=1.6)))
+    remembering = validator()
+    renders = []
+    render_text = remembering.renderer.render_text
+    remembering.renderer.render_text = lambda *a, **k: renders.append(1) or render_text(*a, **k)
+    first = [remembering.token_counts(c) for c in cuts]
+    assert len(renders) == 3 and first == [validator().token_counts(c) for c in cuts]
+    assert [remembering.token_counts(c) for c in cuts] == first and len(renders) == 3  # the second epoch: remembered
+    longer_text = fastcopy(cuts[0], supervisions=[replace(cuts[0].supervisions[0], text="a much longer reply " * 4)])
+    shorter = cuts[1].truncate(duration=cuts[1].duration / 2)
+    assert longer_text.id == cuts[0].id
+    for changed, before in ((longer_text, first[0]), (shorter, first[1])):
+        assert remembering.token_counts(changed) != before
+        assert remembering.token_counts(changed) == validator().token_counts(changed)
+    assert len(renders) == 5

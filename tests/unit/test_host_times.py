@@ -22,3 +22,26 @@ def test_means_per_step_over_a_window_then_a_new_window(monkeypatch):
     assert times.fetch(iter([1]), 1) == [1]
     times.planned()
     assert times.entries()["step_ms"] == 1000.0  # one step, 107.0 -> 108.0
+
+
+def test_a_loader_that_sets_the_pace_is_warned_once_after_the_first_window(monkeypatch):
+    from dflash_hf import callbacks
+
+    warned = []
+    monkeypatch.setattr(callbacks.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    cb = callbacks.LoaderPaceCallback(share=0.3)
+    args = type("A", (), {"dataloader_num_workers": 0})()
+    state = type("S", (), {"global_step": 20, "is_world_process_zero": True})()
+    slow = {"loss": 3.0, "data_wait_ms": 75.0, "step_ms": 125.0}
+    cb.on_log(args, state, None, logs=slow)  # the first window (loader start, compilation): not judged
+    cb.on_log(args, state, None, logs={"eval_dev_loss": 4.0})  # an evaluation's log: not a window
+    cb.on_log(args, state, None, logs={"loss": 3.0, "data_wait_ms": 30.0, "step_ms": 125.0})  # 24%: fine
+    assert not warned
+    cb.on_log(args, state, None, logs=slow)
+    cb.on_log(args, state, None, logs=slow)
+    assert len(warned) == 1 and "waited 75 of its 125 ms" in warned[0] and "now 0" in warned[0]
+    assert "in the training process" in warned[0]
+    other = callbacks.LoaderPaceCallback()
+    for _ in range(2):
+        other.on_log(type("A", (), {"dataloader_num_workers": 4})(), state, None, logs=slow)
+    assert "4 loader workers do not keep up" in warned[1]

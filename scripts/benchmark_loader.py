@@ -1,0 +1,108 @@
+"""What the training data loader costs per batch, epoch by epoch: the sampler alone (it runs in the training
+process whatever `--dataloader_num_workers` says: it validates each sample and counts its tokens for the batch
+budget) and the whole loader (sampler + collation: chat template, tokenization, audio decoding and features) with
+each worker count asked for. Each measurement builds its own loader, as `dflash-train` does.
+
+    python scripts/benchmark_loader.py --target $CACHE/smollm2/hf --data train.cuts.jsonl.gz --max-tokens 8192 \\
+        --workers 0 2 --epochs 2 --out docs/results/loader_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from dflash_hf.cli.train import load_processor
+from dflash_hf.data import build_train_dataloader
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target's directory (its config and processor/tokenizer)")
+    p.add_argument("--data", required=True, nargs="+", help="training data as dflash-train's --train_data takes it")
+    p.add_argument("--max-tokens", type=int, default=8192, help="the batch token budget (--max_tokens)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="loader worker counts to time")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per measurement (the first one counts tokens)")
+    p.add_argument("--max-batches", type=int, default=None, help="batches per epoch at most (default: all)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of this process")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    return p
+
+
+def _time_epochs(batches_of_epoch, epochs: int, max_batches: int | None) -> list[dict]:
+    """ms per batch and rows per batch of each epoch of `batches_of_epoch(epoch)` (an iterable of batches)."""
+    out = []
+    for epoch in range(epochs):
+        start, n, rows = time.perf_counter(), 0, 0
+        for batch in batches_of_epoch(epoch):
+            n += 1
+            rows += len(batch) if not isinstance(batch, dict) else batch["input_ids"].shape[0]
+            if max_batches is not None and n >= max_batches:
+                break
+        seconds = time.perf_counter() - start
+        out.append({"epoch": epoch, "batches": n, "rows_per_batch": round(rows / max(n, 1), 1),
+                    "ms_per_batch": round(1000 * seconds / max(n, 1), 2)})
+    return out
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = make_parser().parse_args(argv)
+    if args.epochs < 1 or any(w < 0 for w in args.workers):
+        raise SystemExit("--epochs must be >= 1 and --workers >= 0")
+    torch.set_num_threads(args.threads)
+    processor, config = load_processor(args.target), AutoConfig.from_pretrained(args.target)
+
+    def loader(workers: int):
+        start = time.perf_counter()
+        built = build_train_dataloader(args.data, processor, config, max_tokens=args.max_tokens, num_workers=workers)
+        return built, round(time.perf_counter() - start, 2)
+
+    def epochs_of(iterable_owner, iterate):
+        def batches(epoch):
+            iterable_owner.set_epoch(epoch)
+            return iterate()
+        return batches
+
+    sampler_loader, build_s = loader(0)
+    sampler = sampler_loader.batch_sampler
+    rows = {"sampler": {"build_s": build_s, "epochs": _time_epochs(epochs_of(sampler, lambda: iter(sampler)),
+                                                                   args.epochs, args.max_batches)}}
+    for workers in args.workers:
+        full, build_s = loader(workers)
+        rows[f"loader_workers_{workers}"] = {
+            "build_s": build_s, "epochs": _time_epochs(epochs_of(full, lambda full=full: iter(full)), args.epochs,
+                                                       args.max_batches)}
+    result = {"what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
+              "commit": _commit(),
+              "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
+              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
+    for name, row in rows.items():
+        print(name, f"build {row['build_s']} s;",
+              "; ".join(f"epoch {e['epoch']}: {e['ms_per_batch']} ms/batch ({e['rows_per_batch']} rows)"
+                        for e in row["epochs"]))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

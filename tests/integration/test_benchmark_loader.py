@@ -1,0 +1,26 @@
+"""scripts/benchmark_loader.py: the sampler alone and the whole loader see the same batches, epoch by epoch, and
+the results name what was measured (the timings themselves are a benchmark's business, not a test's)."""
+
+import json
+
+from utils import REPO_ROOT, script_fixture
+
+from dflash_hf import tiny
+
+bench = script_fixture(REPO_ROOT / "scripts" / "benchmark_loader.py")
+
+
+def test_sampler_and_loaders_batch_alike_over_epochs(tmp_path, bench):
+    target = tiny.save_tiny_target(tmp_path / "target", "qwen3_asr", hidden_size=32, num_layers=2)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 6, min_dur=0.6, max_dur=1.2)
+    out = tmp_path / "loader.json"
+    result = bench.main(["--target", str(target), "--data", str(manifest), "--max-tokens", "200", "--workers", "0",
+                         "1", "--epochs", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    rows = result["rows"]
+    assert set(rows) == {"sampler", "loader_workers_0", "loader_workers_1"}
+    shapes = {name: [(e["epoch"], e["batches"], e["rows_per_batch"]) for e in row["epochs"]]
+              for name, row in rows.items()}
+    assert shapes["sampler"] == shapes["loader_workers_0"] == shapes["loader_workers_1"]
+    assert [e[0] for e in shapes["sampler"]] == [0, 1] and sum(e[1] * e[2] for e in shapes["sampler"]) == 12
+    assert all(e["ms_per_batch"] > 0 for row in rows.values() for e in row["epochs"])
