@@ -31,6 +31,7 @@ from dflash_hf.data.json_rows import describe_value, detect_kind, json_rows, man
 from dflash_hf.data.lhotse_cuts import LhotseCuts
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
+MAX_REMEMBERED_HEADERS = 1 << 18  # audio headers a manifest keeps across epochs (about 1 KB each)
 
 
 @dataclass
@@ -104,8 +105,10 @@ def nemo_line_to_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamp
     return _nemo_cut(record, cut_id, manifest_dir, bad, origin)
 
 
-def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None) -> MonoCut | None:
-    """A checked NeMo line -> MonoCut: the audio file must exist and have a readable header."""
+def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None,
+              recordings: dict | None = None) -> MonoCut | None:
+    """A checked NeMo line -> MonoCut: the audio file must exist and have a readable header. `recordings`: headers
+    already read, by (path, size, modification time); a file changed since is read again."""
     path = Path(record["audio_filepath"]).expanduser()
     if not path.is_absolute():
         path = manifest_dir / path
@@ -115,16 +118,22 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
                    "point it at an audio file (relative paths are resolved against the manifest's directory)",
                    origin=origin)
         return None
-    if path.stat().st_size == 0:
+    stat = path.stat()
+    if stat.st_size == 0:
         bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is empty (0 bytes)",
                    "replace the file or remove the line", origin=origin)
         return None
-    try:
-        recording = Recording.from_file(path, recording_id=str(path))
-    except Exception as e:  # noqa: BLE001 - any decoder failure means the file is unusable
-        bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is unreadable ({type(e).__name__}: {e})",
-                   "re-encode the file as wav or flac", origin=origin)
-        return None
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    recording = recordings.get(key) if recordings is not None else None
+    if recording is None:
+        try:
+            recording = Recording.from_file(path, recording_id=str(path))
+        except Exception as e:  # noqa: BLE001 - any decoder failure means the file is unusable
+            bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is unreadable ({type(e).__name__}: {e})",
+                       "re-encode the file as wav or flac", origin=origin)
+            return None
+        if recordings is not None and len(recordings) < MAX_REMEMBERED_HEADERS:
+            recordings[key] = recording
     offset = float(record.get("offset") or 0.0)
     duration = record.get("duration")
     duration = recording.duration - offset if duration is None else float(duration)
@@ -150,6 +159,7 @@ class NemoManifest:
     def __init__(self, path: str | Path, bad: BadSamples | None = None):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
+        self._recordings: dict = {}  # audio headers read in an earlier epoch (lhotse Recordings)
 
     def _records(self) -> Iterator[tuple[str, str, dict]]:
         """``(cut id, origin, record)`` of the lines whose keys and types are right."""
@@ -166,7 +176,7 @@ class NemoManifest:
     def __iter__(self) -> Iterator[MonoCut]:
         manifest_dir = self.path.parent
         for cut_id, origin, record in self._records():
-            cut = _nemo_cut(record, cut_id, manifest_dir, self.bad, origin)
+            cut = _nemo_cut(record, cut_id, manifest_dir, self.bad, origin, self._recordings)
             if cut is not None:
                 yield cut
 

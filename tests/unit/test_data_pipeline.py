@@ -224,3 +224,19 @@ def test_token_counts_are_remembered_by_content(tmp_path, asr_target):
         assert remembering.token_counts(changed) != before
         assert remembering.token_counts(changed) == validator().token_counts(changed)
     assert len(renders) == 5
+
+
+def test_a_manifest_reads_each_audio_header_once_until_the_file_changes(tmp_path, monkeypatch):
+    from dflash_hf.data import sources
+
+    manifest = tiny.synthesize_speech(tmp_path, 3, min_dur=0.6, max_dur=1.0)
+    reads = []
+    from_file = sources.Recording.from_file
+    monkeypatch.setattr(sources.Recording, "from_file", lambda *a, **k: reads.append(a[0]) or from_file(*a, **k))
+    nemo = sources.NemoManifest(manifest)
+    first = [c.recording for c in nemo]
+    assert len(reads) == 3 and [c.recording for c in nemo] == first and len(reads) == 3  # the next epoch
+    path = first[0].sources[0].source
+    sf.write(path, np.zeros(8000, dtype=np.float32), 16000)  # rewritten: another size, another header
+    again = [c.recording for c in nemo]
+    assert len(reads) == 4 and again[0].num_samples == 8000 and again[1:] == first[1:]
