@@ -188,11 +188,13 @@ case $kind in
     done; echo done > /tmp/logs/trainrows.done ;;
   f8q)  # [FP8 [STEPS [SEED]]]: FP8 (layers | lm_head | both) against bf16 on SmolLM2-135M (after `unpack smollm2`),
     # two dflash-train runs one after the other from the same seed on 20,000 corpus sentences
-    # (benchmarks/float8_quality.py); chains of other seeds may run beside it (a 135M target leaves the GPU mostly idle)
+    # (benchmarks/float8_quality.py); chains of other seeds may run beside it (a 135M target leaves the GPU mostly idle;
+    # with no loader workers the fourteenth session's runs waited half of each step for batches: 3 workers each)
     fp8=${1:-both}; steps=${2:-2000}; seed=${3:-42}; n=${fp8}_seed$seed
     python3 benchmarks/float8_quality.py --target $C/smollm2/hf --sentences $C/data/corpus/sentences.jsonl \
       --device cuda --fp8 "$fp8" --train 20000 --dev 256 --max_steps "$steps" --evals 10 --work /tmp/f8q_$n \
       --out /tmp/results/float8_quality_smollm2_h200_$n.json -- --max_tokens 8192 --num_anchors 64 --seed "$seed" \
+      --dataloader_num_workers 3 \
       > /tmp/logs/f8q_$n.log 2>&1
     echo "rc=$?" > /tmp/logs/f8q_$n.done ;;
   f8lin)  # [SHAPE...]: where FP8 draft linears pay (scripts/benchmark_float8_linears.py: each projection bf16, FP8,
