@@ -31,7 +31,7 @@ from dflash_hf.data.json_rows import describe_value, detect_kind, json_rows, man
 from dflash_hf.data.lhotse_cuts import LhotseCuts
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
-MAX_REMEMBERED_HEADERS = 1 << 18  # audio headers a manifest keeps across epochs (about 1 KB each)
+MAX_REMEMBERED_HEADERS = 1 << 17  # audio headers a manifest keeps across epochs (about 1 KB each: 130 MB at most)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, _add_special_tokens, audio_token_id
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
-MAX_REMEMBERED_COUNTS = 1 << 20  # about 100 MB of digests and counts; later samples are counted every epoch
+MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
 
 
 class SampleValidator:
