@@ -18,6 +18,8 @@ from functools import partial
 
 from dflash_hf.families import TargetFamily, get_tokenizer
 
+MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
+
 
 @dataclass
 class ConversationConfig:
@@ -80,6 +82,7 @@ class ConversationRenderer:
         self.config = config or ConversationConfig()
         self.tokenizer = get_tokenizer(processor)
         self._special_ids = set(self.tokenizer.all_special_ids)
+        self._prompts: dict[str, str] = {}  # rendered generation prompts by their turns (`_prompt`)
         if family.render_decoder is not None:  # encoder-decoder: the family renders the decoder's own prompt
             self._apply = partial(family.render_decoder, self.tokenizer)
             return
@@ -94,11 +97,24 @@ class ConversationRenderer:
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    def _prompt(self, turns: list[dict], full: str) -> str:
+        """The rendered generation prompt of `turns` (all but the assistant's), remembered by the turns: a speech
+        data set's user turns are mostly one instruction and the audio. A remembered prompt that no longer prefixes
+        `full` (a template that renders the date) is rendered again."""
+        key = repr(turns)
+        prompt = self._prompts.get(key)
+        if prompt is None or not full.startswith(prompt):
+            prompt = self.render_text(turns, add_generation_prompt=True)
+            if len(self._prompts) >= MAX_REMEMBERED_PROMPTS:
+                self._prompts.clear()
+            self._prompts[key] = prompt
+        return prompt
+
     def render(self, cut) -> RenderedSample:
         messages = cut_to_messages(cut, self.family, self.config)
         response = cut.supervisions[0].text
         full = self.render_text(messages)
-        prompt = self.render_text(messages[:-1], add_generation_prompt=True)
+        prompt = self._prompt(messages[:-1], full)
         if not full.startswith(prompt):
             raise ValueError(
                 f"cut {cut.id!r}: the chat template's generation prompt {prompt[-40:]!r} is not a prefix of the "

@@ -240,3 +240,31 @@ def test_a_manifest_reads_each_audio_header_once_until_the_file_changes(tmp_path
     sf.write(path, np.zeros(8000, dtype=np.float32), 16000)  # rewritten: another size, another header
     again = [c.recording for c in nemo]
     assert len(reads) == 4 and again[0].num_samples == 8000 and again[1:] == first[1:]
+
+
+def test_rendered_prompts_are_remembered_and_rerendered_when_they_no_longer_fit(tmp_path, asr_target):
+    """Samples sharing a user turn render its generation prompt once; every rendered sample equals a fresh
+    renderer's; a template whose output changes (one that prints the date) gets its prompt rendered again."""
+    from lhotse.utils import fastcopy
+
+    from dflash_hf.data import ConversationRenderer
+
+    model, processor = asr_target
+    family = resolve_family(model.config)
+    cuts = list(open_source(tiny.synthesize_speech(tmp_path, 4, min_dur=0.6, max_dur=1.0)))
+    cuts[3] = fastcopy(cuts[3], custom={**(cuts[3].custom or {}), "context": "Another instruction."})
+    renderer = ConversationRenderer(processor, family)
+    calls, day = [], ["Monday"]
+    apply = renderer._apply
+
+    def dated(messages, **kw):
+        calls.append(kw["add_generation_prompt"])
+        return f"[{day[0]}]" + apply(messages, **kw)
+
+    renderer._apply = dated
+    fresh = ConversationRenderer(processor, family)
+    fresh._apply = lambda messages, **kw: f"[{day[0]}]" + apply(messages, **kw)
+    assert [renderer.render(c) for c in cuts] == [fresh.render(c) for c in cuts]
+    assert calls.count(True) == 2 and calls.count(False) == 4  # two distinct user turns, four conversations
+    day[0] = "Tuesday"
+    assert renderer.render(cuts[0]) == fresh.render(cuts[0]) and calls.count(True) == 3
