@@ -59,7 +59,7 @@ class PaddedCollator:
 
     def __call__(self, cuts) -> dict:
         cuts = list(cuts)
-        samples = [self.renderer.render(cut) for cut in cuts]
+        samples = self.renderer.render_many(cuts)
         audios = [load_cut_audio(c, self.family.sampling_rate) for c in cuts] if self.family.has_audio else []
         batch = encode_batch(self.family, self.processor, self.target_config, [s.text for s in samples], audios,
                              self.padding_side)

@@ -111,6 +111,19 @@ class ConversationRenderer:
         return prompt
 
     def render(self, cut) -> RenderedSample:
+        return self.render_many([cut])[0]
+
+    def render_many(self, cuts) -> list[RenderedSample]:
+        """Each cut rendered, its assistant turn located and its supervised suffix tokens marked; the suffixes
+        are tokenized in one call (a cut's own tokens do not depend on the others)."""
+        located = [self._locate(cut) for cut in cuts]
+        enc = self.tokenizer([suffix for _, _, suffix, _ in located], add_special_tokens=False,
+                             return_offsets_mapping=True) if located else {"input_ids": [], "offset_mapping": []}
+        return [self._supervise(cut, full, span, ids, offsets) for (cut, full, _, span), ids, offsets
+                in zip(located, enc["input_ids"], enc["offset_mapping"])]
+
+    def _locate(self, cut) -> tuple:
+        """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
         messages = cut_to_messages(cut, self.family, self.config)
         response = cut.supervisions[0].text
         full = self.render_text(messages)
@@ -126,13 +139,14 @@ class ConversationRenderer:
         if start < 0:
             raise ValueError(f"cut {cut.id!r}: the chat template changed the response text; the rendered "
                              f"assistant turn is {suffix!r}")
-        end = start + len(response)
-        enc = self.tokenizer(suffix, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        return cut, full, suffix, (start, start + len(response))
+
+    def _supervise(self, cut, full: str, span: tuple[int, int], ids: list[int], offsets) -> RenderedSample:
+        start, end = span
         supervised = [s < end and e > start and e > s for s, e in offsets]
         last = max((i for i, flag in enumerate(supervised) if flag), default=-1)
         if last < 0:
-            raise ValueError(f"cut {cut.id!r}: no token covers the response {response!r}")
+            raise ValueError(f"cut {cut.id!r}: no token covers the response {cut.supervisions[0].text!r}")
         if last + 1 < len(ids) and ids[last + 1] in self._special_ids:
             supervised[last + 1] = True  # the assistant turn's closing end-of-turn token
         return RenderedSample(cut.id, full, ids, supervised)
