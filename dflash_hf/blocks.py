@@ -101,6 +101,8 @@ def sample_anchors(
     device = loss_mask.device
     loss_mask, doc_ids = loss_mask.cpu(), doc_ids.cpu()
     valid = valid_anchor_mask(loss_mask, doc_ids)
+    if not per_document and budget is None:
+        return _sample_row_anchors(valid, num_anchors, generator, pad_multiple).to(device)
     rows: list[torch.Tensor] = []
     for r in range(valid.shape[0]):
         cand = valid[r].nonzero().flatten()
@@ -121,6 +123,22 @@ def sample_anchors(
     for r, chosen in enumerate(rows):
         out[r, : len(chosen)] = chosen
     return out.to(device)
+
+
+def _sample_row_anchors(valid: torch.Tensor, num_anchors: int, generator: torch.Generator | None,
+                        pad_multiple: int) -> torch.Tensor:
+    """`sample_anchors` per row, for all rows at once: the `min(num_anchors, #valid)` valid positions with the
+    smallest i.i.d. uniform keys (a uniform draw without replacement), sorted; `-1` pads."""
+    keys = torch.rand(valid.shape, generator=generator).masked_fill_(~valid, 2.0)  # [b, S]; invalid sort last
+    count = valid.sum(1).clamp(max=num_anchors)  # [b]
+    n = int(math.ceil(max(int(count.max()) if count.numel() else 0, 1) / pad_multiple) * pad_multiple)
+    n_take = min(n, valid.shape[1])
+    picked = keys.argsort(dim=1, stable=True)[:, :n_take]  # [b, n_take] positions, smallest keys first
+    used = torch.arange(n_take)[None, :] < count[:, None]
+    picked = torch.where(used, picked, valid.shape[1]).sort(dim=1).values  # chosen positions ascending, unused last
+    out = torch.full((valid.shape[0], n), -1, dtype=torch.long)
+    out[:, :n_take] = torch.where(used, picked, -1)
+    return out
 
 
 def slot_decay(block_size: int, gamma: float, device=None) -> torch.Tensor:
