@@ -10,6 +10,7 @@ each worker count asked for. Each measurement builds its own loader, as `dflash-
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
 from dflash_hf.cli.train import load_processor
 from dflash_hf.data import build_train_dataloader
 
@@ -33,6 +35,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="loader worker counts to time")
     p.add_argument("--epochs", type=int, default=2, help="epochs per measurement (the first one counts tokens)")
     p.add_argument("--max-batches", type=int, default=None, help="batches per epoch at most (default: all)")
+    p.add_argument("--num-anchors", type=int, default=64, help="anchors a row for the anchor draw's timing "
+                   "(the training step's planning draws them on the host for every micro-batch)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
@@ -52,6 +56,21 @@ def _time_epochs(batches_of_epoch, epochs: int, max_batches: int | None) -> list
         out.append({"epoch": epoch, "batches": n, "rows_per_batch": round(rows / max(n, 1), 1),
                     "ms_per_batch": round(1000 * seconds / max(n, 1), 2)})
     return out
+
+
+def _time_anchor_draw(loader, num_anchors: int, max_batches: int) -> dict:
+    """ms per batch of `sample_anchors` on the loader's first batches (rows aligned left as the planning does)."""
+    batches = list(itertools.islice(iter(loader), max_batches))
+    seconds = 0.0
+    for i, batch in enumerate(batches):
+        am = move_leading_padding(batch["attention_mask"], leading_padding(batch["attention_mask"]))
+        loss_mask = move_leading_padding(batch["loss_mask"], leading_padding(batch["attention_mask"])) & am.bool()
+        doc_ids = doc_ids_from(am, None)
+        start = time.perf_counter()
+        sample_anchors(loss_mask, doc_ids, num_anchors, generator=torch.Generator().manual_seed(i), pad_multiple=8)
+        seconds += time.perf_counter() - start
+    return {"batches": len(batches), "num_anchors": num_anchors,
+            "ms_per_batch": round(1000 * seconds / max(len(batches), 1), 3)}
 
 
 def _commit() -> str:
@@ -89,12 +108,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows[f"loader_workers_{workers}"] = {
             "build_s": build_s, "epochs": _time_epochs(epochs_of(full, lambda full=full: iter(full)), args.epochs,
                                                        args.max_batches)}
+    rows["anchor_draw"] = _time_anchor_draw(loader(0)[0], args.num_anchors, args.max_batches or 50)
     result = {"what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
               "commit": _commit(),
               "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
     for name, row in rows.items():
+        if "epochs" not in row:
+            print(name, f"{row['ms_per_batch']} ms/batch over {row['batches']} batches")
+            continue
         print(name, f"build {row['build_s']} s;",
               "; ".join(f"epoch {e['epoch']}: {e['ms_per_batch']} ms/batch ({e['rows_per_batch']} rows)"
                         for e in row["epochs"]))

@@ -18,6 +18,8 @@ def test_sampler_and_loaders_batch_alike_over_epochs(tmp_path, bench):
                          "1", "--epochs", "2", "--out", str(out)])
     assert json.loads(out.read_text()) == result
     rows = result["rows"]
+    draw = rows.pop("anchor_draw")
+    assert draw["batches"] == 3 and draw["num_anchors"] == 64 and draw["ms_per_batch"] > 0  # 3 batches an epoch
     assert set(rows) == {"sampler", "loader_workers_0", "loader_workers_1"}
     shapes = {name: [(e["epoch"], e["batches"], e["rows_per_batch"]) for e in row["epochs"]]
               for name, row in rows.items()}
