@@ -116,12 +116,19 @@ def _mel_frames(num_samples: int) -> int:
     return -(-num_samples // HOP_LENGTH)
 
 
-def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
+def special_prefix(tokenizer) -> str | None:
+    """The first special token the tokenizer adds to a text (a BOS, Whisper's ``<|startoftranscript|>``), or its
+    ``bos_token`` when it adds none."""
+    added = tokenizer("", add_special_tokens=True)["input_ids"]
+    return tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
+
+
+def _add_special_tokens(tokenizer, texts: Sequence[str], prefix: str | None = None) -> bool:
     """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
     Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
-    Whisper after the ``<|startofprev|>`` previous-text prompt)."""
-    added = tokenizer("", add_special_tokens=True)["input_ids"]
-    first = tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
+    Whisper after the ``<|startofprev|>`` previous-text prompt). `prefix`: `special_prefix(tokenizer)` when the
+    caller keeps it (it tokenizes)."""
+    first = prefix if prefix is not None else special_prefix(tokenizer)
     return not (first and all(first in t for t in texts))
 
 
