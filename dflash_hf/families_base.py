@@ -123,13 +123,17 @@ def special_prefix(tokenizer) -> str | None:
     return tokenizer.convert_ids_to_tokens(added[0]) if added else getattr(tokenizer, "bos_token", None)
 
 
-def _add_special_tokens(tokenizer, texts: Sequence[str], prefix: str | None = None) -> bool:
-    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (a BOS,
-    Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the start, or for
-    Whisper after the ``<|startofprev|>`` previous-text prompt). `prefix`: `special_prefix(tokenizer)` when the
-    caller keeps it (it tokenizes)."""
-    first = prefix if prefix is not None else special_prefix(tokenizer)
-    return not (first and all(first in t for t in texts))
+def add_special_tokens_for(prefix: str | None, texts: Sequence[str]) -> bool:
+    """Mirror ``apply_chat_template(tokenize=True)``: don't add the special prefix the tokenizer adds (`prefix`, from
+    `special_prefix`: a BOS, Whisper's ``<|startoftranscript|>...``) when the rendered texts already hold it (at the
+    start, or for Whisper after the ``<|startofprev|>`` previous-text prompt)."""
+    return not (prefix and all(prefix in t for t in texts))
+
+
+def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
+    """`add_special_tokens_for` with the tokenizer's prefix found now (it tokenizes: keep the prefix where it is
+    asked per sample)."""
+    return add_special_tokens_for(special_prefix(tokenizer), texts)
 
 
 def _select(out, keys: Sequence[str]) -> dict:

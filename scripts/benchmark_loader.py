@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,10 @@ from transformers import AutoConfig
 from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
 from dflash_hf.cli.train import load_processor
 from dflash_hf.data import build_train_dataloader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from decode_profile import git_commit  # noqa: E402
+from real_targets import write_json  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -42,12 +44,14 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _time_epochs(batches_of_epoch, epochs: int, max_batches: int | None) -> list[dict]:
-    """ms per batch and rows per batch of each epoch of `batches_of_epoch(epoch)` (an iterable of batches)."""
+def _time_epochs(batches, epochs: int, max_batches: int | None) -> list[dict]:
+    """ms per batch and rows per batch of each epoch of `batches` (a loader or its batch sampler: `set_epoch`, then
+    iterated)."""
     out = []
     for epoch in range(epochs):
+        batches.set_epoch(epoch)
         start, n, rows = time.perf_counter(), 0, 0
-        for batch in batches_of_epoch(epoch):
+        for batch in batches:
             n += 1
             rows += len(batch) if not isinstance(batch, dict) else batch["input_ids"].shape[0]
             if max_batches is not None and n >= max_batches:
@@ -63,22 +67,15 @@ def _time_anchor_draw(loader, num_anchors: int, max_batches: int) -> dict:
     batches = list(itertools.islice(iter(loader), max_batches))
     seconds = 0.0
     for i, batch in enumerate(batches):
-        am = move_leading_padding(batch["attention_mask"], leading_padding(batch["attention_mask"]))
-        loss_mask = move_leading_padding(batch["loss_mask"], leading_padding(batch["attention_mask"])) & am.bool()
+        shifts = leading_padding(batch["attention_mask"])
+        am = move_leading_padding(batch["attention_mask"], shifts)
+        loss_mask = move_leading_padding(batch["loss_mask"], shifts) & am.bool()
         doc_ids = doc_ids_from(am, None)
         start = time.perf_counter()
         sample_anchors(loss_mask, doc_ids, num_anchors, generator=torch.Generator().manual_seed(i), pad_multiple=8)
         seconds += time.perf_counter() - start
     return {"batches": len(batches), "num_anchors": num_anchors,
             "ms_per_batch": round(1000 * seconds / max(len(batches), 1), 3)}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,24 +90,16 @@ def main(argv: list[str] | None = None) -> dict:
         built = build_train_dataloader(args.data, processor, config, max_tokens=args.max_tokens, num_workers=workers)
         return built, round(time.perf_counter() - start, 2)
 
-    def epochs_of(iterable_owner, iterate):
-        def batches(epoch):
-            iterable_owner.set_epoch(epoch)
-            return iterate()
-        return batches
-
     sampler_loader, build_s = loader(0)
-    sampler = sampler_loader.batch_sampler
-    rows = {"sampler": {"build_s": build_s, "epochs": _time_epochs(epochs_of(sampler, lambda: iter(sampler)),
-                                                                   args.epochs, args.max_batches)}}
+    rows = {"sampler": {"build_s": build_s,
+                        "epochs": _time_epochs(sampler_loader.batch_sampler, args.epochs, args.max_batches)}}
     for workers in args.workers:
         full, build_s = loader(workers)
-        rows[f"loader_workers_{workers}"] = {
-            "build_s": build_s, "epochs": _time_epochs(epochs_of(full, lambda full=full: iter(full)), args.epochs,
-                                                       args.max_batches)}
+        rows[f"loader_workers_{workers}"] = {"build_s": build_s,
+                                             "epochs": _time_epochs(full, args.epochs, args.max_batches)}
     rows["anchor_draw"] = _time_anchor_draw(loader(0)[0], args.num_anchors, args.max_batches or 50)
     result = {"what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
-              "commit": _commit(),
+              "commit": git_commit(),
               "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
               "threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}
@@ -122,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
               "; ".join(f"epoch {e['epoch']}: {e['ms_per_batch']} ms/batch ({e['rows_per_batch']} rows)"
                         for e in row["epochs"]))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(Path(args.out), result)
     return result
 
 

@@ -14,8 +14,8 @@ from lhotse import CutSet
 from dflash_hf.data.bad_samples import BadSamples, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import audio_path_problem
-from dflash_hf.families import TargetFamily, _add_special_tokens, audio_token_id
-from dflash_hf.families_base import special_prefix
+from dflash_hf.families import TargetFamily, audio_token_id
+from dflash_hf.families_base import add_special_tokens_for, special_prefix
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
 MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
@@ -38,7 +38,7 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
-        self._prefix = special_prefix(renderer.tokenizer)  # what `_add_special_tokens` looks for, found once
+        self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
 
     def _report(self, cut, field: str, problem: str, fix: str) -> None:
         self.bad.report(cut.id, field, problem, fix, origin=origin_of(cut))
@@ -160,7 +160,7 @@ class SampleValidator:
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
             ids = self.family.stream_ids(tokenizer, text)
         else:
-            ids = tokenizer(text, add_special_tokens=_add_special_tokens(tokenizer, [text], self._prefix))["input_ids"]
+            ids = tokenizer(text, add_special_tokens=add_special_tokens_for(self._prefix, [text]))["input_ids"]
         if not self.family.has_audio:
             return len(ids), 0
         n_placeholders = sum(1 for i in ids if i == self.audio_id)
