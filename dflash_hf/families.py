@@ -31,6 +31,7 @@ from .families_base import (
     _select,
     audio_token_id,
     get_tokenizer,
+    tokenize_padded,
 )
 from .families_moonshine import MOONSHINE
 from .families_whisper import WHISPER
@@ -53,9 +54,7 @@ def _encode_text(family, processor, config, texts, audios, padding_side):
     if audios:
         raise ValueError(f"family {family.name!r} is text-only but the batch has {len(audios)} audios")
     tokenizer = get_tokenizer(processor)
-    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=_add_special_tokens(tokenizer, texts))
-    return _select(out, ("input_ids", "attention_mask"))
+    return tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
 
 
 def _encode_single_placeholder(family, processor, config, texts, audios, padding_side):
@@ -66,8 +65,7 @@ def _encode_single_placeholder(family, processor, config, texts, audios, padding
     counts = [t.count(placeholder) for t in texts]
     if sum(counts) != len(audios):
         raise ValueError(f"{sum(counts)} {placeholder} placeholders in the texts but {len(audios)} audios")
-    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=_add_special_tokens(tokenizer, texts))
+    out = tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
     feats = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, padding="max_length",
                                         return_attention_mask=True, return_tensors="pt")
     return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
@@ -106,9 +104,7 @@ def _encode_voxtral(family, processor, config, texts, audios, padding_side):
         expanded.append(out)
     if queue:
         raise ValueError(f"{len(queue)} audios left without a {placeholder} placeholder in the texts")
-    out = tokenizer(expanded, padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=_add_special_tokens(tokenizer, expanded))
-    result = {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+    result = tokenize_padded(tokenizer, expanded, padding_side, _add_special_tokens(tokenizer, expanded))
     if features:
         result["input_features"] = torch.cat(features)
     return result

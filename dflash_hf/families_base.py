@@ -136,6 +136,15 @@ def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
     return add_special_tokens_for(special_prefix(tokenizer), texts)
 
 
+def tokenize_padded(tokenizer, texts: Sequence[str], padding_side: str, add_special_tokens: bool) -> dict:
+    """``input_ids`` and ``attention_mask`` (``[b, S]`` int64) of ``texts`` padded on ``padding_side``: what
+    ``tokenizer(..., padding=True, return_tensors="pt")`` returns, made from the padded lists in one ``torch.tensor``
+    call each (transformers' conversion walks every id in Python first)."""
+    out = tokenizer(list(texts), padding=True, padding_side=padding_side, add_special_tokens=add_special_tokens,
+                    return_attention_mask=True)
+    return {key: torch.tensor(out[key], dtype=torch.long) for key in ("input_ids", "attention_mask")}
+
+
 def _select(out, keys: Sequence[str]) -> dict:
     missing = [k for k in keys if k not in out]
     if missing:

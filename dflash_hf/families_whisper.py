@@ -4,7 +4,7 @@ sizes the draft from the decoder's dimensions and checks each sample's language 
 
 from __future__ import annotations
 
-from .families_base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer
+from .families_base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer, tokenize_padded
 
 
 def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
@@ -13,11 +13,9 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
     if len(audios) != len(texts):
         raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
     tokenizer = get_tokenizer(processor)
-    out = tokenizer(list(texts), padding=True, padding_side=padding_side, return_tensors="pt",
-                    add_special_tokens=False)
     features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate,
                                            return_tensors="pt")["input_features"]
-    return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"], "input_features": features}
+    return {**tokenize_padded(tokenizer, texts, padding_side, add_special_tokens=False), "input_features": features}
 
 
 WHISPER_DEFAULT_LANGUAGE = "en"

@@ -32,18 +32,22 @@ def supervision_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      samples: Sequence[RenderedSample]) -> torch.Tensor:
     """``loss_mask [b, S]``: each row's rendered suffix sits at the end of its real tokens; mark its
     supervised tokens. Raises if the row's trailing ids differ from the separately tokenized suffix."""
+    real = attention_mask.bool()
+    lengths = torch.tensor([len(sample.suffix_ids) for sample in samples], dtype=torch.long)
+    from_end = real.flip(-1).long().cumsum(-1).flip(-1)  # [b, S] 1 at a row's last real token, 2 before it, ...
+    tail = real & (from_end <= lengths[:, None])  # the last `len(suffix_ids)` real tokens of each row
+    expected = torch.tensor([i for sample in samples for i in sample.suffix_ids], dtype=input_ids.dtype)
+    found = input_ids[tail]  # row by row, in position order
+    if found.shape != expected.shape or not torch.equal(found, expected):
+        rows = zip(samples, found.split(tail.sum(-1).tolist()), expected.split(lengths.tolist()))
+        sample = next(sample for sample, got, want in rows if not torch.equal(got, want))
+        raise ValueError(
+            f"cut {sample.cut_id!r}: the assistant turn tokenizes differently inside the conversation than "
+            "on its own (a token merges across the generation prompt); the loss mask would be misplaced. "
+            "Use a chat template whose generation prompt ends on a token boundary (e.g. a newline)"
+        )
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    for row, sample in enumerate(samples):
-        real = attention_mask[row].nonzero().flatten()
-        n = len(sample.suffix_ids)
-        tail = real[-n:]
-        if len(tail) != n or input_ids[row, tail].tolist() != sample.suffix_ids:
-            raise ValueError(
-                f"cut {sample.cut_id!r}: the assistant turn tokenizes differently inside the conversation than "
-                "on its own (a token merges across the generation prompt); the loss mask would be misplaced. "
-                "Use a chat template whose generation prompt ends on a token boundary (e.g. a newline)"
-            )
-        loss_mask[row, tail] = torch.tensor(sample.suffix_supervised, dtype=torch.bool)
+    loss_mask[tail] = torch.tensor([flag for sample in samples for flag in sample.suffix_supervised])
     return loss_mask
 
 

@@ -268,3 +268,59 @@ def test_rendered_prompts_are_remembered_and_rerendered_when_they_no_longer_fit(
     assert calls.count(True) == 2 and calls.count(False) == 4  # two distinct user turns, four conversations
     day[0] = "Tuesday"
     assert renderer.render(cuts[0]) == fresh.render(cuts[0]) and calls.count(True) == 3
+
+
+def _per_row_supervision(input_ids, attention_mask, samples):
+    """The loss mask row by row: each row's last `len(suffix_ids)` real tokens carry its flags."""
+    loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        tail = attention_mask[row].nonzero().flatten()[-len(sample.suffix_ids):]
+        assert input_ids[row, tail].tolist() == sample.suffix_ids
+        loss_mask[row, tail] = torch.tensor(sample.suffix_supervised)
+    return loss_mask
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_supervision_mask_marks_each_rows_suffix_and_names_a_misplaced_one(side):
+    from dflash_hf.data import supervision_mask
+    from dflash_hf.data.conversation import RenderedSample
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [9, 4, 12, 1, 7]
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    samples = []
+    for row, n in enumerate(lengths):
+        cols = slice(width - n, width) if side == "left" else slice(0, n)
+        input_ids[row, cols] = torch.randint(1, 100, (n,), generator=gen)
+        attention_mask[row, cols] = 1
+        k = int(torch.randint(1, n + 1, (), generator=gen))
+        flags = torch.rand(k, generator=gen) < 0.6
+        samples.append(RenderedSample(f"cut{row}", "", input_ids[row, cols][-k:].tolist(), flags.tolist()))
+    got = supervision_mask(input_ids, attention_mask, samples)
+    assert torch.equal(got, _per_row_supervision(input_ids, attention_mask, samples)) and got.any()
+
+    wrong = list(samples)
+    wrong[2] = RenderedSample("cut2", "", [s + 1 for s in samples[2].suffix_ids], samples[2].suffix_supervised)
+    with pytest.raises(ValueError, match="cut 'cut2': the assistant turn tokenizes differently"):
+        supervision_mask(input_ids, attention_mask, wrong)
+    longer = list(samples)  # a suffix longer than its row's real tokens
+    ids = [5] + samples[1].suffix_ids * 2
+    longer[1] = RenderedSample("cut1", "", ids, [True] * len(ids))
+    with pytest.raises(ValueError, match="cut 'cut1'"):
+        supervision_mask(input_ids, attention_mask, longer)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("special", [True, False])
+def test_tokenize_padded_equals_the_tokenizers_tensors(asr_target, side, special):
+    from dflash_hf.families_base import tokenize_padded
+
+    tok = asr_target[1].tokenizer
+    texts = ["yes no", "a much longer text than the first one", "", f"{tiny.IM_START}user\nhi{tiny.IM_END}"]
+    got = tokenize_padded(tok, texts, side, special)
+    want = tok(texts, padding=True, padding_side=side, add_special_tokens=special, return_tensors="pt")
+    for key in ("input_ids", "attention_mask"):
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
+
