@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from dflash_hf.families_base import add_special_tokens_for, special_prefix
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
 MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
+COUNT_CHUNK = 64  # cuts read ahead by `ValidatedCuts`, their counts made with one tokenizer call
 
 
 class SampleValidator:
@@ -38,6 +40,7 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
+        self._prefetched: dict[bytes, tuple[int, int]] = {}  # the last `prefetch_counts` chunk's
         self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
 
     def _report(self, cut, field: str, problem: str, fix: str) -> None:
@@ -71,25 +74,28 @@ class SampleValidator:
 
     def _check_text(self, cut) -> bool:
         """The response, context and system prompt are strings; the response is not empty."""
+        problem = self._text_problem(cut)
+        if problem:
+            self._report(cut, *problem)
+        return problem is None
+
+    def _text_problem(self, cut) -> tuple[str, str, str] | None:
+        """``(field, problem, fix)`` of `_check_text`, or None."""
         if not cut.supervisions:
-            self._report(cut, "text", "the cut has no supervision", "give every cut a supervision with the text")
-            return False
+            return "text", "the cut has no supervision", "give every cut a supervision with the text"
         text = cut.supervisions[0].text
         if text is not None and not isinstance(text, str):
-            self._report(cut, "text", f"is not a string ({type(text).__name__} {text!r:.40})",
-                         "write the response text as a string")
-            return False
+            return ("text", f"is not a string ({type(text).__name__} {text!r:.40})",
+                    "write the response text as a string")
         if text is None or not text.strip():
-            self._report(cut, "text", "the response text is empty", "remove the sample or fill in 'text'")
-            return False
+            return "text", "the response text is empty", "remove the sample or fill in 'text'"
         config = self.renderer.config
         for key in (config.context_key, config.system_prompt_key):
             value = (cut.custom or {}).get(key)
             if value is not None and not isinstance(value, str):
-                self._report(cut, key, f"is not a string ({type(value).__name__} {value!r:.40})",
-                             f"write '{key}' as a string, or leave it out")
-                return False
-        return True
+                return (key, f"is not a string ({type(value).__name__} {value!r:.40})",
+                        f"write '{key}' as a string, or leave it out")
+        return None
 
     def _report_too_long(self, cut, text_tokens: int, audio_positions: int) -> None:
         """Blame the part that needs more tokens: the rendered text or the audio (``duration``)."""
@@ -144,23 +150,59 @@ class SampleValidator:
         """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion).
         Remembered by what decides them (the conversation and the duration), so later epochs do not render and
         tokenize again: the sampler runs this in the loader's main process, beside the training step."""
+        messages, key = self._messages_and_key(cut)
+        counts = self._counts.get(key) or self._prefetched.get(key)
+        if counts is None:
+            counts = self._count([messages], [cut.duration])[0]
+        if len(self._counts) < MAX_REMEMBERED_COUNTS:
+            self._counts[key] = counts
+        return counts
+
+    def prefetch_counts(self, cuts) -> None:
+        """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
+        a count), for `token_counts` to find. Only cuts that pass the checks made before counting are counted
+        (audio duration finite; the checks themselves, and their reports, stay with each cut's validation)."""
+        todo: dict[bytes, tuple[list[dict], float]] = {}
+        for cut in filter(self._countable, cuts):
+            messages, key = self._messages_and_key(cut)
+            if key not in self._counts:
+                todo[key] = (messages, cut.duration)
+        self._prefetched = dict(zip(todo, self._count(*zip(*todo.values())))) if todo else {}
+
+    def _countable(self, cut) -> bool:
+        """Whether `cut` passes the checks that do not read its audio (those `__call__` makes before counting)."""
+        if self._text_problem(cut):
+            return False
+        if self.family.has_audio and not (math.isfinite(cut.duration) and cut.duration > 0):
+            return False
+        check = self.family.sample_problem
+        return not (check and check(self.target_config, self.renderer.tokenizer, cut))
+
+    def _messages_and_key(self, cut) -> tuple[list[dict], bytes]:
+        """The cut's conversation and a 16-byte digest of what decides its counts (the conversation, the duration)."""
         messages = cut_to_messages(cut, self.family, self.renderer.config)
         key = hashlib.blake2b(repr((messages, cut.duration if self.family.has_audio else None)).encode(),
                               digest_size=16).digest()
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._count(messages, cut.duration)
-            if len(self._counts) < MAX_REMEMBERED_COUNTS:
-                self._counts[key] = counts
-        return counts
+        return messages, key
 
-    def _count(self, messages: list[dict], duration: float) -> tuple[int, int]:
+    def _count(self, conversations, durations) -> list[tuple[int, int]]:
+        """`token_counts` of each conversation, its texts tokenized together (a fast tokenizer tokenizes each text
+        of a batch on its own: the same ids as one call a text)."""
         tokenizer = self.renderer.tokenizer
-        text = self.renderer.render_text(messages)
+        texts = [self.renderer.render_text(messages) for messages in conversations]
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
-            ids = self.family.stream_ids(tokenizer, text)
+            ids = [self.family.stream_ids(tokenizer, text) for text in texts]
         else:
-            ids = tokenizer(text, add_special_tokens=add_special_tokens_for(self._prefix, [text]))["input_ids"]
+            ids = [None] * len(texts)
+            for special in (True, False):  # as the collation adds them: not where a text holds the prefix already
+                rows = [i for i, text in enumerate(texts) if add_special_tokens_for(self._prefix, [text]) == special]
+                if rows:
+                    found = tokenizer([texts[i] for i in rows], add_special_tokens=special)["input_ids"]
+                    for i, row_ids in zip(rows, found):
+                        ids[i] = row_ids
+        return [self._split_count(row_ids, duration) for row_ids, duration in zip(ids, durations)]
+
+    def _split_count(self, ids: list[int], duration: float) -> tuple[int, int]:
         if not self.family.has_audio:
             return len(ids), 0
         n_placeholders = sum(1 for i in ids if i == self.audio_id)
@@ -179,10 +221,13 @@ class ValidatedCuts:
         self.cuts, self.validator = cuts, validator
 
     def __iter__(self) -> Iterator:
-        for cut in self.cuts:
-            checked = self.validator(cut)
-            if checked is not None:
-                yield checked
+        cuts = iter(self.cuts)
+        while chunk := list(itertools.islice(cuts, COUNT_CHUNK)):
+            self.validator.prefetch_counts(chunk)
+            for cut in chunk:
+                checked = self.validator(cut)
+                if checked is not None:
+                    yield checked
 
 
 def validated_cutset(cuts: Iterable, validator: SampleValidator) -> CutSet:

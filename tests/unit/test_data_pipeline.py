@@ -324,3 +324,35 @@ def test_tokenize_padded_equals_the_tokenizers_tensors(asr_target, side, special
     for key in ("input_ids", "attention_mask"):
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
 
+
+def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tmp_path, asr_target, monkeypatch):
+    """`ValidatedCuts` counts a chunk of cuts with one tokenizer call: every cut keeps the count, the verdict and
+    the place of its bad-sample report that it gets validated on its own."""
+    from lhotse.utils import fastcopy
+
+    from dflash_hf.data import BadSamples, ConversationRenderer
+    from dflash_hf.data.validation import COUNT_CHUNK, NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
+
+    model, processor = asr_target
+    family = resolve_family(model.config)
+    cuts = list(open_source(tiny.synthesize_speech(tmp_path, COUNT_CHUNK + 6, min_dur=0.3, max_dur=1.6)))
+    empty = fastcopy(cuts[3], supervisions=[fastcopy(cuts[3].supervisions[0], text=" ")])
+    cuts = [*cuts[:3], empty, *cuts[4:]]
+
+    def validator():
+        return SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=55,
+                               bad=BadSamples(skip=True))
+
+    alone = validator()
+    expected = [(c.id, c.custom[NUM_TOKENS_KEY]) for c in map(alone, cuts) if c is not None]
+    too_long = [key for key, message in alone.bad.skipped.items() if "max_tokens=55" in message]
+    assert 0 < len(too_long) and len(expected) + len(alone.bad.skipped) == len(cuts)
+
+    ahead = validator()
+    tokenizer_type, calls = type(processor.tokenizer), []
+    original = tokenizer_type.__call__
+    monkeypatch.setattr(tokenizer_type, "__call__", lambda self, text, *a, **k: calls.append(
+        len(text) if isinstance(text, list) else 1) or original(self, text, *a, **k))
+    got = [(c.id, c.custom[NUM_TOKENS_KEY]) for c in ValidatedCuts(cuts, ahead)]
+    assert got == expected and list(ahead.bad.skipped.items()) == list(alone.bad.skipped.items())
+    assert calls == [COUNT_CHUNK - 1, 6]  # one call a chunk, the empty text left out
