@@ -68,6 +68,7 @@ def speech_loader(
         skip_bad_samples=da.skip_bad_samples,
         resample_audio=da.resample_audio,
         packing=args.packing,
+        compact_features=True,  # Whisper: the window rebuilt on the target's device (FrozenTarget.capture)
     )
 
 

@@ -58,6 +58,10 @@ class TargetFamily:
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
       decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
+    - ``window_frames``: ``window_frames(config) -> int``: feature frames of the encoder's fixed window (Whisper:
+      3000). The training collator then gives compact features (`whisper_features.COMPACT_FEATURES_KEY`: the frames
+      that hold audio and one padding frame) where its extractor's window is that long, and the frozen target
+      rebuilds the window on its device (`whisper_features.expand_window`).
     """
 
     name: str
@@ -80,6 +84,7 @@ class TargetFamily:
     prebuilt_packed_mask: bool = False
     prebuilt_padded_mask: bool = False
     graph_capturable: bool = False
+    window_frames: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:

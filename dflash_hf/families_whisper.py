@@ -5,6 +5,7 @@ sizes the draft from the decoder's dimensions and checks each sample's language 
 from __future__ import annotations
 
 from .families_base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer, tokenize_padded
+from .whisper_features import COMPACT_FEATURES_KEY
 
 
 def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
@@ -13,9 +14,10 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
     if len(audios) != len(texts):
         raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
     tokenizer = get_tokenizer(processor)
-    features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate,
-                                           return_tensors="pt")["input_features"]
-    return {**tokenize_padded(tokenizer, texts, padding_side, add_special_tokens=False), "input_features": features}
+    features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, return_tensors="pt")
+    # compact features where the collator's extractor makes them (`window_frames`), else the whole window
+    key = COMPACT_FEATURES_KEY if COMPACT_FEATURES_KEY in features else "input_features"
+    return {**tokenize_padded(tokenizer, texts, padding_side, add_special_tokens=False), key: features[key]}
 
 
 WHISPER_DEFAULT_LANGUAGE = "en"
@@ -73,9 +75,14 @@ def _whisper_decoder_config(config):
     )
 
 
+def whisper_window_frames(config) -> int:
+    """Mel frames of one encoder window: ``max_source_positions`` after the stride-2 convolution (3000)."""
+    return config.max_source_positions * 2
+
+
 def whisper_max_audio_seconds(config) -> float:
-    """One encoder window: ``max_source_positions`` after the stride-2 convolution, 10 ms mel hop (30 s)."""
-    return config.max_source_positions * 2 * HOP_LENGTH / SAMPLING_RATE
+    """One encoder window at the 10 ms mel hop (30 s)."""
+    return whisper_window_frames(config) * HOP_LENGTH / SAMPLING_RATE
 
 
 def _whisper_sample_problem(config, tokenizer, cut):
@@ -95,6 +102,6 @@ WHISPER = TargetFamily(
     encode=_encode_encoder_decoder, audio_tokens=lambda config, n: 0, render_with="tokenizer",
     render_decoder=_render_whisper, decoder_config=_whisper_decoder_config,
     sample_problem=_whisper_sample_problem, max_positions=lambda config: config.max_target_positions,
-    prebuilt_padded_mask=True, graph_capturable=True,
+    prebuilt_padded_mask=True, graph_capturable=True, window_frames=whisper_window_frames,
     description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
 )

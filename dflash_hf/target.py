@@ -21,6 +21,7 @@ from .target_masks import (
     padded_causal_mask,
     without_packed_detection,
 )
+from .whisper_features import COMPACT_FEATURES_KEY, with_whole_window
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
@@ -343,6 +344,8 @@ class FrozenTarget:
         an encoder-decoder target runs once per utterance, under no_grad like the rest. `padded`: whether the batch
         has padding, if known on the host (`target_inputs`). With `forward_graphs` (`target_cuda_graph`), a batch
         signature seen before replays its forward as a CUDA graph (`target_graph.TargetForwardGraphs`)."""
+        if COMPACT_FEATURES_KEY in batch:  # the training collator's Whisper features: the window rebuilt here
+            batch = with_whole_window(batch, self.family.window_frames and self.family.window_frames(self.model.config))
         if self.forward_graphs is not None:
             return self.forward_graphs.features(self, batch, layer_ids, keep_final, padded)
         return self.features(batch, layer_ids, keep_final, padded)

@@ -10,6 +10,11 @@ bit-identical to `feature_extractor(audios, sampling_rate=sampling_rate, return_
 narrower ones took another kernel) and 6-7x faster per bucketed loader batch of real clips (one thread). It declines
 (returns None) whenever the shortcut would not be exact: another extractor class, dither, or audio reaching the
 window's end (where the STFT's reflection padding would see it).
+
+Compact features (the training collator of Whisper targets): the same values over the kept frames only, under
+`COMPACT_FEATURES_KEY`, their last frame the padding frame wherever the window is padded. `expand_window` rebuilds the
+window from them on the target's device (bit-identical): a batch of 64 utterances no longer writes, moves between
+processes and copies to the GPU 61 MB of repeated padding.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import torch
 from transformers import BatchFeature, WhisperFeatureExtractor
 
 MIN_MATMUL_FRAMES = 16
+COMPACT_FEATURES_KEY = "input_features_compact"  # `[batch, n_mels, kept]`: `expand_window` gives `input_features`
 
 
-def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: int) -> torch.Tensor | None:
+def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: int,
+                    compact: bool = False) -> torch.Tensor | None:
     """`[batch, n_mels, frames]` float32 features of mono `audios`, or None when the extractor's own call must be
-    used (it also raises on a `sampling_rate` that is not its own)."""
+    used (it also raises on a `sampling_rate` that is not its own). `compact`: only the kept frames,
+    `[batch, n_mels, kept]`, whose last one is the padding frame where `kept < frames` (`expand_window`)."""
     fe = feature_extractor
     exact_class = type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor)  # not other subclasses
     if not exact_class or fe.dither != 0.0 or sampling_rate != fe.sampling_rate or not audios:
@@ -55,8 +63,30 @@ def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: 
     log_spec = torch.clamp(mel, min=1e-10).log10()
     peak = log_spec.amax(dim=(1, 2), keepdim=True)
     log_spec = (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0  # [batch, n_mels, kept]
-    out = log_spec[..., -1:].expand(-1, -1, frames).contiguous()  # (with no padding frame, all overwritten below)
-    out[..., :kept] = log_spec
+    return log_spec if compact else expand_window(log_spec, frames)
+
+
+def expand_window(features: torch.Tensor, frames: int) -> torch.Tensor:
+    """`[batch, n_mels, frames]` from compact features `[batch, n_mels, kept]` (`whisper_log_mel(compact=True)`): the
+    last kept frame (the padding frame) repeated over the rest of the window. Runs where the features are (a GPU)."""
+    kept = features.shape[-1]
+    if kept > frames:
+        raise ValueError(f"compact features hold {kept} frames, more than the encoder window's {frames}")
+    if kept == frames:
+        return features
+    return torch.cat([features, features[..., -1:].expand(-1, -1, frames - kept)], dim=-1)
+
+
+def with_whole_window(batch: dict, frames: int | None) -> dict:
+    """`batch` with its compact features (`COMPACT_FEATURES_KEY`) rebuilt as the encoder's whole window of `frames`,
+    `input_features` (`expand_window`, where they are); `frames` None: a target without a fixed window."""
+    if COMPACT_FEATURES_KEY not in batch:
+        return batch
+    if not frames:
+        raise ValueError(f"the batch holds {COMPACT_FEATURES_KEY!r}, which only a target with a fixed encoder window "
+                         "(Whisper) takes; build its loader with compact_features=False")
+    out = {k: v for k, v in batch.items() if k != COMPACT_FEATURES_KEY}
+    out["input_features"] = expand_window(batch[COMPACT_FEATURES_KEY], frames)
     return out
 
 
@@ -75,7 +105,10 @@ class FastWhisperFeatureExtractor(WhisperFeatureExtractor):
     """`WhisperFeatureExtractor` whose call computes its features with :func:`whisper_log_mel` when the call is one
     the shortcut reproduces exactly (a batch of mono arrays padded to the window, at the extractor's rate, no
     normalization, on the CPU); any other call is the extractor's own. For processors that call their extractor
-    internally (Qwen2-Audio, AudioFlamingo3, GLM-ASR): see :func:`with_fast_features`."""
+    internally (Qwen2-Audio, AudioFlamingo3, GLM-ASR): see :func:`with_fast_features`. With `compact` set, such a
+    call returns the compact features under `COMPACT_FEATURES_KEY` instead (for a caller that expands them)."""
+
+    compact: bool = False
 
     def __call__(self, raw_speech, truncation: bool = True, pad_to_multiple_of=None, return_tensors=None,
                  return_attention_mask=None, padding="max_length", max_length=None, sampling_rate=None,
@@ -87,29 +120,33 @@ class FastWhisperFeatureExtractor(WhisperFeatureExtractor):
                  and not do_normalize and max_length in (None, self.n_samples) and device in (None, "cpu")
                  and not kwargs and sampling_rate == self.sampling_rate and return_tensors in (None, "pt", "np")
                  and all(isinstance(a, np.ndarray) and a.ndim == 1 for a in audios))
-        features = whisper_log_mel(self, list(audios), sampling_rate) if plain else None
+        compact = self.compact and not return_attention_mask
+        features = whisper_log_mel(self, list(audios), sampling_rate, compact=compact) if plain else None
         if features is None:
             return super().__call__(raw_speech, truncation=truncation, pad_to_multiple_of=pad_to_multiple_of,
                                     return_tensors=return_tensors, return_attention_mask=return_attention_mask,
                                     padding=padding, max_length=max_length, sampling_rate=sampling_rate,
                                     do_normalize=do_normalize, device=device, **kwargs)
-        out = {"input_features": features.numpy()}
+        out = {COMPACT_FEATURES_KEY if compact else "input_features": features.numpy()}
         if return_attention_mask:
             out["attention_mask"] = frame_mask(self, [min(len(a), self.n_samples) for a in audios])
         return BatchFeature(out).convert_to_tensors(return_tensors) if return_tensors else BatchFeature(out)
 
 
-def with_fast_features(processor):
+def with_fast_features(processor, compact: bool = False):
     """`processor` itself, or a shallow copy whose Whisper feature extractor is a :class:`FastWhisperFeatureExtractor`
-    with the same settings (outputs unchanged, tested per family); the caller's processor is not modified."""
+    with the same settings (outputs unchanged, tested per family); the caller's processor is not modified.
+    `compact`: its plain calls return compact features (`FastWhisperFeatureExtractor.compact`)."""
     fe = getattr(processor, "feature_extractor", None)
     if type(fe) is not WhisperFeatureExtractor:
         return processor
     fast = FastWhisperFeatureExtractor.__new__(FastWhisperFeatureExtractor)
     fast.__dict__.update(fe.__dict__)
+    fast.compact = compact
     processor = copy.copy(processor)
     processor.feature_extractor = fast
     return processor
 
 
-__all__ = ["FastWhisperFeatureExtractor", "frame_mask", "whisper_log_mel", "with_fast_features"]
+__all__ = ["COMPACT_FEATURES_KEY", "FastWhisperFeatureExtractor", "expand_window", "frame_mask", "whisper_log_mel",
+           "with_fast_features", "with_whole_window"]

@@ -19,10 +19,14 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
         resample_audio=True,     # False: a sample-rate mismatch is a bad sample
         duration_tolerance=0.05, buffer_size=10000, num_cuts_for_bins_estimate=10000,
         packing=False,           # True: packed (THD) rows of documents summing to <= max_tokens (docs/PACKING.md)
+        compact_features=False,  # True: Whisper features over the frames that hold audio (FrozenTarget expands)
     ) -> CutDataLoader
 
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,
-``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU. With ``packing=True`` it is the
+``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU. With ``compact_features=True`` (the
+trainer's loaders) a Whisper batch holds ``input_features_compact`` instead of ``input_features``: ``[b, n_mels,
+kept]``, the frames that hold audio and one padding frame (``dflash_hf.whisper_features``); ``FrozenTarget.capture``
+rebuilds the 30 s window on the target's device, bit-identical. With ``packing=True`` it is the
 packed (THD) contract instead: one row plus ``position_ids``, ``cu_seqlens``, ``max_seqlen``.
 
 The loader is already sharded by rank: hand it to the Trainer as is (do not let ``accelerator.prepare`` re-shard

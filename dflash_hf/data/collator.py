@@ -53,12 +53,18 @@ def supervision_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 class PaddedCollator:
     """``__call__(cuts) -> dict``: ``input_ids``, ``attention_mask``, ``loss_mask`` and the family's audio
-    kwargs, exactly as the target's processor returns them, padded on ``padding_side``."""
+    kwargs, exactly as the target's processor returns them, padded on ``padding_side``. ``compact_features``: a
+    family with a fixed encoder window (``window_frames``: Whisper) gives compact features instead of the window
+    (``whisper_features.COMPACT_FEATURES_KEY``; the frozen target expands them), where the extractor's window is
+    the encoder's."""
 
     def __init__(self, processor, target_config, family: TargetFamily, renderer: ConversationRenderer,
-                 padding_side: str):
+                 padding_side: str, compact_features: bool = False):
+        compact = compact_features and family.window_frames is not None and getattr(
+            getattr(processor, "feature_extractor", None), "nb_max_frames", None) == family.window_frames(target_config)
         # Whisper-style extractors compute only the frames that hold audio (bit-identical, dflash_hf.whisper_features)
-        self.processor, self.target_config, self.family = with_fast_features(processor), target_config, family
+        self.processor = with_fast_features(processor, compact=compact)
+        self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 
     def __call__(self, cuts) -> dict:

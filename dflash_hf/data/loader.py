@@ -146,10 +146,13 @@ def build_train_dataloader(
     buffer_size: int = 10000,
     num_cuts_for_bins_estimate: int = 10000,
     packing: bool = False,
+    compact_features: bool = False,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
-    (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused)."""
+    (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused).
+    ``compact_features``: Whisper batches hold compact features (``PaddedCollator``), which
+    ``FrozenTarget.capture`` expands (the trainer's loaders); ``False``: the processor's whole window."""
     if packing and max_batch_size is not None:
         raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "
                          "leave it unset")
@@ -171,7 +174,8 @@ def build_train_dataloader(
     validator = SampleValidator(renderer, family, target_config, max_tokens=max_tokens, bad=bad,
                                 resample_audio=resample_audio, duration_tolerance=duration_tolerance)
     cuts = validated_cutset(cuts, validator)
-    collator = PaddedCollator(processor, target_config, family, renderer, padding_side)
+    collator = PaddedCollator(processor, target_config, family, renderer, padding_side,
+                              compact_features=compact_features)
     if packing:
         check_family_packable(family)
         sampler = PackingSampler(cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank,

@@ -17,6 +17,7 @@ from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
 from dflash_hf.speculative import dflash_custom_generate
 from dflash_hf.target import FrozenTarget
+from dflash_hf.whisper_features import with_whole_window
 
 BLOCK = 4
 
@@ -40,12 +41,20 @@ def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervis
     model, processor = whisper
     tok = processor.tokenizer
     loader = build_train_dataloader(str(_manifest(tmp_path)), processor, model.config, max_tokens=400,
-                                    shuffle=False)
+                                    shuffle=False, compact_features=True)
     target = FrozenTarget(model)
     assert target.family.name == "whisper"
     languages = set()
-    for batch in loader:
-        assert batch["input_features"].shape[1:] == (tiny.NUM_MEL_BINS, 400)
+    for batch, whole in zip(loader, build_train_dataloader(str(_manifest(tmp_path)), processor, model.config,
+                                                           max_tokens=400, shuffle=False)):
+        # compact features: the frames that hold audio; the target rebuilds the window, taps bit-identical
+        assert batch["input_features_compact"].shape[1] == tiny.NUM_MEL_BINS
+        assert batch["input_features_compact"].shape[2] < whole["input_features"].shape[2] == 400
+        assert torch.equal(with_whole_window(batch, 400)["input_features"], whole["input_features"])
+        taps = target.capture(batch, [0, 1], keep_final=True)
+        whole_taps = target.capture(whole, [0, 1], keep_final=True)
+        assert torch.equal(taps.taps, whole_taps.taps) and torch.equal(taps.final_hidden, whole_taps.final_hidden)
+        assert torch.equal(taps.encoder_hidden, whole_taps.encoder_hidden)
         ids, mask, am = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
         prompt = [tok.convert_ids_to_tokens(row) for row in ids[:, :4].tolist()]
         assert {(p[0], p[2], p[3]) for p in prompt} == {("<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>")}
@@ -456,3 +465,34 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
         assert any("seem to have been set" in r.getMessage() for r in records)
     finally:
         log.removeHandler(handler)
+
+
+def test_training_on_compact_features_equals_training_on_the_whole_window(whisper, tmp_path, monkeypatch):
+    """The trainer's Whisper loader gives compact features (the frames that hold audio); the frozen target rebuilds
+    the window: two steps end on the same draft, bit for bit, as with the processor's whole window."""
+    from utils import make_args
+
+    import dflash_hf.data as data
+    from dflash_hf import DFlashTrainer
+    from dflash_hf.training_args import DFlashDataArguments
+
+    model, processor = whisper
+    manifest = str(_manifest(tmp_path))
+
+    def trained(name: str):
+        torch.manual_seed(0)
+        args = make_args(tmp_path / name, mask_token_id=MASK, max_steps=2, label_source="target_argmax",
+                         target_layer_ids=[0, 1], num_draft_layers=1)
+        trainer = DFlashTrainer(args=args, target=model, processor=processor, train_dataset=[manifest],
+                                data_args=DFlashDataArguments(max_tokens=400))
+        keys.append(set(next(iter(trainer.get_train_dataloader()))))
+        trainer.train()
+        return trainer.model.state_dict()
+
+    keys = []
+    compact = trained("compact")
+    build = data.build_train_dataloader
+    monkeypatch.setattr(data, "build_train_dataloader", lambda *a, **k: build(*a, **{**k, "compact_features": False}))
+    whole = trained("whole")
+    assert "input_features_compact" in keys[0] and "input_features" in keys[1]
+    assert compact.keys() == whole.keys() and all(torch.equal(compact[k], whole[k]) for k in compact)

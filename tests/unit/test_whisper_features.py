@@ -7,7 +7,13 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from dflash_hf.whisper_features import whisper_log_mel
+from dflash_hf.whisper_features import (
+    COMPACT_FEATURES_KEY,
+    expand_window,
+    whisper_log_mel,
+    with_fast_features,
+    with_whole_window,
+)
 
 
 @pytest.mark.parametrize("chunk_length", [30, 4])  # Whisper's window, and the tiny test targets' 4 s one
@@ -20,7 +26,10 @@ def test_features_equal_the_extractors_for_random_batches(chunk_length):
         audios = [rng.standard_normal(int(s * 16000)).astype(np.float32) * rng.uniform(0.01, 1) for s in seconds]
         got = whisper_log_mel(fe, audios, 16000)
         assert got is not None
-        assert torch.equal(got, fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"])
+        want = fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]
+        assert torch.equal(got, want)
+        compact = whisper_log_mel(fe, audios, 16000, compact=True)  # the kept frames, rebuilt where they are used
+        assert compact.shape[-1] < want.shape[-1] and torch.equal(expand_window(compact, want.shape[-1]), want)
         checked += 1
     assert checked == 6
 
@@ -73,3 +82,24 @@ def test_very_short_clips_and_the_extractors_own_mask_default():
     audios = [rng.standard_normal(8000).astype(np.float32)]
     _same(fast(audios, sampling_rate=16000, return_tensors="pt"), masked(audios, sampling_rate=16000,
                                                                           return_tensors="pt"))
+
+
+def test_compact_calls_and_the_whole_window_rebuilt_from_them():
+    """A compact extractor's plain call gives the kept frames under their own key (a call asking for the mask gets the
+    whole window); `with_whole_window` turns them back into `input_features` and refuses a target without a window."""
+    fe = WhisperFeatureExtractor(feature_size=80, chunk_length=4)
+    processor = type("Processor", (), {"feature_extractor": fe})()
+    fast = with_fast_features(processor, compact=True).feature_extractor
+    assert not with_fast_features(processor).feature_extractor.compact and processor.feature_extractor is fe
+    audios = [np.random.default_rng(1).standard_normal(n).astype(np.float32) for n in (9000, 20000)]
+    want = fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]
+    out = fast(audios, sampling_rate=16000, return_tensors="pt")
+    assert set(out) == {COMPACT_FEATURES_KEY} and out[COMPACT_FEATURES_KEY].shape[-1] < 400
+    whole = with_whole_window({"input_ids": torch.ones(2, 3), **out}, 400)
+    assert set(whole) == {"input_ids", "input_features"} and torch.equal(whole["input_features"], want)
+    masked = fast(audios, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    assert torch.equal(masked["input_features"], want)
+    with pytest.raises(ValueError, match="fixed encoder window"):
+        with_whole_window(dict(out), None)
+    with pytest.raises(ValueError, match="more than the encoder window"):
+        expand_window(out[COMPACT_FEATURES_KEY], 10)
