@@ -13,8 +13,8 @@ window's end (where the STFT's reflection padding would see it).
 
 Compact features (the training collator of Whisper targets): the same values over the kept frames only, under
 `COMPACT_FEATURES_KEY`, their last frame the padding frame wherever the window is padded. `expand_window` rebuilds the
-window from them on the target's device (bit-identical): a batch of 64 utterances no longer writes, moves between
-processes and copies to the GPU 61 MB of repeated padding.
+window from them on the target's device (bit-identical): the loader no longer writes, moves between processes and
+copies to the GPU the window's repeated padding (a batch of 64 utterances of 2 s: 57 of its 61 MB).
 """
 
 from __future__ import annotations
