@@ -19,6 +19,7 @@ from functools import partial
 from dflash_hf.families import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
+RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: the conversation as the sample validator rendered it
 
 
 @dataclass
@@ -126,7 +127,7 @@ class ConversationRenderer:
         """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
         messages = cut_to_messages(cut, self.family, self.config)
         response = cut.supervisions[0].text
-        full = self.render_text(messages)
+        full = _custom(cut, RENDERED_TEXT_KEY) or self.render_text(messages)  # rendered once: to count it
         prompt = self._prompt(messages[:-1], full)
         if not full.startswith(prompt):
             raise ValueError(

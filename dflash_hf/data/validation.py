@@ -13,7 +13,7 @@ from pathlib import Path
 from lhotse import CutSet
 
 from dflash_hf.data.bad_samples import BadSamples, origin_of
-from dflash_hf.data.conversation import ConversationRenderer, cut_to_messages
+from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, audio_token_id
 from dflash_hf.families_base import add_special_tokens_for, special_prefix
@@ -40,7 +40,7 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
-        self._prefetched: dict[bytes, tuple[int, int]] = {}  # the last `prefetch_counts` chunk's
+        self._prefetched: dict[bytes, tuple[tuple[int, int], str]] = {}  # the last `prefetch_counts` chunk's
         self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
 
     def _report(self, cut, field: str, problem: str, fix: str) -> None:
@@ -58,7 +58,7 @@ class SampleValidator:
         if problem:
             self._report(cut, *problem)
             return None
-        text_tokens, audio_positions = self.token_counts(cut)
+        (text_tokens, audio_positions), text = self._counts_and_text(cut)
         num_tokens = text_tokens + audio_positions
         limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
         if limit is not None and num_tokens > limit:
@@ -70,6 +70,9 @@ class SampleValidator:
             return None
         cut.custom = dict(cut.custom or {})
         cut.custom[NUM_TOKENS_KEY] = num_tokens
+        cut.custom.pop(RENDERED_TEXT_KEY, None)
+        if text is not None:  # rendered to count it: the collation takes it instead of rendering again
+            cut.custom[RENDERED_TEXT_KEY] = text
         return cut
 
     def _check_text(self, cut) -> bool:
@@ -150,13 +153,18 @@ class SampleValidator:
         """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion).
         Remembered by what decides them (the conversation and the duration), so later epochs do not render and
         tokenize again: the sampler runs this in the loader's main process, beside the training step."""
+        return self._counts_and_text(cut)[0]
+
+    def _counts_and_text(self, cut) -> tuple[tuple[int, int], str | None]:
+        """`token_counts` and, where they were made for this cut (not remembered), the rendered text they count."""
         messages, key = self._messages_and_key(cut)
-        counts = self._counts.get(key) or self._prefetched.get(key)
-        if counts is None:
-            counts = self._count([messages], [cut.duration])[0]
+        counts = self._counts.get(key)
+        if counts is not None:
+            return counts, None
+        counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration])[0]
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
-        return counts
+        return counts, text
 
     def prefetch_counts(self, cuts) -> None:
         """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
@@ -185,9 +193,9 @@ class SampleValidator:
                               digest_size=16).digest()
         return messages, key
 
-    def _count(self, conversations, durations) -> list[tuple[int, int]]:
-        """`token_counts` of each conversation, its texts tokenized together (a fast tokenizer tokenizes each text
-        of a batch on its own: the same ids as one call a text)."""
+    def _count(self, conversations, durations) -> list[tuple[tuple[int, int], str]]:
+        """`(token_counts, rendered text)` of each conversation, the texts tokenized together (a fast tokenizer
+        tokenizes each text of a batch on its own: the same ids as one call a text)."""
         tokenizer = self.renderer.tokenizer
         texts = [self.renderer.render_text(messages) for messages in conversations]
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
@@ -200,7 +208,7 @@ class SampleValidator:
                     found = tokenizer([texts[i] for i in rows], add_special_tokens=special)["input_ids"]
                     for i, row_ids in zip(rows, found):
                         ids[i] = row_ids
-        return [self._split_count(row_ids, duration) for row_ids, duration in zip(ids, durations)]
+        return [(self._split_count(row_ids, duration), text) for row_ids, duration, text in zip(ids, durations, texts)]
 
     def _split_count(self, ids: list[int], duration: float) -> tuple[int, int]:
         if not self.family.has_audio:

@@ -356,3 +356,38 @@ def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tm
     got = [(c.id, c.custom[NUM_TOKENS_KEY]) for c in ValidatedCuts(cuts, ahead)]
     assert got == expected and list(ahead.bad.skipped.items()) == list(alone.bad.skipped.items())
     assert calls == [COUNT_CHUNK - 1, 6]  # one call a chunk, the empty text left out
+
+
+def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, asr_target):
+    """A cut counted by the validator carries its rendered conversation to the collation, which does not render it
+    again; a stale text from the data is replaced, and a cut whose count was remembered carries none. The batch is
+    the one the collation renders itself."""
+    from lhotse.utils import fastcopy
+
+    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, cut_to_messages
+    from dflash_hf.data.conversation import RENDERED_TEXT_KEY
+    from dflash_hf.data.validation import SampleValidator, ValidatedCuts
+
+    model, processor = asr_target
+    family = resolve_family(model.config)
+    renderer = ConversationRenderer(processor, family)
+    cuts = list(open_source(tiny.synthesize_speech(tmp_path, 4)))
+    stale = fastcopy(cuts[0], custom={**(cuts[0].custom or {}), RENDERED_TEXT_KEY: "stale"})
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
+    fresh = lambda: [fastcopy(c, custom=dict(c.custom or {})) for c in [stale, *cuts[1:]]]  # noqa: E731
+    counted = list(ValidatedCuts(fresh(), validator))
+    assert [c.custom[RENDERED_TEXT_KEY] for c in counted] == [renderer.render_text(cut_to_messages(c, family))
+                                                             for c in counted]
+    remembered = [validator(c) for c in fresh()]
+    assert all(RENDERED_TEXT_KEY not in c.custom for c in remembered)
+
+    full_renders = []
+    render_text = renderer.render_text
+    renderer.render_text = lambda messages, add_generation_prompt=False: full_renders.append(
+        add_generation_prompt is False) or render_text(messages, add_generation_prompt)
+    collator = PaddedCollator(processor, model.config, family, renderer, "right")
+    batch = collator(counted)
+    assert not any(full_renders)
+    rendered = collator(remembered)
+    assert sum(full_renders) == len(remembered) and set(batch) == set(rendered)
+    assert all(torch.equal(batch[k], rendered[k]) for k in batch)
