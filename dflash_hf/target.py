@@ -21,7 +21,7 @@ from .target_masks import (
     padded_causal_mask,
     without_packed_detection,
 )
-from .whisper_features import COMPACT_FEATURES_KEY, with_whole_window
+from .whisper_features import with_whole_window
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 # Batch keys that belong to dflash_hf, never to the target's forward.
@@ -93,11 +93,8 @@ def _decoder_of(model: nn.Module) -> nn.Module:
     for c in candidates:
         if isinstance(getattr(c, "layers", None), nn.ModuleList) and final_norm_of(c) is not None:
             return c
-    raise ValueError(
-        f"cannot find the text decoder (a module with `.layers` and `.norm` or `.layer_norm`) in "
-        f"{type(model).__name__}; "
-        "add a row for this model family in dflash_hf/families.py"
-    )
+    raise ValueError(f"cannot find the text decoder (a module with `.layers` and `.norm` or `.layer_norm`) in "
+                     f"{type(model).__name__}; add a row for this model family in dflash_hf/families.py")
 
 
 @dataclass
@@ -251,7 +248,7 @@ class FrozenTarget:
         padding, known on the host (the trainer's CPU plan); where the decoder's mask may be prebuilt, a padded
         batch gets `padded_decoder_mask` and one without padding no mask (`unmasked_causal`). Otherwise
         transformers builds the mask, reading the device mask once or twice per forward."""
-        kwargs = {k: v for k, v in batch.items() if k not in NON_TARGET_KEYS}
+        kwargs = {k: v for k, v in self.whole_window(batch).items() if k not in NON_TARGET_KEYS}
         if self.unmasked_causal(batch, padded):  # no padding, one sequence a row: no mask (`features`)
             kwargs.pop("attention_mask", None)
         elif padded and "cu_seqlens" not in batch and "attention_mask" in kwargs and self.padded_decoder_mask_applies():
@@ -344,11 +341,15 @@ class FrozenTarget:
         an encoder-decoder target runs once per utterance, under no_grad like the rest. `padded`: whether the batch
         has padding, if known on the host (`target_inputs`). With `forward_graphs` (`target_cuda_graph`), a batch
         signature seen before replays its forward as a CUDA graph (`target_graph.TargetForwardGraphs`)."""
-        if COMPACT_FEATURES_KEY in batch:  # the training collator's Whisper features: the window rebuilt here
-            batch = with_whole_window(batch, self.family.window_frames and self.family.window_frames(self.model.config))
+        batch = self.whole_window(batch)  # before a graph: its inputs keep the window's fixed shape
         if self.forward_graphs is not None:
             return self.forward_graphs.features(self, batch, layer_ids, keep_final, padded)
         return self.features(batch, layer_ids, keep_final, padded)
+
+    def whole_window(self, batch: dict) -> dict:
+        """`batch` with its compact features (the trainer's Whisper loader) rebuilt as the encoder's whole window."""
+        frames = self.family.window_frames
+        return with_whole_window(batch, frames and frames(self.model.config))
 
     def features(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
                  padded: bool | None = None) -> TargetFeatures:

@@ -66,11 +66,13 @@ from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
 from dflash_hf.draft_graph import graph_mode  # noqa: E402
 from dflash_hf.families import FAMILIES  # noqa: E402
+from dflash_hf.families_base import HOP_LENGTH, SAMPLING_RATE  # noqa: E402
 from dflash_hf.losses import MetricSums  # noqa: E402
 from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
 from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
 from dflash_hf.trainer import DFlashTrainer  # noqa: E402
 from dflash_hf.training_args import DFlashTrainingArguments  # noqa: E402
+from dflash_hf.whisper_features import COMPACT_FEATURES_KEY  # noqa: E402
 
 # The real targets of the quality benchmark (their checkpoints' config.json, trimmed to the fields that shape the
 # model), built with random weights.
@@ -430,9 +432,10 @@ def _padded_rows(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> dict:
 
 
 def whisper_batch(shape: dict, target: FrozenTarget, n: int, mask_token_id: int, g: torch.Generator):
-    """`n` utterances of `durations` seconds: features of one padded 30 s encoder window each (random
-    mel values), decoder rows of `tokens` tokens (longer for longer audio): the 4-token prompt (start of
-    transcript and 3 prompt ids, unsupervised), the transcript and the end token (supervised)."""
+    """`n` utterances of `durations` seconds: compact features as the trainer's loader gives them (random mel values
+    over the longest utterance's frames and one padding frame; the step rebuilds the 30 s window on the device),
+    decoder rows of `tokens` tokens (longer for longer audio): the 4-token prompt (start of transcript and 3 prompt
+    ids, unsupervised), the transcript and the end token (supervised)."""
     cfg = target.model.config
     (lo_s, hi_s), (lo_t, hi_t) = shape["durations"], shape["tokens"]
     durations = (lo_s + (hi_s - lo_s) * torch.rand(n, generator=g)).tolist()
@@ -444,7 +447,8 @@ def whisper_batch(shape: dict, target: FrozenTarget, n: int, mask_token_id: int,
         ids = [cfg.decoder_start_token_id, *text, cfg.eos_token_id]
         rows.append((ids, [False] * 4 + [True] * (length - 4)))
     batch = _padded_rows(rows, cfg.pad_token_id)
-    batch["input_features"] = torch.randn(n, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+    kept = min(2 * cfg.max_source_positions, math.ceil(max(durations) * SAMPLING_RATE / HOP_LENGTH) + 1)
+    batch[COMPACT_FEATURES_KEY] = torch.randn(n, cfg.num_mel_bins, kept, generator=g)
     return batch, sum(durations)  # (batch, audio seconds)
 
 
