@@ -38,16 +38,16 @@ def supervision_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     tail = real & (from_end <= lengths[:, None])  # the last `len(suffix_ids)` real tokens of each row
     expected = torch.tensor([i for sample in samples for i in sample.suffix_ids], dtype=input_ids.dtype)
     found = input_ids[tail]  # row by row, in position order
-    if found.shape != expected.shape or not torch.equal(found, expected):
+    if found.shape != expected.shape or not torch.equal(found, expected) or not lengths.all():
         rows = zip(samples, found.split(tail.sum(-1).tolist()), expected.split(lengths.tolist()))
-        sample = next(sample for sample, got, want in rows if not torch.equal(got, want))
+        sample = next(sample for sample, got, want in rows if not torch.equal(got, want) or not len(want))
         raise ValueError(
             f"cut {sample.cut_id!r}: the assistant turn tokenizes differently inside the conversation than "
             "on its own (a token merges across the generation prompt); the loss mask would be misplaced. "
             "Use a chat template whose generation prompt ends on a token boundary (e.g. a newline)"
         )
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-    loss_mask[tail] = torch.tensor([flag for sample in samples for flag in sample.suffix_supervised])
+    loss_mask[tail] = torch.tensor([flag for sample in samples for flag in sample.suffix_supervised], dtype=torch.bool)
     return loss_mask
 
 

@@ -13,13 +13,14 @@ audio), so it does not depend on audio expansion and is reusable by packed (THD)
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import partial
 
 from dflash_hf.families import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
-RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: the conversation as the sample validator rendered it
+RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: (digest of the messages, the validator's rendered text)
 
 
 @dataclass
@@ -47,6 +48,11 @@ class RenderedSample:
 
 def _custom(cut, key):
     return (cut.custom or {}).get(key)
+
+
+def messages_digest(messages: list[dict]) -> bytes:
+    """16 bytes that tell conversations apart (the key of a text the validator rendered, for the collation)."""
+    return hashlib.blake2b(repr(messages).encode(), digest_size=16).digest()
 
 
 def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None = None) -> list[dict]:
@@ -127,8 +133,13 @@ class ConversationRenderer:
         """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
         messages = cut_to_messages(cut, self.family, self.config)
         response = cut.supervisions[0].text
-        full = _custom(cut, RENDERED_TEXT_KEY) or self.render_text(messages)  # rendered once: to count it
+        saved = _custom(cut, RENDERED_TEXT_KEY)  # (digest, text) the validator rendered to count it
+        saved = saved[1] if isinstance(saved, tuple) and saved[0] == messages_digest(messages) else None
+        full = saved if saved is not None else self.render_text(messages)
         prompt = self._prompt(messages[:-1], full)
+        if full is saved and not full.startswith(prompt):  # rendered at another moment (a template with the date)
+            full = self.render_text(messages)
+            prompt = self._prompt(messages[:-1], full)
         if not full.startswith(prompt):
             raise ValueError(
                 f"cut {cut.id!r}: the chat template's generation prompt {prompt[-40:]!r} is not a prefix of the "

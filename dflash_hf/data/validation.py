@@ -13,7 +13,7 @@ from pathlib import Path
 from lhotse import CutSet
 
 from dflash_hf.data.bad_samples import BadSamples, origin_of
-from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, cut_to_messages
+from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, cut_to_messages, messages_digest
 from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, audio_token_id
 from dflash_hf.families_base import add_special_tokens_for, special_prefix
@@ -58,7 +58,7 @@ class SampleValidator:
         if problem:
             self._report(cut, *problem)
             return None
-        (text_tokens, audio_positions), text = self._counts_and_text(cut)
+        (text_tokens, audio_positions), saved = self._counts_and_text(cut)
         num_tokens = text_tokens + audio_positions
         limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
         if limit is not None and num_tokens > limit:
@@ -71,8 +71,8 @@ class SampleValidator:
         cut.custom = dict(cut.custom or {})
         cut.custom[NUM_TOKENS_KEY] = num_tokens
         cut.custom.pop(RENDERED_TEXT_KEY, None)
-        if text is not None:  # rendered to count it: the collation takes it instead of rendering again
-            cut.custom[RENDERED_TEXT_KEY] = text
+        if saved is not None:  # rendered to count it: the collation takes it instead of rendering again
+            cut.custom[RENDERED_TEXT_KEY] = saved
         return cut
 
     def _check_text(self, cut) -> bool:
@@ -155,26 +155,32 @@ class SampleValidator:
         tokenize again: the sampler runs this in the loader's main process, beside the training step."""
         return self._counts_and_text(cut)[0]
 
-    def _counts_and_text(self, cut) -> tuple[tuple[int, int], str | None]:
-        """`token_counts` and, where they were made for this cut (not remembered), the rendered text they count."""
+    def _counts_and_text(self, cut) -> tuple[tuple[int, int], tuple[bytes, str] | None]:
+        """`token_counts` and, where they were made for this cut (not remembered), the rendered text they count with
+        the digest of its messages (`RENDERED_TEXT_KEY`)."""
         messages, key = self._messages_and_key(cut)
         counts = self._counts.get(key)
         if counts is not None:
             return counts, None
-        counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration])[0]
+        counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
-        return counts, text
+        return counts, (messages_digest(messages), text)
 
     def prefetch_counts(self, cuts) -> None:
         """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
         a count), for `token_counts` to find. Only cuts that pass the checks made before counting are counted
         (audio duration finite; the checks themselves, and their reports, stay with each cut's validation)."""
-        todo: dict[bytes, tuple[list[dict], float]] = {}
+        todo: dict[bytes, tuple[list[dict], float, str]] = {}
         for cut in filter(self._countable, cuts):
             messages, key = self._messages_and_key(cut)
-            if key not in self._counts:
-                todo[key] = (messages, cut.duration)
+            if key in self._counts or key in todo:
+                continue
+            try:
+                text = self.renderer.render_text(messages)
+            except Exception:  # noqa: BLE001 - left to the cut's own validation, which raises or reports in order
+                continue
+            todo[key] = (messages, cut.duration, text)
         self._prefetched = dict(zip(todo, self._count(*zip(*todo.values())))) if todo else {}
 
     def _countable(self, cut) -> bool:
@@ -193,11 +199,12 @@ class SampleValidator:
                               digest_size=16).digest()
         return messages, key
 
-    def _count(self, conversations, durations) -> list[tuple[tuple[int, int], str]]:
-        """`(token_counts, rendered text)` of each conversation, the texts tokenized together (a fast tokenizer
-        tokenizes each text of a batch on its own: the same ids as one call a text)."""
+    def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str]]:
+        """`(token_counts, rendered text)` of each conversation (rendered here where its text is None), the texts
+        tokenized together (a fast tokenizer tokenizes each text of a batch on its own: the same ids as one call a
+        text)."""
         tokenizer = self.renderer.tokenizer
-        texts = [self.renderer.render_text(messages) for messages in conversations]
+        texts = [self.renderer.render_text(m) if t is None else t for m, t in zip(conversations, texts)]
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
             ids = [self.family.stream_ids(tokenizer, text) for text in texts]
         else:

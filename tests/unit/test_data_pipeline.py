@@ -310,6 +310,11 @@ def test_supervision_mask_marks_each_rows_suffix_and_names_a_misplaced_one(side)
     longer[1] = RenderedSample("cut1", "", ids, [True] * len(ids))
     with pytest.raises(ValueError, match="cut 'cut1'"):
         supervision_mask(input_ids, attention_mask, longer)
+    empty = list(samples)
+    empty[3] = RenderedSample("cut3", "", [], [])
+    with pytest.raises(ValueError, match="cut 'cut3'"):
+        supervision_mask(input_ids, attention_mask, empty)
+    assert supervision_mask(input_ids[:0], attention_mask[:0], []).shape == (0, width)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -376,8 +381,8 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
     fresh = lambda: [fastcopy(c, custom=dict(c.custom or {})) for c in [stale, *cuts[1:]]]  # noqa: E731
     counted = list(ValidatedCuts(fresh(), validator))
-    assert [c.custom[RENDERED_TEXT_KEY] for c in counted] == [renderer.render_text(cut_to_messages(c, family))
-                                                             for c in counted]
+    assert [c.custom[RENDERED_TEXT_KEY][1] for c in counted] == [renderer.render_text(cut_to_messages(c, family))
+                                                                for c in counted]
     remembered = [validator(c) for c in fresh()]
     assert all(RENDERED_TEXT_KEY not in c.custom for c in remembered)
 
@@ -391,3 +396,40 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     rendered = collator(remembered)
     assert sum(full_renders) == len(remembered) and set(batch) == set(rendered)
     assert all(torch.equal(batch[k], rendered[k]) for k in batch)
+    # a text of other messages (another conversation config) or of another moment (a template that prints the
+    # date: the prompt no longer prefixes it) is rendered again
+    other = fastcopy(counted[0], custom={**counted[0].custom, RENDERED_TEXT_KEY: (b"0" * 16, "other")})
+    dated = fastcopy(counted[1], custom={**counted[1].custom, RENDERED_TEXT_KEY: (
+        counted[1].custom[RENDERED_TEXT_KEY][0], "[Tue] " + counted[1].custom[RENDERED_TEXT_KEY][1])})
+    full_renders.clear()
+    again = collator([other, dated, *counted[2:]])
+    assert sum(full_renders) == 2 and all(torch.equal(batch[k], again[k]) for k in batch)
+
+
+def test_a_render_that_fails_ahead_is_left_to_the_cuts_own_validation(tmp_path, asr_target):
+    """Counting ahead renders cuts before their own checks: one whose render raises is left to its validation, so a
+    bad offset is still reported (and skipped) first, as one cut at a time."""
+    from dflash_hf.data import BadSamples, ConversationRenderer
+    from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
+
+    model, processor = asr_target
+    family = resolve_family(model.config)
+    manifest = tiny.synthesize_speech(tmp_path, 3)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1].update(text="BOOM", offset=50.0)  # past the end of its file: the audio check rejects it
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    renderer = ConversationRenderer(processor, family)
+    render_text = renderer.render_text
+
+    def render(messages, add_generation_prompt=False):
+        if "BOOM" in repr(messages):
+            raise ValueError("the template refused this conversation")
+        return render_text(messages, add_generation_prompt)
+
+    renderer.render_text = render
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples(skip=True))
+    kept = list(ValidatedCuts(list(open_source(manifest)), validator))
+    assert [c.id for c in kept] == ["manifest-00000000", "manifest-00000002"] and all(
+        c.custom[NUM_TOKENS_KEY] > 0 for c in kept)
+    (message,) = validator.bad.skipped.values()
+    assert "manifest-00000001" in message and "'offset'" in message
