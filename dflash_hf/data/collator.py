@@ -5,19 +5,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import soundfile as sf
 import torch
+from lhotse import MonoCut
 from lhotse.augmentation.resample import Resample
+from lhotse.utils import compute_num_samples
 
 from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.families import TargetFamily, encode_batch
 from dflash_hf.whisper_features import with_fast_features
 
+PLAIN_AUDIO_SUFFIXES = (".wav", ".flac")
+
+
+def read_plain_audio(cut) -> np.ndarray | None:
+    """``cut.load_audio()`` for a mono cut of one local wav/flac file without transforms, read with soundfile directly
+    (lhotse picks its backend for every read, which cost more than reading a short clip); None for any other cut, or
+    where the file holds fewer samples than the cut (lhotse's tolerance then decides)."""
+    rec = cut.recording if type(cut) is MonoCut else None
+    if rec is None or rec.transforms or len(rec.sources) != 1 or rec.num_channels != 1:
+        return None
+    source = rec.sources[0]
+    path = str(source.source)
+    if source.type != "file" or source.channels != [0] or ".tar/" in path or not path.lower().endswith(
+            PLAIN_AUDIO_SUFFIXES):
+        return None
+    with sf.SoundFile(path) as f:
+        if f.samplerate != rec.sampling_rate or f.channels != 1:
+            return None
+        f.seek(compute_num_samples(cut.start, rec.sampling_rate))
+        audio = f.read(frames=cut.num_samples, dtype=np.float32, always_2d=True).T  # [1, samples]
+    return audio if audio.shape[1] == cut.num_samples else None
+
 
 def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
     """Mono float32 samples of the cut at ``sampling_rate`` (resampled with a windowed-sinc filter if needed)."""
     try:
-        audio = cut.load_audio()
+        audio = read_plain_audio(cut)
+        audio = cut.load_audio() if audio is None else audio
     except Exception as e:  # noqa: BLE001 - re-raised with the cut id and the fix
         raise BadSampleError(bad_sample_message(cut.id, "audio_filepath", f"decoding failed ({type(e).__name__}: {e})",
                                                 "re-encode the audio as wav or flac", origin_of(cut))) from e

@@ -433,3 +433,24 @@ def test_a_render_that_fails_ahead_is_left_to_the_cuts_own_validation(tmp_path, 
         c.custom[NUM_TOKENS_KEY] > 0 for c in kept)
     (message,) = validator.bad.skipped.values()
     assert "manifest-00000001" in message and "'offset'" in message
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_plain_files_are_read_as_lhotse_reads_them(corpus, fmt):
+    """`read_plain_audio` (soundfile, no backend choice) gives lhotse's samples for plain mono cuts, offsets and
+    sub-cuts included, and declines cuts it does not reproduce (a resampled cut: lhotse reads those)."""
+    from dflash_hf.data.collator import load_cut_audio, read_plain_audio
+
+    rng = np.random.default_rng(0)
+    cuts = list(open_source(corpus[fmt]))
+    pieces = []
+    for cut in cuts:
+        start = float(rng.uniform(0, cut.duration / 2))
+        pieces += [cut, cut.truncate(offset=start, duration=float(rng.uniform(0.05, cut.duration - start)))]
+    for cut in pieces:
+        got = read_plain_audio(cut)
+        want = cut.load_audio()
+        assert got is not None and got.dtype == want.dtype and np.array_equal(got, want), cut.id
+    resampled = cuts[0].resample(8000)
+    assert read_plain_audio(resampled) is None
+    assert np.array_equal(load_cut_audio(resampled, 8000), resampled.load_audio()[0])
