@@ -438,7 +438,7 @@ def test_a_render_that_fails_ahead_is_left_to_the_cuts_own_validation(tmp_path, 
 @pytest.mark.parametrize("fmt", ["wav", "flac"])
 def test_plain_files_are_read_as_lhotse_reads_them(corpus, fmt):
     """`read_plain_audio` (soundfile, no backend choice) gives lhotse's samples for plain mono cuts, offsets and
-    sub-cuts included, and declines cuts it does not reproduce (a resampled cut: lhotse reads those)."""
+    sub-cuts included, and declines cuts it does not reproduce (one with a transform: lhotse reads those)."""
     from dflash_hf.data.collator import load_cut_audio, read_plain_audio
 
     rng = np.random.default_rng(0)
@@ -451,6 +451,7 @@ def test_plain_files_are_read_as_lhotse_reads_them(corpus, fmt):
         got = read_plain_audio(cut)
         want = cut.load_audio()
         assert got is not None and got.dtype == want.dtype and np.array_equal(got, want), cut.id
-    resampled = cuts[0].resample(8000)
-    assert read_plain_audio(resampled) is None
-    assert np.array_equal(load_cut_audio(resampled, 8000), resampled.load_audio()[0])
+    louder = cuts[0].perturb_volume(2.0)
+    assert read_plain_audio(louder) is None
+    assert np.array_equal(load_cut_audio(louder, 16000), louder.load_audio()[0])
+    assert np.array_equal(louder.load_audio(), 2 * read_plain_audio(cuts[0]))
