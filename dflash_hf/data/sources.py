@@ -16,7 +16,10 @@ JSON-lines rows are scanned by ``json_rows.py``; the lhotse cuts reader is ``lho
 
 from __future__ import annotations
 
+import errno
 import io
+import os
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,11 +93,24 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
 
 def audio_path_problem(path: Path) -> str | None:
     """Why ``path`` is not an audio file one can open (None if it is a file)."""
-    if path.is_dir():
-        return f"audio path {str(path)!r} is a directory, not an audio file"
-    if not path.is_file():
-        return f"audio file {str(path)!r} does not exist"
-    return None
+    return audio_file_stat(path)[1]
+
+
+def audio_file_stat(path: Path) -> tuple[os.stat_result | None, str | None]:
+    """``(stat, None)`` of a regular file, or ``(None, why it is not an audio file one can open)``: one ``stat``."""
+    try:
+        info = os.stat(path)
+    except ValueError:  # a path the OS cannot take (a NUL byte), as pathlib's is_file answers False
+        return None, f"audio file {str(path)!r} does not exist"
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):  # pathlib's ignored errors
+            raise
+        return None, f"audio file {str(path)!r} does not exist"
+    if stat.S_ISDIR(info.st_mode):
+        return None, f"audio path {str(path)!r} is a directory, not an audio file"
+    if not stat.S_ISREG(info.st_mode):
+        return None, f"audio file {str(path)!r} does not exist"
+    return info, None
 
 
 def nemo_line_to_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples,
@@ -112,18 +128,17 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
     path = Path(record["audio_filepath"]).expanduser()
     if not path.is_absolute():
         path = manifest_dir / path
-    problem = audio_path_problem(path)
+    info, problem = audio_file_stat(path)
     if problem:
         bad.report(cut_id, "audio_filepath", problem,
                    "point it at an audio file (relative paths are resolved against the manifest's directory)",
                    origin=origin)
         return None
-    stat = path.stat()
-    if stat.st_size == 0:
+    if info.st_size == 0:
         bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is empty (0 bytes)",
                    "replace the file or remove the line", origin=origin)
         return None
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    key = (str(path), info.st_size, info.st_mtime_ns)
     recording = recordings.get(key) if recordings is not None else None
     if recording is None:
         try:
