@@ -34,6 +34,8 @@ from .families_base import (
     tokenize_padded,
 )
 from .families_moonshine import MOONSHINE
+from .families_qwen3_asr import forward_inputs as qwen3_asr_forward_inputs
+from .families_qwen3_asr import host_facts as qwen3_asr_host_facts
 from .families_whisper import WHISPER
 
 # ---------------------------------------------------------------------------------------------- encoders
@@ -167,6 +169,7 @@ FAMILIES: dict[str, TargetFamily] = {
             name="qwen3_asr", model_types=("qwen3_asr",), expansion="processor",
             audio_kwargs=("input_features", "input_features_mask"), encode=_encode_processor,
             audio_tokens=_qwen3_asr_tokens, prebuilt_packed_mask=True,
+            host_facts=qwen3_asr_host_facts, forward_inputs=qwen3_asr_forward_inputs,
             description="Qwen3-ASR: processor expands <|audio_pad|> to one token per encoder frame",
         ),
         TargetFamily(

@@ -58,6 +58,9 @@ class TargetFamily:
       e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
       decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
+    - ``host_facts``: ``host_facts(model, host_batch) -> dict | None``: what the target's forward would otherwise read
+      back from the device, computed by the trainer's plan from the host batch (Qwen3-ASR: its audio encoder's
+      windows); ``forward_inputs(model, kwargs, host_facts) -> kwargs`` then builds the forward's inputs with them.
     - ``window_frames``: ``window_frames(config) -> int``: feature frames of the encoder's fixed window (Whisper:
       3000). The training collator then gives compact features (`whisper_features.COMPACT_FEATURES_KEY`: the frames
       that hold audio and one padding frame) where its extractor's window is that long, and the frozen target
@@ -85,6 +88,8 @@ class TargetFamily:
     prebuilt_padded_mask: bool = False
     graph_capturable: bool = False
     window_frames: Callable | None = field(default=None, repr=False)
+    host_facts: Callable | None = field(default=None, repr=False)
+    forward_inputs: Callable | None = field(default=None, repr=False)
 
     @property
     def has_audio(self) -> bool:

@@ -53,6 +53,7 @@ class BlockPlan:
     valid: torch.Tensor  # [b, N, B-1] bool: supervised slots (`slot_validity`, computed once, here)
     valid_index: torch.Tensor  # [M] flat indices of the supervised slots in [b, N, B-1]
     flex_layout: FlexLayout | None = None  # tile layout of the flex BlockMask (flex backend only)
+    target_host: dict | None = None  # `FrozenTarget.host_facts` of the host batch (stays on the host)
 
     @property
     def padded(self) -> bool | None:
@@ -62,7 +63,8 @@ class BlockPlan:
 
     def to(self, device: torch.device) -> BlockPlan:
         """The plan on `device`. Planning happens on the CPU; the copies do not wait for the device."""
-        moved = {k: v if v is None else v.to(device, non_blocking=True) for k, v in vars(self).items()}
+        moved = {k: v if v is None or k == "target_host" else v.to(device, non_blocking=True)
+                 for k, v in vars(self).items()}
         return BlockPlan(**moved)
 
 
@@ -213,6 +215,7 @@ class DFlashObjective:
             valid=valid,
             valid_index=valid.flatten().nonzero().squeeze(1),
             flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
+            target_host=target.host_facts(batch),
         )
 
     def _check_layout(self, batch: dict) -> None:
@@ -240,7 +243,8 @@ class DFlashObjective:
         """Target taps -> labels -> blocks -> draft -> loss sums and denominators (one micro-batch).
         `draft`: the (possibly wrapped) draft model; `target`: the `FrozenTarget`; `plan`: `self.plan(...)`."""
         keep_final = self.label_source.needs_final_hidden
-        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final, padded=plan.padded)
+        feats = target.capture(batch, self.target_layer_ids, keep_final=keep_final, padded=plan.padded,
+                               host=plan.target_host)
         dev = feats.taps.device
         on_dev = plan.to(dev)
         taps = move_leading_padding(feats.taps, plan.shifts)

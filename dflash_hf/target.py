@@ -144,17 +144,9 @@ class FrozenTarget:
         cfg = self.model.config
         return getattr(cfg, "d_model", None) or cfg.hidden_size  # Whisper: d_model; Moonshine: hidden_size
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.embed_tokens.weight.shape[1]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.embed_tokens.weight.shape[0]
+    num_layers = property(lambda self: len(self.layers))
+    hidden_size = property(lambda self: self.embed_tokens.weight.shape[1])
+    vocab_size = property(lambda self: self.embed_tokens.weight.shape[0])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -240,14 +232,14 @@ class FrozenTarget:
         audio expansion; audio positions are never supervised."""
         return decoder_streams(self.family, self.model, batch)
 
-    def target_inputs(self, batch: dict, padded: bool | None = None) -> dict:
+    def target_inputs(self, batch: dict, padded: bool | None = None, host: dict | None = None) -> dict:
         """Forward kwargs. A packed batch (it has `cu_seqlens`) goes without its 2D `attention_mask` and with
         `position_ids`: transformers detects packed documents from position restarts only when no 2D mask is
         given, and keeps attention inside each document (trailing padding forms its own segment); where
         `packed_sdpa_mask` applies, that 4D mask is given instead. `padded`: whether a padded batch has any
         padding, known on the host (the trainer's CPU plan); where the decoder's mask may be prebuilt, a padded
         batch gets `padded_decoder_mask` and one without padding no mask (`unmasked_causal`). Otherwise
-        transformers builds the mask, reading the device mask once or twice per forward."""
+        transformers builds the mask, reading the device mask once or twice per forward. `host`: `host_facts`."""
         kwargs = {k: v for k, v in self.whole_window(batch).items() if k not in NON_TARGET_KEYS}
         if self.unmasked_causal(batch, padded):  # no padding, one sequence a row: no mask (`features`)
             kwargs.pop("attention_mask", None)
@@ -268,7 +260,8 @@ class FrozenTarget:
             mask = self.packed_sdpa_mask(batch)
             if mask is not None:
                 kwargs["attention_mask"] = mask
-        return self.cast_features(kwargs)
+        kwargs = self.cast_features(kwargs)
+        return self.family.forward_inputs(self.model, kwargs, host) if host else kwargs
 
     def causal_full_attention(self) -> bool:
         """Whether the decoder's mask is only causal plus padding, for a decoder checked against it: an sdpa decoder
@@ -335,16 +328,21 @@ class FrozenTarget:
         return out, TargetFeatures(taps=taps, final_hidden=store.get("final"), encoder_hidden=encoder)
 
     @torch.no_grad()
-    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
-                padded: bool | None = None) -> TargetFeatures:
+    def capture(self, batch: dict, layer_ids: list[int], keep_final: bool = False, padded: bool | None = None,
+                host: dict | None = None) -> TargetFeatures:
         """Run the target on its batch (its own padding and mask) and return the tapped features. The encoder of
         an encoder-decoder target runs once per utterance, under no_grad like the rest. `padded`: whether the batch
-        has padding, if known on the host (`target_inputs`). With `forward_graphs` (`target_cuda_graph`), a batch
-        signature seen before replays its forward as a CUDA graph (`target_graph.TargetForwardGraphs`)."""
+        has padding, if known on the host (`target_inputs`); `host`: the plan's `host_facts`. With `forward_graphs`
+        (`target_cuda_graph`), a batch signature seen before replays its forward as a CUDA graph
+        (`target_graph.TargetForwardGraphs`; a family with host facts reads the device elsewhere: never captured)."""
         batch = self.whole_window(batch)  # before a graph: its inputs keep the window's fixed shape
-        if self.forward_graphs is not None:
+        if self.forward_graphs is not None and not host:
             return self.forward_graphs.features(self, batch, layer_ids, keep_final, padded)
-        return self.features(batch, layer_ids, keep_final, padded)
+        return self.features(batch, layer_ids, keep_final, padded, host)
+
+    def host_facts(self, batch: dict) -> dict | None:
+        """What the forward would read back from the device, found in the host batch (`TargetFamily.host_facts`)."""
+        return self.family.host_facts(self.model, batch) if self.family.host_facts else None
 
     def whole_window(self, batch: dict) -> dict:
         """`batch` with its compact features (the trainer's Whisper loader) rebuilt as the encoder's whole window."""
@@ -352,9 +350,9 @@ class FrozenTarget:
         return with_whole_window(batch, frames and frames(self.model.config))
 
     def features(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
-                 padded: bool | None = None) -> TargetFeatures:
+                 padded: bool | None = None, host: dict | None = None) -> TargetFeatures:
         """`capture`'s eager forward (no host read where the host knows the batch's layout: `target_inputs`)."""
-        kwargs = self.target_inputs(batch, padded)
+        kwargs = self.target_inputs(batch, padded, host)
         kwargs["use_cache"] = False
         if self.keeps_last_logits_only:
             kwargs["logits_to_keep"] = 1  # no [S, vocab] logits

@@ -195,7 +195,7 @@ class FixedTapsTarget(FrozenTarget):
         super().__init__(model)
         self.taps = taps
 
-    def capture(self, batch, layer_ids, keep_final=False, padded=None) -> TargetFeatures:
+    def capture(self, batch, layer_ids, keep_final=False, padded=None, host=None) -> TargetFeatures:
         return TargetFeatures(taps=self.taps[tuple(batch["input_ids"].shape)], final_hidden=None)
 
 
@@ -733,7 +733,8 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     if mode == "full":  # the target's forward alone (taps, final states), as the step runs it
         def forward():
             dev_batch, plan, _ = next(cycle)
-            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=plan.padded)
+            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=plan.padded,
+                       host=plan.target_host)
 
         forward_ms = _time_ms(forward, device, *_cycle(items, 2 * len(items), 5))  # captured in the warm-up
         target_side = {"target_forward_ms": round(statistics.median(forward_ms), 3)}

@@ -163,7 +163,7 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
     # first; everything after them (labels, blocks, mask, draft, loss, metrics, backward) is checked.
     layer_ids = draft.config.target_layer_ids
     features = trainer.target.capture(device_batch, layer_ids, keep_final=True)
-    trainer.target.capture = lambda batch, ids, keep_final=False, padded=None: features
+    trainer.target.capture = lambda batch, ids, keep_final=False, padded=None, host=None: features
 
     def micro_batch(check: bool):
         plan = trainer.objective.plan(trainer.target, device_batch, seed=0)  # before the step (get_batch_samples)

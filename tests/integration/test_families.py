@@ -7,6 +7,8 @@ perturbation exactly at ``audio_mask`` positions (taps aligned with ids), text p
 of ``streams.input_ids``, and a next-token loss over ``streams.loss_mask`` is finite and covers the response.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -280,6 +282,11 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
     assert plan.loss_mask.shape == taps.shape[:2]
     assert (taps.shape[1] > batch["input_ids"].shape[1]) == (name == "qwen2_audio_single_placeholder")
     assert plan.denominator > 0 and torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
+    # Qwen3-ASR's plan carries its encoder windows from the host; the loss is the one without them
+    assert (plan.target_host is not None) == (name == "qwen3_asr")
+    without = dataclasses.replace(plan, target_host=None)
+    assert torch.equal(trainer.compute_loss(trainer.model, dict(batch), plan=plan),
+                       trainer.compute_loss(trainer.model, dict(batch), plan=without))
     trainer.train()
 
     loader = build_train_dataloader(manifest, processor, model.config, family=trainer.target.family,
@@ -359,3 +366,59 @@ def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name
     fixed = speculative_generate(draft, ft, 12, verify_cuda_graph=True, **inputs)
     assert torch.equal(fixed.sequences, eager.sequences), name
     assert fixed.acceptance_lengths == eager.acceptance_lengths and fixed.verify_step == "fixed-shape, no graph"
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout):
+    """The plan computes Qwen3-ASR's encoder windows on the host (`host_facts`) and the target builds the decoder's
+    embeddings itself: taps and final states bit-identical to the model's own forward, the encoder's window splits
+    on the host's tensor, and fewer reads back from the device (only the encoder's `nonzero` of its valid frames
+    beside the decoder's mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.models.qwen3_asr import modeling_qwen3_asr
+
+    from dflash_hf.data.packing import pack_padded_batch
+    from dflash_hf.families_qwen3_asr import WINDOWS_KEY
+    from dflash_hf.target import FrozenTarget
+
+    reads = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += str(func) in reads
+            return func(*args, **(kwargs or {}))
+
+    tok = tiny.build_tokenizer()
+    model, processor = BUILDERS["qwen3_asr"](tok)
+    batch = next(iter(build_train_dataloader(manifest, processor, model.config, max_tokens=100_000, shuffle=False)))
+    assert batch["input_features"].shape[0] > 2
+    if layout == "packed":
+        batch = pack_padded_batch(batch)
+    target = FrozenTarget(model)
+    host = target.host_facts(batch)
+    assert host is not None and host[WINDOWS_KEY].device.type == "cpu"
+    assert FrozenTarget(BUILDERS["qwen2_audio"](tok)[0]).host_facts(batch) is None  # other families: none
+
+    seen = []
+    attention = modeling_qwen3_asr.Qwen3ASRAudioAttention.forward
+
+    def recording(self, hidden_states, cu_seqlens, *args, **kwargs):
+        seen.append(cu_seqlens is host[WINDOWS_KEY])
+        return attention(self, hidden_states, cu_seqlens, *args, **kwargs)
+
+    modeling_qwen3_asr.Qwen3ASRAudioAttention.forward = recording
+    try:
+        with Reads() as theirs:
+            ref = target.capture(batch, [0, 1], keep_final=True)
+        assert seen and not any(seen)
+        seen.clear()
+        with Reads() as ours:
+            got = target.capture(batch, [0, 1], keep_final=True, host=host)
+        assert seen and all(seen)
+    finally:
+        modeling_qwen3_asr.Qwen3ASRAudioAttention.forward = attention
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+    n_audios = batch["input_features"].shape[0]
+    assert ours.count <= theirs.count - (2 * n_audios + 2), (ours.count, theirs.count)
