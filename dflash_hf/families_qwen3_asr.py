@@ -14,6 +14,8 @@ the encoder's `nonzero` of its valid frames.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 WINDOWS_KEY = "audio_cu_seqlens"  # the encoder's windows, `[num_windows + 1]` int32 on the host
@@ -29,9 +31,16 @@ def host_facts(model, batch: dict) -> dict | None:
     """The encoder's windows of a host `batch` (None where the model's own forward must run: another model class, a
     flash-attention encoder, whose windows must be on the device, a batch on a device, or one whose placeholders do not
     match its audio frames, which that forward reports)."""
-    from transformers.models.qwen3_asr.modeling_qwen3_asr import _get_feat_extract_output_lengths, get_audio_cu_seqlens
-    from transformers.utils.generic import is_flash_attention_requested
-
+    try:  # transformers versions whose encoder takes precomputed windows (`get_audio_cu_seqlens(..., kwargs)`)
+        from transformers.models.qwen3_asr.modeling_qwen3_asr import (
+            _get_feat_extract_output_lengths,
+            get_audio_cu_seqlens,
+        )
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:
+        return None
+    if "kwargs" not in inspect.signature(get_audio_cu_seqlens).parameters:
+        return None
     model_class, encoder_class = _encoder_classes()
     inner = getattr(model, "model", None)
     mask, ids = batch.get("input_features_mask"), batch.get("input_ids")
