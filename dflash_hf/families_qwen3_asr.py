@@ -14,6 +14,7 @@ the encoder's `nonzero` of its valid frames.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -25,6 +26,11 @@ def _encoder_classes():
     from transformers.models.qwen3_asr.modeling_qwen3_asr import Qwen3ASREncoder, Qwen3ASRModel
 
     return Qwen3ASRModel, Qwen3ASREncoder
+
+
+@functools.cache
+def _takes_precomputed_windows(get_audio_cu_seqlens) -> bool:
+    return "kwargs" in inspect.signature(get_audio_cu_seqlens).parameters
 
 
 def host_facts(model, batch: dict) -> dict | None:
@@ -39,7 +45,7 @@ def host_facts(model, batch: dict) -> dict | None:
         from transformers.utils.generic import is_flash_attention_requested
     except ImportError:
         return None
-    if "kwargs" not in inspect.signature(get_audio_cu_seqlens).parameters:
+    if not _takes_precomputed_windows(get_audio_cu_seqlens):
         return None
     model_class, encoder_class = _encoder_classes()
     inner = getattr(model, "model", None)

@@ -40,7 +40,8 @@ from .losses.selector import dflash2_block_loss
 @dataclass
 class BlockPlan:
     """What a micro-batch needs beyond the collator's tensors: rows in left-aligned coordinates and
-    the anchors drawn for them. Built before the forward (it fixes the loss denominator)."""
+    the anchors drawn for them. Built before the forward (it fixes the loss denominator), for one batch only: its
+    shifts, anchors and target host facts describe that batch."""
 
     shifts: torch.Tensor  # [b] leading padding moved to the end
     input_ids: torch.Tensor  # [b, S] decoder-aligned ids (left-aligned)

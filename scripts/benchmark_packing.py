@@ -101,8 +101,8 @@ def run_mode(packing: bool, num_buckets: int, sources, model, processor, args, o
         except StopIteration:
             break
         t1, c1 = time.perf_counter(), time.process_time()
+        plan = trainer.objective.plan(trainer.target, batch, seed=stats["steps"])  # on the host batch, as the trainer
         batch = trainer._prepare_inputs(batch)
-        plan = trainer.objective.plan(trainer.target, batch, seed=stats["steps"])
         loss = trainer.compute_loss(draft, dict(batch), plan=plan)
         loss.backward()
         optim.step()

@@ -369,7 +369,7 @@ def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout):
+def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout, monkeypatch):
     """The plan computes Qwen3-ASR's encoder windows on the host (`host_facts`) and the target builds the decoder's
     embeddings itself: taps and final states bit-identical to the model's own forward, the encoder's window splits
     on the host's tensor, and fewer reads back from the device (only the encoder's `nonzero` of its valid frames
@@ -408,17 +408,14 @@ def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout):
         seen.append(cu_seqlens is host[WINDOWS_KEY])
         return attention(self, hidden_states, cu_seqlens, *args, **kwargs)
 
-    modeling_qwen3_asr.Qwen3ASRAudioAttention.forward = recording
-    try:
-        with Reads() as theirs:
-            ref = target.capture(batch, [0, 1], keep_final=True)
-        assert seen and not any(seen)
-        seen.clear()
-        with Reads() as ours:
-            got = target.capture(batch, [0, 1], keep_final=True, host=host)
-        assert seen and all(seen)
-    finally:
-        modeling_qwen3_asr.Qwen3ASRAudioAttention.forward = attention
+    monkeypatch.setattr(modeling_qwen3_asr.Qwen3ASRAudioAttention, "forward", recording)
+    with Reads() as theirs:
+        ref = target.capture(batch, [0, 1], keep_final=True)
+    assert seen and not any(seen)
+    seen.clear()
+    with Reads() as ours:
+        got = target.capture(batch, [0, 1], keep_final=True, host=host)
+    assert seen and all(seen)
     assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
     n_audios = batch["input_features"].shape[0]
     assert ours.count <= theirs.count - (2 * n_audios + 2), (ours.count, theirs.count)
