@@ -13,6 +13,9 @@
   (`float8_lm_head`) with the compiled CE kernel.
 - The frozen target's training forward replayed as a CUDA graph (`dflash_hf.target_graph`, `target_cuda_graph`)
   gives the eager forward's taps, final states and encoder frames bit for bit, without a host sync.
+- Qwen3-ASR's audio windows found on the host (`families_qwen3_asr`) and Whisper's compact features rebuilt on the
+  device (`whisper_features.expand_window`) give the features of the model's own forward on CUDA, the first with
+  fewer synchronizations (counted by CUDA's sync debug mode).
 """
 
 from __future__ import annotations
@@ -350,6 +353,57 @@ def test_target_forward_graph_replays_the_eager_features(case):
     cuda = [{k: v.cuda() if torch.is_tensor(v) else v for k, v in b.items()} for b in batches]
     assert_replays_match_eager(target, cuda, GRAPH_CASES[case], last_call=_no_sync)
     assert graphs.replays == 2 and len(graphs.graphs) == 1
+
+
+def _syncs(fn) -> tuple[object, int]:
+    """`fn()` and the synchronizations it made (CUDA's sync debug mode warns once for each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in seen)
+
+
+@needs_cuda
+def test_qwen3_asr_host_windows_give_the_features_with_fewer_syncs_on_cuda(tmp_path):
+    from dflash_hf.data import build_train_dataloader
+
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    manifest = tiny.synthesize_speech(tmp_path, 4, seed=4, min_dur=0.6, max_dur=1.6)
+    batch = next(iter(build_train_dataloader(manifest, processor, model.config, max_tokens=100_000, shuffle=False)))
+    target = FrozenTarget(model.cuda())
+    host = target.host_facts(batch)
+    cuda = {k: v.cuda() for k, v in batch.items()}
+    assert host is not None and target.host_facts(cuda) is None  # found on the host batch only
+    ref, theirs = _syncs(lambda: target.capture(cuda, [0, 1], keep_final=True))
+    got, ours = _syncs(lambda: target.capture(cuda, [0, 1], keep_final=True, host=host))
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.final_hidden, ref.final_hidden)
+    assert ours < theirs, (ours, theirs)
+
+
+@needs_cuda
+def test_whisper_compact_features_give_the_whole_windows_features_on_cuda(tmp_path):
+    from utils import tiny_whisper
+
+    from dflash_hf.data import build_train_dataloader
+
+    model, processor = tiny_whisper()
+    target = FrozenTarget(model.cuda())
+    target.forward_graphs = TargetForwardGraphs(None)
+    manifest = tiny.synthesize_speech(tmp_path, 6, seed=0)
+    pairs = zip(build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False,
+                                       compact_features=True),
+                build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False))
+    for compact, whole in pairs:
+        assert "input_features_compact" in compact and "input_features" in whole
+        for _ in range(3):  # eager, captured, replayed
+            got = target.capture({k: v.cuda() for k, v in compact.items()}, [0, 1], keep_final=True, padded=True)
+            ref = target.capture({k: v.cuda() for k, v in whole.items()}, [0, 1], keep_final=True, padded=True)
+            assert torch.equal(got.taps, ref.taps) and torch.equal(got.encoder_hidden, ref.encoder_hidden)
 
 
 if __name__ == "__main__":
