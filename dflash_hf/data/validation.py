@@ -20,6 +20,7 @@ from dflash_hf.families_base import add_special_tokens_for, special_prefix
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
 MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
+MAX_REMEMBERED_TEXT_CHARS = 1 << 25  # rendered conversations kept for later epochs' collation (about 32 MB of text)
 COUNT_CHUNK = 64  # cuts read ahead by `ValidatedCuts`, their counts made with one tokenizer call
 
 
@@ -40,6 +41,8 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
+        self._texts: dict[bytes, tuple[bytes, str]] = {}  # their rendered conversations, as far as the cap allows
+        self._text_chars = 0
         self._prefetched: dict[bytes, tuple[tuple[int, int], str]] = {}  # the last `prefetch_counts` chunk's
         self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
 
@@ -156,16 +159,20 @@ class SampleValidator:
         return self._counts_and_text(cut)[0]
 
     def _counts_and_text(self, cut) -> tuple[tuple[int, int], tuple[bytes, str] | None]:
-        """`token_counts` and, where they were made for this cut (not remembered), the rendered text they count with
-        the digest of its messages (`RENDERED_TEXT_KEY`)."""
+        """`token_counts` and the rendered text they count with the digest of its messages (`RENDERED_TEXT_KEY`):
+        made now, or remembered with the counts (None past `MAX_REMEMBERED_TEXT_CHARS`: the collation renders it)."""
         messages, key = self._messages_and_key(cut)
         counts = self._counts.get(key)
         if counts is not None:
-            return counts, None
+            return counts, self._texts.get(key)
         counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
+        saved = (messages_digest(messages), text)
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
-        return counts, (messages_digest(messages), text)
+            if self._text_chars + len(text) <= MAX_REMEMBERED_TEXT_CHARS:
+                self._texts[key] = saved
+                self._text_chars += len(text)
+        return counts, saved
 
     def prefetch_counts(self, cuts) -> None:
         """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of

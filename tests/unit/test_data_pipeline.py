@@ -363,13 +363,13 @@ def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tm
     assert calls == [COUNT_CHUNK - 1, 6]  # one call a chunk, the empty text left out
 
 
-def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, asr_target):
+def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, asr_target, monkeypatch):
     """A cut counted by the validator carries its rendered conversation to the collation, which does not render it
-    again; a stale text from the data is replaced, and a cut whose count was remembered carries none. The batch is
-    the one the collation renders itself."""
+    again; a stale text from the data is replaced; a cut whose count was remembered carries the remembered text, or
+    none past the memory's cap. The batch is the one the collation renders itself."""
     from lhotse.utils import fastcopy
 
-    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, cut_to_messages
+    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, cut_to_messages, validation
     from dflash_hf.data.conversation import RENDERED_TEXT_KEY
     from dflash_hf.data.validation import SampleValidator, ValidatedCuts
 
@@ -383,7 +383,12 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     counted = list(ValidatedCuts(fresh(), validator))
     assert [c.custom[RENDERED_TEXT_KEY][1] for c in counted] == [renderer.render_text(cut_to_messages(c, family))
                                                                 for c in counted]
-    remembered = [validator(c) for c in fresh()]
+    again = [validator(c) for c in fresh()]  # a later epoch: counts and texts remembered
+    assert [c.custom[RENDERED_TEXT_KEY] for c in again] == [c.custom[RENDERED_TEXT_KEY] for c in counted]
+    monkeypatch.setattr(validation, "MAX_REMEMBERED_TEXT_CHARS", 0)
+    capped = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
+    list(ValidatedCuts(fresh(), capped))
+    remembered = [capped(c) for c in fresh()]  # counts remembered, texts not (the cap)
     assert all(RENDERED_TEXT_KEY not in c.custom for c in remembered)
 
     full_renders = []
