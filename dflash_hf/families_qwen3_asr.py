@@ -22,38 +22,34 @@ import torch
 WINDOWS_KEY = "audio_cu_seqlens"  # the encoder's windows, `[num_windows + 1]` int32 on the host
 
 
-def _encoder_classes():
-    from transformers.models.qwen3_asr.modeling_qwen3_asr import Qwen3ASREncoder, Qwen3ASRModel
-
-    return Qwen3ASRModel, Qwen3ASREncoder
-
-
 @functools.cache
-def _takes_precomputed_windows(get_audio_cu_seqlens) -> bool:
-    return "kwargs" in inspect.signature(get_audio_cu_seqlens).parameters
+def _transformers_parts():
+    """What `host_facts` uses of transformers' Qwen3-ASR, or None for a version whose encoder does not take
+    precomputed windows (`get_audio_cu_seqlens(..., kwargs)`)."""
+    try:
+        from transformers.models.qwen3_asr import modeling_qwen3_asr as qwen3_asr
+        from transformers.utils.generic import is_flash_attention_requested
+    except ImportError:
+        return None
+    if "kwargs" not in inspect.signature(qwen3_asr.get_audio_cu_seqlens).parameters:
+        return None
+    return qwen3_asr, is_flash_attention_requested
 
 
 def host_facts(model, batch: dict) -> dict | None:
     """The encoder's windows of a host `batch` (None where the model's own forward must run: another model class, a
     flash-attention encoder, whose windows must be on the device, a batch on a device, or one whose placeholders do not
     match its audio frames, which that forward reports)."""
-    try:  # transformers versions whose encoder takes precomputed windows (`get_audio_cu_seqlens(..., kwargs)`)
-        from transformers.models.qwen3_asr.modeling_qwen3_asr import (
-            _get_feat_extract_output_lengths,
-            get_audio_cu_seqlens,
-        )
-        from transformers.utils.generic import is_flash_attention_requested
-    except ImportError:
+    parts = _transformers_parts()
+    if parts is None:
         return None
-    if not _takes_precomputed_windows(get_audio_cu_seqlens):
-        return None
-    model_class, encoder_class = _encoder_classes()
+    qwen3_asr, is_flash_attention_requested = parts
     inner = getattr(model, "model", None)
     mask, ids = batch.get("input_features_mask"), batch.get("input_ids")
-    if not isinstance(inner, model_class) or not isinstance(inner.audio_tower, encoder_class) or mask is None:
+    if not isinstance(inner, qwen3_asr.Qwen3ASRModel) or not isinstance(inner.audio_tower, qwen3_asr.Qwen3ASREncoder):
         return None
     encoder = inner.audio_tower
-    if mask.device.type != "cpu" or ids is None or is_flash_attention_requested(encoder.config):
+    if mask is None or ids is None or mask.device.type != "cpu" or is_flash_attention_requested(encoder.config):
         return None
     rows, frames = mask.shape
     chunk = encoder.n_window * 2
@@ -62,9 +58,10 @@ def host_facts(model, batch: dict) -> dict | None:
     feature_lens = mask.sum(-1).to(torch.long)  # as `Qwen3ASREncoder.forward` computes them
     chunk_lengths = mask.view(rows, frames // chunk, chunk).sum(dim=-1).reshape(-1).to(torch.long)
     placeholders = int((ids == inner.config.audio_token_id).sum())
-    if placeholders != int(_get_feat_extract_output_lengths(feature_lens, encoder.n_window).sum()):
+    if placeholders != int(qwen3_asr._get_feat_extract_output_lengths(feature_lens, encoder.n_window).sum()):
         return None
-    return {WINDOWS_KEY: get_audio_cu_seqlens(chunk_lengths, feature_lens, encoder.n_window_infer, encoder.n_window)}
+    windows = qwen3_asr.get_audio_cu_seqlens(chunk_lengths, feature_lens, encoder.n_window_infer, encoder.n_window)
+    return {WINDOWS_KEY: windows}
 
 
 def forward_inputs(model, kwargs: dict, host: dict) -> dict:

@@ -20,7 +20,7 @@ from functools import partial
 from dflash_hf.families import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
-RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: (digest of the messages, the validator's rendered text)
+RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: (`conversation_key`, the validator's rendered text)
 
 
 @dataclass
@@ -50,11 +50,6 @@ def _custom(cut, key):
     return (cut.custom or {}).get(key)
 
 
-def messages_digest(messages: list[dict]) -> bytes:
-    """16 bytes that tell conversations apart (the key of a text the validator rendered, for the collation)."""
-    return hashlib.blake2b(repr(messages).encode(), digest_size=16).digest()
-
-
 def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None = None) -> list[dict]:
     """The conversation of one cut (see the module docstring)."""
     config = config or ConversationConfig()
@@ -79,6 +74,15 @@ def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None
     messages.append({"role": "user", "content": user})
     messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
     return messages
+
+
+def conversation_key(cut, family: TargetFamily, config: ConversationConfig | None = None) -> tuple[list[dict], bytes]:
+    """The cut's conversation (`cut_to_messages`) and 16 bytes that tell samples apart by what decides their rendered
+    text and token counts: the conversation and, for audio, the duration. The validator remembers counts and texts by
+    it, and the collation checks a handed-on text with it."""
+    messages = cut_to_messages(cut, family, config)
+    duration = cut.duration if family.has_audio else None
+    return messages, hashlib.blake2b(repr((messages, duration)).encode(), digest_size=16).digest()
 
 
 class ConversationRenderer:
@@ -131,10 +135,10 @@ class ConversationRenderer:
 
     def _locate(self, cut) -> tuple:
         """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
-        messages = cut_to_messages(cut, self.family, self.config)
+        messages, key = conversation_key(cut, self.family, self.config)
         response = cut.supervisions[0].text
-        saved = _custom(cut, RENDERED_TEXT_KEY)  # (digest, text) the validator rendered to count it
-        saved = saved[1] if isinstance(saved, tuple) and saved[0] == messages_digest(messages) else None
+        saved = _custom(cut, RENDERED_TEXT_KEY)  # (key, text) the validator rendered to count it
+        saved = saved[1] if isinstance(saved, tuple) and saved[0] == key else None
         full = saved if saved is not None else self.render_text(messages)
         prompt = self._prompt(messages[:-1], full)
         if full is saved and not full.startswith(prompt):  # rendered at another moment (a template with the date)

@@ -4,7 +4,6 @@ count each sample occupies in the decoder (audio positions after expansion + tex
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 from lhotse import CutSet
 
 from dflash_hf.data.bad_samples import BadSamples, origin_of
-from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, cut_to_messages, messages_digest
+from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key
 from dflash_hf.data.sources import audio_path_problem
 from dflash_hf.families import TargetFamily, audio_token_id
 from dflash_hf.families_base import add_special_tokens_for, special_prefix
@@ -41,7 +40,7 @@ class SampleValidator:
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
-        self._texts: dict[bytes, tuple[bytes, str]] = {}  # their rendered conversations, as far as the cap allows
+        self._texts: dict[bytes, str] = {}  # their rendered conversations, as far as the cap allows
         self._text_chars = 0
         self._prefetched: dict[bytes, tuple[tuple[int, int], str]] = {}  # the last `prefetch_counts` chunk's
         self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
@@ -159,28 +158,28 @@ class SampleValidator:
         return self._counts_and_text(cut)[0]
 
     def _counts_and_text(self, cut) -> tuple[tuple[int, int], tuple[bytes, str] | None]:
-        """`token_counts` and the rendered text they count with the digest of its messages (`RENDERED_TEXT_KEY`):
-        made now, or remembered with the counts (None past `MAX_REMEMBERED_TEXT_CHARS`: the collation renders it)."""
-        messages, key = self._messages_and_key(cut)
+        """`token_counts` and `(conversation_key, the rendered text they count)` (`RENDERED_TEXT_KEY`): made now, or
+        remembered with the counts (None past `MAX_REMEMBERED_TEXT_CHARS`: the collation renders it)."""
+        messages, key = conversation_key(cut, self.family, self.renderer.config)
         counts = self._counts.get(key)
         if counts is not None:
-            return counts, self._texts.get(key)
+            text = self._texts.get(key)
+            return counts, None if text is None else (key, text)
         counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
-        saved = (messages_digest(messages), text)
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
             if self._text_chars + len(text) <= MAX_REMEMBERED_TEXT_CHARS:
-                self._texts[key] = saved
+                self._texts[key] = text
                 self._text_chars += len(text)
-        return counts, saved
+        return counts, (key, text)
 
     def prefetch_counts(self, cuts) -> None:
         """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
-        a count), for `token_counts` to find. Only cuts that pass the checks made before counting are counted
-        (audio duration finite; the checks themselves, and their reports, stay with each cut's validation)."""
+        a count), for `token_counts` to find. Only cuts that can be counted are (`_countable`); the checks and their
+        reports stay with each cut's validation."""
         todo: dict[bytes, tuple[list[dict], float, str]] = {}
         for cut in filter(self._countable, cuts):
-            messages, key = self._messages_and_key(cut)
+            messages, key = conversation_key(cut, self.family, self.renderer.config)
             if key in self._counts or key in todo:
                 continue
             try:
@@ -191,20 +190,12 @@ class SampleValidator:
         self._prefetched = dict(zip(todo, self._count(*zip(*todo.values())))) if todo else {}
 
     def _countable(self, cut) -> bool:
-        """Whether `cut` passes the checks that do not read its audio (those `__call__` makes before counting)."""
+        """Whether `cut` can be rendered and counted: string texts and, for audio, a usable duration. The family's
+        own checks are left to `__call__` (a cut they refuse is at worst counted for nothing; one whose render raises
+        is skipped in `prefetch_counts`)."""
         if self._text_problem(cut):
             return False
-        if self.family.has_audio and not (math.isfinite(cut.duration) and cut.duration > 0):
-            return False
-        check = self.family.sample_problem
-        return not (check and check(self.target_config, self.renderer.tokenizer, cut))
-
-    def _messages_and_key(self, cut) -> tuple[list[dict], bytes]:
-        """The cut's conversation and a 16-byte digest of what decides its counts (the conversation, the duration)."""
-        messages = cut_to_messages(cut, self.family, self.renderer.config)
-        key = hashlib.blake2b(repr((messages, cut.duration if self.family.has_audio else None)).encode(),
-                              digest_size=16).digest()
-        return messages, key
+        return not self.family.has_audio or (math.isfinite(cut.duration) and cut.duration > 0)
 
     def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str]]:
         """`(token_counts, rendered text)` of each conversation (rendered here where its text is None), the texts
