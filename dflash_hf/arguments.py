@@ -234,8 +234,9 @@ class DFlashRunArguments:
     max_train_minutes: float | None = field(
         default=None,
         metadata={"help": "Stop training after this many minutes of this process's training loop (checked after "
-                  "each optimizer step, agreed across ranks), then save a checkpoint (unless save_strategy is "
-                  "'no') and export as at max_steps. The schedule still follows max_steps. None = no limit."},
+                  "each optimizer step; under DDP the ranks' agreed verdict is read one step later), then save a "
+                  "checkpoint (unless save_strategy is 'no') and export as at max_steps. The schedule still follows "
+                  "max_steps. None = no limit."},
     )
     early_stopping_patience: int | None = field(
         default=None,

@@ -96,26 +96,47 @@ class RealTauCallback(TrainerCallback):
 
 class TimeBudgetCallback(TrainerCallback):
     """`max_train_minutes`: after the optimizer step that crosses the budget, stop, save a checkpoint and let the
-    run export as at `max_steps`. Ranks agree (the maximum of their verdicts), so every rank stops at the same step."""
+    run export as at `max_steps`. Under DDP the ranks agree on the maximum of their verdicts, reduced in the background
+    and read one step later (`_agreed`), so every rank stops at the same step, the one after the crossing, and no
+    step waits for the device to drain."""
 
     def __init__(self, minutes: float):  # checked > 0 by DFlashTrainingArguments
         self.seconds = 60.0 * minutes
         self.start = None
+        self.pending = None  # the last step's verdict being reduced: (host copy, its CUDA event or None)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.monotonic()
+        self.pending = None
 
     def on_step_end(self, args, state, control, **kwargs):
         over = time.monotonic() - self.start >= self.seconds
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # only then a device round trip
-            verdict = torch.tensor(float(over), device=args.device)
-            torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
-            over = verdict.item() > 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            over = self._agreed(over, args.device)
         if over and not control.should_training_stop:
             logger.warning("max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
                            self.seconds / 60, state.global_step, state.max_steps)
             control.should_training_stop = True
             control.should_save = args.save_strategy != "no"
+
+    def _agreed(self, over: bool, device: torch.device) -> bool:
+        """The ranks' verdict of the previous step (False at the first); this step's is all-reduced now and copied to
+        the host behind the step's work on the device, so reading it a step later waits for nothing on a GPU (an
+        `.item()` here would drain the device every step)."""
+        verdict = torch.tensor(float(over), device=device)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX, async_op=True).wait()
+        host = torch.empty(1, pin_memory=device.type == "cuda")
+        host.copy_(verdict.view(1), non_blocking=True)
+        done = None
+        if device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        previous, self.pending = self.pending, (host, done)
+        if previous is None:
+            return False
+        if previous[1] is not None:
+            previous[1].synchronize()
+        return bool(previous[0].item() > 0)
 
 
 class LabelAgreementCallback(TrainerCallback):

@@ -6,7 +6,8 @@ through `train_case` for the single-process reference. A case is `name:per_devic
 `rows` = `all` (the 4 supervised rows) or `half_empty` (2 rows, the second with no supervised token, so
 with one row per rank one rank has no valid anchor in every step); `auto` leaves `use_cpu` unset (a plain
 torchrun launch on a machine without CUDA). Case `fsdp_target` (distributed only) checks the FSDP2-sharded
-frozen target against an unsharded copy, `fsdp_encoder_draft` an FSDP2-sharded encoder-context draft.
+frozen target against an unsharded copy, `fsdp_encoder_draft` an FSDP2-sharded encoder-context draft, `budget` the
+`max_train_minutes` verdict of ranks that disagree (rank 0 over its budget from the first step, rank 1 never).
 """
 
 from __future__ import annotations
@@ -135,6 +136,29 @@ def check_sharded_encoder_context_draft(out_dir: str) -> None:
     torch.save(result, Path(out_dir) / f"fsdp_encoder_draft_rank{torch.distributed.get_rank()}.pt")
 
 
+def check_time_budget_agreement(out_dir: str, steps: int = 4) -> None:
+    """Rank 0 crosses its budget at the first step, rank 1 never: both must stop at the same step, the second (the
+    ranks' verdict is read one step late)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl
+
+    from dflash_hf.callbacks import TimeBudgetCallback
+
+    if not torch.distributed.is_initialized():  # the case run alone, before any trainer started the group
+        torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    budget = TimeBudgetCallback(1e-12 if rank == 0 else 1e9)
+    args = SimpleNamespace(device=torch.device("cpu"), save_strategy="steps")
+    control = TrainerControl()
+    budget.on_train_begin(args, None, control)
+    stopped = []
+    for step in range(1, steps + 1):
+        budget.on_step_end(args, SimpleNamespace(global_step=step, max_steps=steps), control)
+        stopped.append(control.should_training_stop)
+    torch.save({"stopped": stopped, "save": control.should_save}, Path(out_dir) / f"budget_rank{rank}.pt")
+
+
 def main(argv: list[str]) -> None:
     out_dir, cases = argv[0], argv[1:]
     for case in cases:
@@ -143,6 +167,9 @@ def main(argv: list[str]) -> None:
             continue
         if case == "fsdp_encoder_draft":
             check_sharded_encoder_context_draft(out_dir)
+            continue
+        if case == "budget":
+            check_time_budget_agreement(out_dir)
             continue
         name, batch, accum, rows, *device = case.split(":")
         train_case(out_dir, name, int(batch), int(accum), rows, use_cpu=device != ["auto"])

@@ -32,6 +32,7 @@ def ddp_runs(tmp_path_factory):
         "ddp_auto:2:1:all:auto",  # as ddp_b2 without use_cpu: no CUDA, so DDP on CPU (not 2 separate runs)
         "fsdp_target",  # FSDP2-sharded frozen target vs an unsharded copy
         "fsdp_encoder_draft",  # FSDP2-sharded encoder-context draft vs an unsharded copy
+        "budget",  # max_train_minutes crossed on rank 0 only
     ]
     run_torchrun(cmd, TIMEOUT_S)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
@@ -73,3 +74,8 @@ def test_fsdp2_sharded_encoder_context_draft_matches_the_unsharded_one(ddp_runs)
     for rank in (0, 1):  # failed with "mixed torch.Tensor and DTensor" when the frames' keys were computed outside
         r = ddp_runs[f"fsdp_encoder_draft_rank{rank}"]
         assert r["hidden_max_abs"] < 1e-6 and r["k_grad_max_abs"] < 1e-6, r
+
+
+def test_ranks_stop_at_the_same_step_when_one_crosses_its_time_budget(ddp_runs):
+    for rank in (0, 1):  # the verdict of step 1 (rank 0 over) is read at step 2 by both ranks
+        assert ddp_runs[f"budget_rank{rank}"] == {"stopped": [False, True, True, True], "save": True}
