@@ -69,6 +69,7 @@ def speech_loader(
         resample_audio=da.resample_audio,
         packing=args.packing,
         compact_features=True,  # Whisper: the window rebuilt on the target's device (FrozenTarget.capture)
+        device_features=True,  # ... and its features computed there, where the extractor is the standard one
     )
 
 

@@ -5,7 +5,7 @@ sizes the draft from the decoder's dimensions and checks each sample's language 
 from __future__ import annotations
 
 from .families_base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer, tokenize_padded
-from .whisper_features import COMPACT_FEATURES_KEY
+from .whisper_features import AUDIO_WAVES_KEY, COMPACT_FEATURES_KEY
 
 
 def _encode_encoder_decoder(family, processor, config, texts, audios, padding_side):
@@ -15,8 +15,8 @@ def _encode_encoder_decoder(family, processor, config, texts, audios, padding_si
         raise ValueError(f"family {family.name!r}: {len(texts)} texts but {len(audios)} audios (one audio each)")
     tokenizer = get_tokenizer(processor)
     features = processor.feature_extractor(list(audios), sampling_rate=family.sampling_rate, return_tensors="pt")
-    # compact features where the collator's extractor makes them (`window_frames`), else the whole window
-    key = COMPACT_FEATURES_KEY if COMPACT_FEATURES_KEY in features else "input_features"
+    # waves or compact features where the collator's extractor makes them (`window_frames`), else the whole window
+    key = next(k for k in (AUDIO_WAVES_KEY, COMPACT_FEATURES_KEY, "input_features") if k in features)
     return {**tokenize_padded(tokenizer, texts, padding_side, add_special_tokens=False), key: features[key]}
 
 

@@ -345,9 +345,9 @@ class FrozenTarget:
         return self.family.host_facts(self.model, batch) if self.family.host_facts else None
 
     def whole_window(self, batch: dict) -> dict:
-        """`batch` with its compact features (the trainer's Whisper loader) rebuilt as the encoder's whole window."""
-        frames = self.family.window_frames
-        return with_whole_window(batch, frames and frames(self.model.config))
+        """`batch` with its compact features or waves (the trainer's Whisper loader) as the encoder's whole window."""
+        frames, config = self.family.window_frames, self.model.config
+        return with_whole_window(batch, frames and frames(config), getattr(config, "num_mel_bins", None))
 
     def features(self, batch: dict, layer_ids: list[int], keep_final: bool = False,
                  padded: bool | None = None, host: dict | None = None) -> TargetFeatures:

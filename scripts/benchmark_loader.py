@@ -40,8 +40,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-anchors", type=int, default=64, help="anchors a row for the anchor draw's timing "
                    "(the training step's planning draws them on the host for every micro-batch)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process")
-    p.add_argument("--whole-window", action="store_true", help="Whisper targets: batches with the processor's whole "
-                   "30 s window of features, not the compact ones of dflash-train's loader")
+    p.add_argument("--features", choices=["waves", "compact", "window"], default="waves", help="Whisper targets: the "
+                   "padded waves whose features the target computes (dflash-train's loader), compact features (the "
+                   "frames that hold audio), or the processor's whole 30 s window")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     def loader(workers: int):
         start = time.perf_counter()
         built = build_train_dataloader(args.data, processor, config, max_tokens=args.max_tokens, num_workers=workers,
-                                       compact_features=not args.whole_window)
+                                       compact_features=args.features != "window",
+                                       device_features=args.features == "waves")
         return built, round(time.perf_counter() - start, 2)
 
     sampler_loader, build_s = loader(0)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
               "commit": git_commit(),
               "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "threads": args.threads, "max_tokens": args.max_tokens, "whole_window": args.whole_window, "rows": rows}
+              "threads": args.threads, "max_tokens": args.max_tokens, "features": args.features, "rows": rows}
     for name, row in rows.items():
         if "epochs" not in row:
             print(name, f"{row['ms_per_batch']} ms/batch over {row['batches']} batches")

@@ -66,13 +66,13 @@ from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
 from dflash_hf.draft_graph import graph_mode  # noqa: E402
 from dflash_hf.families import FAMILIES  # noqa: E402
-from dflash_hf.families_base import HOP_LENGTH, SAMPLING_RATE  # noqa: E402
+from dflash_hf.families_base import SAMPLING_RATE  # noqa: E402
 from dflash_hf.losses import MetricSums  # noqa: E402
 from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
 from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
 from dflash_hf.trainer import DFlashTrainer  # noqa: E402
 from dflash_hf.training_args import DFlashTrainingArguments  # noqa: E402
-from dflash_hf.whisper_features import COMPACT_FEATURES_KEY  # noqa: E402
+from dflash_hf.whisper_features import AUDIO_WAVES_KEY, padded_waves, standard_extractor  # noqa: E402
 
 # The real targets of the quality benchmark (their checkpoints' config.json, trimmed to the fields that shape the
 # model), built with random weights.
@@ -432,8 +432,8 @@ def _padded_rows(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> dict:
 
 
 def whisper_batch(shape: dict, target: FrozenTarget, n: int, mask_token_id: int, g: torch.Generator):
-    """`n` utterances of `durations` seconds: compact features as the trainer's loader gives them (random mel values
-    over the longest utterance's frames and one padding frame; the step rebuilds the 30 s window on the device),
+    """`n` utterances of `durations` seconds: padded waves as the trainer's loader gives them (random samples up to
+    the longest utterance's frames; the step computes their log-mel and the 30 s window on the device),
     decoder rows of `tokens` tokens (longer for longer audio): the 4-token prompt (start of transcript and 3 prompt
     ids, unsupervised), the transcript and the end token (supervised)."""
     cfg = target.model.config
@@ -447,8 +447,9 @@ def whisper_batch(shape: dict, target: FrozenTarget, n: int, mask_token_id: int,
         ids = [cfg.decoder_start_token_id, *text, cfg.eos_token_id]
         rows.append((ids, [False] * 4 + [True] * (length - 4)))
     batch = _padded_rows(rows, cfg.pad_token_id)
-    kept = min(2 * cfg.max_source_positions, math.ceil(max(durations) * SAMPLING_RATE / HOP_LENGTH) + 1)
-    batch[COMPACT_FEATURES_KEY] = torch.randn(n, cfg.num_mel_bins, kept, generator=g)
+    extractor = standard_extractor(cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    audios = [(0.1 * torch.randn(round(d * SAMPLING_RATE), generator=g)).numpy() for d in durations]
+    batch[AUDIO_WAVES_KEY] = torch.from_numpy(padded_waves(extractor, audios, SAMPLING_RATE))
     return batch, sum(durations)  # (batch, audio seconds)
 
 

@@ -20,13 +20,18 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
         duration_tolerance=0.05, buffer_size=10000, num_cuts_for_bins_estimate=10000,
         packing=False,           # True: packed (THD) rows of documents summing to <= max_tokens (docs/PACKING.md)
         compact_features=False,  # True: Whisper features over the frames that hold audio (FrozenTarget expands)
+        device_features=False,   # True: Whisper's padded waves instead (FrozenTarget computes their features)
     ) -> CutDataLoader
 
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,
 ``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU. With ``compact_features=True`` (the
 trainer's loaders) a Whisper batch holds ``input_features_compact`` instead of ``input_features``: ``[b, n_mels,
 kept]``, the frames that hold audio and one padding frame (``dflash_hf.whisper_features``); ``FrozenTarget.capture``
-rebuilds the 30 s window on the target's device, bit-identical. With ``packing=True`` it is the
+rebuilds the 30 s window on the target's device, bit-identical. With ``device_features=True`` as well (the trainer's
+loaders; where the processor's extractor is the standard one of the target's ``num_mel_bins``) it holds
+``input_audio_waves`` instead, ``[b, width]`` float32: the clips zero-padded to the samples those frames need, whose
+features ``FrozenTarget.capture`` computes on the target's device (bit-identical on the CPU, float rounding on a GPU),
+so the loader only reads audio. With ``packing=True`` it is the
 packed (THD) contract instead: one row plus ``position_ids``, ``cu_seqlens``, ``max_seqlen``.
 
 The loader is already sharded by rank: hand it to the Trainer as is (do not let ``accelerator.prepare`` re-shard

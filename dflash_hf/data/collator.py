@@ -14,7 +14,7 @@ from lhotse.utils import compute_num_samples
 from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.families import TargetFamily, encode_batch
-from dflash_hf.whisper_features import with_fast_features
+from dflash_hf.whisper_features import is_standard_extractor, with_fast_features
 
 PLAIN_AUDIO_SUFFIXES = (".wav", ".flac")
 
@@ -82,14 +82,18 @@ class PaddedCollator:
     kwargs, exactly as the target's processor returns them, padded on ``padding_side``. ``compact_features``: a
     family with a fixed encoder window (``window_frames``: Whisper) gives compact features instead of the window
     (``whisper_features.COMPACT_FEATURES_KEY``; the frozen target expands them), where the extractor's window is
-    the encoder's."""
+    the encoder's; ``device_features``: the padded waves instead (``AUDIO_WAVES_KEY``; the frozen target computes
+    their features), where the extractor is also the standard one of the target's ``num_mel_bins`` and window."""
 
     def __init__(self, processor, target_config, family: TargetFamily, renderer: ConversationRenderer,
-                 padding_side: str, compact_features: bool = False):
-        compact = compact_features and family.window_frames is not None and getattr(
-            getattr(processor, "feature_extractor", None), "nb_max_frames", None) == family.window_frames(target_config)
+                 padding_side: str, compact_features: bool = False, device_features: bool = False):
+        fe = getattr(processor, "feature_extractor", None)
+        frames = family.window_frames(target_config) if family.window_frames is not None else None
+        window = frames is not None and getattr(fe, "nb_max_frames", None) == frames
+        waves = device_features and window and is_standard_extractor(
+            fe, getattr(target_config, "num_mel_bins", None), frames)
         # Whisper-style extractors compute only the frames that hold audio (bit-identical, dflash_hf.whisper_features)
-        self.processor = with_fast_features(processor, compact=compact)
+        self.processor = with_fast_features(processor, compact=compact_features and window, waves=waves)
         self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 

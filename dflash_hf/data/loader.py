@@ -147,12 +147,15 @@ def build_train_dataloader(
     num_cuts_for_bins_estimate: int = 10000,
     packing: bool = False,
     compact_features: bool = False,
+    device_features: bool = False,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
     (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused).
     ``compact_features``: Whisper batches hold compact features (``PaddedCollator``), which
-    ``FrozenTarget.capture`` expands (the trainer's loaders); ``False``: the processor's whole window."""
+    ``FrozenTarget.capture`` expands; ``device_features``: the padded waves, whose features ``FrozenTarget.capture``
+    computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both);
+    both ``False``: the processor's whole window."""
     if packing and max_batch_size is not None:
         raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "
                          "leave it unset")
@@ -175,7 +178,7 @@ def build_train_dataloader(
                                 resample_audio=resample_audio, duration_tolerance=duration_tolerance)
     cuts = validated_cutset(cuts, validator)
     collator = PaddedCollator(processor, target_config, family, renderer, padding_side,
-                              compact_features=compact_features)
+                              compact_features=compact_features, device_features=device_features)
     if packing:
         check_family_packable(family)
         sampler = PackingSampler(cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank,

@@ -406,6 +406,29 @@ def test_whisper_compact_features_give_the_whole_windows_features_on_cuda(tmp_pa
             assert torch.equal(got.taps, ref.taps) and torch.equal(got.encoder_hidden, ref.encoder_hidden)
 
 
+@needs_cuda
+def test_whisper_waves_give_the_cpu_features_up_to_rounding_on_cuda(tmp_path):
+    """The trainer's Whisper batches hold padded waves; their log-mel computed on the GPU (cuFFT, the mel projection
+    in float64) is the extractor's CPU features up to float rounding, and so are the taps."""
+    from utils import tiny_whisper
+
+    from dflash_hf.data import build_train_dataloader
+
+    model, processor = tiny_whisper()
+    target = FrozenTarget(model.cuda())
+    manifest = tiny.synthesize_speech(tmp_path, 6, seed=0)
+    pairs = zip(build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False,
+                                       compact_features=True, device_features=True),
+                build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False))
+    for waves, whole in pairs:
+        assert "input_audio_waves" in waves
+        got = target.whole_window({k: v.cuda() for k, v in waves.items()})["input_features"]
+        torch.testing.assert_close(got.cpu(), whole["input_features"], rtol=0, atol=1e-4)
+        taps = target.capture({k: v.cuda() for k, v in waves.items()}, [0, 1], keep_final=True, padded=True)
+        ref = target.capture({k: v.cuda() for k, v in whole.items()}, [0, 1], keep_final=True, padded=True)
+        torch.testing.assert_close(taps.taps, ref.taps, rtol=1e-3, atol=1e-3)
+
+
 if __name__ == "__main__":
     cases = [(dtype, c) for c in (False, True) for dtype in (torch.float32, torch.bfloat16)]
     print(json.dumps([flex_sdpa_differences(dtype, c) for dtype, c in cases], indent=1))

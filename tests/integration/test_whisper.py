@@ -72,6 +72,32 @@ def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervis
 
 
 
+def test_waves_batches_give_the_whole_windows_taps_and_a_custom_extractor_keeps_its_features(whisper, tmp_path):
+    """`device_features`: the batch holds the padded waves, whose features the frozen target computes (taps bit for
+    bit on the CPU); an extractor that is not the standard one for the target falls back to compact features."""
+    import copy
+
+    model, processor = whisper
+    manifest = str(_manifest(tmp_path))
+    target = FrozenTarget(model)
+
+    def batches(proc, **kwargs):
+        return build_train_dataloader(manifest, proc, model.config, max_tokens=400, shuffle=False, **kwargs)
+
+    for waves, whole in zip(batches(processor, compact_features=True, device_features=True), batches(processor)):
+        assert set(waves) == set(whole) - {"input_features"} | {"input_audio_waves"}
+        assert waves["input_audio_waves"].shape[0] == whole["input_ids"].shape[0]  # [batch, samples]
+        assert torch.equal(target.whole_window(waves)["input_features"], whole["input_features"])
+        got = target.capture(waves, [0, 1], keep_final=True)
+        want = target.capture(whole, [0, 1], keep_final=True)
+        assert torch.equal(got.taps, want.taps) and torch.equal(got.encoder_hidden, want.encoder_hidden)
+    custom = copy.copy(processor)
+    custom.feature_extractor = copy.deepcopy(processor.feature_extractor)
+    custom.feature_extractor.mel_filters = custom.feature_extractor.mel_filters * 1.5
+    batch = next(iter(batches(custom, compact_features=True, device_features=True)))
+    assert "input_features_compact" in batch and "input_audio_waves" not in batch
+
+
 def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
@@ -467,9 +493,10 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
         log.removeHandler(handler)
 
 
-def test_training_on_compact_features_equals_training_on_the_whole_window(whisper, tmp_path, monkeypatch):
-    """The trainer's Whisper loader gives compact features (the frames that hold audio); the frozen target rebuilds
-    the window: two steps end on the same draft, bit for bit, as with the processor's whole window."""
+def test_training_on_waves_or_compact_features_equals_training_on_the_whole_window(whisper, tmp_path, monkeypatch):
+    """The trainer's Whisper loader gives the padded waves (its extractor is the standard one), whose features the
+    frozen target computes; without device features it gives compact features (the frames that hold audio), whose
+    window the target rebuilds: two steps end on the same draft, bit for bit, as with the processor's whole window."""
     from utils import make_args
 
     import dflash_hf.data as data
@@ -479,7 +506,8 @@ def test_training_on_compact_features_equals_training_on_the_whole_window(whispe
     model, processor = whisper
     manifest = str(_manifest(tmp_path))
 
-    def trained(name: str):
+    def trained(name: str, **loader):
+        monkeypatch.setattr(data, "build_train_dataloader", lambda *a, **k: build(*a, **{**k, **loader}))
         torch.manual_seed(0)
         args = make_args(tmp_path / name, mask_token_id=MASK, max_steps=2, label_source="target_argmax",
                          target_layer_ids=[0, 1], num_draft_layers=1)
@@ -489,10 +517,10 @@ def test_training_on_compact_features_equals_training_on_the_whole_window(whispe
         trainer.train()
         return trainer.model.state_dict()
 
-    keys = []
-    compact = trained("compact")
-    build = data.build_train_dataloader
-    monkeypatch.setattr(data, "build_train_dataloader", lambda *a, **k: build(*a, **{**k, "compact_features": False}))
-    whole = trained("whole")
-    assert "input_features_compact" in keys[0] and "input_features" in keys[1]
-    assert compact.keys() == whole.keys() and all(torch.equal(compact[k], whole[k]) for k in compact)
+    keys, build = [], data.build_train_dataloader
+    waves = trained("waves")
+    compact = trained("compact", device_features=False)
+    whole = trained("whole", device_features=False, compact_features=False)
+    assert "input_audio_waves" in keys[0] and "input_features_compact" in keys[1] and "input_features" in keys[2]
+    for got in (waves, compact):
+        assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in got)

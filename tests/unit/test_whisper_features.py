@@ -8,8 +8,10 @@ import torch
 from transformers import WhisperFeatureExtractor
 
 from dflash_hf.whisper_features import (
+    AUDIO_WAVES_KEY,
     COMPACT_FEATURES_KEY,
     expand_window,
+    is_standard_extractor,
     whisper_log_mel,
     with_fast_features,
     with_whole_window,
@@ -103,3 +105,41 @@ def test_compact_calls_and_the_whole_window_rebuilt_from_them():
         with_whole_window(dict(out), None)
     with pytest.raises(ValueError, match="more than the encoder window"):
         expand_window(out[COMPACT_FEATURES_KEY], 10)
+
+
+@pytest.mark.parametrize("chunk_length", [30, 4])
+def test_waves_calls_give_the_extractors_features_where_the_target_computes_them(chunk_length):
+    """A waves extractor's plain call gives the padded waves; `with_whole_window` computes their features with the
+    standard extractor of the target's mel bins and window: the extractor's own features, bit for bit on the CPU."""
+    fe = WhisperFeatureExtractor(feature_size=80, chunk_length=chunk_length)
+    fast = with_fast_features(type("P", (), {"feature_extractor": fe})(), compact=True, waves=True).feature_extractor
+    rng = np.random.default_rng(5)
+    frames = chunk_length * 100
+    for _ in range(4):
+        seconds = rng.uniform(0.01, 0.7 * chunk_length, size=rng.integers(1, 5))
+        audios = [rng.standard_normal(max(1, int(x * 16000))).astype(np.float32) * rng.uniform(0.01, 1)
+                  for x in seconds]
+        out = fast(audios, sampling_rate=16000, return_tensors="pt")
+        assert set(out) == {AUDIO_WAVES_KEY} and out[AUDIO_WAVES_KEY].dtype == torch.float32
+        assert out[AUDIO_WAVES_KEY].shape[-1] < chunk_length * 16000  # not the whole window's samples
+        whole = with_whole_window({"input_ids": torch.ones(1, 2), **out}, frames, 80)
+        want = fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]
+        assert set(whole) == {"input_ids", "input_features"} and torch.equal(whole["input_features"], want)
+    masked = fast(audios, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    assert torch.equal(masked["input_features"], want)  # a call asking for the mask gets the extractor's features
+    with pytest.raises(ValueError, match="no standard Whisper extractor"):
+        with_whole_window(dict(out), frames, None)
+
+
+def test_only_the_standard_extractor_of_the_targets_bins_and_window_hands_on_waves():
+    assert is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 3000)
+    assert is_standard_extractor(WhisperFeatureExtractor(feature_size=128, chunk_length=4), 128, 400)
+    assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 128, 3000)  # other mel bins
+    assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 400)  # another window
+    assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 3050)  # no whole seconds
+    assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), None, 3000)
+    for changed in (dict(n_fft=512), dict(hop_length=320), dict(dither=0.5), dict(sampling_rate=8000)):
+        assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80, **changed), 80, 3000), changed
+    edited = WhisperFeatureExtractor(feature_size=80)
+    edited.mel_filters = edited.mel_filters * 1.5  # a bank of its own: the target would compute other features
+    assert not is_standard_extractor(edited, 80, 3000)
