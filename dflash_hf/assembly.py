@@ -69,7 +69,9 @@ def speech_loader(
         resample_audio=da.resample_audio,
         packing=args.packing,
         compact_features=True,  # Whisper: the window rebuilt on the target's device (FrozenTarget.capture)
-        device_features=True,  # ... and its features computed there, where the extractor is the standard one
+        # ... and on a GPU its features computed there from the waves (standard extractors); on the CPU the workers
+        # compute them, beside the step
+        device_features=args.device.type == "cuda",
     )
 
 

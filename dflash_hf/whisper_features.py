@@ -16,11 +16,11 @@ Compact features (the training collator of Whisper targets): the same values ove
 window from them on the target's device (bit-identical): the loader no longer writes, moves between processes and
 copies to the GPU the window's repeated padding (a batch of 64 utterances of 2 s: 57 of its 61 MB).
 
-Device features (the trainer's Whisper loaders, where the processor's extractor is the standard one of the
-target's `num_mel_bins` and window): the collator gives the padded waves instead (`AUDIO_WAVES_KEY`, `padded_waves`)
-and the frozen target computes the features on its device (`log_mel_of_waves`): the loader then only reads audio.
-The log-mel of a batch of 64 clips of 5-20 s took about 19 ms a clip on one CPU core here (1.2 s a batch), while a
-Whisper-base training step of such a batch takes 57-70 ms on one GPU.
+Device features (the trainer's Whisper loaders on a CUDA device, where the processor's extractor is the standard
+one of the target's `num_mel_bins` and window): the collator gives the padded waves instead (`AUDIO_WAVES_KEY`,
+`padded_waves`; 16-bit PCM as int16) and the frozen target computes the features on its device (`log_mel_of_waves`):
+the loader then only reads audio. The log-mel of a batch of 64 clips of 5-20 s took about 19 ms a clip on one CPU
+core here (1.2 s a batch), while a Whisper-base training step of such a batch takes 57-70 ms on one GPU.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int
 
 def log_mel_of_waves(feature_extractor, wave: torch.Tensor) -> torch.Tensor:
     """Compact features `[batch, n_mels, kept]` of `padded_waves`' output, computed where `wave` is (the frames
-    follow from its width). On the CPU bit-identical to the extractor's; on a GPU the mel projection runs in float64,
-    so that no TF32 setting rounds it (the features then differ from the CPU's by float rounding only)."""
+    follow from its width). On the CPU bit-identical to the extractor's; on a CUDA GPU the mel projection runs in
+    float64, so that no TF32 setting rounds it (the features then differ from the CPU's by float rounding only)."""
     fe = feature_extractor
     n, hop, n_fft = fe.n_samples, fe.hop_length, fe.n_fft
     frames = n // hop  # Whisper drops the STFT's last frame
@@ -95,7 +95,7 @@ def log_mel_of_waves(feature_extractor, wave: torch.Tensor) -> torch.Tensor:
     # the scaling run over these only, and the padding frame's value (the same in every padding frame) fills the rest
     kept = min(frames, cols + 1)
     mel = torch.zeros(wave.shape[0], fe.mel_filters.shape[1], kept, device=wave.device)
-    dtype = torch.float32 if wave.device.type == "cpu" else torch.float64
+    dtype = torch.float64 if wave.device.type == "cuda" else torch.float32
     filters = torch.from_numpy(fe.mel_filters).to(wave.device, dtype).T
     mel[..., :cols] = (filters @ power.to(dtype)).to(torch.float32)
     log_spec = torch.clamp(mel, min=1e-10).log10()

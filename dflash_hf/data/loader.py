@@ -154,7 +154,8 @@ def build_train_dataloader(
     (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused).
     ``compact_features``: Whisper batches hold compact features (``PaddedCollator``), which
     ``FrozenTarget.capture`` expands; ``device_features``: the padded waves, whose features ``FrozenTarget.capture``
-    computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both);
+    computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
+    second on a CUDA device);
     both ``False``: the processor's whole window."""
     if packing and max_batch_size is not None:
         raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "

@@ -495,9 +495,10 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
 
 
 def test_training_on_waves_or_compact_features_equals_training_on_the_whole_window(whisper, tmp_path, monkeypatch):
-    """The trainer's Whisper loader gives the padded waves (its extractor is the standard one), whose features the
-    frozen target computes; without device features it gives compact features (the frames that hold audio), whose
-    window the target rebuilds: two steps end on the same draft, bit for bit, as with the processor's whole window."""
+    """The trainer's Whisper loader gives compact features on the CPU (the frames that hold audio), whose window the
+    frozen target rebuilds, and on a GPU the padded waves (its extractor is the standard one), whose features the
+    target computes (forced here): two steps end on the same draft, bit for bit, as with the processor's whole
+    window."""
     from utils import make_args
 
     import dflash_hf.data as data
@@ -519,8 +520,8 @@ def test_training_on_waves_or_compact_features_equals_training_on_the_whole_wind
         return trainer.model.state_dict()
 
     keys, build = [], data.build_train_dataloader
-    waves = trained("waves")
-    compact = trained("compact", device_features=False)
+    waves = trained("waves", device_features=True)
+    compact = trained("compact")
     whole = trained("whole", device_features=False, compact_features=False)
     assert "input_audio_waves" in keys[0] and "input_features_compact" in keys[1] and "input_features" in keys[2]
     for got in (waves, compact):
