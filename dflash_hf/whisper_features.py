@@ -18,7 +18,7 @@ copies to the GPU the window's repeated padding (a batch of 64 utterances of 2 s
 
 Device features (the trainer's Whisper loaders on a CUDA device, where the processor's extractor is the standard
 one of the target's `num_mel_bins` and window): the collator gives the padded waves instead (`AUDIO_WAVES_KEY`,
-`padded_waves`; 16-bit PCM as int16) and the frozen target computes the features on its device (`log_mel_of_waves`):
+`padded_waves`, float32) and the frozen target computes the features on its device (`log_mel_of_waves`):
 the loader then only reads audio. The log-mel of a batch of 64 clips of 5-20 s took about 19 ms a clip on one CPU
 core here (1.2 s a batch), while a Whisper-base training step of such a batch takes 57-70 ms on one GPU.
 """
@@ -34,8 +34,7 @@ from transformers import BatchFeature, WhisperFeatureExtractor
 
 MIN_MATMUL_FRAMES = 16
 COMPACT_FEATURES_KEY = "input_features_compact"  # `[batch, n_mels, kept]`: `expand_window` gives `input_features`
-AUDIO_WAVES_KEY = "input_audio_waves"  # `[batch, width]` float32 or int16 (`padded_waves`): `log_mel_of_waves`
-INT16_SCALE = 32768  # int16 waves hold `sample * INT16_SCALE`
+AUDIO_WAVES_KEY = "input_audio_waves"  # `[batch, width]` float32 (`padded_waves`): `log_mel_of_waves` on the device
 
 
 def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: int,
@@ -50,12 +49,10 @@ def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: 
     return log_spec if compact else expand_window(log_spec, feature_extractor.n_samples // feature_extractor.hop_length)
 
 
-def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int,
-                 as_int16: bool = False) -> np.ndarray | None:
+def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int) -> np.ndarray | None:
     """`[batch, width]` float32: `audios` zero-padded to the samples that the frames touching audio need (at least
     `MIN_MATMUL_FRAMES` frames' worth, clear of the window's end reflection), `log_mel_of_waves`' input; None where
-    the shortcut would not be exact (`whisper_log_mel`). `as_int16`: int16 samples (`value * 32768`) wherever every
-    sample is one exactly (16-bit PCM as soundfile reads it): half the bytes to move, the same features."""
+    the shortcut would not be exact (`whisper_log_mel`)."""
     fe = feature_extractor
     exact_class = type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor)  # not other subclasses
     if not exact_class or fe.dither != 0.0 or sampling_rate != fe.sampling_rate or not audios:
@@ -71,10 +68,6 @@ def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int
     wave = np.zeros((len(audios), width), np.float32)
     for row, (a, length) in enumerate(zip(audios, lengths)):
         wave[row, :length] = a[:length]
-    if as_int16:
-        scaled = wave * np.float32(INT16_SCALE)  # exact: a power of two
-        if scaled.min() >= -INT16_SCALE and scaled.max() < INT16_SCALE and np.array_equal(np.rint(scaled), scaled):
-            return scaled.astype(np.int16)
     return wave
 
 
@@ -85,8 +78,6 @@ def log_mel_of_waves(feature_extractor, wave: torch.Tensor) -> torch.Tensor:
     fe = feature_extractor
     n, hop, n_fft = fe.n_samples, fe.hop_length, fe.n_fft
     frames = n // hop  # Whisper drops the STFT's last frame
-    if wave.dtype == torch.int16:  # `padded_waves(as_int16=True)`: back to the float samples, exactly
-        wave = wave.to(torch.float32) / INT16_SCALE
     stft = torch.stft(wave, n_fft, hop, window=torch.hann_window(n_fft, device=wave.device), return_complex=True)
     # at least MIN_MATMUL_FRAMES columns: a narrower mel matmul took another BLAS kernel and differed by 1 ulp
     cols = min(frames, (wave.shape[-1] - n_fft // 2 - hop) // hop + 1, stft.shape[-1])
@@ -190,7 +181,7 @@ class FastWhisperFeatureExtractor(WhisperFeatureExtractor):
                  and all(isinstance(a, np.ndarray) and a.ndim == 1 for a in audios))
         compact = self.compact and not return_attention_mask
         if plain and self.waves and not return_attention_mask:
-            wave = padded_waves(self, list(audios), sampling_rate, as_int16=True)
+            wave = padded_waves(self, list(audios), sampling_rate)
             if wave is not None:
                 out = BatchFeature({AUDIO_WAVES_KEY: wave})
                 return out.convert_to_tensors(return_tensors) if return_tensors else out

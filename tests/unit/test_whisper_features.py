@@ -115,14 +115,12 @@ def test_waves_calls_give_the_extractors_features_where_the_target_computes_them
     fast = with_fast_features(type("P", (), {"feature_extractor": fe})(), compact=True, waves=True).feature_extractor
     rng = np.random.default_rng(5)
     frames = chunk_length * 100
-    for pcm16 in (False, True, False, True):  # 16-bit PCM samples travel as int16, others as float32
+    for _ in range(4):
         seconds = rng.uniform(0.01, 0.7 * chunk_length, size=rng.integers(1, 5))
-        sizes = [max(1, int(x * 16000)) for x in seconds]
-        audios = ([rng.integers(-32768, 32768, n).astype(np.float32) / 32768 for n in sizes] if pcm16 else
-                  [rng.standard_normal(n).astype(np.float32) * rng.uniform(0.01, 1) for n in sizes])
+        audios = [rng.standard_normal(max(1, int(x * 16000))).astype(np.float32) * rng.uniform(0.01, 1)
+                  for x in seconds]
         out = fast(audios, sampling_rate=16000, return_tensors="pt")
-        assert set(out) == {AUDIO_WAVES_KEY}
-        assert out[AUDIO_WAVES_KEY].dtype == (torch.int16 if pcm16 else torch.float32)
+        assert set(out) == {AUDIO_WAVES_KEY} and out[AUDIO_WAVES_KEY].dtype == torch.float32
         assert out[AUDIO_WAVES_KEY].shape[-1] < chunk_length * 16000  # not the whole window's samples
         whole = with_whole_window({"input_ids": torch.ones(1, 2), **out}, frames, 80)
         want = fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]
