@@ -71,10 +71,11 @@ def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int
     return wave
 
 
-def log_mel_of_waves(feature_extractor, wave: torch.Tensor) -> torch.Tensor:
+def log_mel_of_waves(feature_extractor, wave: torch.Tensor, filters: torch.Tensor | None = None) -> torch.Tensor:
     """Compact features `[batch, n_mels, kept]` of `padded_waves`' output, computed where `wave` is (the frames
     follow from its width). On the CPU bit-identical to the extractor's; on a CUDA GPU the mel projection runs in
-    float64, so that no TF32 setting rounds it (the features then differ from the CPU's by float rounding only)."""
+    float64, so that no TF32 setting rounds it (the features then differ from the CPU's by float rounding only).
+    `filters`: the extractor's mel filters already where `wave` is (`_filters_on`; a copy each call would wait)."""
     fe = feature_extractor
     n, hop, n_fft = fe.n_samples, fe.hop_length, fe.n_fft
     frames = n // hop  # Whisper drops the STFT's last frame
@@ -86,9 +87,9 @@ def log_mel_of_waves(feature_extractor, wave: torch.Tensor) -> torch.Tensor:
     # the scaling run over these only, and the padding frame's value (the same in every padding frame) fills the rest
     kept = min(frames, cols + 1)
     mel = torch.zeros(wave.shape[0], fe.mel_filters.shape[1], kept, device=wave.device)
-    dtype = torch.float64 if wave.device.type == "cuda" else torch.float32
-    filters = torch.from_numpy(fe.mel_filters).to(wave.device, dtype).T
-    mel[..., :cols] = (filters @ power.to(dtype)).to(torch.float32)
+    if filters is None:
+        filters = _mel_projection(fe.mel_filters, wave.device)
+    mel[..., :cols] = (filters @ power.to(filters.dtype)).to(torch.float32)
     log_spec = torch.clamp(mel, min=1e-10).log10()
     peak = log_spec.amax(dim=(1, 2), keepdim=True)
     return (torch.maximum(log_spec, peak - 8.0) + 4.0) / 4.0  # [batch, n_mels, kept]
@@ -122,9 +123,21 @@ def with_whole_window(batch: dict, frames: int | None, num_mel_bins: int | None 
             raise ValueError(f"the batch holds {key!r}, but the target (num_mel_bins={num_mel_bins}, a window of "
                              f"{frames} frames) has no standard Whisper extractor to compute their features with; "
                              "build its loader with device_features=False")
-        features = log_mel_of_waves(standard_extractor(num_mel_bins, frames), features)
+        extractor = standard_extractor(num_mel_bins, frames)
+        features = log_mel_of_waves(extractor, features, _filters_on(num_mel_bins, frames, features.device))
     out["input_features"] = expand_window(features, frames)
     return out
+
+
+def _mel_projection(mel_filters: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`[n_mels, n_freqs]`: float32 on the CPU (the extractor's own arithmetic), float64 on a CUDA device."""
+    return torch.from_numpy(mel_filters).to(device, torch.float64 if device.type == "cuda" else torch.float32).T
+
+
+@functools.lru_cache(maxsize=8)
+def _filters_on(num_mel_bins: int, frames: int, device: torch.device) -> torch.Tensor:
+    """The standard extractor's `_mel_projection` on `device`, copied there once."""
+    return _mel_projection(standard_extractor(num_mel_bins, frames).mel_filters, device)
 
 
 @functools.cache
