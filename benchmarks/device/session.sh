@@ -13,6 +13,9 @@
 #                                CODE its scripts' checksum; the latest is /tmp/repo_current: a chain must not
 #                                import from the call's copy, which the next call replaces)
 #   poll SECONDS                 wait, then one line per log, the finished chains, GPU use; results into $OUT/r.tgz
+#   ab ROUNDS ARGS...            scripts/benchmark_train.py ARGS on this tree and on .devcarry/base (carried: an export of
+#                                an earlier commit's dflash_hf/ and scripts/, `git archive C dflash_hf scripts`),
+#                                alternated ROUNDS times in the same call; one summary line each, JSONs into $OUT
 #   bring RUN [GROUP...]         a trained draft (runs/RUN/draft) back through $OUT: packed once into <= 15 MiB
 #                                pieces with sha256 (carry groups group_NN, the last holding pieces.json); each call
 #                                brings the named groups (default all; at most 8 files and 64 MiB come back a call,
@@ -94,6 +97,17 @@ case $step in
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
     tar czf "${OUT:-/tmp}"/r.tgz /tmp/results /tmp/logs $DFLASH_BENCH_CACHE/runs/*/train_done.json \
       $DFLASH_BENCH_CACHE/speech_llm/trained/recipe.json 2>/dev/null; true ;;
+  ab)
+    rounds=${1:?ab ROUNDS ARGS...}; shift
+    [ -d .devcarry/base/dflash_hf ] || { echo "carry .devcarry/base (git archive C dflash_hf scripts)"; exit 1; }
+    mkdir -p /tmp/base && cp -r .devcarry/base/* /tmp/base/ || exit 1
+    for r in $(seq "$rounds"); do
+      for tree in new base; do
+        root=$PWD; [ $tree = base ] && root=/tmp/base
+        (cd "$root" && PYTHONPATH=/tmp/site:$root python3 scripts/benchmark_train.py "$@" --out "${OUT:-/tmp}/ab_${tree}_$r.json" \
+          2>&1 | grep -E "^\S+ +(full|draft) " | sed "s/^/$tree $r: /")
+      done
+    done ;;
   bring)
     n=${1:?bring RUN [GROUP...]}; shift
     packed=/tmp/bring/$n
@@ -108,5 +122,5 @@ case $step in
     files=$(find "$OUT" -type f | wc -l); echo "$files files under \$OUT: $(du -sh "$OUT" | cut -f1)"
     [ "$files" -le 8 ] || { echo "more than the 8 files a call brings back: name fewer groups per call"; exit 1; }
     [ "$(du -sm "$OUT" | cut -f1)" -lt 64 ] || { echo "more than the 64 MiB a call brings back: name fewer groups"; exit 1; } ;;
-  *) echo "unknown step $step (setup, carry, unpack, launch, poll, bring)"; exit 2 ;;
+  *) echo "unknown step $step (setup, carry, unpack, launch, poll, ab, bring)"; exit 2 ;;
 esac
