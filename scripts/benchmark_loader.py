@@ -48,20 +48,23 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _time_epochs(batches, epochs: int, max_batches: int | None) -> list[dict]:
-    """ms per batch and rows per batch of each epoch of `batches` (a loader or its batch sampler: `set_epoch`, then
-    iterated)."""
+    """ms per batch, rows per batch and (a loader's) MiB of tensors per batch, what moves between processes and to
+    the device, of each epoch of `batches` (a loader or its batch sampler: `set_epoch`, then iterated)."""
     out = []
     for epoch in range(epochs):
         batches.set_epoch(epoch)
-        start, n, rows = time.perf_counter(), 0, 0
+        start, n, rows, size = time.perf_counter(), 0, 0, 0
         for batch in batches:
             n += 1
             rows += len(batch) if not isinstance(batch, dict) else batch["input_ids"].shape[0]
+            if isinstance(batch, dict):
+                size += sum(v.nbytes for v in batch.values() if isinstance(v, torch.Tensor))
             if max_batches is not None and n >= max_batches:
                 break
         seconds = time.perf_counter() - start
         out.append({"epoch": epoch, "batches": n, "rows_per_batch": round(rows / max(n, 1), 1),
-                    "ms_per_batch": round(1000 * seconds / max(n, 1), 2)})
+                    "ms_per_batch": round(1000 * seconds / max(n, 1), 2),
+                    **({"mib_per_batch": round(size / max(n, 1) / 2**20, 2)} if size else {})})
     return out
 
 
