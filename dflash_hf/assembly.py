@@ -70,8 +70,9 @@ def speech_loader(
         packing=args.packing,
         compact_features=True,  # Whisper: the window rebuilt on the target's device (FrozenTarget.capture)
         # ... and on a GPU its features computed there from the waves (standard extractors); on the CPU the workers
-        # compute them, beside the step
-        device_features=args.device.type == "cuda",
+        # compute them, beside the step; not under DeepSpeed, which casts floating inputs to its dtype
+        device_features=args.device.type == "cuda" and not args.deepspeed,
+        pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",  # the copy to the GPU waits for nothing
     )
 
 

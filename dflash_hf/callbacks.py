@@ -96,9 +96,9 @@ class RealTauCallback(TrainerCallback):
 
 class TimeBudgetCallback(TrainerCallback):
     """`max_train_minutes`: after the optimizer step that crosses the budget, stop, save a checkpoint and let the
-    run export as at `max_steps`. Under DDP the ranks agree on the maximum of their verdicts, reduced in the background
-    and read one step later (`_agreed`), so every rank stops at the same step, the one after the crossing, and no
-    step waits for the device to drain."""
+    run export as at `max_steps`. Under DDP (two or more ranks) the ranks agree on the maximum of their verdicts,
+    read one step later (`_agreed`), so every rank stops at the same step, the one after the crossing, and no step
+    waits for the device to drain."""
 
     def __init__(self, minutes: float):  # checked > 0 by DFlashTrainingArguments
         self.seconds = 60.0 * minutes
@@ -111,7 +111,8 @@ class TimeBudgetCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         over = time.monotonic() - self.start >= self.seconds
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             over = self._agreed(over, args.device)
         if over and not control.should_training_stop:
             logger.warning("max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
@@ -120,17 +121,18 @@ class TimeBudgetCallback(TrainerCallback):
             control.should_save = args.save_strategy != "no"
 
     def _agreed(self, over: bool, device: torch.device) -> bool:
-        """The ranks' verdict of the previous step (False at the first); this step's is all-reduced now and copied to
-        the host behind the step's work on the device, so reading it a step later waits for nothing on a GPU (an
-        `.item()` here would drain the device every step)."""
-        verdict = torch.tensor(float(over), device=device)
-        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX, async_op=True).wait()
+        """The ranks' verdict of the previous step (False at the first). This step's is filled on the device (no
+        host copy: `torch.tensor(..., device=)` would wait for the stream), all-reduced in the stream's order and
+        copied to pinned host memory behind the step's work, with an event; reading it a step later waits for
+        nothing on a GPU (an `.item()` here would drain the device every step)."""
+        verdict = torch.full((1,), float(over), device=device)
+        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
         host = torch.empty(1, pin_memory=device.type == "cuda")
-        host.copy_(verdict.view(1), non_blocking=True)
+        host.copy_(verdict, non_blocking=True)
         done = None
         if device.type == "cuda":
             done = torch.cuda.Event()
-            done.record()
+            done.record(torch.cuda.current_stream(device))
         previous, self.pending = self.pending, (host, done)
         if previous is None:
             return False

@@ -52,10 +52,13 @@ def whisper_log_mel(feature_extractor, audios: list[np.ndarray], sampling_rate: 
 def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int) -> np.ndarray | None:
     """`[batch, width]` float32: `audios` zero-padded to the samples that the frames touching audio need (at least
     `MIN_MATMUL_FRAMES` frames' worth, clear of the window's end reflection), `log_mel_of_waves`' input; None where
-    the shortcut would not be exact (`whisper_log_mel`)."""
+    the shortcut would not be exact (`whisper_log_mel`: another class, dither, a padding value other than 0, another
+    rate, audio reaching the window's end)."""
     fe = feature_extractor
     exact_class = type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor)  # not other subclasses
-    if not exact_class or fe.dither != 0.0 or sampling_rate != fe.sampling_rate or not audios:
+    if not exact_class or fe.dither != 0.0 or fe.padding_value != 0.0 or sampling_rate != fe.sampling_rate:
+        return None
+    if not audios:
         return None
     if any(np.ndim(a) != 1 for a in audios):
         return None
@@ -72,10 +75,11 @@ def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int
 
 
 def log_mel_of_waves(feature_extractor, wave: torch.Tensor, filters: torch.Tensor | None = None) -> torch.Tensor:
-    """Compact features `[batch, n_mels, kept]` of `padded_waves`' output, computed where `wave` is (the frames
-    follow from its width). On the CPU bit-identical to the extractor's; on a CUDA GPU the mel projection runs in
-    float64, so that no TF32 setting rounds it (the features then differ from the CPU's by float rounding only).
-    `filters`: the extractor's mel filters already where `wave` is (`_filters_on`; a copy each call would wait)."""
+    """Compact features `[batch, n_mels, kept]` of `padded_waves`' output (only that: the frame after the computed
+    ones must be padding), computed where `wave` is (the frames follow from its width). On the CPU bit-identical to
+    the extractor's; on a CUDA GPU the mel projection runs in float64, so that no TF32 setting rounds it (the
+    features then differ from the CPU's by float rounding only). `filters`: the extractor's mel filters already
+    where `wave` is (`_filters_on`; a copy each call would wait)."""
     fe = feature_extractor
     n, hop, n_fft = fe.n_samples, fe.hop_length, fe.n_fft
     frames = n // hop  # Whisper drops the STFT's last frame
@@ -155,7 +159,7 @@ def is_standard_extractor(feature_extractor, num_mel_bins: int | None, frames: i
     if not num_mel_bins or type(fe) not in (WhisperFeatureExtractor, FastWhisperFeatureExtractor) or fe.dither != 0.0:
         return False
     ref = standard_extractor(num_mel_bins, frames)
-    same = ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_samples", "nb_max_frames")
+    same = ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_samples", "nb_max_frames", "padding_value")
     return ref is not None and all(getattr(fe, k) == getattr(ref, k) for k in same) and np.array_equal(
         fe.mel_filters, ref.mel_filters)
 

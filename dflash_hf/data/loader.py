@@ -148,6 +148,7 @@ def build_train_dataloader(
     packing: bool = False,
     compact_features: bool = False,
     device_features: bool = False,
+    pin_memory: bool = False,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
@@ -155,8 +156,8 @@ def build_train_dataloader(
     ``compact_features``: Whisper batches hold compact features (``PaddedCollator``), which
     ``FrozenTarget.capture`` expands; ``device_features``: the padded waves, whose features ``FrozenTarget.capture``
     computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
-    second on a CUDA device);
-    both ``False``: the processor's whole window."""
+    second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
+    memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device)."""
     if packing and max_batch_size is not None:
         raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "
                          "leave it unset")
@@ -185,11 +186,12 @@ def build_train_dataloader(
         sampler = PackingSampler(cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank,
                                  buffer_size=buffer_size)
         collator = PackingCollator(collator, max_tokens, pad_token_id=get_tokenizer(processor).pad_token_id or 0)
-        return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)
+        return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers,
+                             pin_memory=pin_memory)
     constraint = TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size)
     sampler = DynamicBucketingSampler(
         cuts, constraint=constraint, shuffle=shuffle, drop_last=drop_last, seed=seed,
         world_size=world_size, rank=rank, buffer_size=buffer_size,
         duration_bins=_bucket_bins(cuts, constraint, num_buckets, num_cuts_for_bins_estimate),
     )
-    return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers)
+    return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers, pin_memory=pin_memory)

@@ -43,6 +43,8 @@ def test_declines_where_only_the_extractor_is_exact():
     assert whisper_log_mel(fe, [np.ones(8000, np.float32)], 8000) is None  # the extractor raises on this rate
     assert whisper_log_mel(WhisperFeatureExtractor(feature_size=80, chunk_length=4, dither=1.0),
                            [np.ones(8000, np.float32)], 16000) is None
+    padded_otherwise = WhisperFeatureExtractor(feature_size=80, chunk_length=4, padding_value=0.5)
+    assert whisper_log_mel(padded_otherwise, [np.ones(8000, np.float32)], 16000) is None  # it pads with 0.5
 
 
 def _same(a, b):
@@ -138,7 +140,8 @@ def test_only_the_standard_extractor_of_the_targets_bins_and_window_hands_on_wav
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 400)  # another window
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 3050)  # no whole seconds
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), None, 3000)
-    for changed in (dict(n_fft=512), dict(hop_length=320), dict(dither=0.5), dict(sampling_rate=8000)):
+    for changed in (dict(n_fft=512), dict(hop_length=320), dict(dither=0.5), dict(sampling_rate=8000),
+                    dict(padding_value=0.5)):
         assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80, **changed), 80, 3000), changed
     edited = WhisperFeatureExtractor(feature_size=80)
     edited.mel_filters = edited.mel_filters * 1.5  # a bank of its own: the target would compute other features
