@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from transformers import BatchFeature, WhisperFeatureExtractor
 
+from .families_base import HOP_LENGTH, SAMPLING_RATE
+
 MIN_MATMUL_FRAMES = 16
 COMPACT_FEATURES_KEY = "input_features_compact"  # `[batch, n_mels, kept]`: `expand_window` gives `input_features`
 AUDIO_WAVES_KEY = "input_audio_waves"  # `[batch, width]` float32 (`padded_waves`): `log_mel_of_waves` on the device
@@ -55,12 +57,7 @@ def padded_waves(feature_extractor, audios: list[np.ndarray], sampling_rate: int
     the shortcut would not be exact (`whisper_log_mel`: another class, dither, a padding value other than 0, another
     rate, audio reaching the window's end)."""
     fe = feature_extractor
-    exact_class = type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor)  # not other subclasses
-    if not exact_class or fe.dither != 0.0 or fe.padding_value != 0.0 or sampling_rate != fe.sampling_rate:
-        return None
-    if not audios:
-        return None
-    if any(np.ndim(a) != 1 for a in audios):
+    if not _exact(fe) or sampling_rate != fe.sampling_rate or not audios or any(np.ndim(a) != 1 for a in audios):
         return None
     n, hop, n_fft = fe.n_samples, fe.hop_length, fe.n_fft
     lengths = [min(len(a), n) for a in audios]
@@ -123,11 +120,11 @@ def with_whole_window(batch: dict, frames: int | None, num_mel_bins: int | None 
     out = {k: v for k, v in batch.items() if k != key}
     features = batch[key]
     if key == AUDIO_WAVES_KEY:
-        if not num_mel_bins or standard_extractor(num_mel_bins, frames) is None:
+        extractor = standard_extractor(num_mel_bins, frames) if num_mel_bins else None
+        if extractor is None:
             raise ValueError(f"the batch holds {key!r}, but the target (num_mel_bins={num_mel_bins}, a window of "
                              f"{frames} frames) has no standard Whisper extractor to compute their features with; "
                              "build its loader with device_features=False")
-        extractor = standard_extractor(num_mel_bins, frames)
         features = log_mel_of_waves(extractor, features, _filters_on(num_mel_bins, frames, features.device))
     out["input_features"] = expand_window(features, frames)
     return out
@@ -148,7 +145,7 @@ def _filters_on(num_mel_bins: int, frames: int, device: torch.device) -> torch.T
 def standard_extractor(num_mel_bins: int, frames: int) -> WhisperFeatureExtractor | None:
     """Whisper's feature extractor with its defaults (16 kHz, hop 160, n_fft 400), `num_mel_bins` mels and a window of
     `frames` (Whisper's 3000: 30 s); None for a window that is no whole number of seconds."""
-    seconds, rest = divmod(frames * 160, 16000)
+    seconds, rest = divmod(frames * HOP_LENGTH, SAMPLING_RATE)
     return None if rest or not seconds else WhisperFeatureExtractor(feature_size=num_mel_bins, chunk_length=seconds)
 
 
@@ -156,12 +153,18 @@ def is_standard_extractor(feature_extractor, num_mel_bins: int | None, frames: i
     """Whether `feature_extractor` computes what `standard_extractor(num_mel_bins, frames)` does on the device (its
     settings and mel filters equal, no dither): only then may a loader hand on waves instead of features."""
     fe = feature_extractor
-    if not num_mel_bins or type(fe) not in (WhisperFeatureExtractor, FastWhisperFeatureExtractor) or fe.dither != 0.0:
-        return False
-    ref = standard_extractor(num_mel_bins, frames)
-    same = ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_samples", "nb_max_frames", "padding_value")
+    ref = standard_extractor(num_mel_bins, frames) if num_mel_bins and _exact(fe) else None
+    same = ("feature_size", "sampling_rate", "hop_length", "n_fft", "n_samples", "nb_max_frames")
     return ref is not None and all(getattr(fe, k) == getattr(ref, k) for k in same) and np.array_equal(
         fe.mel_filters, ref.mel_filters)
+
+
+def _exact(feature_extractor) -> bool:
+    """Whether this module's log-mel reproduces `feature_extractor` exactly: its own class (not a subclass), no
+    dither, zero padding."""
+    fe = feature_extractor
+    return type(fe) in (WhisperFeatureExtractor, FastWhisperFeatureExtractor) and fe.dither == 0.0 and (
+        fe.padding_value == 0.0)
 
 
 def frame_mask(feature_extractor, lengths: list[int]) -> np.ndarray:
