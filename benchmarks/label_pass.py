@@ -14,7 +14,6 @@ is a plain `nn.Linear`; the method runs as the trainer calls it, on a stand-in h
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import types
@@ -25,6 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from decode_profile import command_line, device_name, git_commit, write_results  # noqa: E402
 
 from dflash_hf.target import FrozenTarget  # noqa: E402
 
@@ -61,8 +63,6 @@ def measure(shape: str, chunks: list[int], device: torch.device, reps: int) -> d
     for chunk in chunks:
         labels, ms = run(chunk)
         results.append({"chunk": chunk, "ms": round(ms, 3), "labels_differing": int((labels != reference).sum())})
-        print(f"{shape} chunk {chunk:>5}: {ms:8.2f} ms, {results[-1]['labels_differing']} labels differ from chunk "
-              f"{DEFAULT_CHUNK}'s", flush=True)
     positions = int(loss_mask[:, 1:].sum())
     return {"shape": shape, "vocab": vocab, "hidden": hidden, "rows": rows, "seq": seq, "positions": positions,
             "results": results}
@@ -83,11 +83,15 @@ def main(argv: list[str] | None = None) -> dict:
     if any(c <= 0 for c in args.chunks):
         raise SystemExit(f"--chunks must be positive, got {args.chunks}")
     device = torch.device(args.device)
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "shapes": [measure(s, args.chunks, device, args.reps) for s in args.shape]}
+    report = {"what": "target_argmax label pass by chunk size", "commit": git_commit(),
+              "command": command_line(Path(__file__), argv), "device": device_name(device), "torch": torch.__version__,
+              "shapes": [measure(s, args.chunks, device, args.reps) for s in args.shape]}
+    table = "\n".join(f"{s['shape']} chunk {r['chunk']:>5}: {r['ms']:8.2f} ms, {r['labels_differing']} labels differ "
+                      f"from chunk {DEFAULT_CHUNK}'s" for s in report["shapes"] for r in s["results"])
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+        write_results(report, args.out, table)
+    else:
+        print(table)
     return report
 
 

@@ -16,7 +16,6 @@ both compute (and the padding frames' value)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+from decode_profile import command_line, device_name, git_commit, write_results  # noqa: E402
 
 from dflash_hf.whisper_features import _filters_on, log_mel_of_waves, padded_waves, standard_extractor  # noqa: E402
 
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     cases = {"exact": exact, f"rounded_{args.round_frames}": [rounded(w, args.round_frames) for w in exact]}
     cache = torch.backends.cuda.cufft_plan_cache[device.index or 0] if device.type == "cuda" else None
     timed(exact[:1], device)  # warm-up: kernels, the mel filters' copy
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    report = {"what": "Whisper log-mel on the device: cuFFT plans cold and cached, exact and rounded widths",
+              "commit": git_commit(), "command": command_line(Path(__file__), argv), "device": device_name(device),
               "torch": torch.__version__, "batches": args.batches, "cases": {}}
     for name, waves in cases.items():
         if cache is not None:
@@ -94,16 +97,17 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"widths": len({w.shape[-1] for w in waves}), "ms_new_plans": round(cold, 3),
                "ms_cached": round(min(timed(waves, device) for _ in range(2)), 3), "plans": plans}
         report["cases"][name] = row
-        print(name, row, flush=True)
     fe = standard_extractor(MELS, FRAMES)
     a, b = (log_mel_of_waves(fe, cases[k][0], _filters_on(MELS, FRAMES, device)) for k in cases)
     kept = a.shape[-1]
-    report["rounded_equal_on_kept_frames"] = bool(torch.equal(a, b[..., :kept]))
-    report["rounded_padding_frames_equal"] = bool((b[..., kept - 1 :] == a[..., -1:]).all())
-    print({k: report[k] for k in ("rounded_equal_on_kept_frames", "rounded_padding_frames_equal")})
+    checks = {"rounded_equal_on_kept_frames": bool(torch.equal(a, b[..., :kept])),
+              "rounded_padding_frames_equal": bool((b[..., kept - 1 :] == a[..., -1:]).all())}
+    report.update(checks)
+    table = "\n".join(f"{name}: {value}" for name, value in {**report["cases"], **checks}.items())
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+        write_results(report, args.out, table)
+    else:
+        print(table)
     return report
 
 
