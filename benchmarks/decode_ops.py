@@ -53,12 +53,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf import DFlashConfig, speculative, tiny  # noqa: E402
-from dflash_hf.assembly import init_encoder_context  # noqa: E402
-from dflash_hf.evaluation import target_greedy  # noqa: E402
-from dflash_hf.export import draft_class_for  # noqa: E402
-from dflash_hf.families import generate_kwargs  # noqa: E402
-from dflash_hf.target import FrozenTarget, load_target  # noqa: E402
+from dflash_hf import DFlashConfig  # noqa: E402
+from dflash_hf.export.drafts import draft_class_for  # noqa: E402
+from dflash_hf.generation import speculative  # noqa: E402
+from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
+from dflash_hf.testing import tiny  # noqa: E402
+from dflash_hf.training.assembly import init_encoder_context  # noqa: E402
+from dflash_hf.training.decode_benchmark import target_greedy  # noqa: E402
 
 
 def _load_script(name: str):
@@ -79,30 +81,37 @@ TINY_KINDS = ("text", "whisper")
 WHISPER_MASK = _load_script("real_targets").WHISPER_MASK_ID  # the id the benchmark's Whisper drafts use
 SPEC_PHASES = ("draft", "proposal", "verify", "scores", "accept", "stop", "crop", "other")
 GREEDY_PHASES = ("forward", "scores", "stop", "other")
-_METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default,
-                 torch.ops.aten.detach.default}
+_METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default}
 _SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
 @dataclass
 class OpsArguments:
     target: str | None = field(default=None, metadata={"help": "Directory of the target (model + processor)."})
-    data: str | None = field(default=None, metadata={"help": "Speech targets: a NeMo manifest; text targets: "
-                                                             "JSON lines of prompts (as decode_profile.py)."})
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Speech targets: a NeMo manifest; text targets: JSON lines of prompts (as decode_profile.py)."
+        },
+    )
     tiny: str | None = field(default=None, metadata={"help": f"Instead of --target/--data: one of {TINY_KINDS}."})
     num_prompts: int = field(default=3, metadata={"help": "Prompts decoded from the start of --data."})
     max_new_tokens: int = field(default=24, metadata={"help": "Tokens decoded per prompt (both decoders)."})
     block_size: int = field(default=8, metadata={"help": "Block size of the random drafts."})
     num_draft_layers: int = field(default=2, metadata={"help": "Layers of the random drafts."})
     variants: str = field(default="dflash,dflash2", metadata={"help": "Draft variants, comma separated."})
-    mask_token_id: int | None = field(default=None, metadata={"help": "Draft mask id (default: 50360 for a real "
-                                                                      "Whisper, the tiny targets' own)."})
-    output_json: str | None = field(default=None, metadata={"help": "Default docs/results/decode_ops_<name>_cpu."
-                                                                    "json."})
-    fixed_steps: bool = field(default=False, metadata={
-        "help": "Decode with the fixed-shape draft step and verify (draft_cuda_graph and verify_cuda_graph on): on a "
-                "GPU each is one CUDA graph replay, so what the cycle counts outside `draft` and `verify` is the "
-                "host work left per cycle."})
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "Draft mask id (default: 50360 for a real Whisper, the tiny targets' own)."}
+    )
+    output_json: str | None = field(default=None, metadata={"help": "Default docs/results/decode_ops_<name>_cpu.json."})
+    fixed_steps: bool = field(
+        default=False,
+        metadata={
+            "help": "Decode with the fixed-shape draft step and verify (draft_cuda_graph and verify_cuda_graph on): "
+            "on a GPU each is one CUDA graph replay, so what the cycle counts outside `draft` and `verify` is the "
+            "host work left per cycle."
+        },
+    )
 
     def __post_init__(self):
         if (self.tiny is None) == (self.target is None):
@@ -142,8 +151,7 @@ _HERE = str(SCRIPT_PATH)
 def _caller() -> str:
     """file:line (function) of the innermost frame outside torch and this script."""
     frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                 or frame.f_code.co_filename == _HERE):
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == _HERE):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -302,8 +310,9 @@ def count_greedy(ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> 
     return counter.summary(), sequences
 
 
-def count_speculative(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int,
-                      fixed_steps: bool = False) -> tuple[dict, list]:
+def count_speculative(
+    draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, fixed_steps: bool = False
+) -> tuple[dict, list]:
     """`speculative_generate`: counts per cycle (a cycle starts at a draft forward). `fixed_steps`: the fixed-shape
     draft step and verify (False: the package's default on the CPU, the eager draft and the growing cache)."""
     counter = OpCounter(starts="draft", ends="decode", phases=SPEC_PHASES)
@@ -311,8 +320,14 @@ def count_speculative(draft, ft: FrozenTarget, prompts: list[dict], max_new_toke
     with profile.instrumented(draft, counter), counting(counter):
         for inputs in prompts:
             counter.new_prompt()
-            out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=fixed_steps or None,
-                                                   verify_cuda_graph=fixed_steps or None, **inputs)
+            out = speculative.speculative_generate(
+                draft,
+                ft,
+                max_new_tokens,
+                draft_cuda_graph=fixed_steps or None,
+                verify_cuda_graph=fixed_steps or None,
+                **inputs,
+            )
             sequences.append(out.sequences)
             accepted += out.acceptance_lengths
     summary = counter.summary()
@@ -326,9 +341,14 @@ def random_draft(ft: FrozenTarget, variant: str, mask_token_id: int, num_layers:
     """A random draft of `variant`, with encoder context (initialized from the target's cross-attention) on an
     encoder-decoder target."""
     encoder = ft.encoder_hidden_size if ft.is_encoder_decoder else None
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=mask_token_id, variant=variant,
-                                          num_hidden_layers=num_layers, block_size=block_size,
-                                          encoder_hidden_size=encoder)
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config,
+        mask_token_id=mask_token_id,
+        variant=variant,
+        num_hidden_layers=num_layers,
+        block_size=block_size,
+        encoder_hidden_size=encoder,
+    )
     cfg.vocab_size = ft.vocab_size
     torch.manual_seed(0)
     draft = draft_class_for(cfg)(cfg).eval()
@@ -348,7 +368,7 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
         mask, name = profile.TINY_WHISPER_MASK, "tiny-whisper"
     else:
         from dflash_hf.cli.train import load_processor
-        from dflash_hf.families import get_tokenizer
+        from dflash_hf.targets.families.registry import get_tokenizer
 
         ft = FrozenTarget(load_target(args.target, "fp32"))
         processor = load_processor(args.target)
@@ -372,15 +392,28 @@ def run(args: OpsArguments, command: str) -> dict:
         ft, prompts, mask, name = setup(args, Path(tmp))
     name += "-fixed-steps" if args.fixed_steps else ""
     greedy, reference = count_greedy(ft, prompts, args.max_new_tokens)
-    results = {"name": name, "commit": commit, "command": command, "device": profile.device_name(torch.device("cpu")),
-               "torch": torch.__version__, "family": ft.family.name, "prompts": len(prompts),
-               "greedy_step": greedy, "speculative": {}, "args": asdict(args)}
+    results = {
+        "name": name,
+        "commit": commit,
+        "command": command,
+        "device": profile.device_name(torch.device("cpu")),
+        "torch": torch.__version__,
+        "family": ft.family.name,
+        "prompts": len(prompts),
+        "greedy_step": greedy,
+        "speculative": {},
+        "args": asdict(args),
+    }
     for variant in args.variants.split(","):
         draft = random_draft(ft, variant, mask, args.num_draft_layers, args.block_size)
         spec, sequences = count_speculative(draft, ft, prompts, args.max_new_tokens, args.fixed_steps)
         spec["outputs_identical"] = all(torch.equal(a, b) for a, b in zip(sequences, reference))
-        spec["draft"] = {"class": type(draft).__name__, "layers": args.num_draft_layers,
-                         "block_size": args.block_size, "encoder_context": draft.config.encoder_context}
+        spec["draft"] = {
+            "class": type(draft).__name__,
+            "layers": args.num_draft_layers,
+            "block_size": args.block_size,
+            "encoder_context": draft.config.encoder_context,
+        }
         results["speculative"][variant] = spec
     return results
 
@@ -394,8 +427,10 @@ def results_table(results: dict) -> str:
         per = summary["per_iteration"]
         ops = ", ".join(f"{p} {per['ops'][p]:.1f}" for p in phases)
         extra = f", tau {summary['tau']:.2f}, identical {summary['outputs_identical']}" if "tau" in summary else ""
-        lines.append(f"{label:<16} ops {per['ops']['total']:.1f} ({ops}); host reads {per['reads']['total']:.2f}, "
-                     f"host tensors {per['host_tensors']['total']:.2f}; n={summary['iterations']}{extra}")
+        lines.append(
+            f"{label:<16} ops {per['ops']['total']:.1f} ({ops}); host reads {per['reads']['total']:.2f}, "
+            f"host tensors {per['host_tensors']['total']:.2f}; n={summary['iterations']}{extra}"
+        )
     return "\n".join(lines)
 
 

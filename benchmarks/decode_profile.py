@@ -8,7 +8,8 @@
 
 Batch 1, greedy. Two passes over the same prompts:
 
-1. Un-instrumented: `dflash_hf.evaluation.decode_benchmark`, the wall-clock tokens/s of speculative decoding and of
+1. Un-instrumented: `dflash_hf.training.decode_benchmark.decode_benchmark`, the wall-clock tokens/s of speculative
+decoding and of
    the target's own greedy `generate` (same dtype and device, first prompt decoded once untimed), outputs checked
    token-identical.
 2. Instrumented: the same speculative decoding with the package's functions wrapped inside this script (nothing
@@ -63,11 +64,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, draft_graph, speculative, tiny, verify_graph  # noqa: E402
+from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_hf.cli.config import check_paths_exist  # noqa: E402
-from dflash_hf.evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
-from dflash_hf.families import generate_kwargs, get_tokenizer  # noqa: E402
-from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
+from dflash_hf.generation import speculative, static_draft, static_verify  # noqa: E402
+from dflash_hf.targets.families.registry import generate_kwargs, get_tokenizer  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
+from dflash_hf.testing import tiny  # noqa: E402
+from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
 SCRIPT_PATH = Path(__file__).resolve()
@@ -77,11 +80,17 @@ TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when deco
 MEASURED = ("prefill", "draft", "proposal", "verify")
 HOST_PARTS = ("scores", "accept", "stop", "crop")
 PHASES = ("setup", *MEASURED, "host")
-# Functions the decode loop of dflash_hf.speculative calls, timed as host parts (those the installed version has).
+# Functions the decode loop of dflash_hf.generation.speculative calls, timed as host parts (those the installed
+# version has).
 # Acceptance is the loop's `_accept` where it exists (it calls the greedy or sampling rule); older loops called
 # `accept_tokens` / `_accept_greedy` themselves.
-HOST_FUNCTIONS = {"_processed": "scores", "_accept": "accept", "accept_tokens": "accept", "_accept_greedy": "accept",
-                  "crop_cache": "crop"}
+HOST_FUNCTIONS = {
+    "_processed": "scores",
+    "_accept": "accept",
+    "accept_tokens": "accept",
+    "_accept_greedy": "accept",
+    "crop_cache": "crop",
+}
 
 
 def host_functions(module) -> dict[str, str]:
@@ -101,8 +110,10 @@ class ProfileArguments:
     draft: str | None = field(default=None, metadata={"help": "Draft export directory (dflash-train's export)."})
     data: str | None = field(
         default=None,
-        metadata={"help": "Text targets: JSON lines of prompts ('prompt' or 'messages') or a NeMo manifest (its "
-                          "--text_field). Speech targets: a NeMo manifest."},
+        metadata={
+            "help": "Text targets: JSON lines of prompts ('prompt' or 'messages') or a NeMo manifest (its "
+            "--text_field). Speech targets: a NeMo manifest."
+        },
     )
     tiny: str | None = field(
         default=None,
@@ -110,7 +121,9 @@ class ProfileArguments:
     )
     family: str | None = field(
         default=None,
-        metadata={"help": "Target family row override (dflash_hf.families), e.g. qwen2_audio_single_placeholder."},
+        metadata={
+            "help": "Target family row override (targets.families.registry), e.g. qwen2_audio_single_placeholder."
+        },
     )
     prompt: str | None = field(default=None, metadata={"help": "Speech targets: the user text before the audio."})
     num_prompts: int = field(default=8, metadata={"help": "Prompts decoded from the start of --data."})
@@ -122,19 +135,24 @@ class ProfileArguments:
     )
     output_json: str | None = field(
         default=None,
-        metadata={"help": "Where the results go (default docs/results/decode_profile_<name>_<device>_<precision>"
-                          ".json)."},
+        metadata={
+            "help": "Where the results go (default docs/results/decode_profile_<name>_<device>_<precision>.json)."
+        },
     )
     progress: bool = field(default=True, metadata={"help": "Show progress bars."})
     draft_cuda_graph: str = field(
         default="auto",
-        metadata={"help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
-                          "forward), as dflash-eval's option; both passes use it."},
+        metadata={
+            "help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
+            "forward), as dflash-eval's option; both passes use it."
+        },
     )
     verify_cuda_graph: str = field(
         default="auto",
-        metadata={"help": "auto (the target's verify as a fixed-shape step replayed as a CUDA graph on a GPU where it "
-                          "can run), on or off (the growing cache), as dflash-eval's option; both passes use it."},
+        metadata={
+            "help": "auto (the target's verify as a fixed-shape step replayed as a CUDA graph on a GPU where it "
+            "can run), on or off (the growing cache), as dflash-eval's option; both passes use it."
+        },
     )
 
     def __post_init__(self):
@@ -143,8 +161,8 @@ class ProfileArguments:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         resolve_dtype(self.precision)
-        draft_graph.graph_mode(self.draft_cuda_graph)
-        draft_graph.graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
+        static_draft.graph_mode(self.draft_cuda_graph)
+        static_draft.graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
         given = [name for name in ("target", "draft", "data") if getattr(self, name) is not None]
         if self.tiny is not None:
             if self.tiny not in TINY_KINDS:
@@ -205,11 +223,11 @@ class PhaseClock:
 def instrumented(draft, clock: PhaseClock):
     """Wrap the draft's forward, `propose_block`, the target's forwards (`_Verifier.__call__`: its first call in a
     decode is the prefill), the decode loop (`_decode`, with its stop check) and the host parts of
-    `dflash_hf.speculative`, restoring everything afterwards."""
+    `dflash_hf.generation.speculative`, restoring everything afterwards."""
     sp = speculative
-    graph_step = getattr(draft_graph, "StaticDraftStep", None)
+    graph_step = getattr(static_draft, "StaticDraftStep", None)
     graph_propose = None if graph_step is None else graph_step.propose
-    fixed_verify = verify_graph.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
+    fixed_verify = static_verify.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
     inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = host_functions(sp)
     originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
@@ -257,8 +275,8 @@ def instrumented(draft, clock: PhaseClock):
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))
-        stack.callback(setattr, verify_graph.StaticVerifyStep, "verify", fixed_verify)
-        verify_graph.StaticVerifyStep.verify = fixed_verify_timed
+        stack.callback(setattr, static_verify.StaticVerifyStep, "verify", fixed_verify)
+        static_verify.StaticVerifyStep.verify = fixed_verify_timed
         if graph_step is not None:
             stack.callback(setattr, graph_step, "propose", graph_propose)
             graph_step.propose = graph_propose_timed
@@ -291,8 +309,9 @@ def breakdown(seconds: dict[str, float], cycles: int, tokens: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ models and prompts
 def _random_draft(ft: FrozenTarget, mask_token_id: int) -> DFlashDraftModel:
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=mask_token_id, num_hidden_layers=1,
-                                          block_size=TINY_BLOCK)
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config, mask_token_id=mask_token_id, num_hidden_layers=1, block_size=TINY_BLOCK
+    )
     cfg.vocab_size = ft.vocab_size
     torch.manual_seed(0)
     return DFlashDraftModel(cfg).eval()
@@ -319,13 +338,15 @@ def tiny_setup(kind: str, num_prompts: int, workdir: Path):
     return ft, _random_draft(ft, TINY_WHISPER_MASK), prompts
 
 
-def speech_prompts(path: str, processor, config, limit: int, family: str | None = None,
-                   prompt: str | None = None) -> list[dict]:
+def speech_prompts(
+    path: str, processor, config, limit: int, family: str | None = None, prompt: str | None = None
+) -> list[dict]:
     """Prompts of a NeMo speech manifest as `dflash-eval` renders them (validated cuts, the target's processor)."""
     from dflash_hf.data.conversation import ConversationConfig
 
-    rows, collate = speech_rows_and_collator(path, processor, config, family=family,
-                                             conversation=ConversationConfig(prompt=prompt))
+    rows, collate = speech_rows_and_collator(
+        path, processor, config, family=family, conversation=ConversationConfig(prompt=prompt)
+    )
     return list(itertools.islice(iter_prompts(rows, collate), limit))
 
 
@@ -342,11 +363,14 @@ def text_prompts(path: str, tokenizer, text_field: str, limit: int) -> list[dict
     for origin, record in itertools.islice(_records(path), limit):
         text = record.get(text_field)
         if not isinstance(text, str) or not text:
-            raise ValueError(f"--data {origin}: no text in field --text_field {text_field!r} (keys {sorted(record)}); "
-                             "give JSON lines with 'prompt' or 'messages', or name the manifest's text field")
+            raise ValueError(
+                f"--data {origin}: no text in field --text_field {text_field!r} (keys {sorted(record)}); "
+                "give JSON lines with 'prompt' or 'messages', or name the manifest's text field"
+            )
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         else:
             enc = tokenizer(text, return_tensors="pt")
@@ -356,7 +380,7 @@ def text_prompts(path: str, tokenizer, text_field: str, limit: int) -> list[dict
 
 def real_setup(args: ProfileArguments, device: torch.device):
     from dflash_hf.cli.train import load_processor
-    from dflash_hf.export import load_draft_strict
+    from dflash_hf.export.drafts import load_draft_strict
 
     ft = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
     draft = load_draft_strict(args.draft).to(device=device, dtype=resolve_dtype(args.precision)).eval()
@@ -376,35 +400,49 @@ def real_setup(args: ProfileArguments, device: torch.device):
 @contextmanager
 def recorded_sequences(store: list):
     """Record the sequences of every `speculative_generate` call `decode_benchmark` makes."""
-    from dflash_hf import evaluation
+    from dflash_hf.training import decode_benchmark
 
-    real = evaluation.speculative_generate
+    real = decode_benchmark.speculative_generate
 
     def recorder(*args, **kwargs):
         out = real(*args, **kwargs)
         store.append(out.sequences)
         return out
 
-    evaluation.speculative_generate = recorder
+    decode_benchmark.speculative_generate = recorder
     try:
         yield
     finally:
-        evaluation.speculative_generate = real
+        decode_benchmark.speculative_generate = real
 
 
-def profile_pass(draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, progress: bool,
-                 draft_cuda_graph: bool | None = None, verify_cuda_graph: bool | None = None):
+def profile_pass(
+    draft,
+    ft: FrozenTarget,
+    prompts: list[dict],
+    max_new_tokens: int,
+    progress: bool,
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
+):
     """Instrumented speculative decoding of every prompt: (breakdown, sequences)."""
     clock = PhaseClock(ft.device)
     sequences, cycles, tokens = [], 0, 0
     with instrumented(draft, clock):
         for inputs in tqdm(prompts, disable=not progress, desc="instrumented"):
             n_prompt = inputs["input_ids"].shape[1]
-            kwargs = generate_kwargs(ft.family, {k: v.to(ft.device) if torch.is_tensor(v) else v
-                                                 for k, v in inputs.items()})
+            kwargs = generate_kwargs(
+                ft.family, {k: v.to(ft.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            )
             with clock.measure("total"):
-                out = speculative.speculative_generate(draft, ft, max_new_tokens, draft_cuda_graph=draft_cuda_graph,
-                                                       verify_cuda_graph=verify_cuda_graph, **kwargs)
+                out = speculative.speculative_generate(
+                    draft,
+                    ft,
+                    max_new_tokens,
+                    draft_cuda_graph=draft_cuda_graph,
+                    verify_cuda_graph=verify_cuda_graph,
+                    **kwargs,
+                )
             sequences.append(out.sequences)
             cycles += len(out.acceptance_lengths)
             tokens += out.sequences.shape[1] - n_prompt
@@ -422,14 +460,22 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
             draft.to(device=device, dtype=dtype)
         else:
             ft, draft, prompts = real_setup(args, device)
-    graph = draft_graph.graph_mode(args.draft_cuda_graph)
-    verify = draft_graph.graph_mode(args.verify_cuda_graph, "verify_cuda_graph")
+    graph = static_draft.graph_mode(args.draft_cuda_graph)
+    verify = static_draft.graph_mode(args.verify_cuda_graph, "verify_cuda_graph")
     prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
-        stats = decode_benchmark(draft, ft, prompts, args.max_new_tokens, progress=args.progress, total=len(prompts),
-                                 draft_cuda_graph=graph, verify_cuda_graph=verify)
-    reference = reference[-len(prompts):]  # the warm-up decode of the first prompt comes first
+        stats = decode_benchmark(
+            draft,
+            ft,
+            prompts,
+            args.max_new_tokens,
+            progress=args.progress,
+            total=len(prompts),
+            draft_cuda_graph=graph,
+            verify_cuda_graph=verify,
+        )
+    reference = reference[-len(prompts) :]  # the warm-up decode of the first prompt comes first
     with torch.no_grad():
         profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph, verify)
     same = [torch.equal(a.cpu(), b.cpu()) for a, b in zip(sequences, reference)]
@@ -468,10 +514,16 @@ def git_commit() -> str:
     if os.environ.get("DFLASH_COMMIT"):
         return os.environ["DFLASH_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):  # a copy without .git (the device): what the caller says
         return os.environ.get("DFLASH_COMMIT", "unknown")
     return head + ("+dirty" if dirty else "")
@@ -518,9 +570,14 @@ def write_results(results: dict, out: Path, table: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     (args,) = make_parser().parse_args_into_dataclasses(args=argv)
     results = run_profile(args, command_line(SCRIPT_PATH, argv))
-    out = Path(args.output_json) if args.output_json else (
-        RESULTS_DIR / f"decode_profile_{results['name']}_{results['device'].split()[0].replace(':', '')}_"
-                      f"{args.precision}.json")
+    out = (
+        Path(args.output_json)
+        if args.output_json
+        else (
+            RESULTS_DIR / f"decode_profile_{results['name']}_{results['device'].split()[0].replace(':', '')}_"
+            f"{args.precision}.json"
+        )
+    )
     write_results(results, out, results_table(results))
     return results
 

@@ -30,14 +30,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf import speculative  # noqa: E402
 from dflash_hf.cli.config import check_paths_exist  # noqa: E402
 from dflash_hf.cli.eval import EvalArguments, load_prompts  # noqa: E402
 from dflash_hf.cli.train import load_processor  # noqa: E402
-from dflash_hf.evaluation import generate_inputs  # noqa: E402
-from dflash_hf.export import load_draft_strict  # noqa: E402
-from dflash_hf.families import get_tokenizer  # noqa: E402
-from dflash_hf.target import FrozenTarget, load_target, resolve_dtype  # noqa: E402
+from dflash_hf.export.drafts import load_draft_strict  # noqa: E402
+from dflash_hf.generation import speculative  # noqa: E402
+from dflash_hf.targets.families.registry import get_tokenizer  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
+from dflash_hf.training.decode_benchmark import generate_inputs  # noqa: E402
 
 KINDS = ("end", "punctuation", "word start", "word piece")
 
@@ -100,9 +100,14 @@ def misses(sequence: list[int], start: int, cycles: list[tuple[list[int], int]],
     for (proposal, k), n in zip(cycles, kept):
         slot = anchor + 1 + k  # the rejected slot's index in the output
         if k < len(proposal) and slot < len(sequence) and n == k + 1:  # rejected (not cut by a stop token)
-            yield {"target": sequence[slot], "draft": proposal[k], "slot": k + 1, "first": slot == start + 1,
-                   "skipped": slot + 1 < len(sequence) and proposal[k] == sequence[slot + 1],
-                   "repeated": proposal[k] == sequence[slot - 1]}
+            yield {
+                "target": sequence[slot],
+                "draft": proposal[k],
+                "slot": k + 1,
+                "first": slot == start + 1,
+                "skipped": slot + 1 < len(sequence) and proposal[k] == sequence[slot + 1],
+                "repeated": proposal[k] == sequence[slot - 1],
+            }
         anchor += n
 
 
@@ -112,8 +117,9 @@ def run(args: MissArguments) -> dict:
     draft = load_draft_strict(args.draft).to(device=device, dtype=resolve_dtype(args.precision)).eval()
     processor = load_processor(args.target)
     tokenizer = get_tokenizer(processor)
-    eval_args = EvalArguments(draft=args.draft, target=args.target, data=args.data, family=args.family,
-                              prompt=args.prompt)
+    eval_args = EvalArguments(
+        draft=args.draft, target=args.target, data=args.data, family=args.family, prompt=args.prompt
+    )
     prompts = itertools.islice(load_prompts(eval_args, processor, ft.model.config), args.num_samples)
     ends = set(speculative._eos_ids(ft))
     kinds, capitalized, skipped, repeated, slots, cycles_total, records = Counter(), 0, 0, 0, Counter(), 0, []
@@ -135,19 +141,27 @@ def run(args: MissArguments) -> dict:
                 records.append({**m, "target_text": text, "draft_text": tokenizer.decode([m["draft"]]), "kind": kind})
     total = sum(kinds.values())
     return {
-        "cycles": cycles_total, "misses": total,
-        "by_kind": {k: kinds[k] for k in KINDS}, "capitalized": capitalized, "skipped": skipped, "repeated": repeated,
-        "by_slot": dict(sorted(slots.items())), "records": records, "args": asdict(args),
+        "cycles": cycles_total,
+        "misses": total,
+        "by_kind": {k: kinds[k] for k in KINDS},
+        "capitalized": capitalized,
+        "skipped": skipped,
+        "repeated": repeated,
+        "by_slot": dict(sorted(slots.items())),
+        "records": records,
+        "args": asdict(args),
     }
 
 
 def table(results: dict) -> str:
     total = max(results["misses"], 1)
-    rows = [f"{results['misses']} rejected cycles of {results['cycles']}; "
-            "the target's token at the first rejected slot:"]
+    rows = [
+        f"{results['misses']} rejected cycles of {results['cycles']}; the target's token at the first rejected slot:"
+    ]
     rows += [f"  {k:<12} {v:>5}  {100 * v / total:5.1f}%" for k, v in results["by_kind"].items()]
-    rows += [f"  {k:<12} {results[k]:>5}  {100 * results[k] / total:5.1f}%" for k in ("capitalized", "skipped",
-                                                                                   "repeated")]
+    rows += [
+        f"  {k:<12} {results[k]:>5}  {100 * results[k] / total:5.1f}%" for k in ("capitalized", "skipped", "repeated")
+    ]
     return "\n".join(rows)
 
 

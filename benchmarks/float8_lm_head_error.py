@@ -26,8 +26,8 @@ sys.path.insert(0, str(HERE))
 from decode_profile import git_commit  # noqa: E402
 from real_targets import read_jsonl, write_json  # noqa: E402
 
-from dflash_hf.float8 import frozen_weight_for_input_grad, quantize  # noqa: E402
-from dflash_hf.losses.fused_ce import _ce_and_logit_grad  # noqa: E402
+from dflash_hf.ops.float8 import frozen_weight_for_input_grad, quantize  # noqa: E402
+from dflash_hf.ops.fused_ce import _ce_and_logit_grad  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -42,16 +42,22 @@ def make_parser() -> argparse.ArgumentParser:
 
 def logit_stats(got: torch.Tensor, exact: torch.Tensor, labels: torch.Tensor) -> dict:
     ce, ce_exact = (F.cross_entropy(x, labels, reduction="none") for x in (got, exact))
-    return {"max_abs_logit_error": (got - exact).abs().max().item(),
-            "rms_logit_error": (got - exact).pow(2).mean().sqrt().item(),
-            "argmax_agreement": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
-            "mean_ce": ce.mean().item(), "max_abs_ce_change": (ce - ce_exact).abs().max().item()}
+    return {
+        "max_abs_logit_error": (got - exact).abs().max().item(),
+        "rms_logit_error": (got - exact).pow(2).mean().sqrt().item(),
+        "argmax_agreement": (got.argmax(-1) == exact.argmax(-1)).float().mean().item(),
+        "mean_ce": ce.mean().item(),
+        "max_abs_ce_change": (ce - ce_exact).abs().max().item(),
+    }
 
 
 def grad_stats(got: torch.Tensor, exact: torch.Tensor) -> dict:
     cos = F.cosine_similarity(got, exact, dim=-1)
-    return {"relative_error": ((got - exact).norm() / exact.norm()).item(), "mean_cosine": cos.mean().item(),
-            "min_cosine": cos.min().item()}
+    return {
+        "relative_error": ((got - exact).norm() / exact.norm()).item(),
+        "mean_cosine": cos.mean().item(),
+        "min_cosine": cos.min().item(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     hq, h_scale = quantize(hidden, -1)
     wq, w_scale = quantize(weight, -1)
     fp8_logits = torch._scaled_mm(hq, wq.t(), scale_a=h_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
-    logits = {"bf16": logit_stats((hidden @ weight.t()).float(), exact, labels),
-              "fp8_forward": logit_stats(fp8_logits.float(), exact, labels)}
+    logits = {
+        "bf16": logit_stats((hidden @ weight.t()).float(), exact, labels),
+        "fp8_forward": logit_stats(fp8_logits.float(), exact, labels),
+    }
 
     delta = torch.softmax(exact, -1) - F.one_hot(labels, weight.shape[0])
     grad_exact = delta @ weight.float()
@@ -82,13 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     _, _, g8, g8_scale = _ce_and_logit_grad(bf16_logits, labels, ones, need_grad=True, fp8=True)
     w8, w8_scale = frozen_weight_for_input_grad(weight)
     grad_fp8 = torch._scaled_mm(g8, w8, scale_a=g8_scale, scale_b=w8_scale, out_dtype=torch.bfloat16).float()
-    grads = {"bf16": grad_stats((g16 @ weight).float(), grad_exact),
-             "float8_lm_head": grad_stats(grad_fp8, grad_exact)}
-    result = {"what": "FP8 against bf16 on a real lm_head: logits and the CE input gradient, float32 reference",
-              "commit": git_commit(), "target": args.target, "tokens": len(labels),
-              "vocab": weight.shape[0], "hidden": weight.shape[1], "logit_std": exact.std().item(),
-              "logits": logits, "ce_input_gradient": grads,
-              "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
+    grads = {"bf16": grad_stats((g16 @ weight).float(), grad_exact), "float8_lm_head": grad_stats(grad_fp8, grad_exact)}
+    result = {
+        "what": "FP8 against bf16 on a real lm_head: logits and the CE input gradient, float32 reference",
+        "commit": git_commit(),
+        "target": args.target,
+        "tokens": len(labels),
+        "vocab": weight.shape[0],
+        "hidden": weight.shape[1],
+        "logit_std": exact.std().item(),
+        "logits": logits,
+        "ce_input_gradient": grads,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    }
     write_json(Path(args.out), result)
     print(json.dumps({"logits": logits, "ce_input_gradient": grads}, indent=1))
     return 0

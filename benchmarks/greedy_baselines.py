@@ -9,7 +9,8 @@ batch 1 a small target is launch-bound, and transformers' own answer to that is 
 accelerators, so on the CPU it is the static cache alone). This script times, on the same prompts (as `dflash-eval`
 builds them from `--data`), in one process:
 
-- `speculative`: `dflash_hf.evaluation.decode_benchmark` with the package's defaults (draft step and target verify as
+- `speculative`: `dflash_hf.training.decode_benchmark.decode_benchmark` with the package's defaults (draft step and
+target verify as
   CUDA graphs on a GPU), against plain greedy, outputs compared;
 - `static_greedy`: the target's greedy `generate` with a static cache, its new tokens compared with plain greedy's.
   Its warm-up decodes the longest prompt first: the static cache is then sized for it (transformers keeps the
@@ -38,13 +39,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_profile import git_commit  # noqa: E402
 
 from dflash_hf.cli.eval import EvalArguments, load_evaluation  # noqa: E402
-from dflash_hf.evaluation import (  # noqa: E402
+from dflash_hf.training.decode_benchmark import (  # noqa: E402
     decode_benchmark,
     generate_inputs,
     synced_clock,
     target_greedy_new_tokens,
 )
-from dflash_hf.launch import configure_cpu_threads  # noqa: E402
+from dflash_hf.training.launch import configure_cpu_threads  # noqa: E402
 
 STATIC = {"cache_implementation": "static"}
 
@@ -71,8 +72,14 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
                 mismatches.append(i)
     except Exception as error:  # noqa: BLE001 (recorded: a target transformers cannot decode with a static cache)
         return {**out, "error": f"{type(error).__name__}: {error}"}
-    return {**out, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
-            "identical_to_greedy": not mismatches, "mismatched_prompts": mismatches}
+    return {
+        **out,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "identical_to_greedy": not mismatches,
+        "mismatched_prompts": mismatches,
+    }
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -95,9 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_samples < 1:
         raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
     configure_cpu_threads()
-    eval_args = EvalArguments(draft=args.draft, target=args.target, data=args.data, family=args.family,
-                              prompt=args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                              device=args.device, precision=args.precision, output_json=args.output_json)
+    eval_args = EvalArguments(
+        draft=args.draft,
+        target=args.target,
+        data=args.data,
+        family=args.family,
+        prompt=args.prompt,
+        num_samples=args.num_samples,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        precision=args.precision,
+        output_json=args.output_json,
+    )
     device, ft, draft, prompts, _ = load_evaluation(eval_args)
     prompts = list(prompts)
     if not prompts:
@@ -107,23 +123,34 @@ def main(argv: list[str] | None = None) -> int:
         static = static_greedy(ft, prompts, args.max_new_tokens)
     results = {
         "what": "speculative decoding (package defaults) against plain greedy generate and static-cache greedy "
-                "generate (compiled by transformers on a GPU), the same prompts, batch 1",
-        **vars(args), "commit": git_commit(), "command": " ".join([sys.executable, *sys.argv]), "device": str(device),
+        "generate (compiled by transformers on a GPU), the same prompts, batch 1",
+        **vars(args),
+        "commit": git_commit(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "transformers": __import__("transformers").__version__, "torch": torch.__version__,
-        "speculative": spec, "static_greedy": static,
-        "speedup_vs_static_greedy": (spec["spec_tokens_per_s"] / static["tokens_per_s"]
-                                     if "tokens_per_s" in static else None),
+        "transformers": __import__("transformers").__version__,
+        "torch": torch.__version__,
+        "speculative": spec,
+        "static_greedy": static,
+        "speedup_vs_static_greedy": (
+            spec["spec_tokens_per_s"] / static["tokens_per_s"] if "tokens_per_s" in static else None
+        ),
     }
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"speculative {spec['spec_tokens_per_s']:.1f} tok/s (tau {spec['tau']:.2f}, identical "
-          f"{spec['outputs_identical']}), plain greedy {spec['greedy_tokens_per_s']:.1f} tok/s "
-          f"({spec['speedup']:.2f}x), static-cache greedy "
-          + (f"{static['tokens_per_s']:.1f} tok/s ({results['speedup_vs_static_greedy']:.2f}x; identical "
-             f"{static['identical_to_greedy']}; warm-up {static['warmup_seconds']:.1f} s)" if "tokens_per_s" in static
-             else f"failed: {static['error']}"))
+    print(
+        f"speculative {spec['spec_tokens_per_s']:.1f} tok/s (tau {spec['tau']:.2f}, identical "
+        f"{spec['outputs_identical']}), plain greedy {spec['greedy_tokens_per_s']:.1f} tok/s "
+        f"({spec['speedup']:.2f}x), static-cache greedy "
+        + (
+            f"{static['tokens_per_s']:.1f} tok/s ({results['speedup_vs_static_greedy']:.2f}x; identical "
+            f"{static['identical_to_greedy']}; warm-up {static['warmup_seconds']:.1f} s)"
+            if "tokens_per_s" in static
+            else f"failed: {static['error']}"
+        )
+    )
     print(f"results written to {out}")
     return 0
 

@@ -28,11 +28,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_profile import command_line, device_name, git_commit, write_results  # noqa: E402
 
-from dflash_hf.target import FrozenTarget  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget  # noqa: E402
 
 # (vocabulary, hidden size, rows, sequence length): the speech-like 1.7B row of scripts/benchmark_train.py
 SHAPES = {"speechlike": (151936, 2048, 64, 256), "qwen3-8b": (151936, 4096, 1, 3072), "tiny": (4096, 64, 4, 64)}
-DEFAULT_CHUNK = 128  # `target_argmax_chunk_size`'s default (dflash_hf/arguments.py)
+DEFAULT_CHUNK = 128  # `target_argmax_chunk_size`'s default (dflash_hf/training/argument_groups.py)
 
 
 def measure(shape: str, chunks: list[int], device: torch.device, reps: int) -> dict:
@@ -64,8 +64,15 @@ def measure(shape: str, chunks: list[int], device: torch.device, reps: int) -> d
         labels, ms = run(chunk)
         results.append({"chunk": chunk, "ms": round(ms, 3), "labels_differing": int((labels != reference).sum())})
     positions = int(loss_mask[:, 1:].sum())
-    return {"shape": shape, "vocab": vocab, "hidden": hidden, "rows": rows, "seq": seq, "positions": positions,
-            "results": results}
+    return {
+        "shape": shape,
+        "vocab": vocab,
+        "hidden": hidden,
+        "rows": rows,
+        "seq": seq,
+        "positions": positions,
+        "results": results,
+    }
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -83,11 +90,20 @@ def main(argv: list[str] | None = None) -> dict:
     if any(c <= 0 for c in args.chunks):
         raise SystemExit(f"--chunks must be positive, got {args.chunks}")
     device = torch.device(args.device)
-    report = {"what": "target_argmax label pass by chunk size", "commit": git_commit(),
-              "command": command_line(Path(__file__), argv), "device": device_name(device), "torch": torch.__version__,
-              "shapes": [measure(s, args.chunks, device, args.reps) for s in args.shape]}
-    table = "\n".join(f"{s['shape']} chunk {r['chunk']:>5}: {r['ms']:8.2f} ms, {r['labels_differing']} labels differ "
-                      f"from chunk {DEFAULT_CHUNK}'s" for s in report["shapes"] for r in s["results"])
+    report = {
+        "what": "target_argmax label pass by chunk size",
+        "commit": git_commit(),
+        "command": command_line(Path(__file__), argv),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "shapes": [measure(s, args.chunks, device, args.reps) for s in args.shape],
+    }
+    table = "\n".join(
+        f"{s['shape']} chunk {r['chunk']:>5}: {r['ms']:8.2f} ms, {r['labels_differing']} labels differ "
+        f"from chunk {DEFAULT_CHUNK}'s"
+        for s in report["shapes"]
+        for r in s["results"]
+    )
     if args.out:
         write_results(report, args.out, table)
     else:

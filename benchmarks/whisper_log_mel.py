@@ -5,7 +5,8 @@ rounded up to a multiple of some frames would give the same features with fewer 
     python benchmarks/whisper_log_mel.py --device cpu --batches 4     # the same code on the CPU
 
 On a CUDA device the trainer's Whisper loaders hand on padded clips (`input_audio_waves`) and the step computes their
-log-mel (`dflash_hf.whisper_features.log_mel_of_waves`). A batch's width follows its longest clip, and lhotse's batch
+log-mel (`dflash_hf.targets.families.whisper_features.log_mel_of_waves`). A batch's width follows its longest clip,
+and lhotse's batch
 sizes vary, so nearly every batch is a shape cuFFT has not planned yet. This script makes `--batches` batches of
 random rows (24-63) of random noise clips (2 s up to a random 5-20 s), then times the log-mel of all of them with
 cuFFT's plan cache cleared (every shape planned anew) and again with the plans cached, for the exact widths and for
@@ -31,7 +32,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_profile import command_line, device_name, git_commit, write_results  # noqa: E402
 
-from dflash_hf.whisper_features import _filters_on, log_mel_of_waves, padded_waves, standard_extractor  # noqa: E402
+from dflash_hf.targets.families.whisper_features import _filters_on, log_mel_of_waves, padded_waves, standard_extractor  # noqa: E402
 
 MELS, FRAMES = 80, 3000  # Whisper-base's extractor
 
@@ -42,8 +43,10 @@ def make_waves(batches: int, device: torch.device, seed: int) -> list[torch.Tens
     waves = []
     for _ in range(batches):
         rows, longest = int(rng.integers(24, 64)), rng.uniform(5, 20)
-        clips = [rng.standard_normal(int(s * fe.sampling_rate)).astype(np.float32) * 0.1
-                 for s in rng.uniform(2, longest, rows)]
+        clips = [
+            rng.standard_normal(int(s * fe.sampling_rate)).astype(np.float32) * 0.1
+            for s in rng.uniform(2, longest, rows)
+        ]
         waves.append(torch.from_numpy(padded_waves(fe, clips, fe.sampling_rate)).to(device))
     return waves
 
@@ -86,22 +89,34 @@ def main(argv: list[str] | None = None) -> dict:
     cases = {"exact": exact, f"rounded_{args.round_frames}": [rounded(w, args.round_frames) for w in exact]}
     cache = torch.backends.cuda.cufft_plan_cache[device.index or 0] if device.type == "cuda" else None
     timed(exact[:1], device)  # warm-up: kernels, the mel filters' copy
-    report = {"what": "Whisper log-mel on the device: cuFFT plans cold and cached, exact and rounded widths",
-              "commit": git_commit(), "command": command_line(Path(__file__), argv), "device": device_name(device),
-              "torch": torch.__version__, "batches": args.batches, "cases": {}}
+    report = {
+        "what": "Whisper log-mel on the device: cuFFT plans cold and cached, exact and rounded widths",
+        "commit": git_commit(),
+        "command": command_line(Path(__file__), argv),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "batches": args.batches,
+        "cases": {},
+    }
     for name, waves in cases.items():
         if cache is not None:
             cache.clear()
         cold = timed(waves, device)
         plans = cache.size if cache is not None else None
-        row = {"widths": len({w.shape[-1] for w in waves}), "ms_new_plans": round(cold, 3),
-               "ms_cached": round(min(timed(waves, device) for _ in range(2)), 3), "plans": plans}
+        row = {
+            "widths": len({w.shape[-1] for w in waves}),
+            "ms_new_plans": round(cold, 3),
+            "ms_cached": round(min(timed(waves, device) for _ in range(2)), 3),
+            "plans": plans,
+        }
         report["cases"][name] = row
     fe = standard_extractor(MELS, FRAMES)
     a, b = (log_mel_of_waves(fe, cases[k][0], _filters_on(MELS, FRAMES, device)) for k in cases)
     kept = a.shape[-1]
-    checks = {"rounded_equal_on_kept_frames": bool(torch.equal(a, b[..., :kept])),
-              "rounded_padding_frames_equal": bool((b[..., kept - 1 :] == a[..., -1:]).all())}
+    checks = {
+        "rounded_equal_on_kept_frames": bool(torch.equal(a, b[..., :kept])),
+        "rounded_padding_frames_equal": bool((b[..., kept - 1 :] == a[..., -1:]).all()),
+    }
     report.update(checks)
     table = "\n".join(f"{name}: {value}" for name, value in {**report["cases"], **checks}.items())
     if args.out:

@@ -9,20 +9,20 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "DFlash2DraftModel": ".modeling_dflash",
-    "DFlashConfig": ".configuration_dflash",
-    "DFlashDraftModel": ".modeling_dflash",
-    "DFlashTrainer": ".trainer",
-    "DFlashTrainingArguments": ".training_args",
-    "speculative_generate": ".speculative",
+    "DFlash2DraftModel": ".models.modeling_dflash",
+    "DFlashConfig": ".models.configuration_dflash",
+    "DFlashDraftModel": ".models.modeling_dflash",
+    "DFlashTrainer": ".training.trainer",
+    "DFlashTrainingArguments": ".training.training_args",
+    "speculative_generate": ".generation.speculative",
 }
 
 if TYPE_CHECKING:
-    from .configuration_dflash import DFlashConfig
-    from .modeling_dflash import DFlash2DraftModel, DFlashDraftModel
-    from .speculative import speculative_generate
-    from .trainer import DFlashTrainer
-    from .training_args import DFlashTrainingArguments
+    from dflash_hf.generation.speculative import speculative_generate
+    from dflash_hf.models.configuration_dflash import DFlashConfig
+    from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+    from dflash_hf.training.trainer import DFlashTrainer
+    from dflash_hf.training.training_args import DFlashTrainingArguments
 
 
 def __getattr__(name: str):

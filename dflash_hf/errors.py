@@ -56,9 +56,7 @@ def cli_message(message: str, option_names: Iterable[str]) -> str:
     names = sorted(set(option_names), key=len, reverse=True)
     if not names:
         return message
-    pattern = re.compile(
-        r"(?<![\w.\-])(" + "|".join(map(re.escape, names)) + r")=('[^']*'|\"[^\"]*\"|[\w.+\-/]*[\w/])"
-    )
+    pattern = re.compile(r"(?<![\w.\-])(" + "|".join(map(re.escape, names)) + r")=('[^']*'|\"[^\"]*\"|[\w.+\-/]*[\w/])")
     return pattern.sub(lambda m: f"--{m.group(1)} {_cli_value(m.group(2))}", message)
 
 

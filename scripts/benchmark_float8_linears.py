@@ -6,7 +6,7 @@ the rows a training step of the shape feeds it (block tokens `Q = batch * anchor
 forward + backward of three variants, each compiled as `compile_draft_layers` compiles a layer:
 
 - `bf16`: `nn.Linear` in the training precision;
-- `fp8`: :class:`dflash_hf.float8.Float8Linear` as training runs it (quantization included);
+- `fp8`: :class:`dflash_hf.ops.float8.Float8Linear` as training runs it (quantization included);
 - `fp8_matmuls`: the same three matmuls on operands quantized beforehand (what FP8 would cost with free quantization).
 
 Each variant is timed twice: its wall time per call (CUDA events, synchronized after each call: for the small
@@ -35,8 +35,8 @@ from transformers import Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_train import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
 
-from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
-from dflash_hf.float8 import Float8Linear, forward_operands, input_grad_operands, scaled_mm  # noqa: E402
+from dflash_hf.models.configuration_dflash import DFlashConfig  # noqa: E402
+from dflash_hf.ops.float8 import Float8Linear, forward_operands, input_grad_operands, scaled_mm  # noqa: E402
 
 VARIANTS = ("bf16", "fp8", "fp8_matmuls")
 
@@ -47,17 +47,26 @@ def projections(shape: dict, draft_layers: int, block_size: int) -> list[dict]:
     if shape.get("kind", "qwen3") != "qwen3":
         raise SystemExit("--shape: a Qwen3-dimensioned text shape (qwen3-1.7b, qwen3-8b, qwen3-1.7b-speechlike, tiny)")
     dims = {k: v for k, v in shape.items() if k not in ("seq_len", "num_anchors", "batch_size")}
-    cfg = DFlashConfig.from_target_config(Qwen3Config(**dims), mask_token_id=0, num_hidden_layers=draft_layers,
-                                          block_size=block_size)
+    cfg = DFlashConfig.from_target_config(
+        Qwen3Config(**dims), mask_token_id=0, num_hidden_layers=draft_layers, block_size=block_size
+    )
     batch = shape.get("batch_size", 1)
     q_rows, s_rows = batch * shape["num_anchors"] * block_size, batch * shape["seq_len"]
     h, i = cfg.hidden_size, cfg.intermediate_size
     attn, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = [("q_proj", q_rows, h, attn), ("k_proj", s_rows + q_rows, h, kv), ("v_proj", s_rows + q_rows, h, kv),
-                 ("o_proj", q_rows, attn, h), ("gate_proj", q_rows, h, i), ("up_proj", q_rows, h, i),
-                 ("down_proj", q_rows, i, h)]
-    rows = [dict(name=n, rows=m, in_features=k, out_features=o, input_grad=True, count=draft_layers)
-            for n, m, k, o in per_layer]
+    per_layer = [
+        ("q_proj", q_rows, h, attn),
+        ("k_proj", s_rows + q_rows, h, kv),
+        ("v_proj", s_rows + q_rows, h, kv),
+        ("o_proj", q_rows, attn, h),
+        ("gate_proj", q_rows, h, i),
+        ("up_proj", q_rows, h, i),
+        ("down_proj", q_rows, i, h),
+    ]
+    rows = [
+        dict(name=n, rows=m, in_features=k, out_features=o, input_grad=True, count=draft_layers)
+        for n, m, k, o in per_layer
+    ]
     rows.append(dict(name="fc", rows=s_rows, in_features=cfg.num_taps * h, out_features=h, input_grad=False, count=1))
     return rows
 
@@ -70,12 +79,14 @@ def _matmuls_only(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, inp
     def run():
         grad_x = scaled_mm(*backward, x.dtype) if input_grad else None
         return scaled_mm(*forward, x.dtype), grad.t() @ x, grad_x
+
     return run
 
 
 def _module_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
     """A callable running `layer`'s forward + backward (compiled or not); it returns the output and the weight and
     input gradients."""
+
     def run():
         layer.weight.grad = None
         if x.requires_grad:
@@ -83,6 +94,7 @@ def _module_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor):
         out = layer(x)
         out.backward(grad)
         return out, layer.weight.grad, x.grad
+
     return run
 
 
@@ -132,22 +144,34 @@ def measure(shape_name: str, args: argparse.Namespace, device: torch.device, dty
         for key in keys:
             t = got[key]
             row |= {f"{v}_{key}": round(t[v], 4) for v in VARIANTS}
-            row |= {f"saved_{key}": round(t["bf16"] - t["fp8"], 4),
-                    f"quantize_{key}": round(t["fp8"] - t["fp8_matmuls"], 4)}
+            row |= {
+                f"saved_{key}": round(t["bf16"] - t["fp8"], 4),
+                f"quantize_{key}": round(t["fp8"] - t["fp8_matmuls"], 4),
+            }
         rows.append(row)
         t = got[keys[-1]]
-        print(f"{shape_name:24s} {proj['name']:9s} {proj['rows']:6d} x {proj['in_features']:5d} -> "
-              f"{proj['out_features']:5d}  {keys[-1]}: bf16 {t['bf16']:8.3f}  fp8 {t['fp8']:8.3f}  "
-              f"matmuls {t['fp8_matmuls']:8.3f}", flush=True)
-    total = {f"{name}_{key}": round(sum(r[f"{name}_{key}"] * r["count"] for r in rows), 3)
-             for key in keys for name in (*VARIANTS, "saved", "quantize")}
+        print(
+            f"{shape_name:24s} {proj['name']:9s} {proj['rows']:6d} x {proj['in_features']:5d} -> "
+            f"{proj['out_features']:5d}  {keys[-1]}: bf16 {t['bf16']:8.3f}  fp8 {t['fp8']:8.3f}  "
+            f"matmuls {t['fp8_matmuls']:8.3f}",
+            flush=True,
+        )
+    total = {
+        f"{name}_{key}": round(sum(r[f"{name}_{key}"] * r["count"] for r in rows), 3)
+        for key in keys
+        for name in (*VARIANTS, "saved", "quantize")
+    }
     return {"shape": shape_name, "projections": rows, "draft_side_total": total}
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", nargs="+", default=["qwen3-1.7b", "qwen3-8b", "qwen3-1.7b-speechlike"],
-                   choices=[n for n, s in SHAPES.items() if s.get("kind", "qwen3") == "qwen3"])
+    p.add_argument(
+        "--shape",
+        nargs="+",
+        default=["qwen3-1.7b", "qwen3-8b", "qwen3-1.7b-speechlike"],
+        choices=[n for n, s in SHAPES.items() if s.get("kind", "qwen3") == "qwen3"],
+    )
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -164,10 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "compiled": not args.eager, "steps": args.steps,
-              "bf16_matmul_tflops": round(matmul_tflops(256 if device.type == "cpu" else 8192, dtype, device), 1),
-              "shapes": [measure(name, args, device, dtype) for name in args.shape]}
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "compiled": not args.eager,
+        "steps": args.steps,
+        "bf16_matmul_tflops": round(matmul_tflops(256 if device.type == "cpu" else 8192, dtype, device), 1),
+        "shapes": [measure(name, args, device, dtype) for name in args.shape],
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_hf import tiny  # noqa: E402
 from dflash_hf.cli import generate_labels as labels  # noqa: E402
+from dflash_hf.testing import tiny  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -46,10 +46,26 @@ def make_parser() -> argparse.ArgumentParser:
 
 def _run(model: str, manifest: Path, output: Path, prefetch: bool, args) -> float:
     output.unlink(missing_ok=True)
-    (labels_args,) = labels.make_parser().parse_args_into_dataclasses([
-        "--model", model, "--manifest", str(manifest), "--output", str(output), "--batch_size", str(args.batch_size),
-        "--max_new_tokens", str(args.max_new_tokens), "--device", args.device, "--dtype", args.dtype,
-        "--prefetch", str(prefetch).lower()])
+    (labels_args,) = labels.make_parser().parse_args_into_dataclasses(
+        [
+            "--model",
+            model,
+            "--manifest",
+            str(manifest),
+            "--output",
+            str(output),
+            "--batch_size",
+            str(args.batch_size),
+            "--max_new_tokens",
+            str(args.max_new_tokens),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--prefetch",
+            str(prefetch).lower(),
+        ]
+    )
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -64,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = args.model or str(tiny.save_tiny_target(tmp / "target", "whisper", hidden_size=64, num_heads=2,
-                                                        seed=0))
-        manifest = Path(args.manifest) if args.manifest else tiny.synthesize_speech(
-            tmp / "speech", args.num_clips, seed=0, min_dur=5.0, max_dur=15.0)
+        model = args.model or str(tiny.save_tiny_target(tmp / "target", "whisper", hidden_size=64, num_heads=2, seed=0))
+        manifest = (
+            Path(args.manifest)
+            if args.manifest
+            else tiny.synthesize_speech(tmp / "speech", args.num_clips, seed=0, min_dur=5.0, max_dur=15.0)
+        )
         clips = sum(1 for line in manifest.read_text().splitlines() if line.strip())
         _run(model, manifest, tmp / "warmup.json", True, args)  # model load and first-call costs out of the timings
         seconds: dict[str, list[float]] = {"off": [], "on": []}
@@ -80,16 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     best = {mode: min(s) for mode, s in seconds.items()}
     result = {
         "what": "dflash-generate-labels over one manifest, the next batch prefetched in a thread (on) or not (off); "
-                "seconds per pass include the model load; `threads` are torch's intra-op threads, the prefetch "
-                "thread comes on top",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=Path(__file__).resolve().parents[1]).stdout.strip(),
+        "seconds per pass include the model load; `threads` are torch's intra-op threads, the prefetch "
+        "thread comes on top",
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout.strip(),
         "command": " ".join(["python", *sys.argv]),
         "machine": platform.processor() or platform.machine(),
-        "device": args.device, "threads": args.threads, "torch": torch.__version__,
-        "model": args.model or "tiny random Whisper (hidden 64)", "clips": clips, "batch_size": args.batch_size,
-        "seconds": seconds, "clips_per_s_best": {m: round(clips / s, 2) for m, s in best.items()},
-        "speedup_best": round(best["off"] / best["on"], 3), "outputs_identical": True,
+        "device": args.device,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "model": args.model or "tiny random Whisper (hidden 64)",
+        "clips": clips,
+        "batch_size": args.batch_size,
+        "seconds": seconds,
+        "clips_per_s_best": {m: round(clips / s, 2) for m, s in best.items()},
+        "speedup_best": round(best["off"] / best["on"], 3),
+        "outputs_identical": True,
     }
     print(json.dumps({k: result[k] for k in ("clips", "seconds", "clips_per_s_best", "speedup_best")}))
     if args.out:

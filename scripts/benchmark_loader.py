@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
 from dflash_hf.cli.train import load_processor
 from dflash_hf.data import build_train_dataloader
+from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from decode_profile import git_commit  # noqa: E402
@@ -37,12 +37,22 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="loader worker counts to time")
     p.add_argument("--epochs", type=int, default=2, help="epochs per measurement (the first one counts tokens)")
     p.add_argument("--max-batches", type=int, default=None, help="batches per epoch at most (default: all)")
-    p.add_argument("--num-anchors", type=int, default=64, help="anchors a row for the anchor draw's timing "
-                   "(the training step's planning draws them on the host for every micro-batch)")
+    p.add_argument(
+        "--num-anchors",
+        type=int,
+        default=64,
+        help="anchors a row for the anchor draw's timing "
+        "(the training step's planning draws them on the host for every micro-batch)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process")
-    p.add_argument("--features", choices=["waves", "compact", "window"], default="waves", help="Whisper targets: the "
-                   "padded waves whose features the target computes (dflash-train's loader), compact features (the "
-                   "frames that hold audio), or the processor's whole 30 s window")
+    p.add_argument(
+        "--features",
+        choices=["waves", "compact", "window"],
+        default="waves",
+        help="Whisper targets: the "
+        "padded waves whose features the target computes (dflash-train's loader), compact features (the "
+        "frames that hold audio), or the processor's whole 30 s window",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p
 
@@ -62,9 +72,15 @@ def _time_epochs(batches, epochs: int, max_batches: int | None) -> list[dict]:
             if max_batches is not None and n >= max_batches:
                 break
         seconds = time.perf_counter() - start
-        out.append({"epoch": epoch, "batches": n, "rows_per_batch": round(rows / max(n, 1), 1),
-                    "ms_per_batch": round(1000 * seconds / max(n, 1), 2),
-                    **({"mib_per_batch": round(size / max(n, 1) / 2**20, 2)} if size else {})})
+        out.append(
+            {
+                "epoch": epoch,
+                "batches": n,
+                "rows_per_batch": round(rows / max(n, 1), 1),
+                "ms_per_batch": round(1000 * seconds / max(n, 1), 2),
+                **({"mib_per_batch": round(size / max(n, 1) / 2**20, 2)} if size else {}),
+            }
+        )
     return out
 
 
@@ -80,8 +96,11 @@ def _time_anchor_draw(loader, num_anchors: int, max_batches: int) -> dict:
         start = time.perf_counter()
         sample_anchors(loss_mask, doc_ids, num_anchors, generator=torch.Generator().manual_seed(i), pad_multiple=8)
         seconds += time.perf_counter() - start
-    return {"batches": len(batches), "num_anchors": num_anchors,
-            "ms_per_batch": round(1000 * seconds / max(len(batches), 1), 3)}
+    return {
+        "batches": len(batches),
+        "num_anchors": num_anchors,
+        "ms_per_batch": round(1000 * seconds / max(len(batches), 1), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,31 +112,52 @@ def main(argv: list[str] | None = None) -> dict:
 
     def loader(workers: int):
         start = time.perf_counter()
-        built = build_train_dataloader(args.data, processor, config, max_tokens=args.max_tokens, num_workers=workers,
-                                       compact_features=args.features != "window",
-                                       device_features=args.features == "waves")
+        built = build_train_dataloader(
+            args.data,
+            processor,
+            config,
+            max_tokens=args.max_tokens,
+            num_workers=workers,
+            compact_features=args.features != "window",
+            device_features=args.features == "waves",
+        )
         return built, round(time.perf_counter() - start, 2)
 
     sampler_loader, build_s = loader(0)
-    rows = {"sampler": {"build_s": build_s,
-                        "epochs": _time_epochs(sampler_loader.batch_sampler, args.epochs, args.max_batches)}}
+    rows = {
+        "sampler": {
+            "build_s": build_s,
+            "epochs": _time_epochs(sampler_loader.batch_sampler, args.epochs, args.max_batches),
+        }
+    }
     for workers in args.workers:
         full, build_s = loader(workers)
-        rows[f"loader_workers_{workers}"] = {"build_s": build_s,
-                                             "epochs": _time_epochs(full, args.epochs, args.max_batches)}
+        rows[f"loader_workers_{workers}"] = {
+            "build_s": build_s,
+            "epochs": _time_epochs(full, args.epochs, args.max_batches),
+        }
     rows["anchor_draw"] = _time_anchor_draw(loader(0)[0], args.num_anchors, args.max_batches or 50)
-    result = {"what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
-              "commit": git_commit(),
-              "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "threads": args.threads, "max_tokens": args.max_tokens, "features": args.features, "rows": rows}
+    result = {
+        "what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
+        "commit": git_commit(),
+        "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "features": args.features,
+        "rows": rows,
+    }
     for name, row in rows.items():
         if "epochs" not in row:
             print(name, f"{row['ms_per_batch']} ms/batch over {row['batches']} batches")
             continue
-        print(name, f"build {row['build_s']} s;",
-              "; ".join(f"epoch {e['epoch']}: {e['ms_per_batch']} ms/batch ({e['rows_per_batch']} rows)"
-                        for e in row["epochs"]))
+        print(
+            name,
+            f"build {row['build_s']} s;",
+            "; ".join(
+                f"epoch {e['epoch']}: {e['ms_per_batch']} ms/batch ({e['rows_per_batch']} rows)" for e in row["epochs"]
+            ),
+        )
     if args.out:
         write_json(Path(args.out), result)
     return result

@@ -61,70 +61,151 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_hf.blocks import build_blocks, dense_block_mask  # noqa: E402
-from dflash_hf.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
-from dflash_hf.draft_graph import graph_mode  # noqa: E402
-from dflash_hf.families import FAMILIES  # noqa: E402
-from dflash_hf.families_base import SAMPLING_RATE  # noqa: E402
-from dflash_hf.losses import MetricSums  # noqa: E402
-from dflash_hf.modeling_dflash import DFlashDraftModel  # noqa: E402
-from dflash_hf.target import FrozenTarget, TargetFeatures  # noqa: E402
-from dflash_hf.trainer import DFlashTrainer  # noqa: E402
-from dflash_hf.training_args import DFlashTrainingArguments  # noqa: E402
-from dflash_hf.whisper_features import AUDIO_WAVES_KEY, padded_waves, standard_extractor  # noqa: E402
+from dflash_hf.generation.static_draft import graph_mode  # noqa: E402
+from dflash_hf.models.configuration_dflash import DFlashConfig  # noqa: E402
+from dflash_hf.models.modeling_dflash import DFlashDraftModel  # noqa: E402
+from dflash_hf.objective.blocks import build_blocks, dense_block_mask  # noqa: E402
+from dflash_hf.objective.losses import MetricSums  # noqa: E402
+from dflash_hf.targets.families.base import SAMPLING_RATE  # noqa: E402
+from dflash_hf.targets.families.registry import FAMILIES  # noqa: E402
+from dflash_hf.targets.families.whisper_features import AUDIO_WAVES_KEY, padded_waves, standard_extractor  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget, TargetFeatures  # noqa: E402
+from dflash_hf.training.trainer import DFlashTrainer  # noqa: E402
+from dflash_hf.training.training_args import DFlashTrainingArguments  # noqa: E402
 
 # The real targets of the quality benchmark (their checkpoints' config.json, trimmed to the fields that shape the
 # model), built with random weights.
 WHISPER_BASE = dict(
-    vocab_size=51865, num_mel_bins=80, d_model=512, encoder_layers=6, encoder_attention_heads=8,
-    encoder_ffn_dim=2048, decoder_layers=6, decoder_attention_heads=8, decoder_ffn_dim=2048,
-    max_source_positions=1500, max_target_positions=448, activation_function="gelu", scale_embedding=False,
-    pad_token_id=50257, bos_token_id=50257, eos_token_id=50257, decoder_start_token_id=50258,
+    vocab_size=51865,
+    num_mel_bins=80,
+    d_model=512,
+    encoder_layers=6,
+    encoder_attention_heads=8,
+    encoder_ffn_dim=2048,
+    decoder_layers=6,
+    decoder_attention_heads=8,
+    decoder_ffn_dim=2048,
+    max_source_positions=1500,
+    max_target_positions=448,
+    activation_function="gelu",
+    scale_embedding=False,
+    pad_token_id=50257,
+    bos_token_id=50257,
+    eos_token_id=50257,
+    decoder_start_token_id=50258,
     tie_word_embeddings=True,
 )
 SMOLLM2_135M = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, hidden_act="silu", max_position_embeddings=8192,
-    rms_norm_eps=9.999999747378752e-06, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
-    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    hidden_act="silu",
+    max_position_embeddings=8192,
+    rms_norm_eps=9.999999747378752e-06,
+    rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
 )
 # Qwen3-ASR-1.7B-shaped: transformers' Qwen3-ASR audio encoder (24 layers, d_model 1024, 128 mel bins, 100-frame
 # chunks) projecting to a Qwen3-1.7B decoder.
 QWEN3_1_7B_TEXT = dict(
-    model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, pad_token_id=151645, eos_token_id=151645,
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    pad_token_id=151645,
+    eos_token_id=151645,
 )
 QWEN3_ASR_1_7B = dict(
     audio_config=dict(
-        model_type="qwen3_asr_encoder", num_mel_bins=128, encoder_layers=24, encoder_attention_heads=16,
-        encoder_ffn_dim=4096, d_model=1024, output_dim=2048, n_window=50, n_window_infer=800,
-        downsample_hidden_size=480, max_position_embeddings=13,
+        model_type="qwen3_asr_encoder",
+        num_mel_bins=128,
+        encoder_layers=24,
+        encoder_attention_heads=16,
+        encoder_ffn_dim=4096,
+        d_model=1024,
+        output_dim=2048,
+        n_window=50,
+        n_window_infer=800,
+        downsample_hidden_size=480,
+        max_position_embeddings=13,
     ),
-    text_config=QWEN3_1_7B_TEXT, audio_token_id=151676, pad_token_id=151645, eos_token_id=151645,
+    text_config=QWEN3_1_7B_TEXT,
+    audio_token_id=151676,
+    pad_token_id=151645,
+    eos_token_id=151645,
     tie_word_embeddings=True,
 )
 # CPU-sized versions of the same architectures (`--tiny` with `--shape tiny-...`): the GPU rows' code path.
 TINY_WHISPER = dict(
-    WHISPER_BASE, vocab_size=600, d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
-    decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=50,
-    pad_token_id=500, bos_token_id=500, eos_token_id=500, decoder_start_token_id=501,
+    WHISPER_BASE,
+    vocab_size=600,
+    d_model=64,
+    encoder_layers=2,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_layers=4,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    num_mel_bins=16,
+    max_source_positions=50,
+    pad_token_id=500,
+    bos_token_id=500,
+    eos_token_id=500,
+    decoder_start_token_id=501,
 )
 TINY_LLAMA = dict(
-    SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16,
+    SMOLLM2_135M,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
 )
 TINY_QWEN3_ASR = dict(
     audio_config=dict(
-        QWEN3_ASR_1_7B["audio_config"], num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2,
-        encoder_ffn_dim=64, d_model=32, output_dim=64, n_window_infer=100, downsample_hidden_size=8,
+        QWEN3_ASR_1_7B["audio_config"],
+        num_mel_bins=16,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        d_model=32,
+        output_dim=64,
+        n_window_infer=100,
+        downsample_hidden_size=8,
     ),
     text_config=dict(
-        QWEN3_1_7B_TEXT, vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=510, eos_token_id=510,
+        QWEN3_1_7B_TEXT,
+        vocab_size=600,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=510,
+        eos_token_id=510,
     ),
-    audio_token_id=520, pad_token_id=510, eos_token_id=510, tie_word_embeddings=True,
+    audio_token_id=520,
+    pad_token_id=510,
+    eos_token_id=510,
+    tie_word_embeddings=True,
 )
 # Speech rows: `durations` of the utterances (s, uniform). Whisper: `batch_size` utterances, each on 30 s of padded
 # features (one encoder window), decoder rows of `tokens` (4 prompt tokens, unsupervised, then the transcript).
@@ -135,28 +216,48 @@ _WHISPER_ROWS = dict(durations=(5.0, 20.0), tokens=(20, 40), num_anchors=16)
 _ASR_ROWS = dict(durations=(5.0, 20.0), num_batches=4, max_tokens=8192, num_anchors=32, tokens_per_second=3.0)
 _TINY_ASR_ROWS = dict(_ASR_ROWS, durations=(0.5, 2.0), max_tokens=384, num_anchors=8, tokens_per_second=6.0)
 _QWEN3_1_7B = dict(
-    hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    intermediate_size=6144, vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151936,
 )
 SHAPES = {
     "qwen3-1.7b": dict(_QWEN3_1_7B, seq_len=1024, num_anchors=256),
     # issue 16's "speech-like" text row: 64 rows of 256 tokens (the first eighth prompt), 40 anchors a row
     "qwen3-1.7b-speechlike": dict(_QWEN3_1_7B, seq_len=256, num_anchors=40, batch_size=64),
     "qwen3-8b": dict(
-        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        intermediate_size=12288, vocab_size=151936, seq_len=3072, num_anchors=512,
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        seq_len=3072,
+        num_anchors=512,
     ),
     "tiny": dict(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, vocab_size=512, seq_len=96, num_anchors=16,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        seq_len=96,
+        num_anchors=16,
     ),
     "smollm2-135m": dict(kind="llama", config=SMOLLM2_135M, seq_len=1024, num_anchors=256, batch_size=8),
     "whisper-base": dict(kind="whisper", config=WHISPER_BASE, batch_size=64, **_WHISPER_ROWS),
     "qwen3-asr-1.7b": dict(kind="qwen3_asr", config=QWEN3_ASR_1_7B, packed=False, **_ASR_ROWS),
     "qwen3-asr-1.7b-packed": dict(kind="qwen3_asr", config=QWEN3_ASR_1_7B, packed=True, **_ASR_ROWS),
     "tiny-smollm2": dict(kind="llama", config=TINY_LLAMA, seq_len=96, num_anchors=16, batch_size=2),
-    "tiny-whisper": dict(kind="whisper", config=TINY_WHISPER, batch_size=6, durations=(0.2, 1.0), tokens=(12, 24),
-                         num_anchors=4),
+    "tiny-whisper": dict(
+        kind="whisper", config=TINY_WHISPER, batch_size=6, durations=(0.2, 1.0), tokens=(12, 24), num_anchors=4
+    ),
     "tiny-qwen3-asr": dict(kind="qwen3_asr", config=TINY_QWEN3_ASR, packed=False, **_TINY_ASR_ROWS),
     "tiny-qwen3-asr-packed": dict(kind="qwen3_asr", config=TINY_QWEN3_ASR, packed=True, **_TINY_ASR_ROWS),
 }
@@ -181,8 +282,11 @@ def parse_config(spec: str) -> dict:
         if not sep or key not in CONFIG_DEFAULTS:
             raise ValueError(f"bad config item {item!r} in {spec!r}; keys: {sorted(CONFIG_DEFAULTS)}")
         cfg[key] = value
-    if (cfg["attn"] not in ("flex", "sdpa") or cfg["compile"] not in ("none", "layers")
-            or {cfg["fp8"], cfg["fp8lm"]} - {"0", "1"}):
+    if (
+        cfg["attn"] not in ("flex", "sdpa")
+        or cfg["compile"] not in ("none", "layers")
+        or {cfg["fp8"], cfg["fp8lm"]} - {"0", "1"}
+    ):
         raise ValueError(f"bad config {spec!r}: attn is flex|sdpa, compile is none|layers, fp8 and fp8lm are 0|1")
     return cfg
 
@@ -215,8 +319,14 @@ def memory_breakdown(tmodel, ft: FrozenTarget, draft, optimizer, mode: str, taps
     grads = _gib(p for p in draft.parameters() if p.requires_grad)
     states = _gib(v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v))
     taps_gib = _gib(taps.values()) if taps else 0.0
-    out = {"target_decoder_layers": layers, "target_other": target - layers, "draft_weights": draft_w,
-           "draft_grads": grads, "optimizer_states": states, "fixed_taps": taps_gib}
+    out = {
+        "target_decoder_layers": layers,
+        "target_other": target - layers,
+        "draft_weights": draft_w,
+        "draft_grads": grads,
+        "optimizer_states": states,
+        "fixed_taps": taps_gib,
+    }
     if peak:
         out["activations_and_rest"] = peak - sum(out.values())
         if mode == "draft":
@@ -277,8 +387,10 @@ def profile_steps(fn, steps: int, path: Path) -> dict:
         torch.cuda.synchronize()  # listed in host_waits under profile_steps
     wall = (time.perf_counter() - t0) * 1e3 / steps
     events = prof.key_averages()
-    tables = [events.table(sort_by=key, row_limit=50, max_name_column_width=90)
-              for key in ("self_device_time_total", "cpu_time_total")]
+    tables = [
+        events.table(sort_by=key, row_limit=50, max_name_column_width=90)
+        for key in ("self_device_time_total", "cpu_time_total")
+    ]
     path.write_text("\n\n".join(tables))
     return {
         "profiled_wall_ms": round(wall, 3),
@@ -297,8 +409,10 @@ def host_waits(events) -> dict[str, dict]:
     `cudaDeviceSynchronize`): its operator chain, innermost Python frames and the top-level operator that ran
     just before it on the same thread (the site when no Python frame is recorded), with count and total ms.
     This finds waits that the CUDA sync debug mode does not flag."""
-    top = sorted((e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU),
-                 key=lambda e: e.time_range.start)
+    top = sorted(
+        (e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU),
+        key=lambda e: e.time_range.start,
+    )
     waits: dict[str, dict] = {}
     for e in events:
         if e.name not in ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize"):
@@ -404,8 +518,9 @@ def _text_id_limit(target: FrozenTarget, mask_token_id: int) -> int:
     """Random text ids are drawn below this: no special id (pad, eos, audio placeholder) and no mask id."""
     cfg = target.model.config
     specials = [i for ids in target.special_ids().values() for i in ids]
-    specials += [v for v in (getattr(cfg, "audio_token_id", None), getattr(cfg, "decoder_start_token_id", None))
-                 if v is not None]
+    specials += [
+        v for v in (getattr(cfg, "audio_token_id", None), getattr(cfg, "decoder_start_token_id", None)) if v is not None
+    ]
     return min([mask_token_id, *(i for i in specials if i >= 3)])  # ids below 3 are never drawn
 
 
@@ -475,9 +590,12 @@ def qwen3_asr_batches(shape: dict, target: FrozenTarget, mask_token_id: int, g: 
             d = span[0] + (span[1] - span[0]) * float(torch.rand((), generator=g))
             samples = int(d * family.sampling_rate)
             n_text = round(shape["tokens_per_second"] * d)
-            ids = (torch.randint(3, limit, (8,), generator=g).tolist() + [cfg.audio_token_id]
-                   * family.audio_tokens(cfg, samples) + torch.randint(3, limit, (4 + n_text,), generator=g).tolist()
-                   + [cfg.eos_token_id])
+            ids = (
+                torch.randint(3, limit, (8,), generator=g).tolist()
+                + [cfg.audio_token_id] * family.audio_tokens(cfg, samples)
+                + torch.randint(3, limit, (4 + n_text,), generator=g).tolist()
+                + [cfg.eos_token_id]
+            )
             sup = [False] * (len(ids) - n_text - 1) + [True] * (n_text + 1)
             width = max([len(ids), *(len(r[0]) for r in rows)])
             used = sum(len(r[0]) for r in rows) + len(ids) if shape["packed"] else width * (len(rows) + 1)
@@ -573,9 +691,7 @@ def trainer_loop_ms(trainer: DFlashTrainer, batches: list[dict], warmup: int, st
 
 
 def _sync_warning_sites(caught) -> dict[str, int]:
-    sites = Counter(
-        f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)
-    )
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message))
     return dict(sites.most_common())
 
 
@@ -600,9 +716,18 @@ def step_sync_sites(fn) -> dict[str, int]:
     return _sync_warning_sites(caught)
 
 
-def make_trainer(target, draft, config: dict, mode: str, num_anchors: int, out_dir: str, *,
-                 packing_max_tokens: int | None = None, compile_target: bool = False,
-                 target_cuda_graph: bool | None = None) -> DFlashTrainer:
+def make_trainer(
+    target,
+    draft,
+    config: dict,
+    mode: str,
+    num_anchors: int,
+    out_dir: str,
+    *,
+    packing_max_tokens: int | None = None,
+    compile_target: bool = False,
+    target_cuda_graph: bool | None = None,
+) -> DFlashTrainer:
     args = DFlashTrainingArguments(
         packing=packing_max_tokens is not None,
         packing_max_tokens=packing_max_tokens,
@@ -671,23 +796,34 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     taps = None
     if mode == "draft":
         width = dcfg.num_taps * dcfg.hidden_size
-        taps = {tuple(b["input_ids"].shape): torch.randn(*b["input_ids"].shape, width, device=device, dtype=dtype)
-                for b in cpu_batches}
+        taps = {
+            tuple(b["input_ids"].shape): torch.randn(*b["input_ids"].shape, width, device=device, dtype=dtype)
+            for b in cpu_batches
+        }
         target = FixedTapsTarget(tmodel, taps)
     else:
         target = FrozenTarget(tmodel)
     out_dir = tempfile.mkdtemp(prefix="dflash-bench-")
     packing = shape["max_tokens"] if shape.get("packed") else None
-    trainer = make_trainer(target, draft, config, mode, num_anchors, out_dir, packing_max_tokens=packing,
-                           compile_target=args.compile_target, target_cuda_graph=graph_mode(args.target_cuda_graph,
-                                                                                             "target-cuda-graph"))
+    trainer = make_trainer(
+        target,
+        draft,
+        config,
+        mode,
+        num_anchors,
+        out_dir,
+        packing_max_tokens=packing,
+        compile_target=args.compile_target,
+        target_cuda_graph=graph_mode(args.target_cuda_graph, "target-cuda-graph"),
+    )
     objective, ft = trainer.objective, trainer.target
     plans = [objective.plan(ft, b, seed=0) for b in cpu_batches]  # the first call pays one-time costs
-    plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batches[0], seed=0), torch.device("cpu"),
-                                         0, 5))
+    plan_ms = statistics.median(_time_ms(lambda: objective.plan(ft, cpu_batches[0], seed=0), torch.device("cpu"), 0, 5))
     # get_batch_samples hands the global denominator over on the device
-    prepared = [({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}, p, p.denominator.to(device))
-                for b, p in zip(cpu_batches, plans)]
+    prepared = [
+        ({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()}, p, p.denominator.to(device))
+        for b, p in zip(cpu_batches, plans)
+    ]
     optimizer = torch.optim.AdamW(draft.parameters(), lr=6e-4, fused=device.type == "cuda")
     cycle = itertools.cycle(prepared)
     sums = MetricSums()
@@ -706,8 +842,15 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
     per_batch = []
     for plan in plans:
         blocks = build_blocks(
-            plan.input_ids, plan.input_ids, plan.loss_mask, plan.doc_ids, plan.positions, plan.anchors,
-            dcfg.block_size, dcfg.mask_token_id, objective.gamma,
+            plan.input_ids,
+            plan.input_ids,
+            plan.loss_mask,
+            plan.doc_ids,
+            plan.positions,
+            plan.anchors,
+            dcfg.block_size,
+            dcfg.mask_token_id,
+            objective.gamma,
         )
         visible = int(dense_block_mask(plan.anchors, plan.doc_ids, dcfg.block_size).sum())
         rows, width = plan.input_ids.shape
@@ -732,10 +875,12 @@ def run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling_tflop
 
     target_side = {}
     if mode == "full":  # the target's forward alone (taps, final states), as the step runs it
+
         def forward():
             dev_batch, plan, _ = next(cycle)
-            ft.capture(dev_batch, objective.target_layer_ids, keep_final=True, padded=plan.padded,
-                       host=plan.target_host)
+            ft.capture(
+                dev_batch, objective.target_layer_ids, keep_final=True, padded=plan.padded, host=plan.target_host
+            )
 
         forward_ms = _time_ms(forward, device, *_cycle(items, 2 * len(items), 5))  # captured in the warm-up
         target_side = {"target_forward_ms": round(statistics.median(forward_ms), 3)}
@@ -827,14 +972,32 @@ def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> d
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "case.json"
         argv = [
-            "--shape", name, "--modes", mode, "--configs" if mode == "draft" else "--full-configs", spec,
-            "--no-isolate", "--out", str(out), "--block-size", str(args.block_size), "--draft-layers",
-            str(args.draft_layers), "--warmup", str(args.warmup),
-            "--steps", str(args.steps),
+            "--shape",
+            name,
+            "--modes",
+            mode,
+            "--configs" if mode == "draft" else "--full-configs",
+            spec,
+            "--no-isolate",
+            "--out",
+            str(out),
+            "--block-size",
+            str(args.block_size),
+            "--draft-layers",
+            str(args.draft_layers),
+            "--warmup",
+            str(args.warmup),
+            "--steps",
+            str(args.steps),
         ]
-        optional = {"--seq-len": args.seq_len, "--num-anchors": args.num_anchors, "--batch-size": args.batch_size,
-                    "--dtype": args.dtype,
-                    "--matmul-size": args.matmul_size, "--profile": args.profile}
+        optional = {
+            "--seq-len": args.seq_len,
+            "--num-anchors": args.num_anchors,
+            "--batch-size": args.batch_size,
+            "--dtype": args.dtype,
+            "--matmul-size": args.matmul_size,
+            "--profile": args.profile,
+        }
         argv += [x for flag, value in optional.items() if value is not None for x in (flag, str(value))]
         argv += ["--trainer-loop"] if args.trainer_loop else []
         argv += ["--compile-target"] if args.compile_target else []
@@ -848,18 +1011,30 @@ def run_isolated(args: argparse.Namespace, name: str, mode: str, spec: str) -> d
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", nargs="+", default=None, choices=sorted(SHAPES),
-                   help="default: qwen3-1.7b qwen3-8b (with --tiny: tiny); the tiny-* shapes are CPU-sized versions "
-                   "of smollm2-135m, whisper-base and qwen3-asr-1.7b(-packed)")
-    p.add_argument("--tiny", action="store_true", help="CPU regression run: fp32, sdpa configs, the tiny shape unless "
-                   "--shape names tiny-* shapes.")
+    p.add_argument(
+        "--shape",
+        nargs="+",
+        default=None,
+        choices=sorted(SHAPES),
+        help="default: qwen3-1.7b qwen3-8b (with --tiny: tiny); the tiny-* shapes are CPU-sized versions "
+        "of smollm2-135m, whisper-base and qwen3-asr-1.7b(-packed)",
+    )
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CPU regression run: fp32, sdpa configs, the tiny shape unless --shape names tiny-* shapes.",
+    )
     p.add_argument("--modes", nargs="+", default=["draft", "full"], choices=["draft", "full"])
     p.add_argument("--configs", nargs="+", default=None, help="e.g. attn=flex,ce=2048,ckpt=0,compile=none")
     p.add_argument("--full-configs", nargs="+", default=None, help="configs for mode full (default: the first)")
     p.add_argument("--seq-len", type=int, default=None, help="default: per shape (1024 for 1.7B, 3072 for 8B)")
     p.add_argument("--num-anchors", type=int, default=None, help="default: per shape (256 for 1.7B, 512 for 8B)")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="rows of the text shapes, utterances of whisper-base (default: per shape, 1 for qwen3)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rows of the text shapes, utterances of whisper-base (default: per shape, 1 for qwen3)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
@@ -868,17 +1043,31 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--matmul-size", type=int, default=None, help="n of the n^3 ceiling matmul (8192 on CUDA)")
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument(
-        "--trainer-loop", action="store_true",
+        "--trainer-loop",
+        action="store_true",
         help="also time Trainer.train() on the same batch (CUDA: and list where its steps synchronize)",
     )
-    p.add_argument("--no-isolate", action="store_true", help="CUDA: run every case in this process (default: "
-                   "one fresh process per case, so compiled state of one case cannot affect the next)")
+    p.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="CUDA: run every case in this process (default: "
+        "one fresh process per case, so compiled state of one case cannot affect the next)",
+    )
     p.add_argument("--profile", default=None, help="CUDA: write a torch.profiler operator table per case here")
-    p.add_argument("--compile-target", "--compile_target", dest="compile_target", action="store_true",
-                   help="compile_target=true: torch.compile the frozen target's decoder layers (CUDA; mode full)")
-    p.add_argument("--target-cuda-graph", default="auto", choices=["auto", "on", "off"],
-                   help="target_cuda_graph (mode full): auto = the product default (a graph on a GPU where the target "
-                   "can be captured), on = always, off = the eager target forward")
+    p.add_argument(
+        "--compile-target",
+        "--compile_target",
+        dest="compile_target",
+        action="store_true",
+        help="compile_target=true: torch.compile the frozen target's decoder layers (CUDA; mode full)",
+    )
+    p.add_argument(
+        "--target-cuda-graph",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="target_cuda_graph (mode full): auto = the product default (a graph on a GPU where the target "
+        "can be captured), on = always, off = the eager target forward",
+    )
     return p
 
 
@@ -915,8 +1104,13 @@ def main(argv: list[str] | None = None) -> dict:
                     try:
                         row = run_case(name, shape, tmodel, mode, spec, args, device, dtype, ceiling)
                     except Exception as exc:  # one failing variant (e.g. a compile error) must not lose the others
-                        row = {"shape": name, "mode": mode, "config": spec, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback_tail(exc)}
+                        row = {
+                            "shape": name,
+                            "mode": mode,
+                            "config": spec,
+                            "error": f"{type(exc).__name__}: {exc}",
+                            "traceback": traceback_tail(exc),
+                        }
                 report["results"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "flops"}), flush=True)
                 if args.out:
@@ -924,8 +1118,10 @@ def main(argv: list[str] | None = None) -> dict:
         del tmodel
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'shape':<11} {'mode':<5} {'config':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'pipe ms':>8} "
-          f"{'MFU':>6} {'peak GiB':>8}")
+    print(
+        f"\n{'shape':<11} {'mode':<5} {'config':<36} {'ms':>8} {'TFLOP/s':>8} {'MFU':>6} {'pipe ms':>8} "
+        f"{'MFU':>6} {'peak GiB':>8}"
+    )
     for r in report["results"]:
         if "error" in r:
             print(f"{r['shape']:<11} {r['mode']:<5} {r['config']:<36} ERROR {r['error'][:80]}")

@@ -1,4 +1,5 @@
-"""Whisper log-mel features: `WhisperFeatureExtractor` against `dflash_hf.whisper_features.whisper_log_mel` on the
+"""Whisper log-mel features: `WhisperFeatureExtractor` against
+`dflash_hf.targets.families.whisper_features.whisper_log_mel` on the
 clips of a NeMo manifest, in the batches the data loader would form (one thread, as one loader worker runs).
 Checks the two are bit-identical and writes the timings to a JSON file.
 
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_hf.whisper_features import whisper_log_mel  # noqa: E402
+from dflash_hf.targets.families.whisper_features import whisper_log_mel  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -33,8 +34,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_clips", type=int, default=440)
     p.add_argument("--batch_size", type=int, default=55)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--bucketed", action="store_true",
-                   help="batch clips of similar duration together, as the loader's duration buckets do")
+    p.add_argument(
+        "--bucketed",
+        action="store_true",
+        help="batch clips of similar duration together, as the loader's duration buckets do",
+    )
     p.add_argument("--out", default=None, help="JSON results file")
     return p
 
@@ -71,12 +75,23 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = sum(len(c) for c in clips) / rate
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
-        "what": "Whisper log-mel of real clips per loader batch, one thread", "commit": commit,
-        "machine": platform.processor() or platform.machine(), "threads": args.threads,
-        "command": "python " + " ".join([Path(__file__).as_posix().split("/")[-2] + "/" + Path(__file__).name,
-                                          *(argv if argv is not None else sys.argv[1:])]),
-        "clips": len(clips), "audio_seconds": round(seconds, 1), "mean_clip_seconds": round(seconds / len(clips), 2),
-        "batch_size": args.batch_size, "bucketed": args.bucketed, "bit_identical": True,
+        "what": "Whisper log-mel of real clips per loader batch, one thread",
+        "commit": commit,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "command": "python "
+        + " ".join(
+            [
+                Path(__file__).as_posix().split("/")[-2] + "/" + Path(__file__).name,
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),
+        "clips": len(clips),
+        "audio_seconds": round(seconds, 1),
+        "mean_clip_seconds": round(seconds / len(clips), 2),
+        "batch_size": args.batch_size,
+        "bucketed": args.bucketed,
+        "bit_identical": True,
         **{f"{k}_ms_per_clip": round(1000 * sum(v) / len(clips), 2) for k, v in timings.items()},
         **{f"{k}_median_ms_per_batch": round(1000 * statistics.median(v), 1) for k, v in timings.items()},
     }

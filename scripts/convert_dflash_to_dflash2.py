@@ -13,8 +13,8 @@ import argparse
 import sys
 from dataclasses import fields
 
-from dflash_hf.configuration_dflash import DFlash2Fields
-from dflash_hf.hub import convert_dflash_to_dflash2
+from dflash_hf.export.hub import convert_dflash_to_dflash2
+from dflash_hf.models.configuration_dflash import DFlash2Fields
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -42,7 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("paths", nargs="+", help="run directories, trainer_state.json files or event files")
     parser.add_argument("--out_dir", default=None, help="where the PNGs go (default: <first path>/plots)")
     parser.add_argument(
-        "--source", choices=("auto", "trainer_state", "tensorboard"), default="auto",
+        "--source",
+        choices=("auto", "trainer_state", "tensorboard"),
+        default="auto",
         help="auto: trainer_state.json when found, else TensorBoard events",
     )
     return parser

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_hf import tiny
+from dflash_hf.testing import tiny
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 if TESTS_DIR not in sys.path:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from utils import end_ranks, random_rows, text_batch, tiny_text_target  # noqa: E402
 
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments  # noqa: E402
-from dflash_hf.tiny import MASK_TOKEN  # noqa: E402
+from dflash_hf.testing.tiny import MASK_TOKEN  # noqa: E402
 
 MAX_STEPS = 3
 NUM_ANCHORS = 64  # more than any row's valid anchors: every valid anchor is taken, whatever the split
@@ -66,9 +66,7 @@ def train_case(
             attention_backend="sdpa",
             dataloader_drop_last=True,
         )
-        trainer = DFlashTrainer(
-            args=args, target=target, train_dataset=dataset(rows, 256), data_collator=collate
-        )
+        trainer = DFlashTrainer(args=args, target=target, train_dataset=dataset(rows, 256), data_collator=collate)
         trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     result = {
@@ -83,8 +81,8 @@ def train_case(
 
 def check_sharded_target(out_dir: str) -> None:
     """Taps and final hidden of an FSDP2-sharded frozen target equal those of an unsharded copy."""
-    from dflash_hf.distributed import shard_frozen_target_layers
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf.targets.frozen import FrozenTarget
+    from dflash_hf.training.distributed import shard_frozen_target_layers
 
     model, tok = tiny_text_target(num_layers=4, hidden_size=64)
     reference = FrozenTarget(copy.deepcopy(model))
@@ -113,10 +111,17 @@ def check_sharded_encoder_context_draft(out_dir: str) -> None:
 
     from dflash_hf import DFlashConfig, DFlashDraftModel
 
-    text = Qwen3Config(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-                       num_hidden_layers=4, vocab_size=100)
-    cfg = DFlashConfig.from_target_config(text, mask_token_id=5, num_hidden_layers=2, block_size=4,
-                                          target_layer_ids=[0, 1], encoder_hidden_size=24)
+    text = Qwen3Config(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        vocab_size=100,
+    )
+    cfg = DFlashConfig.from_target_config(
+        text, mask_token_id=5, num_hidden_layers=2, block_size=4, target_layer_ids=[0, 1], encoder_hidden_size=24
+    )
     torch.manual_seed(0)
     reference = DFlashDraftModel(cfg)
     sharded = copy.deepcopy(reference)
@@ -124,15 +129,20 @@ def check_sharded_encoder_context_draft(out_dir: str) -> None:
         fully_shard(layer, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
     fully_shard(sharded, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
     g = torch.Generator().manual_seed(1)
-    inputs = dict(position_ids=torch.arange(9)[None], noise_embedding=torch.randn(1, 4, 32, generator=g),
-                  target_hidden=torch.randn(1, 5, 64, generator=g),
-                  encoder_hidden_states=torch.randn(1, 7, 24, generator=g))
+    inputs = dict(
+        position_ids=torch.arange(9)[None],
+        noise_embedding=torch.randn(1, 4, 32, generator=g),
+        target_hidden=torch.randn(1, 5, 64, generator=g),
+        encoder_hidden_states=torch.randn(1, 7, 24, generator=g),
+    )
     ref, got = reference(**inputs), sharded(**inputs)
     ref.square().sum().backward()
     got.square().sum().backward()
     grad = sharded.layers[0].encoder_attn.k_proj.weight.grad.full_tensor()
-    result = {"hidden_max_abs": float((ref - got).abs().max()),
-              "k_grad_max_abs": float((reference.layers[0].encoder_attn.k_proj.weight.grad - grad).abs().max())}
+    result = {
+        "hidden_max_abs": float((ref - got).abs().max()),
+        "k_grad_max_abs": float((reference.layers[0].encoder_attn.k_proj.weight.grad - grad).abs().max()),
+    }
     torch.save(result, Path(out_dir) / f"fsdp_encoder_draft_rank{torch.distributed.get_rank()}.pt")
 
 
@@ -143,7 +153,7 @@ def check_time_budget_agreement(out_dir: str, steps: int = 4) -> None:
 
     from transformers import TrainerControl
 
-    from dflash_hf.callbacks import TimeBudgetCallback
+    from dflash_hf.training.callbacks import TimeBudgetCallback
 
     if not torch.distributed.is_initialized():  # the case run alone, before any trainer started the group
         torch.distributed.init_process_group("gloo")

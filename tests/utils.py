@@ -18,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import Dataset
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate, tiny
-from dflash_hf.blocks import doc_ids_from, leading_padding, move_leading_padding
-from dflash_hf.target import FrozenTarget
+from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate
+from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leading_padding
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 TESTS_DIR = Path(__file__).resolve().parent
 """`tests/`: the shared helpers and the scripts that tests launch (`dist_train.py`)."""
@@ -56,6 +57,7 @@ def script_fixture(path: Path):
 
 def raising(calls: list, error: BaseException):
     """A stand-in that records each call in `calls` and raises `error` (a step that fails to build)."""
+
     def fail(*args, **kwargs):
         calls.append(1)
         raise error
@@ -65,13 +67,15 @@ def raising(calls: list, error: BaseException):
 
 def tiny_qwen3_asr_prompt():
     """The sharpened tiny Qwen3-ASR target, its processor, and one audio prompt's inputs as its processor gives them."""
-    asr, processor = tiny.build_qwen3_asr_target(tiny.build_tokenizer(), hidden_size=32, num_layers=4, num_heads=2,
-                                                 num_kv_heads=1)
+    asr, processor = tiny.build_qwen3_asr_target(
+        tiny.build_tokenizer(), hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1
+    )
     tiny.sharpen(asr)
     conv = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Transcribe."}]}]
     rendered = processor.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[rendered], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000,
-                       return_tensors="pt")
+    inputs = processor(
+        text=[rendered], audio=[np.zeros(16000, np.float32) + 0.05], sampling_rate=16000, return_tensors="pt"
+    )
     return asr, processor, dict(inputs)
 
 
@@ -112,7 +116,10 @@ def tiny_draft_config(dflash_config: dict, **fields) -> DFlashConfig:
     """A small standalone `DFlashConfig` (2 layers, 4 heads, 2 KV heads, MLP 64, DFlash architecture);
     `fields` add or override config fields (hidden size, head_dim, vocabulary, block size, ...)."""
     base = dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
         architectures=["DFlashDraftModel"],
     )
     return DFlashConfig(dflash_config=dflash_config, **(base | fields))
@@ -136,8 +143,9 @@ def whisper_features(processor, seed: int, seconds: float = 1.0) -> torch.Tensor
 def whisper_draft(target, block: int = 4) -> DFlashDraftModel:
     """A seeded random 1-layer draft for `target` (a model or a `FrozenTarget`) with the tiny Whisper's mask id."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=TINY_WHISPER_MASK, num_hidden_layers=1,
-                                          block_size=block)
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config, mask_token_id=TINY_WHISPER_MASK, num_hidden_layers=1, block_size=block
+    )
     cfg.vocab_size = ft.vocab_size
     torch.manual_seed(0)
     return DFlashDraftModel(cfg).eval()
@@ -169,10 +177,9 @@ def tiny_text_target(num_layers: int = 4, hidden_size: int = 64, seed: int = 0):
     return model, tok
 
 
-
 def decode_with_proposals(draft, target, max_new_tokens, draft_cuda_graph, **inputs):
     """`speculative_generate` (greedy) recording every cycle's proposal: (output, [proposal per cycle])."""
-    from dflash_hf import speculative
+    from dflash_hf.generation import speculative
 
     seen = []
     accept = speculative._accept
@@ -303,8 +310,9 @@ def run_torchrun(cmd: list[str], timeout_s: float) -> None:
     import pytest
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -317,8 +325,14 @@ def run_torchrun(cmd: list[str], timeout_s: float) -> None:
 # ------------------------------------------------------------------------------------------ target_cuda_graph
 # Batch layouts of the target-graph tests (CPU: tests/integration/test_target_graph.py; GPU: tests/gpu/test_gpu.py):
 # case -> whether a batch has padding, as the trainer's CPU plan tells the target (None: packed rows).
-GRAPH_CASES = {"unpadded": False, "padded": True, "packed": None, "packed_one": None, "whisper": True,
-               "whisper_unpadded": False}
+GRAPH_CASES = {
+    "unpadded": False,
+    "padded": True,
+    "packed": None,
+    "packed_one": None,
+    "whisper": True,
+    "whisper_unpadded": False,
+}
 
 
 def graph_case(case: str, hidden_size: int = 64) -> tuple[torch.nn.Module, list[dict]]:
@@ -348,8 +362,9 @@ def graph_case(case: str, hidden_size: int = 64) -> tuple[torch.nn.Module, list[
     return model, batches
 
 
-def assert_replays_match_eager(target: FrozenTarget, batches: list[dict], padded: bool | None,
-                               last_call=contextlib.nullcontext) -> None:
+def assert_replays_match_eager(
+    target: FrozenTarget, batches: list[dict], padded: bool | None, last_call=contextlib.nullcontext
+) -> None:
     """Each batch's features through `target.capture` (its `forward_graphs` capture a signature at its second sighting)
     equal the eager forward's bit for bit: taps, final states and an encoder-decoder target's encoder frames. The
     last call (a replay) runs inside `last_call()`."""

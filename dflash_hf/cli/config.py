@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigFileError
+from dflash_hf.errors import ConfigFileError
 
 CONFIG_HELP = (
     "YAML file of `field: value` defaults (any option below); flags given on the command line override it. "
@@ -142,7 +142,7 @@ def _scalar(value: Any, action: argparse.Action, where: str) -> Any:
             value = "true" if value else "false"
         elif isinstance(value, bool):
             raise ConfigFileError(
-                f"{where}: YAML read {value!r} as a boolean; quote the value if it is a word (e.g. \"no\")"
+                f'{where}: YAML read {value!r} as a boolean; quote the value if it is a word (e.g. "no")'
             )
         if isinstance(value, (int, float)):
             value = str(value)

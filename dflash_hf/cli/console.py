@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-from ..errors import run_console
+from dflash_hf.errors import run_console
 
 COMMANDS = {
     "dflash-train": "dflash_hf.cli.train",
     "dflash-eval": "dflash_hf.cli.eval",
     "dflash-generate-labels": "dflash_hf.cli.generate_labels",
-    "dflash-demo": "dflash_hf.demo",
+    "dflash-demo": "dflash_hf.cli.demo",
 }
 
 
@@ -23,7 +23,7 @@ def _option_names(module) -> list[str]:
     """The module's own `option_names()` (light) when it has one, else its parser's options."""
     if hasattr(module, "option_names"):
         return module.option_names()
-    from .config import option_actions
+    from dflash_hf.cli.config import option_actions
 
     return list(option_actions(module.make_parser()))
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from ..data import ConversationConfig
-from ..draft_graph import graph_mode
-from ..evaluation import decode_benchmark, iter_prompts, speech_rows_and_collator
-from ..export import load_draft_strict
-from ..families import get_tokenizer, resolve_family
-from ..launch import configure_cpu_threads
-from ..target import FrozenTarget, load_target, resolve_dtype
-from .config import check_paths_exist, parse_with_config
-from .train import load_processor
+from dflash_hf.cli.config import check_paths_exist, parse_with_config
+from dflash_hf.cli.train import load_processor
+from dflash_hf.data import ConversationConfig
+from dflash_hf.export.drafts import load_draft_strict
+from dflash_hf.generation.static_draft import graph_mode
+from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
+from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
+from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator
+from dflash_hf.training.launch import configure_cpu_threads
 
 
 @dataclass
@@ -43,22 +43,28 @@ class EvalArguments:
     num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
     precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
-    family: str | None = field(default=None, metadata={"help": "Target family row override (dflash_hf.families)."})
+    family: str | None = field(
+        default=None, metadata={"help": "Target family row override (dflash_hf.targets.families.registry)."}
+    )
     prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
     system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
     draft_cuda_graph: str = field(
         default="auto",
-        metadata={"help": "auto: on a GPU, replay the draft's greedy step as a CUDA graph (dflash_hf.draft_graph); "
-                          "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
-                          "output is the same in every mode."},
+        metadata={
+            "help": "auto: on a GPU, replay the draft's greedy step as a CUDA graph (generation.static_draft); "
+            "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
+            "output is the same in every mode."
+        },
     )
     verify_cuda_graph: str = field(
         default="auto",
-        metadata={"help": "auto: on a GPU, the target's greedy verify as a fixed-shape forward replayed as a CUDA "
-                          "graph where it can run (Whisper and decoder-only targets, SDPA or eager attention; "
-                          "dflash_hf.verify_graph), else the growing cache; on: always (refused where it cannot run; "
-                          "on the CPU without a graph); off: the growing cache. Its logits equal the growing cache's "
-                          "up to rounding; outputs are checked against greedy as usual."},
+        metadata={
+            "help": "auto: on a GPU, the target's greedy verify as a fixed-shape forward replayed as a CUDA "
+            "graph where it can run (Whisper and decoder-only targets, SDPA or eager attention; "
+            "dflash_hf.generation.static_verify), else the growing cache; on: always (refused where it cannot run; "
+            "on the CPU without a graph); off: the growing cache. Its logits equal the growing cache's "
+            "up to rounding; outputs are checked against greedy as usual."
+        },
     )
     allow_mismatch: bool = field(
         default=False,
@@ -83,8 +89,8 @@ def make_parser() -> HfArgumentParser:
 def _records(path: str) -> Iterator[tuple[str, dict]]:
     """``(origin, record)`` of each JSON object line of a plain or gzipped JSON-lines file (detected by content,
     as the data layer reads manifests); a line that is not a JSON object is an error naming the file and line."""
-    from ..data.bad_samples import BadSamples
-    from ..data.json_rows import json_rows
+    from dflash_hf.data.bad_samples import BadSamples
+    from dflash_hf.data.json_rows import json_rows
 
     for _, origin, record in json_rows(path, BadSamples(skip=False)):
         yield origin, record
@@ -152,14 +158,27 @@ def evaluate(args: EvalArguments) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
     cfg = draft.config
-    stats = decode_benchmark(draft, target, prompts, args.max_new_tokens, progress=True, total=total,
-                             draft_cuda_graph=graph_mode(args.draft_cuda_graph),
-                             verify_cuda_graph=graph_mode(args.verify_cuda_graph, "verify_cuda_graph"))
+    stats = decode_benchmark(
+        draft,
+        target,
+        prompts,
+        args.max_new_tokens,
+        progress=True,
+        total=total,
+        draft_cuda_graph=graph_mode(args.draft_cuda_graph),
+        verify_cuda_graph=graph_mode(args.verify_cuda_graph, "verify_cuda_graph"),
+    )
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
-    return {**stats.as_dict(), "per_slot_acceptance": stats.per_slot_acceptance(cfg.block_size),
-            "block_size": cfg.block_size, "device": str(device), "draft_step": _ways(stats.draft_steps),
-            "verify_step": _ways(stats.verify_steps), **asdict(args)}
+    return {
+        **stats.as_dict(),
+        "per_slot_acceptance": stats.per_slot_acceptance(cfg.block_size),
+        "block_size": cfg.block_size,
+        "device": str(device),
+        "draft_step": _ways(stats.draft_steps),
+        "verify_step": _ways(stats.verify_steps),
+        **asdict(args),
+    }
 
 
 def _ways(steps: dict[str, int]) -> str:
@@ -200,6 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .console import evaluate
+    from dflash_hf.cli.console import evaluate
 
     evaluate()

@@ -28,10 +28,10 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_cut_audio
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
-from dflash_hf.evaluation import target_greedy_new_tokens
-from dflash_hf.families import encode_batch, generate_kwargs, resolve_family
-from dflash_hf.target import FrozenTarget
-from dflash_hf.whisper_features import with_fast_features
+from dflash_hf.targets.families.registry import encode_batch, generate_kwargs, resolve_family
+from dflash_hf.targets.families.whisper_features import with_fast_features
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.training.decode_benchmark import target_greedy_new_tokens
 
 logger = logging.getLogger("dflash_hf.generate_labels")
 T = TypeVar("T")
@@ -50,13 +50,27 @@ class GenerateLabelsArguments:
     reference_key: str = field(default="reference_text", metadata={"help": "where the original text is kept"})
     skip_bad_samples: bool = field(default=False)
     device: str = field(default="cpu")
-    prefetch: bool = field(default=True, metadata={"help": "read the next batch's audio and make its features in a "
-                                                           "background thread while the target decodes this one"})
+    prefetch: bool = field(
+        default=True,
+        metadata={
+            "help": "read the next batch's audio and make its features in a "
+            "background thread while the target decodes this one"
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "float32, bfloat16 or float16"})
-    num_shards: int = field(default=1, metadata={"help": "split the manifest's lines into this many contiguous parts, "
-                                                         "one per process (e.g. one per GPU)"})
-    shard_index: int = field(default=0, metadata={"help": "the part this process labels (0-based); concatenating the "
-                                                          "outputs in shard order keeps the manifest's order"})
+    num_shards: int = field(
+        default=1,
+        metadata={
+            "help": "split the manifest's lines into this many contiguous parts, one per process (e.g. one per GPU)"
+        },
+    )
+    shard_index: int = field(
+        default=0,
+        metadata={
+            "help": "the part this process labels (0-based); concatenating the "
+            "outputs in shard order keeps the manifest's order"
+        },
+    )
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "num_shards"):
@@ -70,8 +84,10 @@ class GenerateLabelsArguments:
                 f"field 'manifest': {self.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
             )
         if not 0 <= self.shard_index < self.num_shards:
-            raise ValueError(f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
-                             f"{self.shard_index}: number the parts 0 .. num_shards - 1")
+            raise ValueError(
+                f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
+                f"{self.shard_index}: number the parts 0 .. num_shards - 1"
+            )
 
 
 def shard_of(records: list, num_shards: int, shard_index: int) -> list:
@@ -124,8 +140,10 @@ def _encode(family, processor, config, texts: list[str], audios: list) -> list[d
     outputs: a model-side single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends
     on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
     if family.expansion == "model" or family.prepare_forward is not None:
-        return [encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
-                for i, t in enumerate(texts)]
+        return [
+            encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
+            for i, t in enumerate(texts)
+        ]
     return [encode_batch(family, processor, config, texts, audios, padding_side="left")]
 
 
@@ -134,8 +152,9 @@ def _greedy_new_tokens(target: FrozenTarget, encoded: list[dict], args) -> list[
     inputs; audio (features or waveform) goes to the target's dtype, ids and masks as they are."""
     rows = []
     for inputs in encoded:
-        inputs = {k: v.to(args.device, target.model.dtype if v.is_floating_point() else v.dtype)
-                  for k, v in inputs.items()}
+        inputs = {
+            k: v.to(args.device, target.model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()
+        }
         rows.extend(target_greedy_new_tokens(target, generate_kwargs(target.family, inputs), args.max_new_tokens))
     return rows
 
@@ -188,8 +207,10 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                     cut = _make_cut(cut_id, None, 0.0, 0.0, record.get("text", ""), record.get("lang"), extras)
                 if cut is not None:
                     cuts.append((cut, record))
-            texts = [renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1],
-                                          add_generation_prompt=True) for c, _ in cuts]
+            texts = [
+                renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1], add_generation_prompt=True)
+                for c, _ in cuts
+            ]
             audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
             yield len(chunk), cuts, _encode(family, processor, model.config, texts, audios) if cuts else []
 

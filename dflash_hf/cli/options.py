@@ -1,6 +1,7 @@
 """`dflash-train`'s option list without torch: help and argument errors in well under a second or two.
 
-The DFlash groups come from the light dataclasses of `dflash_hf.arguments` (through `HfArgumentParser`, as the
+The DFlash groups come from the light dataclasses of `dflash_hf.training.argument_groups` (through
+`HfArgumentParser`, as the
 real parser makes them). The inherited `TrainingArguments` options are read from transformers' source file
 (`ast`, nothing imported: importing it loads torch, peft and accelerate, seconds of CPU) and listed after them,
 one group per section of that file. They are placeholders: they take any value, which the real parser checks
@@ -18,8 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..arguments import HELP_GROUPS, TRAINER_OVERRIDES
-from .config import add_config_option
+from dflash_hf.cli.config import add_config_option
+from dflash_hf.training.argument_groups import HELP_GROUPS, TRAINER_OVERRIDES
 
 PROG = "dflash-train"
 DESCRIPTION = (
@@ -71,9 +72,7 @@ def _field_parts(value: ast.AST | None) -> tuple[object, str, bool]:
 def read_trainer_options(path: Path) -> list[TrainerOption]:
     """The init fields of `class TrainingArguments` in `path`, each with the `# --- Section ---` it is under."""
     source = path.read_text()
-    cls = next(
-        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments"
-    )
+    cls = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "TrainingArguments")
     headers = [(i, m.group(1)) for i, line in enumerate(source.splitlines(), 1) if (m := SECTION.match(line))]
     options = []
     for node in cls.body:
@@ -87,10 +86,16 @@ def read_trainer_options(path: Path) -> list[TrainerOption]:
         annotation = ast.unparse(node.annotation)
         if name in TRAINER_OVERRIDES:
             default, help_text = TRAINER_OVERRIDES[name]
-        options.append(TrainerOption(
-            name=name, section=section, help=help_text, default=default,
-            flag=re.search(r"\bbool\b", annotation) is not None, multiple="list[" in annotation,
-        ))
+        options.append(
+            TrainerOption(
+                name=name,
+                section=section,
+                help=help_text,
+                default=default,
+                flag=re.search(r"\bbool\b", annotation) is not None,
+                multiple="list[" in annotation,
+            )
+        )
     known = {o.name for o in options}
     for name, (default, help_text) in TRAINER_OVERRIDES.items():  # DFlash fields that this version lacks
         if name not in known:
@@ -119,8 +124,13 @@ def _add_placeholder(group: argparse._ArgumentGroup, option: TrainerOption) -> N
     action.unchecked = True  # any value: the real parser checks it (cli.config.check_value skips it)
     if option.flag and option.default is True:
         complement = group.add_argument(
-            f"--no_{option.name}", f"--no-{option.name.replace('_', '-')}", nargs=0, action=_NoValue,
-            dest=option.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+            f"--no_{option.name}",
+            f"--no-{option.name.replace('_', '-')}",
+            nargs=0,
+            action=_NoValue,
+            dest=option.name,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
         )
         complement.unchecked = True
 

@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import DFlashUserError
-from .config import apply_config, check_model_dir, option_actions, parse_with_config
-from .options import help_parser
+from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
+from dflash_hf.cli.options import help_parser
+from dflash_hf.errors import DFlashUserError
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
     from transformers import HfArgumentParser
 
-    from ..training_args import DFlashDataArguments, DFlashTrainingArguments
+    from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 logger = logging.getLogger("dflash_hf")
 
@@ -32,7 +32,7 @@ def make_parser() -> HfArgumentParser:
     """The real parser: `DFlashTrainingArguments` (the DFlash groups and TrainingArguments) and the data group."""
     from transformers import HfArgumentParser
 
-    from ..training_args import DFlashDataArguments, DFlashTrainingArguments
+    from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
     return HfArgumentParser((DFlashTrainingArguments, DFlashDataArguments))
 
@@ -70,14 +70,15 @@ def card_target_id(target_name_or_path: str) -> str:
         return recorded
     logger.warning(
         "push_to_hub: the target %s is a local directory that records no Hub id; the model card names it %r",
-        target_name_or_path, path.name,
+        target_name_or_path,
+        path.name,
     )
     return path.name
 
 
 def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id: str, metrics: dict) -> str:
     """Upload the exported draft with its generated model card (`hub.push_draft_to_hub`); the commit URL."""
-    from ..hub import DraftCardInfo, push_draft_to_hub
+    from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub
 
     names = list(data_args.eval_sources() or {})
     tau_est = metrics.get(f"eval_{names[0]}_tau_est") if names else None
@@ -96,7 +97,7 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         raise DFlashUserError(
             f"push_to_hub: uploading the draft to {repo_id} failed ({err}). The trained draft is exported in "
             f"{export_dir}: log in (`hf auth login`) or pass --hub_token, then publish it with "
-            "dflash_hf.hub.push_draft_to_hub"
+            "dflash_hf.export.hub.push_draft_to_hub"
         ) from err
 
 
@@ -119,7 +120,7 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
     trainer's own reading counts the bad rows (and refuses such sources), still before the first step."""
     if data_args.skip_bad_samples:
         return
-    from ..data import BadSamples, open_source
+    from dflash_hf.data import BadSamples, open_source
 
     sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
     for source in sources:
@@ -128,11 +129,11 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
-    from ..best_model import check_best_model_args, eval_prefixes
-    from ..families import get_tokenizer
-    from ..mask_token import mask_token_candidates, missing_mask_token_message
-    from ..target import FrozenTarget, load_target
-    from ..trainer import DFlashTrainer
+    from dflash_hf.targets.families.registry import get_tokenizer
+    from dflash_hf.targets.frozen import FrozenTarget, load_target
+    from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
+    from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
+    from dflash_hf.training.trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
@@ -144,12 +145,14 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)
         candidates = mask_token_candidates(
-            tokenizer, target.vocab_size, target_config=target.model.config,
+            tokenizer,
+            target.vocab_size,
+            target_config=target.model.config,
             extra_ids=target.mask_token_candidates(tokenizer),
         )
         raise ValueError(missing_mask_token_message(candidates))
     if args.validate_only:
-        from ..validation import validate
+        from dflash_hf.training.validate_only import validate
 
         return validate(args, data_args.eval_sources(), target=target, processor=processor, data_args=data_args)
 
@@ -206,7 +209,7 @@ def run(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     check_command_line(argv)
-    from ..launch import configure_cpu_threads
+    from dflash_hf.training.launch import configure_cpu_threads
 
     configure_cpu_threads()  # before any torch work: threads per process from the free cores
     run(argv)
@@ -214,6 +217,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .console import train as console_train
+    from dflash_hf.cli.console import train as console_train
 
     console_train()

@@ -27,7 +27,8 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,
 ``loss_mask`` and the family's audio kwargs (``family.audio_kwargs``), on CPU. With ``compact_features=True`` (the
 trainer's loaders) a Whisper batch holds ``input_features_compact`` instead of ``input_features``: ``[b, n_mels,
-kept]``, the frames that hold audio and one padding frame (``dflash_hf.whisper_features``); ``FrozenTarget.capture``
+kept]``, the frames that hold audio and one padding frame (``dflash_hf.targets.families.whisper_features``);
+``FrozenTarget.capture``
 rebuilds the 30 s window on the target's device, bit-identical. With ``device_features=True`` as well (the trainer's
 loaders; where the processor's extractor is the standard one of the target's ``num_mel_bins``) it holds
 ``input_audio_waves`` instead, ``[b, width]`` float32: the clips zero-padded to the samples those frames need, whose
@@ -55,8 +56,8 @@ from dflash_hf.data.loader import (
     default_padding_side,
 )
 from dflash_hf.data.packing import PackingCollator, PackingSampler, pack_padded_batch
+from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import DataSource, LhotseCuts, NemoManifest, mix_sources, nemo_line_to_cut, open_source
-from dflash_hf.data.validation import SampleValidator
 
 __all__ = [
     "BadSampleError",

@@ -13,8 +13,8 @@ from lhotse.utils import compute_num_samples
 
 from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
-from dflash_hf.families import TargetFamily, encode_batch
-from dflash_hf.whisper_features import is_standard_extractor, with_fast_features
+from dflash_hf.targets.families.registry import TargetFamily, encode_batch
+from dflash_hf.targets.families.whisper_features import is_standard_extractor, with_fast_features
 
 PLAIN_AUDIO_SUFFIXES = (".wav", ".flac")
 
@@ -28,8 +28,12 @@ def read_plain_audio(cut) -> np.ndarray | None:
         return None
     source = rec.sources[0]
     path = str(source.source)
-    if source.type != "file" or source.channels != [0] or ".tar/" in path or not path.lower().endswith(
-            PLAIN_AUDIO_SUFFIXES):
+    if (
+        source.type != "file"
+        or source.channels != [0]
+        or ".tar/" in path
+        or not path.lower().endswith(PLAIN_AUDIO_SUFFIXES)
+    ):
         return None
     with sf.SoundFile(path) as f:
         if f.samplerate != rec.sampling_rate or f.channels != 1:
@@ -45,8 +49,15 @@ def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
         audio = read_plain_audio(cut)
         audio = cut.load_audio() if audio is None else audio
     except Exception as e:  # noqa: BLE001 - re-raised with the cut id and the fix
-        raise BadSampleError(bad_sample_message(cut.id, "audio_filepath", f"decoding failed ({type(e).__name__}: {e})",
-                                                "re-encode the audio as wav or flac", origin_of(cut))) from e
+        raise BadSampleError(
+            bad_sample_message(
+                cut.id,
+                "audio_filepath",
+                f"decoding failed ({type(e).__name__}: {e})",
+                "re-encode the audio as wav or flac",
+                origin_of(cut),
+            )
+        ) from e
     audio = np.asarray(audio, dtype=np.float32)[0]
     if cut.sampling_rate != sampling_rate:
         resampler = Resample(orig_freq=cut.sampling_rate, new_freq=sampling_rate)
@@ -54,8 +65,9 @@ def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
     return audio
 
 
-def supervision_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     samples: Sequence[RenderedSample]) -> torch.Tensor:
+def supervision_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: Sequence[RenderedSample]
+) -> torch.Tensor:
     """``loss_mask [b, S]``: each row's rendered suffix sits at the end of its real tokens; mark its
     supervised tokens. Raises if the row's trailing ids differ from the separately tokenized suffix."""
     real = attention_mask.bool()
@@ -85,14 +97,26 @@ class PaddedCollator:
     the encoder's; ``device_features``: the padded waves instead (``AUDIO_WAVES_KEY``; the frozen target computes
     their features), where the extractor is also the standard one of the target's ``num_mel_bins`` and window."""
 
-    def __init__(self, processor, target_config, family: TargetFamily, renderer: ConversationRenderer,
-                 padding_side: str, compact_features: bool = False, device_features: bool = False):
+    def __init__(
+        self,
+        processor,
+        target_config,
+        family: TargetFamily,
+        renderer: ConversationRenderer,
+        padding_side: str,
+        compact_features: bool = False,
+        device_features: bool = False,
+    ):
         fe = getattr(processor, "feature_extractor", None)
         frames = family.window_frames(target_config) if family.window_frames is not None else None
         window = frames is not None and getattr(fe, "nb_max_frames", None) == frames
-        waves = device_features and window and is_standard_extractor(
-            fe, getattr(target_config, "num_mel_bins", None), frames)
-        # Whisper-style extractors compute only the frames that hold audio (bit-identical, dflash_hf.whisper_features)
+        waves = (
+            device_features
+            and window
+            and is_standard_extractor(fe, getattr(target_config, "num_mel_bins", None), frames)
+        )
+        # Whisper-style extractors compute only the frames that hold audio (bit-identical,
+        # dflash_hf.targets.families.whisper_features)
         self.processor = with_fast_features(processor, compact=compact_features and window, waves=waves)
         self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
@@ -101,7 +125,8 @@ class PaddedCollator:
         cuts = list(cuts)
         samples = self.renderer.render_many(cuts)
         audios = [load_cut_audio(c, self.family.sampling_rate) for c in cuts] if self.family.has_audio else []
-        batch = encode_batch(self.family, self.processor, self.target_config, [s.text for s in samples], audios,
-                             self.padding_side)
+        batch = encode_batch(
+            self.family, self.processor, self.target_config, [s.text for s in samples], audios, self.padding_side
+        )
         batch["loss_mask"] = supervision_mask(batch["input_ids"], batch["attention_mask"], samples)
         return batch

@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import partial
 
-from dflash_hf.families import TargetFamily, get_tokenizer
+from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
 RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: (`conversation_key`, the validator's rendered text)
@@ -128,10 +128,17 @@ class ConversationRenderer:
         """Each cut rendered, its assistant turn located and its supervised suffix tokens marked; the suffixes
         are tokenized in one call (a cut's own tokens do not depend on the others)."""
         located = [self._locate(cut) for cut in cuts]
-        enc = self.tokenizer([suffix for _, _, suffix, _ in located], add_special_tokens=False,
-                             return_offsets_mapping=True) if located else {"input_ids": [], "offset_mapping": []}
-        return [self._supervise(cut, full, span, ids, offsets) for (cut, full, _, span), ids, offsets
-                in zip(located, enc["input_ids"], enc["offset_mapping"])]
+        enc = (
+            self.tokenizer(
+                [suffix for _, _, suffix, _ in located], add_special_tokens=False, return_offsets_mapping=True
+            )
+            if located
+            else {"input_ids": [], "offset_mapping": []}
+        )
+        return [
+            self._supervise(cut, full, span, ids, offsets)
+            for (cut, full, _, span), ids, offsets in zip(located, enc["input_ids"], enc["offset_mapping"])
+        ]
 
     def _locate(self, cut) -> tuple:
         """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
@@ -150,11 +157,13 @@ class ConversationRenderer:
                 "rendered conversation, so the assistant turn cannot be located; use a template whose "
                 "add_generation_prompt output prefixes the full conversation"
             )
-        suffix = full[len(prompt):]
+        suffix = full[len(prompt) :]
         start = suffix.find(response)
         if start < 0:
-            raise ValueError(f"cut {cut.id!r}: the chat template changed the response text; the rendered "
-                             f"assistant turn is {suffix!r}")
+            raise ValueError(
+                f"cut {cut.id!r}: the chat template changed the response text; the rendered "
+                f"assistant turn is {suffix!r}"
+            )
         return cut, full, suffix, (start, start + len(response))
 
     def _supervise(self, cut, full: str, span: tuple[int, int], ids: list[int], offsets) -> RenderedSample:

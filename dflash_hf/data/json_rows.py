@@ -14,8 +14,15 @@ from typing import Any
 
 from dflash_hf.data.bad_samples import BadSamples
 
-_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
-               type(None): "null"}
+_JSON_TYPES = {
+    dict: "object",
+    list: "array",
+    str: "string",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    type(None): "null",
+}
 
 
 def describe_value(value: Any) -> str:
@@ -74,8 +81,10 @@ def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -
                 if record is not None:
                     yield index, origin, record
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
-            raise ValueError(f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
-                             f"{e}): the file is truncated or corrupt; re-create it") from e
+            raise ValueError(
+                f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
+                f"{e}): the file is truncated or corrupt; re-create it"
+            ) from e
 
 
 def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, origin: str) -> dict | None:
@@ -83,8 +92,13 @@ def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, ori
     try:
         line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
     except UnicodeDecodeError as e:
-        bad.report(cut_id, "<line>", f"is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r})",
-                   "re-save the file as UTF-8", origin=origin)
+        bad.report(
+            cut_id,
+            "<line>",
+            f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})",
+            "re-save the file as UTF-8",
+            origin=origin,
+        )
         return None
     if not line.strip():
         return None
@@ -94,8 +108,13 @@ def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, ori
         bad.report(cut_id, "<line>", f"not valid JSON ({e})", "fix or remove the line", origin=origin)
         return None
     if not isinstance(record, dict):
-        bad.report(cut_id, "<line>", f"is {describe_value(record)}, not a JSON object",
-                   "write one JSON object per line", origin=origin)
+        bad.report(
+            cut_id,
+            "<line>",
+            f"is {describe_value(record)}, not a JSON object",
+            "write one JSON object per line",
+            origin=origin,
+        )
         return None
     return record
 

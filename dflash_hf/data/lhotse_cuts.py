@@ -23,33 +23,52 @@ class LhotseCuts:
     are not cuts go to ``bad``; audio sources of a gated type (``GATED_SOURCE_TYPES``) raise unless allowed,
     whatever the skip policy. ``check()`` reads every line once (no audio access) before training."""
 
-    def __init__(self, path: str | Path, bad: BadSamples | None = None, *, allow_command_audio_sources: bool = False,
-                 allow_url_audio_sources: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        bad: BadSamples | None = None,
+        *,
+        allow_command_audio_sources: bool = False,
+        allow_url_audio_sources: bool = False,
+    ):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
-        self.allowed = {"allow_command_audio_sources": allow_command_audio_sources,
-                        "allow_url_audio_sources": allow_url_audio_sources}
+        self.allowed = {
+            "allow_command_audio_sources": allow_command_audio_sources,
+            "allow_url_audio_sources": allow_url_audio_sources,
+        }
 
     def _cut(self, record: dict, origin: str) -> MonoCut | None:
         cut_id = record.get("id") if isinstance(record.get("id"), str) else None
         report = self.bad.report
         if record.get("type") != "MonoCut":
-            report(cut_id, "type", f"is {describe_value(record.get('type'))}; only \"MonoCut\" cuts are supported",
-                   "store each utterance as a mono cut (MixedCut / MultiCut are not supported)", origin=origin)
+            report(
+                cut_id,
+                "type",
+                f'is {describe_value(record.get("type"))}; only "MonoCut" cuts are supported',
+                "store each utterance as a mono cut (MixedCut / MultiCut are not supported)",
+                origin=origin,
+            )
             return None
         try:
             cut = MonoCut.from_dict(record)
         except Exception as e:  # noqa: BLE001 - any malformed cut is reported with its row
-            report(cut_id, "<cut>", f"is not a valid lhotse MonoCut ({type(e).__name__}: {e})",
-                   "write the file with lhotse (CutSet.to_file)", origin=origin)
+            report(
+                cut_id,
+                "<cut>",
+                f"is not a valid lhotse MonoCut ({type(e).__name__}: {e})",
+                "write the file with lhotse (CutSet.to_file)",
+                origin=origin,
+            )
             return None
         # a text-only cut (no recording) has no audio to time: its duration may be 0
         timed = cut.recording is not None
         for key, value, positive in (("start", cut.start, False), ("duration", cut.duration, timed)):
             problem = seconds_problem(value, positive=positive)
             if problem:
-                report(cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})",
-                       origin=origin)
+                report(
+                    cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})", origin=origin
+                )
                 return None
         self._check_sources(cut, origin)
         cut.custom = {**(cut.custom or {}), ORIGIN_KEY: origin}
@@ -60,11 +79,16 @@ class LhotseCuts:
         for i, source in enumerate(cut.recording.sources if cut.recording is not None else []):
             flag, what = GATED_SOURCE_TYPES.get(source.type, (None, None))
             if flag is not None and not self.allowed[flag]:
-                raise BadSampleError(bad_sample_message(
-                    cut.id, f"recording.sources[{i}].type",
-                    f"is {source.type!r}: {what} ({str(source.source)[:80]!r}); refused by default",
-                    f"pass --{flag} true (DataSource({flag}=True)) only if you trust this file, or store the audio "
-                    "as local files", origin))
+                raise BadSampleError(
+                    bad_sample_message(
+                        cut.id,
+                        f"recording.sources[{i}].type",
+                        f"is {source.type!r}: {what} ({str(source.source)[:80]!r}); refused by default",
+                        f"pass --{flag} true (DataSource({flag}=True)) only if you trust this file, or store the audio "
+                        "as local files",
+                        origin,
+                    )
+                )
 
     def _cuts(self) -> Iterator[MonoCut]:
         for _, origin, record in json_rows(self.path, self.bad):

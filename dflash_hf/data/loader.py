@@ -16,11 +16,11 @@ from torch.utils.data import DataLoader, Dataset
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.epochs import ResumableEpochs, replay_error
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
+from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.data.sources import DataSource, mix_sources
-from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, validated_cutset
-from dflash_hf.epochs import ResumableEpochs, replay_error
-from dflash_hf.families import TargetFamily, get_tokenizer, resolve_family
+from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer, resolve_family
 
 
 @dataclass
@@ -73,12 +73,14 @@ class CutDataLoader(DataLoader, ResumableEpochs):
     epochs before it and the skipped samples; ``load_state_dict()`` makes the next iteration resume right after
     them, skipping batches by their metadata only. Batches and their order depend only on ``(seed, epoch)``, so a
     restored position replays exactly. ``epochs()`` streams the epochs back to back (what ``DFlashTrainer``
-    trains on, through :class:`~dflash_hf.epochs.EpochStream`). ``bad_samples`` counts skipped samples."""
+    trains on, through :class:`~dflash_hf.data.epochs.EpochStream`). ``bad_samples`` counts skipped samples."""
 
-    def __init__(self, batch_sampler: ResumableBatchSampler, collate_fn, bad_samples: BadSamples,
-                 num_workers: int = 0, **kwargs):
-        super().__init__(CutBatchDataset(), batch_sampler=batch_sampler, collate_fn=collate_fn,
-                         num_workers=num_workers, **kwargs)
+    def __init__(
+        self, batch_sampler: ResumableBatchSampler, collate_fn, bad_samples: BadSamples, num_workers: int = 0, **kwargs
+    ):
+        super().__init__(
+            CutBatchDataset(), batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers, **kwargs
+        )
         self.bad_samples = bad_samples
         self._init_position()
 
@@ -159,8 +161,9 @@ def build_train_dataloader(
     second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
     memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device)."""
     if packing and max_batch_size is not None:
-        raise ValueError("max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); "
-                         "leave it unset")
+        raise ValueError(
+            "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"
+        )
     if isinstance(family, str) or family is None:
         family = resolve_family(target_config, family)
     if not 0 <= rank < world_size:
@@ -176,22 +179,44 @@ def build_train_dataloader(
             sources = [sources]
         cuts = mix_sources(sources, seed=seed, bad=bad)
     renderer = ConversationRenderer(processor, family, conversation)
-    validator = SampleValidator(renderer, family, target_config, max_tokens=max_tokens, bad=bad,
-                                resample_audio=resample_audio, duration_tolerance=duration_tolerance)
+    validator = SampleValidator(
+        renderer,
+        family,
+        target_config,
+        max_tokens=max_tokens,
+        bad=bad,
+        resample_audio=resample_audio,
+        duration_tolerance=duration_tolerance,
+    )
     cuts = validated_cutset(cuts, validator)
-    collator = PaddedCollator(processor, target_config, family, renderer, padding_side,
-                              compact_features=compact_features, device_features=device_features)
+    collator = PaddedCollator(
+        processor,
+        target_config,
+        family,
+        renderer,
+        padding_side,
+        compact_features=compact_features,
+        device_features=device_features,
+    )
     if packing:
         check_family_packable(family)
-        sampler = PackingSampler(cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank,
-                                 buffer_size=buffer_size)
+        sampler = PackingSampler(
+            cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank, buffer_size=buffer_size
+        )
         collator = PackingCollator(collator, max_tokens, pad_token_id=get_tokenizer(processor).pad_token_id or 0)
-        return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers,
-                             pin_memory=pin_memory)
+        return CutDataLoader(
+            ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers, pin_memory=pin_memory
+        )
     constraint = TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size)
     sampler = DynamicBucketingSampler(
-        cuts, constraint=constraint, shuffle=shuffle, drop_last=drop_last, seed=seed,
-        world_size=world_size, rank=rank, buffer_size=buffer_size,
+        cuts,
+        constraint=constraint,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=seed,
+        world_size=world_size,
+        rank=rank,
+        buffer_size=buffer_size,
         duration_bins=_bucket_bins(cuts, constraint, num_buckets, num_cuts_for_bins_estimate),
     )
     return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers, pin_memory=pin_memory)

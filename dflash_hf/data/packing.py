@@ -1,7 +1,7 @@
 """Packed (THD) batches: several conversations back to back in one row (b = 1 per rank).
 
 - :class:`PackingSampler`: groups a lazy stream of validated cuts into packs whose decoder token counts
-  (``cut.custom["dflash_num_tokens"]``, set by :class:`~dflash_hf.data.validation.SampleValidator`) sum to at most
+  (``cut.custom["dflash_num_tokens"]``, set by :class:`~dflash_hf.data.sample_checks.SampleValidator`) sum to at most
   ``max_tokens`` (streaming best fit over a few open packs), sharded by rank.
 - :func:`pack_padded_batch`: a padded (BSHD) batch of ``n`` documents -> one packed row. Real tokens of each row
   are concatenated in row order; ``position_ids`` restart at 0 per document; ``cu_seqlens`` / ``max_seqlen``
@@ -26,8 +26,8 @@ import torch
 from lhotse import CutSet
 from lhotse.utils import streaming_shuffle
 
-from dflash_hf.data.validation import NUM_TOKENS_KEY
-from dflash_hf.families import TargetFamily
+from dflash_hf.data.sample_checks import NUM_TOKENS_KEY
+from dflash_hf.targets.families.registry import TargetFamily
 
 logger = logging.getLogger("dflash_hf.data")
 
@@ -50,8 +50,9 @@ def check_family_packable(family: TargetFamily) -> None:
         )
 
 
-def pack_padded_batch(batch: dict, max_tokens: int | None = None, pad_to_multiple_of: int = 1,
-                      pad_token_id: int = 0) -> dict:
+def pack_padded_batch(
+    batch: dict, max_tokens: int | None = None, pad_to_multiple_of: int = 1, pad_token_id: int = 0
+) -> dict:
     """Padded batch (``input_ids``/``attention_mask``/``loss_mask`` ``[n, S]``, either padding side, plus audio
     kwargs) -> packed batch: ``input_ids``, ``attention_mask``, ``loss_mask``, ``position_ids`` ``[1, T]``,
     ``cu_seqlens`` ``int32 [n + 1]``, ``max_seqlen`` (int), audio kwargs unchanged.
@@ -69,8 +70,10 @@ def pack_padded_batch(batch: dict, max_tokens: int | None = None, pad_to_multipl
     ids, real = batch["input_ids"], batch["attention_mask"].bool()  # [n, S]
     lengths = real.sum(-1)  # [n]
     if ids.dim() != 2 or real.shape != ids.shape or batch["loss_mask"].shape != ids.shape:
-        raise ValueError(f"pack_padded_batch: need input_ids, attention_mask, loss_mask of one shape [n, S]; got "
-                         f"{tuple(ids.shape)}, {tuple(real.shape)}, {tuple(batch['loss_mask'].shape)}")
+        raise ValueError(
+            f"pack_padded_batch: need input_ids, attention_mask, loss_mask of one shape [n, S]; got "
+            f"{tuple(ids.shape)}, {tuple(real.shape)}, {tuple(batch['loss_mask'].shape)}"
+        )
     if bool((lengths == 0).any()):
         raise ValueError(f"pack_padded_batch: rows {(lengths == 0).nonzero().flatten().tolist()} have no real token")
     first = real.int().argmax(-1)
@@ -106,14 +109,20 @@ class PackingCollator:
     """``__call__(cuts) -> packed batch``: ``padded_collator(cuts)`` (one row per cut, e.g.
     :class:`~dflash_hf.data.collator.PaddedCollator`) then :func:`pack_padded_batch`."""
 
-    def __init__(self, padded_collator: Callable[[list], dict], max_tokens: int | None, pad_token_id: int = 0,
-                 pad_to_multiple_of: int = 1):
+    def __init__(
+        self,
+        padded_collator: Callable[[list], dict],
+        max_tokens: int | None,
+        pad_token_id: int = 0,
+        pad_to_multiple_of: int = 1,
+    ):
         self.padded_collator, self.max_tokens = padded_collator, max_tokens
         self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
 
     def __call__(self, cuts) -> dict:
-        return pack_padded_batch(self.padded_collator(list(cuts)), self.max_tokens, self.pad_to_multiple_of,
-                                 self.pad_token_id)
+        return pack_padded_batch(
+            self.padded_collator(list(cuts)), self.max_tokens, self.pad_to_multiple_of, self.pad_token_id
+        )
 
 
 class PackingSampler:
@@ -125,8 +134,18 @@ class PackingSampler:
     incomplete round (fewer than ``world_size`` packs) is dropped with a warning, so ranks stay in step.
     A cut longer than ``max_tokens`` is an error (the validator normally reports it first, as error or skip)."""
 
-    def __init__(self, cuts: Iterable, max_tokens: int, *, shuffle: bool = True, seed: int = 0,
-                 world_size: int = 1, rank: int = 0, buffer_size: int = 10000, num_open: int = 8):
+    def __init__(
+        self,
+        cuts: Iterable,
+        max_tokens: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        world_size: int = 1,
+        rank: int = 0,
+        buffer_size: int = 10000,
+        num_open: int = 8,
+    ):
         if max_tokens <= 0:
             raise ValueError(f"packing_max_tokens must be > 0, got {max_tokens}")
         if num_open < 1:
@@ -150,8 +169,10 @@ class PackingSampler:
         for cut in stream:
             n = int(cut.custom[NUM_TOKENS_KEY])
             if n > self.max_tokens:
-                raise ValueError(f"cut {cut.id!r} needs {n} tokens, more than packing_max_tokens={self.max_tokens}; "
-                                 "raise packing_max_tokens or drop the sample")
+                raise ValueError(
+                    f"cut {cut.id!r} needs {n} tokens, more than packing_max_tokens={self.max_tokens}; "
+                    "raise packing_max_tokens or drop the sample"
+                )
             fits = [i for i, (used, _) in enumerate(open_packs) if used + n <= self.max_tokens]
             if fits:
                 i = max(fits, key=lambda j: open_packs[j][0])
@@ -173,5 +194,9 @@ class PackingSampler:
                 round_ = []
         if round_:
             self.dropped_packs = len(round_)
-            logger.warning("packing: dropped the last %d packs of epoch %d so that all %d ranks get the same "
-                           "number of batches", len(round_), self.epoch, self.world_size)
+            logger.warning(
+                "packing: dropped the last %d packs of epoch %d so that all %d ranks get the same number of batches",
+                len(round_),
+                self.epoch,
+                self.world_size,
+            )

@@ -64,6 +64,7 @@ def _nemo_cut_id(record: dict, default_id: str) -> str:
 
 def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | None = None) -> bool:
     """Keys and value types of one NeMo manifest line (no file access); a problem goes to ``bad``."""
+
     def fail(key: str, problem: str, fix: str) -> bool:
         bad.report(cut_id, key, problem, fix, origin=origin)
         return False
@@ -73,19 +74,25 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
             return fail(key, "missing from the manifest line", f"add '{key}' to every line")
     path = record["audio_filepath"]
     if not isinstance(path, str) or not path.strip():
-        return fail("audio_filepath", f"is {describe_value(path)}, not a file path",
-                    "write the audio file's path as a non-empty JSON string")
+        return fail(
+            "audio_filepath",
+            f"is {describe_value(path)}, not a file path",
+            "write the audio file's path as a non-empty JSON string",
+        )
     if not isinstance(record["text"], str):
         return fail("text", f"is {describe_value(record['text'])}, not a string", "write the response as a JSON string")
     for key, positive in (("duration", True), ("offset", False)):
         if record.get(key) is not None:
             problem = seconds_problem(record[key], positive=positive)
             if problem:
-                return fail(key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'}), or leave it "
-                            "out" + (" for the rest of the file" if positive else " for 0"))
+                return fail(
+                    key,
+                    problem,
+                    f"write '{key}' as seconds ({'> 0' if positive else '>= 0'}), or leave it "
+                    "out" + (" for the rest of the file" if positive else " for 0"),
+                )
     if record.get("lang") is not None and not isinstance(record["lang"], str):
-        return fail("lang", f"is {describe_value(record['lang'])}, not a string",
-                    "write a language code such as \"en\"")
+        return fail("lang", f"is {describe_value(record['lang'])}, not a string", 'write a language code such as "en"')
     if "id" in record and _nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
     return True
@@ -113,16 +120,18 @@ def audio_file_stat(path: Path) -> tuple[os.stat_result | None, str | None]:
     return info, None
 
 
-def nemo_line_to_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples,
-                     origin: str | None = None) -> MonoCut | None:
+def nemo_line_to_cut(
+    record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None = None
+) -> MonoCut | None:
     """One NeMo manifest line -> MonoCut (checks the line, reads only the audio header). None when skipped."""
     if not check_nemo_record(record, cut_id, bad, origin):
         return None
     return _nemo_cut(record, cut_id, manifest_dir, bad, origin)
 
 
-def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None,
-              recordings: dict | None = None) -> MonoCut | None:
+def _nemo_cut(
+    record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None, recordings: dict | None = None
+) -> MonoCut | None:
     """A checked NeMo line -> MonoCut: the audio file must exist and have a readable header. `recordings`: headers
     already read, by (path, size, modification time); a file changed since is read again."""
     path = Path(record["audio_filepath"]).expanduser()
@@ -130,13 +139,22 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
         path = manifest_dir / path
     info, problem = audio_file_stat(path)
     if problem:
-        bad.report(cut_id, "audio_filepath", problem,
-                   "point it at an audio file (relative paths are resolved against the manifest's directory)",
-                   origin=origin)
+        bad.report(
+            cut_id,
+            "audio_filepath",
+            problem,
+            "point it at an audio file (relative paths are resolved against the manifest's directory)",
+            origin=origin,
+        )
         return None
     if info.st_size == 0:
-        bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is empty (0 bytes)",
-                   "replace the file or remove the line", origin=origin)
+        bad.report(
+            cut_id,
+            "audio_filepath",
+            f"audio file {str(path)!r} is empty (0 bytes)",
+            "replace the file or remove the line",
+            origin=origin,
+        )
         return None
     key = (str(path), info.st_size, info.st_mtime_ns)
     recording = recordings.get(key) if recordings is not None else None
@@ -144,8 +162,13 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
         try:
             recording = Recording.from_file(path, recording_id=str(path))
         except Exception as e:  # noqa: BLE001 - any decoder failure means the file is unusable
-            bad.report(cut_id, "audio_filepath", f"audio file {str(path)!r} is unreadable ({type(e).__name__}: {e})",
-                       "re-encode the file as wav or flac", origin=origin)
+            bad.report(
+                cut_id,
+                "audio_filepath",
+                f"audio file {str(path)!r} is unreadable ({type(e).__name__}: {e})",
+                "re-encode the file as wav or flac",
+                origin=origin,
+            )
             return None
         if recordings is not None and len(recordings) < MAX_REMEMBERED_HEADERS:
             recordings[key] = recording
@@ -160,11 +183,23 @@ def _nemo_cut(record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, or
 
 def _make_cut(cut_id, recording, start, duration, text, language, custom) -> MonoCut:
     supervision = SupervisionSegment(
-        id=cut_id, recording_id=recording.id if recording is not None else cut_id, start=0.0,
-        duration=duration, channel=0, text=text, language=language,
+        id=cut_id,
+        recording_id=recording.id if recording is not None else cut_id,
+        start=0.0,
+        duration=duration,
+        channel=0,
+        text=text,
+        language=language,
     )
-    return MonoCut(id=cut_id, start=start, duration=duration, channel=0, recording=recording,
-                   supervisions=[supervision], custom=dict(custom) or None)
+    return MonoCut(
+        id=cut_id,
+        start=start,
+        duration=duration,
+        channel=0,
+        recording=recording,
+        supervisions=[supervision],
+        custom=dict(custom) or None,
+    )
 
 
 class NemoManifest:
@@ -199,17 +234,27 @@ class NemoManifest:
 class HFDatasetCuts:
     """Lazy, re-iterable view of a ``datasets.Dataset`` as MonoCuts (audio is not decoded by ``datasets``)."""
 
-    def __init__(self, dataset, *, audio_column: str | None = "audio", text_column: str = "text",
-                 context_column: str | None = "context", id_column: str | None = None, name: str = "hf",
-                 bad: BadSamples | None = None):
+    def __init__(
+        self,
+        dataset,
+        *,
+        audio_column: str | None = "audio",
+        text_column: str = "text",
+        context_column: str | None = "context",
+        id_column: str | None = None,
+        name: str = "hf",
+        bad: BadSamples | None = None,
+    ):
         if audio_column is not None and audio_column in dataset.column_names:
             from datasets import Audio
 
             if isinstance(dataset.features.get(audio_column), Audio):
                 dataset = dataset.cast_column(audio_column, Audio(decode=False))
         elif audio_column is not None:
-            raise ValueError(f"HF dataset has no audio column {audio_column!r} (columns: {dataset.column_names});"
-                             " set audio_column (None for text-only data)")
+            raise ValueError(
+                f"HF dataset has no audio column {audio_column!r} (columns: {dataset.column_names});"
+                " set audio_column (None for text-only data)"
+            )
         if text_column not in dataset.column_names:
             raise ValueError(f"HF dataset has no text column {text_column!r} (columns: {dataset.column_names})")
         self.dataset = dataset
@@ -242,23 +287,32 @@ class HFDatasetCuts:
                 return Recording.from_bytes(audio["bytes"], recording_id=cut_id)
             if audio.get("array") is not None:
                 buffer = io.BytesIO()
-                sf.write(buffer, np.asarray(audio["array"], dtype=np.float32), int(audio["sampling_rate"]),
-                         format="WAV", subtype="FLOAT")
+                sf.write(
+                    buffer,
+                    np.asarray(audio["array"], dtype=np.float32),
+                    int(audio["sampling_rate"]),
+                    format="WAV",
+                    subtype="FLOAT",
+                )
                 return Recording.from_bytes(buffer.getvalue(), recording_id=cut_id)
             if audio.get("path"):
                 path = Path(audio["path"])
                 problem = audio_path_problem(path)
                 if problem:
-                    self.bad.report(cut_id, self.audio_column, problem, "point it at an audio file",
-                                    origin=origin)
+                    self.bad.report(cut_id, self.audio_column, problem, "point it at an audio file", origin=origin)
                     return None
                 return Recording.from_file(path, recording_id=cut_id)
             raise ValueError("the dict has none of 'bytes', 'array', 'path'")
         except BadSampleError:  # already reported (strict mode): not an unreadable-audio error
             raise
         except Exception as e:  # noqa: BLE001 - reported with the cut id
-            self.bad.report(cut_id, self.audio_column, f"audio is unreadable ({type(e).__name__}: {e})",
-                            "store a path, encoded bytes, or {'array', 'sampling_rate'}", origin=origin)
+            self.bad.report(
+                cut_id,
+                self.audio_column,
+                f"audio is unreadable ({type(e).__name__}: {e})",
+                "store a path, encoded bytes, or {'array', 'sampling_rate'}",
+                origin=origin,
+            )
             return None
 
 
@@ -274,25 +328,36 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
             from datasets import load_from_disk
 
             dataset = load_from_disk(str(dataset))
-        return CutSet(HFDatasetCuts(dataset, audio_column=source.audio_column, text_column=source.text_column,
-                                    context_column=source.context_column, id_column=source.id_column,
-                                    name=Path(str(source.path or "hf")).stem, bad=bad))
+        return CutSet(
+            HFDatasetCuts(
+                dataset,
+                audio_column=source.audio_column,
+                text_column=source.text_column,
+                context_column=source.context_column,
+                id_column=source.id_column,
+                name=Path(str(source.path or "hf")).stem,
+                bad=bad,
+            )
+        )
     if source.path is None:
         raise ValueError("DataSource needs path= or hf_dataset=")
     kind = source.kind or detect_kind(source.path)
     if kind == "nemo":
         reader = NemoManifest(source.path, bad)
     elif kind == "lhotse":
-        reader = LhotseCuts(source.path, bad, allow_command_audio_sources=source.allow_command_audio_sources,
-                            allow_url_audio_sources=source.allow_url_audio_sources)
+        reader = LhotseCuts(
+            source.path,
+            bad,
+            allow_command_audio_sources=source.allow_command_audio_sources,
+            allow_url_audio_sources=source.allow_url_audio_sources,
+        )
     else:
         raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
     reader.check()
     return CutSet(reader)
 
 
-def mix_sources(sources: Sequence[DataSource | str | Path], *, seed: int = 0,
-                bad: BadSamples | None = None) -> CutSet:
+def mix_sources(sources: Sequence[DataSource | str | Path], *, seed: int = 0, bad: BadSamples | None = None) -> CutSet:
     """One lazy CutSet from several sources, interleaved at random in proportion to their weights
     (deterministic under ``seed``); an epoch ends when every source is exhausted."""
     sources = [s if isinstance(s, DataSource) else DataSource(path=str(s)) for s in sources]

@@ -6,12 +6,13 @@
   `python tests/gpu/test_gpu.py`.
 - The draft side of a training micro-batch (target-argmax labels, blocks, mask, draft, loss, metrics, backward)
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
-- Decoding with the draft's step captured as a CUDA graph (`dflash_hf.draft_graph`, the default on a GPU) gives the
+- Decoding with the draft's step captured as a CUDA graph (`dflash_hf.generation.static_draft`, the default on a GPU)
+gives the
   eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
 - FP8 draft linears (`float8_draft_linears`, compute capability >= 8.9): `torch._scaled_mm` eager and compiled
   against the dequantized references, and a micro-batch's draft side without a host sync; the FP8 lm_head gradient
   (`float8_lm_head`) with the compiled CE kernel.
-- The frozen target's training forward replayed as a CUDA graph (`dflash_hf.target_graph`, `target_cuda_graph`)
+- The frozen target's training forward replayed as a CUDA graph (`dflash_hf.targets.forward_graph`, `target_cuda_graph`)
   gives the eager forward's taps, final states and encoder frames bit for bit, without a host sync.
 - Qwen3-ASR's audio windows found on the host (`families_qwen3_asr`) and Whisper's compact features rebuilt on the
   device (`whisper_features.expand_window`) give the features of the model's own forward on CUDA, the first with
@@ -44,15 +45,16 @@ from utils import (
     tiny_text_target,
 )
 
-from dflash_hf import DFlashConfig, tiny
-from dflash_hf.assembly import build_draft
-from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
-from dflash_hf.draft_graph import clear_static_steps, static_steps
-from dflash_hf.float8 import FP8_MIN_CAPABILITY, Float8Linear, quantize
-from dflash_hf.losses import block_loss
-from dflash_hf.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
-from dflash_hf.target import FrozenTarget
-from dflash_hf.target_graph import TargetForwardGraphs
+from dflash_hf import DFlashConfig
+from dflash_hf.generation.static_draft import clear_static_steps, static_steps
+from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+from dflash_hf.objective.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
+from dflash_hf.objective.losses import block_loss
+from dflash_hf.ops.float8 import FP8_MIN_CAPABILITY, Float8Linear, quantize
+from dflash_hf.targets.forward_graph import TargetForwardGraphs
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training.assembly import build_draft
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -63,8 +65,13 @@ TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2}
 
 def _tiny_draft(h: int, vocab: int, block: int, dtype: torch.dtype, compile_layers: bool, device: str):
     config = tiny_draft_config(
-        {"mask_token_id": vocab - 1, "target_layer_ids": [1, 4, 6]}, block_size=block, num_target_layers=8,
-        hidden_size=h, intermediate_size=512, head_dim=64, vocab_size=vocab,
+        {"mask_token_id": vocab - 1, "target_layer_ids": [1, 4, 6]},
+        block_size=block,
+        num_target_layers=8,
+        hidden_size=h,
+        intermediate_size=512,
+        head_dim=64,
+        vocab_size=vocab,
     )
     draft = DFlashDraftModel(config).to(device=device, dtype=dtype)
     if compile_layers:
@@ -141,10 +148,16 @@ def _has_fp8() -> bool:
 
 
 @needs_cuda
-@pytest.mark.parametrize(("variant", "backend", "fp8"), [
-    ("dflash", "flex", False), ("dflash", "sdpa", False), ("dflash2", "flex", False), ("dflash2", "sdpa", False),
-    ("dflash", "flex", True),  # float8_draft_linears and float8_lm_head: the scales stay on the device
-])
+@pytest.mark.parametrize(
+    ("variant", "backend", "fp8"),
+    [
+        ("dflash", "flex", False),
+        ("dflash", "sdpa", False),
+        ("dflash2", "flex", False),
+        ("dflash2", "sdpa", False),
+        ("dflash", "flex", True),  # float8_draft_linears and float8_lm_head: the scales stay on the device
+    ],
+)
 def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backend, fp8):
     if fp8 and not _has_fp8():
         pytest.skip("needs FP8 tensor cores (compute capability >= 8.9)")
@@ -153,9 +166,19 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
         model.resize_token_embeddings(272)  # float8_lm_head: a vocabulary that is a multiple of 16
     rows = random_rows(6, 250, resp_len=(20, 40))
     trainer = make_trainer(
-        tmp_path, model, tok, rows, use_cpu=False, variant=variant, attention_backend=backend,
-        label_source="target_argmax", compile_draft_layers=backend == "flex", num_anchors=8,
-        float8_draft_linears=fp8, float8_lm_head=fp8, precision="bf16" if fp8 else "fp32",  # FP8 trains in bf16
+        tmp_path,
+        model,
+        tok,
+        rows,
+        use_cpu=False,
+        variant=variant,
+        attention_backend=backend,
+        label_source="target_argmax",
+        compile_draft_layers=backend == "flex",
+        num_anchors=8,
+        float8_draft_linears=fp8,
+        float8_lm_head=fp8,
+        precision="bf16" if fp8 else "fp32",  # FP8 trains in bf16
     )
     batch = text_batch(rows, tok.pad_token_id, padding_side="left")
     device_batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
@@ -194,8 +217,9 @@ def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():  # rows and columns of very different sizes: a scale applied along the wrong axis shows
-        layer.weight.mul_(torch.logspace(-2, 2, 2048, device="cuda")[:, None] * torch.logspace(1, -1, 1024,
-                                                                                                device="cuda"))
+        layer.weight.mul_(
+            torch.logspace(-2, 2, 2048, device="cuda")[:, None] * torch.logspace(1, -1, 1024, device="cuda")
+        )
     layer.__class__ = Float8Linear
     layer.train()
     run = torch.compile(layer) if compiled else layer
@@ -210,8 +234,11 @@ def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
         return q.float() * scale
 
     w = layer.weight.detach()
-    refs = {"y": deq(x.detach(), -1) @ deq(w, -1).t(), "grad_x": deq(g, -1) @ deq(w, 0),
-            "grad_w": g.float().t() @ x.detach().float()}
+    refs = {
+        "y": deq(x.detach(), -1) @ deq(w, -1).t(),
+        "grad_x": deq(g, -1) @ deq(w, 0),
+        "grad_w": g.float().t() @ x.detach().float(),
+    }
     for name, got in {"y": y.detach(), "grad_x": x.grad, "grad_w": layer.weight.grad}.items():
         rel = ((got.float() - refs[name]).norm() / refs[name].norm()).item()
         assert rel < 1e-2, f"{name}: relative difference {rel:.3g}"
@@ -222,8 +249,8 @@ def test_float8_lm_head_keeps_the_loss_and_gives_the_dequantized_gradient_on_cud
     """`float8_lm_head` on the GPU, where the CE kernel is compiled (Triton) and writes e4m3 rows: the argmax equals
     the bf16 fused kernel's and the loss up to rounding, the rows are eager's (up to a rare last-step flip), and the
     input gradient is near the exact one, further than bf16's; a 151,936-word lm_head in chunks of two sizes."""
-    from dflash_hf.losses import fused_lm_head_ce
-    from dflash_hf.losses.fused_ce import _ce_and_logit_grad, _ce_grad
+    from dflash_hf.objective.losses import fused_lm_head_ce
+    from dflash_hf.ops.fused_ce import _ce_and_logit_grad, _ce_grad
 
     torch.manual_seed(0)
     v, h, m = 151936, 1024, 3000
@@ -258,8 +285,14 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
     match the dense-mask path on every batch."""
     model, tok = tiny_text_target(hidden_size=256)  # head_dim 64: compiled flex has no fp32 kernel for 16
     trainer = make_trainer(
-        tmp_path, model, tok, random_rows(2, 250), use_cpu=False, attention_backend="flex",
-        compile_draft_layers=True, num_anchors=32,
+        tmp_path,
+        model,
+        tok,
+        random_rows(2, 250),
+        use_cpu=False,
+        attention_backend="flex",
+        compile_draft_layers=True,
+        num_anchors=32,
     )
     draft = trainer.model
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings(record=True) as got:
@@ -295,8 +328,9 @@ def _graph_and_eager_agree(draft, target, max_new_tokens, **inputs):
 def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
     model, _ = tiny_text_target(seed=3)
     ft = FrozenTarget(tiny.sharpen(model, seed=3).cuda())
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=3, num_hidden_layers=2, block_size=8,
-                                          variant="dflash2")
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config, mask_token_id=3, num_hidden_layers=2, block_size=8, variant="dflash2"
+    )
     cfg.vocab_size = ft.vocab_size
     torch.manual_seed(1)
     draft = DFlash2DraftModel(cfg).cuda().eval()
@@ -307,12 +341,14 @@ def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
         _graph_and_eager_agree(draft, ft, 40, input_ids=ids)
     whisper, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
     whisper = tiny.sharpen(whisper, seed=2).cuda()
-    args = make_args(tmp_path, mask_token_id=364, num_draft_layers=2, draft_encoder_context=True, block_size=4,
-                     variant="dflash2")
+    args = make_args(
+        tmp_path, mask_token_id=364, num_draft_layers=2, draft_encoder_context=True, block_size=4, variant="dflash2"
+    )
     torch.manual_seed(0)
     wdraft = build_draft(args, FrozenTarget(whisper)).cuda().eval()
-    feats = processor.feature_extractor(torch.randn(16000).numpy() * 0.1, sampling_rate=16000,
-                                        return_tensors="pt")["input_features"].cuda()
+    feats = processor.feature_extractor(torch.randn(16000).numpy() * 0.1, sampling_rate=16000, return_tensors="pt")[
+        "input_features"
+    ].cuda()
     _graph_and_eager_agree(wdraft, whisper, 24, input_features=feats)
 
 
@@ -395,9 +431,10 @@ def test_whisper_compact_features_give_the_whole_windows_features_on_cuda(tmp_pa
     target = FrozenTarget(model.cuda())
     target.forward_graphs = TargetForwardGraphs(None)
     manifest = tiny.synthesize_speech(tmp_path, 6, seed=0)
-    pairs = zip(build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False,
-                                       compact_features=True),
-                build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False))
+    pairs = zip(
+        build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False, compact_features=True),
+        build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False),
+    )
     for compact, whole in pairs:
         assert "input_features_compact" in compact and "input_features" in whole
         for _ in range(3):  # eager, captured, replayed
@@ -417,9 +454,18 @@ def test_whisper_waves_give_the_cpu_features_up_to_rounding_on_cuda(tmp_path):
     model, processor = tiny_whisper()
     target = FrozenTarget(model.cuda())
     manifest = tiny.synthesize_speech(tmp_path, 6, seed=0)
-    pairs = zip(build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False,
-                                       compact_features=True, device_features=True),
-                build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False))
+    pairs = zip(
+        build_train_dataloader(
+            manifest,
+            processor,
+            model.config,
+            max_tokens=400,
+            shuffle=False,
+            compact_features=True,
+            device_features=True,
+        ),
+        build_train_dataloader(manifest, processor, model.config, max_tokens=400, shuffle=False),
+    )
     for waves, whole in pairs:
         assert "input_audio_waves" in waves
         got = target.whole_window({k: v.cuda() for k, v in waves.items()})["input_features"]

@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from utils import make_trainer, random_rows, tiny_text_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, tiny
-from dflash_hf.adaptation import SELECTION_FILE
-from dflash_hf.hub import check_warm_start, convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments
+from dflash_hf.export.hub import check_warm_start, convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf.testing import tiny
+from dflash_hf.training.adaptation import SELECTION_FILE
 
 HIDDEN = 32
 
@@ -44,8 +45,14 @@ def _trainer(setup, out: Path, **overrides) -> DFlashTrainer:
     """`make_trainer`: a block-16 warm start from the setup's export, its mask token taken from the export."""
     model, tok, base, rows = setup
     kwargs = dict(
-        output_dir=str(out), init_from_pretrained=str(base), mask_token_id=None, block_size=16, max_steps=3,
-        per_device_train_batch_size=2, learning_rate=1e-2, num_anchors=4,
+        output_dir=str(out),
+        init_from_pretrained=str(base),
+        mask_token_id=None,
+        block_size=16,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        num_anchors=4,
     )
     return make_trainer(out, model, tok, rows, **(kwargs | overrides))
 
@@ -115,8 +122,13 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in trainable if "lora_B" in n)
 
     export = Path(trainer.export_draft(str(tmp_path / "export")))
-    assert sorted(os.listdir(export)) == ["config.json", "configuration_dflash.py", "model.safetensors",
-                                          "modeling_dflash.py", "modeling_dflash_encoder.py"]
+    assert sorted(os.listdir(export)) == [
+        "config.json",
+        "configuration_dflash.py",
+        "model.safetensors",
+        "modeling_dflash.py",
+        "modeling_dflash_encoder.py",
+    ]
     plain = load_draft_strict(export).eval()
     assert type(plain) is DFlashDraftModel and plain.config.block_size == 16
     with safe_open(str(export / "model.safetensors"), framework="pt") as f:

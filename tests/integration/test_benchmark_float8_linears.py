@@ -14,12 +14,16 @@ import benchmark_float8_linears as bench  # noqa: E402
 def test_projections_follow_the_shape_and_the_draft():
     rows = {r["name"]: r for r in bench.projections(bench.SHAPES["qwen3-8b"], draft_layers=5, block_size=16)}
     q_rows, s_rows = 512 * 16, 3072
-    assert (rows["q_proj"]["rows"], rows["q_proj"]["in_features"], rows["q_proj"]["out_features"]) == (q_rows, 4096,
-                                                                                                         4096)
+    assert (rows["q_proj"]["rows"], rows["q_proj"]["in_features"], rows["q_proj"]["out_features"]) == (
+        q_rows,
+        4096,
+        4096,
+    )
     assert (rows["k_proj"]["rows"], rows["k_proj"]["out_features"]) == (s_rows + q_rows, 8 * 128)
     assert (rows["down_proj"]["in_features"], rows["down_proj"]["out_features"]) == (12288, 4096)
-    assert rows["fc"] == dict(name="fc", rows=s_rows, in_features=5 * 4096, out_features=4096, input_grad=False,
-                              count=1)
+    assert rows["fc"] == dict(
+        name="fc", rows=s_rows, in_features=5 * 4096, out_features=4096, input_grad=False, count=1
+    )
     assert {r["count"] for n, r in rows.items() if n != "fc"} == {5}
     speech = {r["name"]: r for r in bench.projections(bench.SHAPES["qwen3-1.7b-speechlike"], 5, 16)}
     assert speech["q_proj"]["rows"] == 64 * 40 * 16 and speech["fc"]["rows"] == 64 * 256
@@ -46,12 +50,34 @@ def test_variants_compute_the_layer_and_its_gradients(input_grad):
 
 
 def test_tiny_run_reports_every_projection(tmp_path):
-    res = bench.main(["--shape", "tiny", "--device", "cpu", "--eager", "--steps", "1", "--warmup", "0",
-                      "--out", str(tmp_path / "r.json")])
+    res = bench.main(
+        [
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--eager",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     (shape,) = res["shapes"]
-    assert [p["name"] for p in shape["projections"]] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj", "fc"]
+    assert [p["name"] for p in shape["projections"]] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "fc",
+    ]
     for p in shape["projections"]:
         assert p["saved_ms"] == pytest.approx(p["bf16_ms"] - p["fp8_ms"], abs=2e-4)
     assert shape["draft_side_total"]["bf16_ms"] == pytest.approx(
-        sum(p["bf16_ms"] * p["count"] for p in shape["projections"]), abs=1e-3)
+        sum(p["bf16_ms"] * p["count"] for p in shape["projections"]), abs=1e-3
+    )

@@ -14,8 +14,12 @@ def test_tiny_run_reports_both_modes(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "labels.json"
-    assert bench.main(["--num_clips", "5", "--batch_size", "2", "--max_new_tokens", "3", "--repeats", "2",
-                       "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            ["--num_clips", "5", "--batch_size", "2", "--max_new_tokens", "3", "--repeats", "2", "--out", str(out)]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["clips"] == 5 and report["outputs_identical"] is True
     assert {m: len(s) for m, s in report["seconds"].items()} == {"off": 2, "on": 2}

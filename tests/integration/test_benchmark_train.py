@@ -8,8 +8,22 @@ from utils import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "benchmark_train.py"
 FIELDS = {
-    "shape", "mode", "config", "seq_len", "num_anchors", "blocks", "visible_pairs", "ms_per_step", "plan_ms",
-    "tokens_per_s", "block_tokens_per_s", "model_tflop_per_step", "flops", "tflops", "mfu", "peak_gib",
+    "shape",
+    "mode",
+    "config",
+    "seq_len",
+    "num_anchors",
+    "blocks",
+    "visible_pairs",
+    "ms_per_step",
+    "plan_ms",
+    "tokens_per_s",
+    "block_tokens_per_s",
+    "model_tflop_per_step",
+    "flops",
+    "tflops",
+    "mfu",
+    "peak_gib",
 }
 
 
@@ -42,8 +56,14 @@ def test_tiny_run_writes_all_fields(bench, tmp_path):
 
 
 def test_config_spec_parsing(bench):
-    assert bench.parse_config("attn=sdpa,ckpt=1") == {"attn": "sdpa", "ce": "2048", "ckpt": "1", "compile": "none",
-                                                      "fp8": "0", "fp8lm": "0"}
+    assert bench.parse_config("attn=sdpa,ckpt=1") == {
+        "attn": "sdpa",
+        "ce": "2048",
+        "ckpt": "1",
+        "compile": "none",
+        "fp8": "0",
+        "fp8lm": "0",
+    }
     assert bench.parse_config("fp8=1")["fp8"] == "1" and bench.parse_config("fp8lm=1")["fp8lm"] == "1"
     with pytest.raises(ValueError, match="bad config item"):
         bench.parse_config("attention=flex")
@@ -57,8 +77,20 @@ def test_config_spec_parsing(bench):
 def test_tiny_speech_rows_run_the_real_target_families(bench):
     """The CPU-sized versions of the whisper-base and packed Qwen3-ASR rows: the encoder runs in the full step,
     every packed micro-batch of the cycle is timed, and the speech rates are reported."""
-    argv = ["--tiny", "--shape", "tiny-whisper", "tiny-qwen3-asr-packed", "--modes", "full", "--warmup", "0",
-            "--steps", "1", "--configs", "attn=sdpa,ce=64"]
+    argv = [
+        "--tiny",
+        "--shape",
+        "tiny-whisper",
+        "tiny-qwen3-asr-packed",
+        "--modes",
+        "full",
+        "--warmup",
+        "0",
+        "--steps",
+        "1",
+        "--configs",
+        "attn=sdpa,ce=64",
+    ]
     rows = {r["shape"]: r for r in bench.main(argv)["results"]}
     assert not any("error" in r for r in rows.values())
     whisper, asr = rows["tiny-whisper"], rows["tiny-qwen3-asr-packed"]

@@ -18,12 +18,14 @@ import torch
 from transformers import TrainingArguments
 from utils import REPO_ROOT, make_args, tiny_draft_config
 
-from dflash_hf import DFlashDraftModel, arguments, configuration_dflash
+from dflash_hf import DFlashDraftModel
 from dflash_hf.cli import console, options
 from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import add_config_option
 from dflash_hf.errors import DFlashUserError
-from dflash_hf.training_args import DFlashDataArguments
+from dflash_hf.models import configuration_dflash
+from dflash_hf.training import argument_groups
+from dflash_hf.training.training_args import DFlashDataArguments
 
 
 def _help() -> str:
@@ -50,7 +52,7 @@ def test_help_lists_dflash_groups_first_then_trainer_sections():
 
 
 def test_every_dflash_option_has_help():
-    for group in arguments.HELP_GROUPS:
+    for group in argument_groups.HELP_GROUPS:
         for f in dataclasses.fields(group):
             assert f.metadata.get("help"), f"{group.__name__}.{f.name} has no help"
 
@@ -64,10 +66,10 @@ def test_light_parser_has_exactly_the_real_options():
 
 
 def test_light_constants_mirror_the_config_module():
-    assert arguments.DFLASH_VARIANTS == configuration_dflash.DFLASH_VARIANTS
-    assert arguments.MAX_BLOCK_SIZE == configuration_dflash.MAX_BLOCK_SIZE
-    assert arguments.DEFAULT_BLOCK_SIZE == configuration_dflash.DEFAULT_BLOCK_SIZE
-    objective = arguments.DFlashObjectiveArguments()
+    assert argument_groups.DFLASH_VARIANTS == configuration_dflash.DFLASH_VARIANTS
+    assert argument_groups.MAX_BLOCK_SIZE == configuration_dflash.MAX_BLOCK_SIZE
+    assert argument_groups.DEFAULT_BLOCK_SIZE == configuration_dflash.DEFAULT_BLOCK_SIZE
+    objective = argument_groups.DFlashObjectiveArguments()
     assert configuration_dflash.DFlash2Fields.of(objective) == configuration_dflash.DFlash2Fields()
 
 
@@ -78,8 +80,14 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_help_and_argument_errors_do_not_load_torch(tmp_path):
     missing = str(tmp_path / "missing")
-    cases = [["--help"], ["--gamma", "x"], ["--no_such_option", "1"], ["--variant", "dflash3"], [],
-             ["--target_name_or_path", missing, "--train_data", "t.jsonl"]]
+    cases = [
+        ["--help"],
+        ["--gamma", "x"],
+        ["--no_such_option", "1"],
+        ["--variant", "dflash3"],
+        [],
+        ["--target_name_or_path", missing, "--train_data", "t.jsonl"],
+    ]
     code = (
         "import sys\n"
         "from dflash_hf.cli.console import run_command\n"
@@ -95,7 +103,11 @@ def test_help_and_argument_errors_do_not_load_torch(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line for line in lines if line.startswith("exit")] == [
-        "exit 0 --help", "exit 2 --gamma", "exit 2 --no_such_option", "exit 2 --variant", "exit 2 -",
+        "exit 0 --help",
+        "exit 2 --gamma",
+        "exit 2 --no_such_option",
+        "exit 2 --variant",
+        "exit 2 -",
         "exit 2 --target_name_or_path",
     ]
     assert lines[-1] == "heavy []"
@@ -122,8 +134,12 @@ def test_bad_yaml_is_refused_before_torch_loads(tmp_path):
 def _export(tmp_path: Path) -> Path:
     torch.manual_seed(0)
     config = tiny_draft_config(
-        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=8, num_target_layers=4, hidden_size=32,
-        head_dim=8, vocab_size=40,
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]},
+        block_size=8,
+        num_target_layers=4,
+        hidden_size=32,
+        head_dim=8,
+        vocab_size=40,
     )
     out = tmp_path / "draft"
     DFlashDraftModel(config).save_pretrained(out)
@@ -178,17 +194,25 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
             upload(folder_path)
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
-    import dflash_hf.target
-    import dflash_hf.trainer
+    import dflash_hf.targets.frozen
+    import dflash_hf.training.trainer
 
-    monkeypatch.setattr(dflash_hf.trainer, "DFlashTrainer", FakeTrainer)
-    monkeypatch.setattr(dflash_hf.target, "load_target", lambda *a, **k: None)
-    monkeypatch.setattr(dflash_hf.target, "FrozenTarget", lambda *a, **k: None)
+    monkeypatch.setattr(dflash_hf.training.trainer, "DFlashTrainer", FakeTrainer)
+    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: None)
+    monkeypatch.setattr(dflash_hf.targets.frozen, "FrozenTarget", lambda *a, **k: None)
     monkeypatch.setattr(cli_train, "load_processor", lambda path: None)
     monkeypatch.setattr(cli_train, "check_data_rows", lambda data_args: None)  # the faked run reads no data
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    args = make_args(tmp_path, target_name_or_path=str(target_dir), mask_token_id=5, push_to_hub=True,
-                     hub_model_id="me/tiny-draft", hub_token="tok", hub_private_repo=True, max_steps=3)
+    args = make_args(
+        tmp_path,
+        target_name_or_path=str(target_dir),
+        mask_token_id=5,
+        push_to_hub=True,
+        hub_model_id="me/tiny-draft",
+        hub_token="tok",
+        hub_private_repo=True,
+        max_steps=3,
+    )
     data_args = DFlashDataArguments(train_data=[str(manifest)], eval_data=[f"dev={manifest}"])
     return seen, lambda: cli_train.train(args, data_args)
 
@@ -199,8 +223,14 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     assert seen["trainer_push_to_hub"] is False  # no checkpoint uploads, no Trainer model card
     assert metrics["hub_commit_url"] == "https://huggingface.co/me/tiny-draft/commit/1"
     assert seen["repo"] == ("me/tiny-draft", True) and seen["token"] == "tok"
-    assert seen["files"] == ["README.md", "config.json", "configuration_dflash.py", "model.safetensors",
-                             "modeling_dflash.py", "modeling_dflash_encoder.py"]
+    assert seen["files"] == [
+        "README.md",
+        "config.json",
+        "configuration_dflash.py",
+        "model.safetensors",
+        "modeling_dflash.py",
+        "modeling_dflash_encoder.py",
+    ]
     card = seen["card"]
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card
@@ -212,8 +242,11 @@ def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypat
         raise ConnectionError("401 Unauthorized")  # huggingface_hub HTTP errors are OSErrors too
 
     _, run = _fake_training_run(tmp_path, monkeypatch, upload=refuse)
-    with pytest.raises(DFlashUserError, match=rf"uploading the draft to me/tiny-draft failed \(401 Unauthorized\)"
-                                              rf".*exported in {tmp_path / 'draft'}: log in"):
+    with pytest.raises(
+        DFlashUserError,
+        match=rf"uploading the draft to me/tiny-draft failed \(401 Unauthorized\)"
+        rf".*exported in {tmp_path / 'draft'}: log in",
+    ):
         run()
     assert '"eval_dev_tau_est": 3.5' in capsys.readouterr().out  # the run's results were printed first
 
@@ -235,32 +268,59 @@ def test_every_console_script_reports_user_errors_as_status_2(tmp_path, capsys, 
     assert f"dflash-demo: error: --config {missing} does not exist" in capsys.readouterr().err
     assert set(console.COMMANDS) == {"dflash-train", "dflash-eval", "dflash-generate-labels", "dflash-demo"}
     scripts = (REPO_ROOT / "pyproject.toml").read_text()
-    for prog, function in (("dflash-train", "train"), ("dflash-eval", "evaluate"),
-                           ("dflash-generate-labels", "generate_labels"), ("dflash-demo", "demo")):
+    for prog, function in (
+        ("dflash-train", "train"),
+        ("dflash-eval", "evaluate"),
+        ("dflash-generate-labels", "generate_labels"),
+        ("dflash-demo", "demo"),
+    ):
         assert f'{prog} = "dflash_hf.cli.console:{function}"' in scripts
 
 
 @pytest.mark.slow  # a fresh interpreter per command: up to ~11 s
-@pytest.mark.parametrize("module", ["dflash_hf.cli.train", "dflash_hf.cli.eval", "dflash_hf.cli.generate_labels",
-                                    "dflash_hf.demo"])
+@pytest.mark.parametrize(
+    "module", ["dflash_hf.cli.train", "dflash_hf.cli.eval", "dflash_hf.cli.generate_labels", "dflash_hf.cli.demo"]
+)
 def test_python_dash_m_runs_the_command(module):
     """`python -m MODULE` (how benchmarks and devices without console scripts run them) must run the command:
     an unknown option is an argument error (exit 2), not a silent exit 0."""
-    proc = subprocess.run([sys.executable, "-m", module, "--no_such_option_xyz"], capture_output=True, text=True,
-                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--no_such_option_xyz"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
 
 
 def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    import dflash_hf.target
+    import dflash_hf.targets.frozen
 
-    monkeypatch.setattr(dflash_hf.target, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     for name in ("train.json", "dev.json"):
         (tmp_path / name).write_text("")
-    argv = ["--target_name_or_path", str(tmp_path), "--train_data", str(tmp_path / "train.json"), "--eval_data",
-            f"dev={tmp_path / 'dev.json'}", "--mask_token_id", "5", "--output_dir", str(tmp_path / "out"),
-            "--eval_strategy", "steps", "--eval_steps", "50", "--early_stopping_patience", "3", "--use_cpu", "true"]
+    argv = [
+        "--target_name_or_path",
+        str(tmp_path),
+        "--train_data",
+        str(tmp_path / "train.json"),
+        "--eval_data",
+        f"dev={tmp_path / 'dev.json'}",
+        "--mask_token_id",
+        "5",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "50",
+        "--early_stopping_patience",
+        "3",
+        "--use_cpu",
+        "true",
+    ]
     assert console.run_command("dflash-train", argv) == 2
     err = capsys.readouterr().err
     assert "--early_stopping_patience: --metric_for_best_model must name a metric" in err and "dev_tau_est" in err

@@ -8,9 +8,11 @@ import pytest
 import torch
 import yaml
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.cli import eval as cli_eval
-from dflash_hf.target import FrozenTarget, load_target
+from dflash_hf.targets.frozen import FrozenTarget, load_target
+from dflash_hf.testing import tiny
+from dflash_hf.training import decode_benchmark
 
 BLOCK = 4
 
@@ -27,12 +29,16 @@ def _save_draft(target_dir, out_dir):
 @pytest.fixture(scope="module")
 def text_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("text")
-    target = tiny.save_tiny_target(root / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2,
-                                   num_kv_heads=1)
+    target = tiny.save_tiny_target(
+        root / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1
+    )
     draft = _save_draft(target, root / "draft")
     prompts = root / "prompts.jsonl"
-    lines = [{"prompt": "hello world"}, {"messages": [{"role": "user", "content": "count to ten"}]},
-             {"prompt": "the quick brown fox"}]
+    lines = [
+        {"prompt": "hello world"},
+        {"messages": [{"role": "user", "content": "count to ten"}]},
+        {"prompt": "the quick brown fox"},
+    ]
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return root, target, draft, prompts
 
@@ -40,8 +46,17 @@ def text_setup(tmp_path_factory):
 def test_text_prompts_config_and_overrides(text_setup, capsys):
     root, target, draft, prompts = text_setup
     config = root / "eval.yaml"
-    config.write_text(yaml.safe_dump({"draft": str(draft), "target": str(target), "data": str(prompts),
-                                      "max_new_tokens": 20, "output_json": str(root / "out.json")}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "draft": str(draft),
+                "target": str(target),
+                "data": str(prompts),
+                "max_new_tokens": 20,
+                "output_json": str(root / "out.json"),
+            }
+        )
+    )
     assert cli_eval.main(["--config", str(config), "--max_new_tokens", "10"]) == 0
     res = json.loads((root / "out.json").read_text())
     assert res["max_new_tokens"] == 10  # the command line overrides the YAML
@@ -70,16 +85,28 @@ def test_text_prompts_config_and_overrides(text_setup, capsys):
 
 def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
     root, target, draft, prompts = text_setup
-    real = evaluation.speculative_generate
+    real = decode_benchmark.speculative_generate
 
     def corrupted(*a, **kw):
         out = real(*a, **kw)
         out.sequences[0, -1] = (out.sequences[0, -1] + 1) % 256
         return out
 
-    monkeypatch.setattr(evaluation, "speculative_generate", corrupted)
-    argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--max_new_tokens", "4",
-            "--num_samples", "2", "--output_json", str(root / "bad.json")]
+    monkeypatch.setattr(decode_benchmark, "speculative_generate", corrupted)
+    argv = [
+        "--draft",
+        str(draft),
+        "--target",
+        str(target),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "4",
+        "--num_samples",
+        "2",
+        "--output_json",
+        str(root / "bad.json"),
+    ]
     assert cli_eval.main(argv) == 1
     res = json.loads((root / "bad.json").read_text())
     assert res["prompts"] == 2 and not res["outputs_identical"] and res["mismatched_prompts"] == [0, 1]
@@ -90,24 +117,72 @@ def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
     bad = root / "bad_prompts.jsonl"
     bad.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no key"}) + "\n")
     with pytest.raises(ValueError, match="line 2: needs a 'prompt'"):
-        cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(bad), "--max_new_tokens", "2",
-                       "--output_json", str(root / "x.json")])
+        cli_eval.main(
+            [
+                "--draft",
+                str(draft),
+                "--target",
+                str(target),
+                "--data",
+                str(bad),
+                "--max_new_tokens",
+                "2",
+                "--output_json",
+                str(root / "x.json"),
+            ]
+        )
 
 
 def test_speech_manifest(tmp_path):
-    target = tiny.save_tiny_target(tmp_path / "asr", kind="qwen3_asr", hidden_size=32, num_layers=4, num_heads=2,
-                                   num_kv_heads=1)
+    target = tiny.save_tiny_target(
+        tmp_path / "asr", kind="qwen3_asr", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1
+    )
     draft = _save_draft(target, tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
     out = tmp_path / "res.json"
-    assert cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(manifest),
-                          "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out)]) == 0
+    assert (
+        cli_eval.main(
+            [
+                "--draft",
+                str(draft),
+                "--target",
+                str(target),
+                "--data",
+                str(manifest),
+                "--max_new_tokens",
+                "8",
+                "--prompt",
+                "Transcribe.",
+                "--output_json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
     # the fixed-shape step with a prompt of audio positions longer than a block (its one-forward prefill)
-    assert cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(manifest),
-                          "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out),
-                          "--draft_cuda_graph", "on"]) == 0
+    assert (
+        cli_eval.main(
+            [
+                "--draft",
+                str(draft),
+                "--target",
+                str(target),
+                "--data",
+                str(manifest),
+                "--max_new_tokens",
+                "8",
+                "--prompt",
+                "Transcribe.",
+                "--output_json",
+                str(out),
+                "--draft_cuda_graph",
+                "on",
+            ]
+        )
+        == 0
+    )
     fixed = json.loads(out.read_text())
     assert fixed["outputs_identical"] and (fixed["cycles"], fixed["tau"]) == (res["cycles"], res["tau"])
     text_prompts = tmp_path / "p.jsonl"
@@ -125,8 +200,20 @@ def test_single_placeholder_row(tmp_path):
     draft = _save_draft(tmp_path / "target", tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
     out = tmp_path / "res.json"
-    argv = ["--draft", str(draft), "--target", str(tmp_path / "target"), "--data", str(manifest),
-            "--max_new_tokens", "8", "--prompt", "Transcribe.", "--output_json", str(out)]
+    argv = [
+        "--draft",
+        str(draft),
+        "--target",
+        str(tmp_path / "target"),
+        "--data",
+        str(manifest),
+        "--max_new_tokens",
+        "8",
+        "--prompt",
+        "Transcribe.",
+        "--output_json",
+        str(out),
+    ]
     assert cli_eval.main(argv + ["--family", "qwen2_audio_single_placeholder"]) == 0
     res = json.loads(out.read_text())
     assert res["prompts"] == 2 and res["outputs_identical"] and res["family"] == "qwen2_audio_single_placeholder"
@@ -138,8 +225,8 @@ def test_gzipped_text_prompts_are_read_like_plain_ones(tmp_path):
     read the same rows."""
     import gzip
 
-    from dflash_hf import tiny
     from dflash_hf.cli import eval as cli_eval
+    from dflash_hf.testing import tiny
 
     lines = b'{"prompt": "hello there"}\n\n{"prompt": "two"}\n'
     plain, packed = tmp_path / "p.jsonl", tmp_path / "p.data"

@@ -11,9 +11,8 @@ from dflash_hf import (
     DFlashConfig,
     DFlashDraftModel,
     speculative_generate,
-    tiny,
 )
-from dflash_hf.blocks import (
+from dflash_hf.objective.blocks import (
     attention_mask_for,
     build_blocks,
     dense_block_mask,
@@ -22,8 +21,9 @@ from dflash_hf.blocks import (
     row_positions,
     sample_anchors,
 )
-from dflash_hf.target import FrozenTarget
-from dflash_hf.tiny import sharpen
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.testing.tiny import sharpen
 
 
 def make_draft(target: FrozenTarget, mask_id: int, block_size: int = 4, layers: int = 2, seed: int = 0):
@@ -60,9 +60,7 @@ def _random_block_inputs(draft, seed=0, b=2, s=20, n=3):
     ids = torch.randint(3, 200, (b, s), generator=g)
     anchors = torch.tensor([[3, 9, 14], [5, 11, -1]])
     doc = doc_ids_from(am, pos_ids)
-    blocks = build_blocks(
-        ids, ids, am.bool(), doc, row_positions(am), anchors, cfg.block_size, cfg.mask_token_id, 4.0
-    )
+    blocks = build_blocks(ids, ids, am.bool(), doc, row_positions(am), anchors, cfg.block_size, cfg.mask_token_id, 4.0)
     noise = torch.randn(b, n * cfg.block_size, cfg.hidden_size, generator=g)
     return taps, doc, blocks, noise
 
@@ -106,22 +104,45 @@ def test_flex_tile_layout_equals_create_block_mask(packed, block_size):
         am = (torch.arange(s)[None] < lengths[:, None]).long()
         pos = None
         if packed:  # three document boundaries per row
-            pos = torch.stack([
-                torch.cat([torch.arange(e - a) for a, e in zip([0, *cuts], [*cuts, s])])
-                for cuts in (sorted(torch.randint(1, s, (3,), generator=g).unique().tolist()) for _ in range(b))
-            ])
+            pos = torch.stack(
+                [
+                    torch.cat([torch.arange(e - a) for a, e in zip([0, *cuts], [*cuts, s])])
+                    for cuts in (sorted(torch.randint(1, s, (3,), generator=g).unique().tolist()) for _ in range(b))
+                ]
+            )
         doc = doc_ids_from(am, pos)
         loss_mask = am.bool() & (torch.rand(b, s, generator=g) < 0.8)
-        anchors = sample_anchors(loss_mask, doc, int(torch.randint(1, 60, (1,), generator=g)), generator=g,
-                                 per_document=packed, pad_multiple=8)
+        anchors = sample_anchors(
+            loss_mask,
+            doc,
+            int(torch.randint(1, 60, (1,), generator=g)),
+            generator=g,
+            per_document=packed,
+            pad_multiple=8,
+        )
         n = anchors.shape[1]
         dense = dense_block_mask(anchors, doc, block_size)[:, 0]
-        ref = create_block_mask(lambda bi, hi, q, kv, m=dense: m[bi, q, kv], B=b, H=None, Q_LEN=n * block_size,
-                                KV_LEN=s + n * block_size, device="cpu", BLOCK_SIZE=128)
+        ref = create_block_mask(
+            lambda bi, hi, q, kv, m=dense: m[bi, q, kv],
+            B=b,
+            H=None,
+            Q_LEN=n * block_size,
+            KV_LEN=s + n * block_size,
+            device="cpu",
+            BLOCK_SIZE=128,
+        )
         mine = flex_block_mask(anchors, doc, block_size)
         assert mine.seq_lengths == ref.seq_lengths
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "q_num_blocks",
+            "q_indices",
+            "full_q_num_blocks",
+            "full_q_indices",
+        ):
             assert torch.equal(getattr(mine, name), getattr(ref, name)), (trial, name)
 
 

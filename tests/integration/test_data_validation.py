@@ -10,9 +10,9 @@ import pytest
 import soundfile as sf
 from lhotse import MonoCut, Recording, SupervisionSegment
 
-from dflash_hf import tiny
 from dflash_hf.data import BadSampleError, BadSamples, DataSource, build_train_dataloader, load_cut_audio, open_source
-from dflash_hf.training_args import DFlashDataArguments
+from dflash_hf.testing import tiny
+from dflash_hf.training.training_args import DFlashDataArguments
 
 GOOD = [{"audio_filepath": f"g{i}.wav", "duration": 1.0, "text": f"yes {i}"} for i in range(3)]
 LINE = {"audio_filepath": "g0.wav", "duration": 1.0, "text": "x"}
@@ -150,8 +150,14 @@ def test_byte_order_mark_and_blank_lines_are_not_bad_rows(root):
 
 def _cut_dict(root, i: int, **fields) -> dict:
     recording = Recording.from_file(root / f"g{i}.wav", recording_id=f"r{i}")
-    cut = MonoCut(f"c{i}", 0.0, 1.0, 0, recording=recording,
-                  supervisions=[SupervisionSegment(f"c{i}", f"r{i}", 0.0, 1.0, text=f"yes {i}")])
+    cut = MonoCut(
+        f"c{i}",
+        0.0,
+        1.0,
+        0,
+        recording=recording,
+        supervisions=[SupervisionSegment(f"c{i}", f"r{i}", 0.0, 1.0, text=f"yes {i}")],
+    )
     return cut.to_dict() | fields
 
 
@@ -169,7 +175,7 @@ def test_bad_lhotse_cut_lines(root):
         (b"{not json", "<line>", "not valid JSON"),
         (_row([1]), "<line>", "JSON array"),
         (b'{"id": "\xff"}', "<line>", "not UTF-8"),
-        (_row({**json.loads(base), "type": "MixedCut"}), "type", "only \"MonoCut\""),
+        (_row({**json.loads(base), "type": "MixedCut"}), "type", 'only "MonoCut"'),
         (_row(no_duration), "<cut>", "not a valid lhotse MonoCut"),
         (_row({**json.loads(base), "start": float("nan")}), "start", "NaN"),
         (_row({**json.loads(base), "duration": "1"}), "duration", "JSON string"),
@@ -204,8 +210,11 @@ def test_command_audio_source_is_refused_unless_allowed(root, tmp_path):
     marker = tmp_path / "ran"
     path = _cuts_file(root, "cmd.jsonl", _row(_gated(root, "command", f"touch {marker}")))
     for bad in (None, BadSamples(skip=True)):  # a security refusal is never a skip
-        with pytest.raises(BadSampleError, match=r"line 4\): field 'recording.sources\[0\].type': is 'command'.*"
-                                                 r"--allow_command_audio_sources true"):
+        with pytest.raises(
+            BadSampleError,
+            match=r"line 4\): field 'recording.sources\[0\].type': is 'command'.*"
+            r"--allow_command_audio_sources true",
+        ):
             open_source(path, bad)
     assert not marker.exists()
     # allowed: the command is what reads the audio
@@ -243,8 +252,13 @@ def test_validation_set_skips_are_reported_in_the_eval_metrics(root, tmp_path):
     clean = root / "clean.json"
     clean.write_text("".join(json.dumps(x) + "\n" for x in GOOD))
     data_args = DFlashDataArguments(max_tokens=600, skip_bad_samples=True, eval_data=[f"dev={dev}", f"clean={clean}"])
-    trainer = DFlashTrainer(args=make_args(tmp_path, mask_token_id=262), target=model, processor=processor,
-                            data_args=data_args, eval_dataset=data_args.eval_sources())
+    trainer = DFlashTrainer(
+        args=make_args(tmp_path, mask_token_id=262),
+        target=model,
+        processor=processor,
+        data_args=data_args,
+        eval_dataset=data_args.eval_sources(),
+    )
     metrics = trainer.evaluate()
     assert metrics["eval_dev_skipped_samples"] == 1 and metrics["eval_clean_skipped_samples"] == 0
     assert np.isfinite(metrics["eval_dev_loss"])
@@ -253,8 +267,9 @@ def test_validation_set_skips_are_reported_in_the_eval_metrics(root, tmp_path):
 def test_hf_dataset_rows_are_named_by_row(root):
     from datasets import Dataset
 
-    ds = Dataset.from_dict({"audio": [str(root / "g0.wav"), str(root / "adir.wav"), str(root / "nope.wav")],
-                            "text": ["a", "b", "c"]})
+    ds = Dataset.from_dict(
+        {"audio": [str(root / "g0.wav"), str(root / "adir.wav"), str(root / "nope.wav")], "text": ["a", "b", "c"]}
+    )
     with pytest.raises(BadSampleError) as info:
         list(open_source(DataSource(hf_dataset=ds, path="hf")))
     assert "'hf-00000001' (hf dataset 'hf' row 1): field 'audio': audio path" in str(info.value)
@@ -266,16 +281,17 @@ def test_hf_dataset_rows_are_named_by_row(root):
 
 def test_dflash_train_names_a_bad_row_before_the_target_loads(root, tmp_path, monkeypatch):
     """Strict mode: `dflash-train` reads the data's rows before it loads the (expensive) target."""
-    from dflash_hf import target as target_module
     from dflash_hf.cli import train as cli_train
-    from dflash_hf.training_args import DFlashTrainingArguments
+    from dflash_hf.targets import frozen as target_module
+    from dflash_hf.training.training_args import DFlashTrainingArguments
 
     def no_load(*args, **kwargs):
         raise AssertionError("the target was loaded before the data's rows were checked")
 
     monkeypatch.setattr(target_module, "load_target", no_load)
     manifest = _manifest(root, "train_bad_last.json", _row({**LINE, "duration": float("nan")}))
-    args = DFlashTrainingArguments(output_dir=str(tmp_path), target_name_or_path=str(root), mask_token_id=5,
-                                   use_cpu=True, max_steps=1)
+    args = DFlashTrainingArguments(
+        output_dir=str(tmp_path), target_name_or_path=str(root), mask_token_id=5, use_cpu=True, max_steps=1
+    )
     with pytest.raises(BadSampleError, match=r"train_bad_last.json line 4\): field 'duration'"):
         cli_train.train(args, DFlashDataArguments(train_data=[manifest]))

@@ -14,8 +14,7 @@ ops = script_fixture(SCRIPT)
 @pytest.fixture(scope="module")
 def whisper_counts(ops, tmp_path_factory):
     out = tmp_path_factory.mktemp("ops") / "ops.json"
-    results = ops.main(["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--output_json",
-                        str(out)])
+    results = ops.main(["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--output_json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     return results
 
@@ -86,8 +85,22 @@ def test_with_the_fixed_steps_the_loop_outside_them_stays_small(ops, tmp_path):
     """--fixed_steps: the draft step and the verify as fixed-shape steps (each one CUDA graph replay on a GPU); the
     loop around them: Whisper's suppression, the acceptance, at most 2 more operators and one host read a cycle,
     and no host tensor."""
-    results = ops.main(["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--fixed_steps", "true",
-                        "--variants", "dflash", "--output_json", str(tmp_path / "ops.json")])
+    results = ops.main(
+        [
+            "--tiny",
+            "whisper",
+            "--num_prompts",
+            "1",
+            "--max_new_tokens",
+            "6",
+            "--fixed_steps",
+            "true",
+            "--variants",
+            "dflash",
+            "--output_json",
+            str(tmp_path / "ops.json"),
+        ]
+    )
     assert results["name"] == "tiny-whisper-fixed-steps"
     spec = results["speculative"]["dflash"]
     per = spec["per_iteration"]

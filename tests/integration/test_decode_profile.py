@@ -9,7 +9,8 @@ import torch
 from transformers import StoppingCriteria
 from utils import REPO_ROOT, script_fixture
 
-from dflash_hf import speculative, tiny
+from dflash_hf.generation import speculative
+from dflash_hf.testing import tiny
 
 SCRIPT = REPO_ROOT / "benchmarks" / "decode_profile.py"
 
@@ -20,8 +21,20 @@ profile = script_fixture(SCRIPT)
 @pytest.mark.parametrize("kind", ["text", "whisper"])
 def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kind):
     out = tmp_path / "profile.json"
-    results = profile.main(["--tiny", kind, "--num_prompts", "2", "--max_new_tokens", "10", "--progress", "false",
-                            "--output_json", str(out)])
+    results = profile.main(
+        [
+            "--tiny",
+            kind,
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "10",
+            "--progress",
+            "false",
+            "--output_json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     assert results["outputs_identical"] and results["instrumented_outputs_identical"]
     wall, prof = results["wall_clock"], results["instrumented"]
@@ -36,28 +49,43 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
     assert sum(parts.values()) == pytest.approx(seconds["host"], rel=1e-6, abs=1e-9)
     assert all(parts[name] > 0 for name in ("scores", "accept", "stop", "crop"))
     assert sum(prof["fraction"].values()) == pytest.approx(1.0)
-    assert results["command"].endswith(f"decode_profile.py --tiny {kind} --num_prompts 2 --max_new_tokens 10 "
-                                      f"--progress false --output_json {out}")
+    assert results["command"].endswith(
+        f"decode_profile.py --tiny {kind} --num_prompts 2 --max_new_tokens 10 --progress false --output_json {out}"
+    )
     assert results["commit"] and results["device"].startswith("cpu")
     # the package's functions are restored after the instrumented pass
     assert speculative._Verifier.__call__.__qualname__ == "_Verifier.__call__"
-    from dflash_hf import verification
+    from dflash_hf.generation import verify_rules
 
-    assert speculative.propose_block is verification.propose_block and speculative._accept is verification._accept
+    assert speculative.propose_block is verify_rules.propose_block and speculative._accept is verify_rules._accept
 
 
 def test_the_fixed_shape_verify_is_timed_as_verify(profile, tmp_path):
     """--verify_cuda_graph on (the fixed-shape verify; on the CPU without a graph): its forwards count as `verify`,
     not as host work, and the outputs stay identical."""
-    results = profile.main(["--tiny", "text", "--num_prompts", "2", "--max_new_tokens", "10", "--progress", "false",
-                            "--verify_cuda_graph", "on", "--output_json", str(tmp_path / "p.json")])
+    results = profile.main(
+        [
+            "--tiny",
+            "text",
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "10",
+            "--progress",
+            "false",
+            "--verify_cuda_graph",
+            "on",
+            "--output_json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert results["outputs_identical"] and results["instrumented_outputs_identical"]
     seconds = results["instrumented"]["seconds"]
     assert seconds["verify"] > 0  # without its wrapper the fixed-shape verify would count as host work (0 here)
     assert results["wall_clock"]["verify_steps"] == {"fixed-shape, no graph": 2}
-    from dflash_hf import verify_graph
+    from dflash_hf.generation import static_verify
 
-    assert verify_graph.StaticVerifyStep.verify.__qualname__ == "StaticVerifyStep.verify"  # restored
+    assert static_verify.StaticVerifyStep.verify.__qualname__ == "StaticVerifyStep.verify"  # restored
 
 
 def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
@@ -66,17 +94,39 @@ def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path)
     from test_families import save_qwen2_audio
 
     from dflash_hf import DFlashConfig, DFlashDraftModel
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf.targets.frozen import FrozenTarget
 
     model, tok = save_qwen2_audio(tmp_path / "target")
-    cfg = DFlashConfig.from_target_config(FrozenTarget(model).text_config, num_hidden_layers=1, block_size=4,
-                                          mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    cfg = DFlashConfig.from_target_config(
+        FrozenTarget(model).text_config,
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+    )
     DFlashDraftModel(cfg).save_pretrained(tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
-    results = profile.main(["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--data",
-                            str(manifest), "--family", "qwen2_audio_single_placeholder", "--prompt", "Transcribe.",
-                            "--num_prompts", "2", "--max_new_tokens", "6", "--progress", "false", "--output_json",
-                            str(tmp_path / "p.json")])
+    results = profile.main(
+        [
+            "--target",
+            str(tmp_path / "target"),
+            "--draft",
+            str(tmp_path / "draft"),
+            "--data",
+            str(manifest),
+            "--family",
+            "qwen2_audio_single_placeholder",
+            "--prompt",
+            "Transcribe.",
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "6",
+            "--progress",
+            "false",
+            "--output_json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     assert results["outputs_identical"] and results["instrumented_outputs_identical"]
     assert results["wall_clock"]["prompts"] == 2 and results["instrumented"]["cycles"] > 0
     assert results["family"] == "qwen2_audio_single_placeholder"
@@ -100,9 +150,11 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
     from transformers import StoppingCriteriaList
     from utils import tiny_text_target
 
-    from dflash_hf import DFlashConfig, DFlashDraftModel, tiny, verification
-    from dflash_hf.speculative import dflash_custom_generate
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf import DFlashConfig, DFlashDraftModel
+    from dflash_hf.generation import verify_rules
+    from dflash_hf.generation.speculative import dflash_custom_generate
+    from dflash_hf.targets.frozen import FrozenTarget
+    from dflash_hf.testing import tiny
 
     reads, decoding = [], []
     torch_dir = str(Path(torch.__file__).parent)
@@ -111,7 +163,7 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
         frame = sys._getframe(2)
         while frame.f_code.co_filename.startswith(torch_dir):  # torch's own wrappers in between
             frame = frame.f_back
-        if frame.f_code.co_filename in (speculative.__file__, verification.__file__):  # the loop and its rules
+        if frame.f_code.co_filename in (speculative.__file__, verify_rules.__file__):  # the loop and its rules
             reads.append((kind, frame.f_lineno))
 
     class ScalarReads(TorchDispatchMode):
@@ -139,8 +191,12 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
 
     model, tok = tiny_text_target(seed=1)
     tiny.sharpen(model, seed=1)
-    cfg = DFlashConfig.from_target_config(FrozenTarget(model).text_config, num_hidden_layers=1, block_size=4,
-                                          mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    cfg = DFlashConfig.from_target_config(
+        FrozenTarget(model).text_config,
+        num_hidden_layers=1,
+        block_size=4,
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+    )
     torch.manual_seed(0)
     draft = DFlashDraftModel(cfg).eval()
     prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
@@ -157,8 +213,10 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
     reads.clear()
     criteria = StoppingCriteriaList([NeverStop()])
     custom = dflash_custom_generate(draft)
-    assert torch.equal(model.generate(**kw, max_new_tokens=12, do_sample=False, stopping_criteria=criteria,
-                                      custom_generate=custom), ref)
+    assert torch.equal(
+        model.generate(**kw, max_new_tokens=12, do_sample=False, stopping_criteria=criteria, custom_generate=custom),
+        ref,
+    )
     cycles = len(custom.acceptance_lengths)
     assert len(reads) == 2 + 2 * cycles, reads  # prompt: token + its check; each cycle: acceptance + its check
 
@@ -176,8 +234,9 @@ def test_begin_suppression_applies_to_the_row_at_its_begin_index_only():
     logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     prefix = torch.arange(12)[None]  # row i follows prefix[:, :9 + i]
     for begin_index in (8, 9, 10, 12, 13):
-        processors = LogitsProcessorList([SuppressTokensLogitsProcessor([3]),
-                                          SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)])
+        processors = LogitsProcessorList(
+            [SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)]
+        )
         expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
         got = speculative._processed(processors, prefix, logits)
         assert torch.equal(got, expected), begin_index

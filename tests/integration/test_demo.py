@@ -10,10 +10,10 @@ from pathlib import Path
 
 from utils import REPO_ROOT
 
-from dflash_hf import demo
+from dflash_hf.cli import demo
 from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import parse_with_config
-from dflash_hf.hub import load_draft_strict
+from dflash_hf.export.hub import load_draft_strict
 
 
 def readme_snippet(heading: str) -> str:
@@ -27,16 +27,26 @@ def test_demo_config_runs_end_to_end_at_reduced_steps(tmp_path, capsys, monkeypa
     out = tmp_path / "runs" / "demo"
     summary = demo.run(
         [
-            "--output_dir", str(out),
-            "--num_train_utterances", "12",
-            "--num_dev_utterances", "3",
-            "--target_num_layers", "4",
-            "--target_teach_steps", "3",
-            "--max_steps", "3",
-            "--save_strategy", "no",
-            "--decode_prompts", "2",
-            "--decode_max_new_tokens", "8",
-            "--disable_tqdm", "true",
+            "--output_dir",
+            str(out),
+            "--num_train_utterances",
+            "12",
+            "--num_dev_utterances",
+            "3",
+            "--target_num_layers",
+            "4",
+            "--target_teach_steps",
+            "3",
+            "--max_steps",
+            "3",
+            "--save_strategy",
+            "no",
+            "--decode_prompts",
+            "2",
+            "--decode_max_new_tokens",
+            "8",
+            "--disable_tqdm",
+            "true",
         ]
     )
     assert summary["decode_outputs_identical"] is True  # speculative output == target greedy output

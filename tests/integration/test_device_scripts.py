@@ -17,8 +17,9 @@ SESSION = REPO_ROOT / "benchmarks" / "device" / "session.sh"
 
 def _session(tmp_path, env_file, *args, out=None, cwd=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, DFLASH_DEVICE_ENV=str(env_file), OUT=str(out or tmp_path / "unused"))
-    return subprocess.run(["bash", str(SESSION), *args], cwd=cwd or REPO_ROOT, env=env, capture_output=True,
-                          text=True, check=False)
+    return subprocess.run(
+        ["bash", str(SESSION), *args], cwd=cwd or REPO_ROOT, env=env, capture_output=True, text=True, check=False
+    )
 
 
 @pytest.fixture
@@ -32,8 +33,10 @@ def device(tmp_path):
     (draft / "model.safetensors").write_bytes(payload)
     (draft / "config.json").write_text("{}")
     env_file = tmp_path / "env.sh"
-    env_file.write_text(f'export DFLASH_BENCH_CACHE={tmp_path / "bench"}\n'
-                        f'B="{sys.executable} {REPO_ROOT / "benchmarks" / "real_targets.py"}"\nmkdir -p /tmp/logs\n')
+    env_file.write_text(
+        f"export DFLASH_BENCH_CACHE={tmp_path / 'bench'}\n"
+        f'B="{sys.executable} {REPO_ROOT / "benchmarks" / "real_targets.py"}"\nmkdir -p /tmp/logs\n'
+    )
     yield run, env_file, payload
     for staged in (f"/tmp/bring/{run}", f"/tmp/stage_{run}"):
         shutil.rmtree(staged, ignore_errors=True)

@@ -18,20 +18,29 @@ from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from utils import REPO_ROOT, assert_lossless_greedy, make_trainer, text_batch, tiny_text_target
 
-from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments, tiny
-from dflash_hf.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
-from dflash_hf.hub import load_draft_strict
-from dflash_hf.losses import MetricSums, block_loss, dflash2_block_loss
-from dflash_hf.speculative import accept_tokens
+from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments
+from dflash_hf.export.hub import load_draft_strict
+from dflash_hf.generation.speculative import accept_tokens
+from dflash_hf.objective.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
+from dflash_hf.objective.losses import MetricSums, block_loss, dflash2_block_loss
+from dflash_hf.testing import tiny
 
 DFLASH2_ONLY = ("attention_conv.", "mlp_conv.", "candidate_selector.")
 
 
 def text_config(vocab: int = 263, hidden: int = 32, layers: int = 4) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=True,
-        pad_token_id=None, eos_token_id=None, bos_token_id=None,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        tie_word_embeddings=True,
+        pad_token_id=None,
+        eos_token_id=None,
+        bos_token_id=None,
     )
 
 
@@ -183,10 +192,12 @@ def _selector_reference(hidden, blocks, weight, selector, anchors, labels_full, 
                 label = int(labels_full[r, a + k])
                 assert int(blocks.predecessors[r, j, k - 1]) == prev
                 hp = selector.hidden_projection.weight @ h
-                scores = torch.stack([
-                    unary[i] + (selector.predecessor_codebook[prev] * hp * selector.successor_codebook[c]).sum()
-                    for i, c in enumerate(cand.tolist())
-                ])
+                scores = torch.stack(
+                    [
+                        unary[i] + (selector.predecessor_codebook[prev] * hp * selector.successor_codebook[c]).sum()
+                        for i, c in enumerate(cand.tolist())
+                    ]
+                )
                 if label in cand.tolist():
                     w = float(torch.exp(torch.tensor(-(k - 1) / 4.0)))
                     target = cand.tolist().index(label)
@@ -260,8 +271,15 @@ def test_no_valid_slot_gives_differentiable_zero_with_grads_everywhere():
 # Trainer
 # ------------------------------------------------------------------------------------------------
 def dflash2_trainer(tmp_path, model, tok, rows, variant="dflash2", draft=None, **kw):
-    kw = dict(output_dir=str(tmp_path / variant), variant=variant, per_device_train_batch_size=len(rows),
-              conv_group_size=8, selector_rank=16, selector_top_k=8, **kw)
+    kw = dict(
+        output_dir=str(tmp_path / variant),
+        variant=variant,
+        per_device_train_batch_size=len(rows),
+        conv_group_size=8,
+        selector_rank=16,
+        selector_top_k=8,
+        **kw,
+    )
     return make_trainer(tmp_path, model, tok, rows, draft=draft, **kw)
 
 
@@ -342,16 +360,17 @@ def test_export_contract_and_remote_code_round_trip(tmp_path):
     assert json.loads((tmp_path / "v1" / "config.json").read_text())["auto_map"]["AutoModel"] == (
         "modeling_dflash.DFlashDraftModel"
     )
-    assert {k: raw["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                "selector_top_k")} == dict(conv_kernel_size=2, conv_group_size=8,
-                                                                           selector_rank=16, selector_top_k=6)
+    assert {
+        k: raw["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    } == dict(conv_kernel_size=2, conv_group_size=8, selector_rank=16, selector_top_k=6)
     with safe_open(str(tmp_path / "v2" / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
     for i in range(2):
         for conv in ("attention_conv", "mlp_conv"):
             assert {f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"} <= names
-    assert {f"candidate_selector.{n}" for n in ("predecessor_codebook", "successor_codebook",
-                                                "hidden_projection.weight")} <= names
+    assert {
+        f"candidate_selector.{n}" for n in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")
+    } <= names
     assert not any("embed" in n or "lm_head" in n for n in names)
     # In-process loads keep the saved weights (post_init must not re-initialize them).
     loaded, info = DFlash2DraftModel.from_pretrained(tmp_path / "v2", output_loading_info=True)
@@ -364,17 +383,27 @@ def test_export_contract_and_remote_code_round_trip(tmp_path):
     # finder is never registered), only the venv's site-packages on the path, cwd outside the repo.
     g = torch.Generator().manual_seed(0)
     inputs = dict(
-        position_ids=torch.arange(10 + 8)[None], noise_embedding=torch.randn(1, 8, 32, generator=g),
+        position_ids=torch.arange(10 + 8)[None],
+        noise_embedding=torch.randn(1, 8, 32, generator=g),
         target_hidden=torch.randn(1, 10, 2 * 32, generator=g),
     )
     torch.save(inputs, tmp_path / "inputs.pt")
     (tmp_path / "remote.py").write_text(REMOTE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"),
-               PYTHONPATH=sysconfig.get_paths()["purelib"],
-               OMP_NUM_THREADS=str(torch.get_num_threads()))  # same reduction order as this process
-    proc = subprocess.run([sys.executable, "-S", str(tmp_path / "remote.py"), str(tmp_path)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_MODULES_CACHE=str(tmp_path / "modules"),
+        PYTHONPATH=sysconfig.get_paths()["purelib"],
+        OMP_NUM_THREADS=str(torch.get_num_threads()),
+    )  # same reduction order as this process
+    proc = subprocess.run(
+        [sys.executable, "-S", str(tmp_path / "remote.py"), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     classes = json.loads(proc.stdout.strip().splitlines()[-1])
     assert classes["v1"][0] == "DFlashDraftModel" and classes["v2"][0] == "DFlash2DraftModel"
@@ -417,8 +446,9 @@ def test_greedy_selector_walk_is_lossless():
     tiny.sharpen(model, seed=1)
     mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
     torch.manual_seed(0)
-    draft = DFlash2DraftModel(draft_config("dflash2", model.config, mask_id, block_size=5, conv_group_size=16,
-                                           selector_top_k=16)).eval()
+    draft = DFlash2DraftModel(
+        draft_config("dflash2", model.config, mask_id, block_size=5, conv_group_size=16, selector_top_k=16)
+    ).eval()
     randomize(draft, seed=8, scale=0.3, only=("successor_codebook", "mlp_conv"))
     assert_lossless_greedy(draft, model, num_prompts=2, max_new_tokens=16)
 
@@ -447,8 +477,9 @@ def test_sampled_selector_walk_keeps_the_target_distribution():
     torch.manual_seed(0)
     target = Qwen3ForCausalLM(tcfg).eval()
     tiny.sharpen(target, seed=3, embed_std=0.3, layer_std=0.2)
-    draft = DFlash2DraftModel(draft_config("dflash2", tcfg, mask_id=3, block_size=block, selector_top_k=2,
-                                           layers=1, target_layer_ids=[0])).eval()
+    draft = DFlash2DraftModel(
+        draft_config("dflash2", tcfg, mask_id=3, block_size=block, selector_top_k=2, layers=1, target_layer_ids=[0])
+    ).eval()
     randomize(draft, seed=9, scale=0.6, only=("candidate_selector",))  # pair term of the order of the logits
     prompt = torch.tensor([0, 1, 2, 1])
     pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # [V^2, 2]: (t1, t2)

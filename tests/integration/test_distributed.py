@@ -24,8 +24,14 @@ TIMEOUT_S = 240  # a hung collective (a rank without anchors skipping the all-re
 def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(TESTS_DIR / "dist_train.py"), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(TESTS_DIR / "dist_train.py"),
+        str(out),
         "ddp_b2:2:1:all",  # 2 ranks x batch 2
         "ddp_ga2:1:2:all",  # 2 ranks x batch 1 x 2 accumulation steps
         "ddp_empty:1:1:half_empty",  # 2 ranks x batch 1; rank with the empty row has no valid anchor

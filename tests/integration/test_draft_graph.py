@@ -1,4 +1,5 @@
-"""The fixed-shape draft step (`dflash_hf.draft_graph`, replayed as a CUDA graph on a GPU): on the CPU it runs
+"""The fixed-shape draft step (`dflash_hf.generation.static_draft`, replayed as a CUDA graph on a GPU): on the CPU it
+runs
 without a graph (`draft_cuda_graph=True`) and must propose what the eager loop proposes, cycle by cycle, for text and
 Whisper targets, DFlash and DFlash2, with and without the encoder-context opt-in, and a prompt longer than a block.
 The GPU tier (tests/gpu) checks the captured graph against the same step."""
@@ -15,10 +16,12 @@ import torch
 from utils import TINY_WHISPER_MASK as MASK
 from utils import decode_with_proposals, make_args, raising, tiny_text_target, tiny_whisper
 
-from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate, tiny
-from dflash_hf.assembly import build_draft
-from dflash_hf.draft_graph import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
-from dflash_hf.target import FrozenTarget
+from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate
+from dflash_hf.generation import static_draft
+from dflash_hf.generation.static_draft import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training.assembly import build_draft
 
 
 def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
@@ -37,8 +40,13 @@ def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
 
 
 def _text_draft(ft, cls, block):
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=3, num_hidden_layers=2, block_size=block,
-                                          **({"variant": "dflash2"} if cls is DFlash2DraftModel else {}))
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config,
+        mask_token_id=3,
+        num_hidden_layers=2,
+        block_size=block,
+        **({"variant": "dflash2"} if cls is DFlash2DraftModel else {}),
+    )
     cfg.vocab_size = ft.vocab_size
     torch.manual_seed(1)
     draft = cls(cfg).eval()
@@ -67,8 +75,9 @@ def whisper():
 
 def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path):
     model, processor = whisper
-    args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, block_size=4,
-                     variant="dflash2")
+    args = make_args(
+        tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, block_size=4, variant="dflash2"
+    )
     torch.manual_seed(0)
     draft = build_draft(args, FrozenTarget(model)).eval()
     for seed in range(2):  # the second utterance reuses the first one's step: its frames' keys/values are refilled
@@ -100,8 +109,9 @@ def test_dflash2_decodes_up_to_whispers_last_position(whisper, tmp_path):
 
 
 def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
-    cache = StaticDraftCache(1, kv_heads=2, head_dim=3, capacity=10, ctx_rows=4, dtype=torch.float32,
-                             device=torch.device("cpu"))
+    cache = StaticDraftCache(
+        1, kv_heads=2, head_dim=3, capacity=10, ctx_rows=4, dtype=torch.float32, device=torch.device("cpu")
+    )
     cache.write_index = torch.arange(4) + 5
     k = torch.randn(1, 2, 7, 3)  # 4 context rows, 3 block rows
     keys, values = cache.update(k, k + 1, 0)
@@ -118,9 +128,8 @@ def test_capacity_covers_the_last_block_and_bounds_the_buffer():
 
 
 def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
-    from dflash_hf import draft_graph
 
-    monkeypatch.setattr(draft_graph, "MAX_STEPS_PER_DRAFT", 2)
+    monkeypatch.setattr(static_draft, "MAX_STEPS_PER_DRAFT", 2)
     model, tok = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
@@ -166,27 +175,29 @@ def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():
 
 
 def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
-    from dflash_hf import draft_graph
 
     calls = []
-    monkeypatch.setattr(draft_graph, "static_draft_step", raising(calls, RuntimeError("capture failed")))
+    monkeypatch.setattr(static_draft, "static_draft_step", raising(calls, RuntimeError("capture failed")))
     model, _ = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
-    cuda = type("OnCuda", (), {"device": torch.device("cuda"), "embed_tokens": torch.nn.Identity(),
-                               "lm_head": torch.nn.Identity()})()  # a target on a GPU, its weights nowhere else
+    cuda = type(
+        "OnCuda",
+        (),
+        {"device": torch.device("cuda"), "embed_tokens": torch.nn.Identity(), "lm_head": torch.nn.Identity()},
+    )()  # a target on a GPU, its weights nowhere else
     monkeypatch.setattr(draft, "parameters", lambda: iter(()))
     kw = dict(device=torch.device("cuda"), sample=False, max_positions=None, max_length=64, expansion=0)
-    with caplog.at_level("WARNING", logger="dflash_hf.draft_graph"):
-        assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+    with caplog.at_level("WARNING", logger="dflash_hf.ops.cuda_graphs"):
+        assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
     assert "RuntimeError: capture failed" in caplog.text and "eager draft forward" in caplog.text
-    assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
+    assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
     with pytest.raises(RuntimeError, match="capture failed"):
-        draft_graph.fixed_draft_step(True, draft, cuda, 4, None, **kw)
+        static_draft.fixed_draft_step(True, draft, cuda, 4, None, **kw)
     clear_static_steps(draft)  # forgets the failure
-    assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
-    monkeypatch.setattr(draft_graph, "static_draft_step", raising(calls, torch.OutOfMemoryError("no room")))
+    assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
+    monkeypatch.setattr(static_draft, "static_draft_step", raising(calls, torch.OutOfMemoryError("no room")))
     clear_static_steps(draft)
     for _ in range(2):  # out of memory: not remembered
-        assert draft_graph.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+        assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
     assert len(calls) == 5

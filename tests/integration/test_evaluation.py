@@ -13,10 +13,11 @@ from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
 from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, tiny_text_target
 
-from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
-from dflash_hf.callbacks import DFlashProgressCallback, RealTauCallback
-from dflash_hf.evaluation import prompt_inputs
-from dflash_hf.validation import VALIDATION_METRICS_FILE, validate
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments
+from dflash_hf.testing import tiny
+from dflash_hf.training.callbacks import DFlashProgressCallback, RealTauCallback
+from dflash_hf.training.decode_benchmark import prompt_inputs
+from dflash_hf.training.validate_only import VALIDATION_METRICS_FILE, validate
 
 BLOCK = 4
 
@@ -29,9 +30,17 @@ def target():
 def _args(out: Path, tok, **kw) -> DFlashTrainingArguments:
     """`make_args` with this file's run: output in `out`, a 1-layer draft, 3 steps, target-argmax labels."""
     base = dict(
-        output_dir=str(out), mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), block_size=BLOCK,
-        num_draft_layers=1, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=3,
-        num_anchors=8, label_source="target_argmax", target_argmax_chunk_size=16, learning_rate=3e-3,
+        output_dir=str(out),
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        block_size=BLOCK,
+        num_draft_layers=1,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=3,
+        max_steps=3,
+        num_anchors=8,
+        label_source="target_argmax",
+        target_argmax_chunk_size=16,
+        learning_rate=3e-3,
     )
     return make_args(out, **(base | kw))
 
@@ -69,8 +78,13 @@ def test_validate_only_equals_evaluation_inside_training(target, tmp_path, capsy
     table = capsys.readouterr().out
     assert "dev" in table and "test" in table and f"{metrics['eval_dev_loss']:.4f}" in table
     # a different draft gives different metrics (the comparison above can fail)
-    other = validate(_args(tmp_path / "val2", tok), evals, target=model, data_collator=collate,
-                     draft=trainer.model.__class__(trainer.model.config))
+    other = validate(
+        _args(tmp_path / "val2", tok),
+        evals,
+        target=model,
+        data_collator=collate,
+        draft=trainer.model.__class__(trainer.model.config),
+    )
     assert other["eval_dev_loss"] != metrics["eval_dev_loss"]
 
 
@@ -102,11 +116,23 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     model, tok = target
     train, evals, collate = _data(tok)
     logdir = tmp_path / "run" / "runs"  # TensorBoardCallback's default: <output_dir>/runs/<date_host>
-    args = _args(tmp_path / "run", tok, max_steps=4, logging_steps=1, report_to="tensorboard", real_tau_steps=2,
-                 real_tau_samples=2, real_tau_max_new_tokens=8, eval_strategy="steps", eval_steps=4, disable_tqdm=False)
+    args = _args(
+        tmp_path / "run",
+        tok,
+        max_steps=4,
+        logging_steps=1,
+        report_to="tensorboard",
+        real_tau_steps=2,
+        real_tau_samples=2,
+        real_tau_max_new_tokens=8,
+        eval_strategy="steps",
+        eval_steps=4,
+        disable_tqdm=False,
+    )
     torch.manual_seed(0)
-    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals["dev"],
-                            data_collator=collate)
+    trainer = DFlashTrainer(
+        args=args, target=model, train_dataset=train, eval_dataset=evals["dev"], data_collator=collate
+    )
     callbacks = trainer.callback_handler.callbacks
     assert any(isinstance(c, DFlashProgressCallback) for c in callbacks)
     assert not any(type(c) is ProgressCallback for c in callbacks)
@@ -166,17 +192,29 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     padding side, as the training loader does; then decodes them."""
     from test_families import build_qwen2_audio
 
-    from dflash_hf.families import audio_token_id
-    from dflash_hf.training_args import DFlashDataArguments
+    from dflash_hf.targets.families.registry import audio_token_id
+    from dflash_hf.training.training_args import DFlashDataArguments
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)
     model, processor = build_qwen2_audio(tok)
     manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=4, min_dur=0.6, max_dur=1.0)
-    args = _args(tmp_path / "out", tok, target_family="qwen2_audio_single_placeholder", real_tau_steps=1,
-                 real_tau_samples=2, real_tau_max_new_tokens=4, target_layer_ids=[0, 1])
-    trainer = DFlashTrainer(args=args, target=model, processor=processor, eval_dataset=[str(manifest)],
-                            data_args=DFlashDataArguments(prompt="Transcribe.", padding_side="right"))
+    args = _args(
+        tmp_path / "out",
+        tok,
+        target_family="qwen2_audio_single_placeholder",
+        real_tau_steps=1,
+        real_tau_samples=2,
+        real_tau_max_new_tokens=4,
+        target_layer_ids=[0, 1],
+    )
+    trainer = DFlashTrainer(
+        args=args,
+        target=model,
+        processor=processor,
+        eval_dataset=[str(manifest)],
+        data_args=DFlashDataArguments(prompt="Transcribe.", padding_side="right"),
+    )
     real = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RealTauCallback))
     _, collate = real._rows_and_collator([str(manifest)])
     assert collate.family is trainer.target.family and collate.padding_side == "right"
@@ -191,9 +229,19 @@ def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(targ
     model, tok = target
     train, evals, collate = _data(tok)
     # a threshold no tau_est gain can pass: the second evaluation does not count as better, so training stops there
-    args = _args(tmp_path / "run", tok, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                 save_steps=2, load_best_model_at_end=True, metric_for_best_model="dev_tau_est",
-                 early_stopping_patience=1, early_stopping_threshold=100.0)
+    args = _args(
+        tmp_path / "run",
+        tok,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="dev_tau_est",
+        early_stopping_patience=1,
+        early_stopping_threshold=100.0,
+    )
     torch.manual_seed(0)
     trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
     trainer.train()
@@ -221,8 +269,10 @@ def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(targ
         (dict(early_stopping_patience=2, metric_for_best_model="dev_selector_tau_est"), "dflash2|got"),
         (dict(early_stopping_patience=2, metric_for_best_model="dev_tau_est", eval_strategy="no"), "eval_strategy"),
         (dict(metric_for_best_model="dev_tau"), r"--metric_for_best_model: .*got 'dev_tau'"),  # tracked on its own
-        (dict(load_best_model_at_end=True, metric_for_best_model="dev_tau_est", save_steps=4),
-         "may have no checkpoint to load: set --save_steps 2"),
+        (
+            dict(load_best_model_at_end=True, metric_for_best_model="dev_tau_est", save_steps=4),
+            "may have no checkpoint to load: set --save_steps 2",
+        ),
     ],
 )
 def test_best_model_settings_naming_no_reported_metric_are_refused_before_training(target, tmp_path, kw, message):
@@ -230,14 +280,21 @@ def test_best_model_settings_naming_no_reported_metric_are_refused_before_traini
     train, evals, collate = _data(tok)
     base = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
     with pytest.raises(ValueError, match=message):
-        DFlashTrainer(args=_args(tmp_path, tok, **(base | kw)), target=model, train_dataset=train,
-                      eval_dataset=evals, data_collator=collate)
+        DFlashTrainer(
+            args=_args(tmp_path, tok, **(base | kw)),
+            target=model,
+            train_dataset=train,
+            eval_dataset=evals,
+            data_collator=collate,
+        )
     assert not (tmp_path / "checkpoint-2").exists()
 
 
 def test_early_stopping_settings_are_checked_with_the_arguments(tmp_path):
-    for bad, message in ((dict(early_stopping_patience=0), "early_stopping_patience must be >= 1"),
-                         (dict(early_stopping_threshold=-1.0), "early_stopping_threshold must be >= 0")):
+    for bad, message in (
+        (dict(early_stopping_patience=0), "early_stopping_patience must be >= 1"),
+        (dict(early_stopping_threshold=-1.0), "early_stopping_threshold must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=message):
             make_args(tmp_path, mask_token_id=5, **bad)
 
@@ -248,9 +305,18 @@ def test_a_resumed_run_stops_early_at_the_step_the_uninterrupted_one_did(target,
 
     def trainer(name: str) -> DFlashTrainer:
         # patience 2 with an impassable threshold: evaluations at 2 (best), 4 (1 without gain), 6 (2: stop)
-        args = _args(tmp_path / name, tok, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                     save_steps=2, metric_for_best_model="dev_tau_est", early_stopping_patience=2,
-                     early_stopping_threshold=100.0)
+        args = _args(
+            tmp_path / name,
+            tok,
+            max_steps=12,
+            eval_strategy="steps",
+            eval_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            metric_for_best_model="dev_tau_est",
+            early_stopping_patience=2,
+            early_stopping_threshold=100.0,
+        )
         torch.manual_seed(0)
         return DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
 
@@ -271,9 +337,15 @@ def test_the_metric_check_reads_the_drafts_variant_and_block_size(target, tmp_pa
     model, tok = target
     train, evals, collate = _data(tok)
     kw = dict(eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2)
-    built = DFlashTrainer(args=_args(tmp_path / "a", tok, variant="dflash2", **kw), target=model,
-                          train_dataset=train, eval_dataset=evals, data_collator=collate)
+    built = DFlashTrainer(
+        args=_args(tmp_path / "a", tok, variant="dflash2", **kw),
+        target=model,
+        train_dataset=train,
+        eval_dataset=evals,
+        data_collator=collate,
+    )
     # the same DFlash2 draft handed to a trainer whose arguments keep the defaults: its selector metrics are reported
     args = _args(tmp_path / "b", tok, early_stopping_patience=1, metric_for_best_model="dev_selector_tau_est", **kw)
-    DFlashTrainer(model=built.model, args=args, target=model, train_dataset=train, eval_dataset=evals,
-                  data_collator=collate)
+    DFlashTrainer(
+        model=built.model, args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate
+    )

@@ -14,18 +14,29 @@ import pytest
 import torch
 import transformers as tf
 
-from dflash_hf import tiny
 from dflash_hf.data import build_train_dataloader
-from dflash_hf.families import FAMILIES, decoder_streams, encode_batch, resolve_family
+from dflash_hf.targets.families.registry import FAMILIES, decoder_streams, encode_batch, resolve_family
+from dflash_hf.testing import tiny
 
 H, LAYERS, HEADS, KV = 32, 2, 2, 1
 
 
 def _text_cfg(tok, model_type):
-    return dict(model_type=model_type, vocab_size=len(tok), hidden_size=H, intermediate_size=2 * H,
-                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=H // HEADS,
-                max_position_embeddings=4096, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                bos_token_id=None, tie_word_embeddings=True)
+    return dict(
+        model_type=model_type,
+        vocab_size=len(tok),
+        hidden_size=H,
+        intermediate_size=2 * H,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=H // HEADS,
+        max_position_embeddings=4096,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
 
 
 def _whisper_fe():
@@ -37,12 +48,15 @@ def _whisper_audio(model_type, **extra):
 
 
 def build_qwen2_audio(tok):
-    audio = _whisper_audio("qwen2_audio_encoder", d_model=16, encoder_layers=1, encoder_attention_heads=2,
-                           encoder_ffn_dim=32)
-    config = tf.Qwen2AudioConfig(audio_config=audio, text_config=_text_cfg(tok, "qwen2"),
-                                 audio_token_index=tok.convert_tokens_to_ids(tiny.AUDIO_PAD))
-    processor = tf.Qwen2AudioProcessor(feature_extractor=_whisper_fe(), tokenizer=tok,
-                                       chat_template=tiny.CHAT_TEMPLATE)
+    audio = _whisper_audio(
+        "qwen2_audio_encoder", d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32
+    )
+    config = tf.Qwen2AudioConfig(
+        audio_config=audio,
+        text_config=_text_cfg(tok, "qwen2"),
+        audio_token_index=tok.convert_tokens_to_ids(tiny.AUDIO_PAD),
+    )
+    processor = tf.Qwen2AudioProcessor(feature_extractor=_whisper_fe(), tokenizer=tok, chat_template=tiny.CHAT_TEMPLATE)
     return tf.Qwen2AudioForConditionalGeneration(config), processor
 
 
@@ -58,29 +72,48 @@ def save_qwen2_audio(directory):
 
 
 def build_voxtral(tok):
-    audio = _whisper_audio("voxtral_encoder", hidden_size=16, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2)
-    config = tf.VoxtralConfig(audio_config=audio, text_config=_text_cfg(tok, "llama"),
-                              audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD))
+    audio = _whisper_audio(
+        "voxtral_encoder", hidden_size=16, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    config = tf.VoxtralConfig(
+        audio_config=audio,
+        text_config=_text_cfg(tok, "llama"),
+        audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD),
+    )
     processor = tf.VoxtralProcessor(feature_extractor=_whisper_fe(), tokenizer=tok)
     return tf.VoxtralForConditionalGeneration(config), processor
 
 
 def build_audioflamingo3(tok):
-    audio = _whisper_audio("audioflamingo3_encoder", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2)
-    config = tf.AudioFlamingo3Config(audio_config=audio, text_config=_text_cfg(tok, "qwen2"),
-                                     audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD))
-    processor = tf.AudioFlamingo3Processor(_whisper_fe(), tok, chat_template=tiny.CHAT_TEMPLATE,
-                                           audio_token=tiny.AUDIO_PAD)
+    audio = _whisper_audio(
+        "audioflamingo3_encoder", hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    config = tf.AudioFlamingo3Config(
+        audio_config=audio,
+        text_config=_text_cfg(tok, "qwen2"),
+        audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD),
+    )
+    processor = tf.AudioFlamingo3Processor(
+        _whisper_fe(), tok, chat_template=tiny.CHAT_TEMPLATE, audio_token=tiny.AUDIO_PAD
+    )
     return tf.AudioFlamingo3ForConditionalGeneration(config), processor
 
 
 def build_glmasr(tok):
-    audio = dict(model_type="glmasr_encoder", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                 num_attention_heads=2, num_mel_bins=16, max_position_embeddings=1500)
-    config = tf.GlmAsrConfig(audio_config=audio, text_config=_text_cfg(tok, "llama"),
-                             audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD))
+    audio = dict(
+        model_type="glmasr_encoder",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_mel_bins=16,
+        max_position_embeddings=1500,
+    )
+    config = tf.GlmAsrConfig(
+        audio_config=audio,
+        text_config=_text_cfg(tok, "llama"),
+        audio_token_id=tok.convert_tokens_to_ids(tiny.AUDIO_PAD),
+    )
     processor = tf.GlmAsrProcessor(_whisper_fe(), tok, chat_template=tiny.CHAT_TEMPLATE, audio_token=tiny.AUDIO_PAD)
     return tf.GlmAsrForConditionalGeneration(config), processor
 
@@ -112,11 +145,12 @@ def _run(model, family, batch):
     """Forward with hooks: returns (decoder input embeddings, layer-0 output) as the decoder sees them."""
     seen = {}
     layers = _decoder(model).layers
-    h1 = layers[0].register_forward_pre_hook(lambda m, a, kw: seen.__setitem__("emb", (kw.get("hidden_states",
-                                                                                             a[0] if a else None))),
-                                             with_kwargs=True)
-    h2 = layers[0].register_forward_hook(lambda m, a, out: seen.__setitem__("tap", out[0] if isinstance(out, tuple)
-                                                                            else out))
+    h1 = layers[0].register_forward_pre_hook(
+        lambda m, a, kw: seen.__setitem__("emb", (kw.get("hidden_states", a[0] if a else None))), with_kwargs=True
+    )
+    h2 = layers[0].register_forward_hook(
+        lambda m, a, out: seen.__setitem__("tap", out[0] if isinstance(out, tuple) else out)
+    )
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", *family.audio_kwargs)}
     try:
         with torch.no_grad():
@@ -135,8 +169,9 @@ def test_family_streams_align_with_decoder(name, manifest):
     model.eval()
     family = resolve_family(model.config, name)
     assert family.name == name
-    loader = build_train_dataloader(manifest, processor, model.config, family=family, max_tokens=100_000,
-                                    shuffle=False, padding_side="right")
+    loader = build_train_dataloader(
+        manifest, processor, model.config, family=family, max_tokens=100_000, shuffle=False, padding_side="right"
+    )
     (batch,) = list(loader)
     assert len(batch["input_ids"]) == 3
     streams = decoder_streams(family, model, batch)
@@ -191,8 +226,10 @@ def test_single_placeholder_left_padding_matches_model():
     model, processor = build_qwen2_audio(tok)
     model.eval()
     family = FAMILIES["qwen2_audio_single_placeholder"]
-    texts = ["<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\n",
-             "<|im_start|>user\nlonger prompt <|audio_start|><|audio_pad|><|audio_end|>x<|im_end|>\n"]
+    texts = [
+        "<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\n",
+        "<|im_start|>user\nlonger prompt <|audio_start|><|audio_pad|><|audio_end|>x<|im_end|>\n",
+    ]
     rng = np.random.default_rng(0)
     audios = [(0.1 * rng.standard_normal(n)).astype(np.float32) for n in (30000, 9000)]
     batch = encode_batch(family, processor, model.config, texts, audios, padding_side="left")
@@ -213,11 +250,29 @@ def test_granite_speech_model_side_without_torchaudio():
     audio_id = tok.convert_tokens_to_ids(tiny.AUDIO_PAD)
     config = tf.GraniteSpeechConfig(
         text_config=_text_cfg(tok, "granite"),
-        encoder_config=dict(input_dim=32, num_layers=1, hidden_dim=16, feedforward_mult=2, num_heads=2,
-                            dim_head=8, output_dim=8, context_size=20, max_pos_emb=64),
-        projector_config=dict(model_type="blip_2_qformer", hidden_size=16, num_hidden_layers=1,
-                              num_attention_heads=2, intermediate_size=32, encoder_hidden_size=16),
-        audio_token_index=audio_id, window_size=15, downsample_rate=5, has_lora_adapter=False,
+        encoder_config=dict(
+            input_dim=32,
+            num_layers=1,
+            hidden_dim=16,
+            feedforward_mult=2,
+            num_heads=2,
+            dim_head=8,
+            output_dim=8,
+            context_size=20,
+            max_pos_emb=64,
+        ),
+        projector_config=dict(
+            model_type="blip_2_qformer",
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            encoder_hidden_size=16,
+        ),
+        audio_token_index=audio_id,
+        window_size=15,
+        downsample_rate=5,
+        has_lora_adapter=False,
     )
     model = tf.GraniteSpeechForConditionalGeneration(config).eval()
     family = resolve_family(config)
@@ -226,9 +281,12 @@ def test_granite_speech_model_side_without_torchaudio():
     n_tokens = family.audio_tokens(config, n)
     frames = (n // 160 + 1) // 2
     ids = tok("ab", add_special_tokens=False)["input_ids"] + [audio_id] * n_tokens + [tok.eos_token_id]
-    batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-             "input_features": torch.randn(1, frames, 32),
-             "input_features_mask": torch.ones(1, n_tokens, dtype=torch.bool)}
+    batch = {
+        "input_ids": torch.tensor([ids]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+        "input_features": torch.randn(1, frames, 32),
+        "input_features_mask": torch.ones(1, n_tokens, dtype=torch.bool),
+    }
     batch["loss_mask"] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
     batch["loss_mask"][0, -1] = True
     streams = decoder_streams(family, model, batch)
@@ -264,18 +322,29 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
     from utils import make_args
 
     from dflash_hf import DFlashTrainer, speculative_generate
-    from dflash_hf.evaluation import prompt_inputs
-    from dflash_hf.target import FrozenTarget
-    from dflash_hf.training_args import DFlashDataArguments
+    from dflash_hf.targets.frozen import FrozenTarget
+    from dflash_hf.training.decode_benchmark import prompt_inputs
+    from dflash_hf.training.training_args import DFlashDataArguments
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)
     model, processor = BUILDERS[name](tok)
     tiny.sharpen(model.get_decoder(), seed=1)
-    args = make_args(tmp_path, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), target_family=name,
-                     max_steps=2, label_source="target_argmax", target_layer_ids=[0, 1])
-    trainer = DFlashTrainer(args=args, target=model, processor=processor, train_dataset=[str(manifest)],
-                            data_args=DFlashDataArguments(max_tokens=100_000, prompt="Transcribe."))
+    args = make_args(
+        tmp_path,
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        target_family=name,
+        max_steps=2,
+        label_source="target_argmax",
+        target_layer_ids=[0, 1],
+    )
+    trainer = DFlashTrainer(
+        args=args,
+        target=model,
+        processor=processor,
+        train_dataset=[str(manifest)],
+        data_args=DFlashDataArguments(max_tokens=100_000, prompt="Transcribe."),
+    )
     batch = next(iter(trainer.get_train_dataloader()))
     plan = trainer.objective.plan(trainer.target, batch, 0)
     taps = trainer.target.capture(batch, trainer.model.config.target_layer_ids).taps
@@ -285,12 +354,21 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
     # Qwen3-ASR's plan carries its encoder windows from the host; the loss is the one without them
     assert (plan.target_host is not None) == (name == "qwen3_asr")
     without = dataclasses.replace(plan, target_host=None)
-    assert torch.equal(trainer.compute_loss(trainer.model, dict(batch), plan=plan),
-                       trainer.compute_loss(trainer.model, dict(batch), plan=without))
+    assert torch.equal(
+        trainer.compute_loss(trainer.model, dict(batch), plan=plan),
+        trainer.compute_loss(trainer.model, dict(batch), plan=without),
+    )
     trainer.train()
 
-    loader = build_train_dataloader(manifest, processor, model.config, family=trainer.target.family,
-                                    max_tokens=100_000, max_batch_size=1, shuffle=False)
+    loader = build_train_dataloader(
+        manifest,
+        processor,
+        model.config,
+        family=trainer.target.family,
+        max_tokens=100_000,
+        max_batch_size=1,
+        shuffle=False,
+    )
     inputs = prompt_inputs(next(iter(loader)))
     draft = trainer.model.eval()
     out = speculative_generate(draft, FrozenTarget(model, name), 12, **inputs)
@@ -303,11 +381,11 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
             seq = torch.cat([seq, model(**step).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out.sequences, seq) and out.sequences.shape[1] > inputs["input_ids"].shape[1]
     if name == "qwen2_audio_single_placeholder":  # dflash-eval's baseline for this row: a cached greedy loop
-        from dflash_hf.speculative import model_side_greedy
+        from dflash_hf.generation.speculative import model_side_greedy
 
         assert torch.equal(model_side_greedy(FrozenTarget(model, name), 12, **inputs), out.sequences)
         # An end token stops both where it is first decoded (it is kept): make the second new token one.
-        n_prompt, new = inputs["input_ids"].shape[1], out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        n_prompt, new = inputs["input_ids"].shape[1], out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         model.generation_config.eos_token_id = new[1]
         ft = FrozenTarget(model, name)
         stopped = speculative_generate(draft, ft, 12, **inputs).sequences
@@ -329,8 +407,9 @@ def test_batches_are_the_same_with_the_fast_whisper_extractor(name, manifest, mo
     family = resolve_family(model.config, name)
 
     def batch():
-        loader = build_train_dataloader(manifest, processor, model.config, family=family, max_tokens=100_000,
-                                        shuffle=False, padding_side="right")
+        loader = build_train_dataloader(
+            manifest, processor, model.config, family=family, max_tokens=100_000, shuffle=False, padding_side="right"
+        )
         return next(iter(loader))
 
     fast = batch()
@@ -348,19 +427,25 @@ def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name
     exactly as the growing cache does: the prompt's audio positions (model-side expansion included) prefilled, then
     blocks over fixed key/value buffers."""
     from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
-    from dflash_hf.evaluation import prompt_inputs
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf.targets.frozen import FrozenTarget
+    from dflash_hf.training.decode_benchmark import prompt_inputs
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)
     model, processor = BUILDERS[name](tok)
     tiny.sharpen(model.get_decoder(), seed=1)
     ft = FrozenTarget(model, name)
-    loader = build_train_dataloader(manifest, processor, model.config, family=ft.family, max_tokens=100_000,
-                                    max_batch_size=1, shuffle=False)
+    loader = build_train_dataloader(
+        manifest, processor, model.config, family=ft.family, max_tokens=100_000, max_batch_size=1, shuffle=False
+    )
     inputs = prompt_inputs(next(iter(loader)))
-    cfg = DFlashConfig.from_target_config(ft.text_config, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
-                                          num_hidden_layers=1, block_size=4, target_layer_ids=[0, 1])
+    cfg = DFlashConfig.from_target_config(
+        ft.text_config,
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        num_hidden_layers=1,
+        block_size=4,
+        target_layer_ids=[0, 1],
+    )
     draft = DFlashDraftModel(cfg).eval()
     eager = speculative_generate(draft, ft, 12, **inputs)
     fixed = speculative_generate(draft, ft, 12, verify_cuda_graph=True, **inputs)
@@ -378,8 +463,8 @@ def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout, monkeypatch
     from transformers.models.qwen3_asr import modeling_qwen3_asr
 
     from dflash_hf.data.packing import pack_padded_batch
-    from dflash_hf.families_qwen3_asr import WINDOWS_KEY
-    from dflash_hf.target import FrozenTarget
+    from dflash_hf.targets.families.qwen3_asr import WINDOWS_KEY
+    from dflash_hf.targets.frozen import FrozenTarget
 
     reads = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
 

@@ -39,13 +39,48 @@ TIMEOUT_S = 300
 
 def cli_args(root: Path) -> list[str]:
     return [
-        "--target_name_or_path", str(root / "target"), "--train_data", str(root / "speech" / "manifest.jsonl"),
-        "--mask_token_id", "262", "--output_dir", str(root / "out"), "--max_steps", "8",
-        "--gradient_accumulation_steps", "2", "--save_strategy", "steps", "--save_steps", "2",
-        "--learning_rate", "1e-3", "--logging_steps", "1", "--use_cpu", "true", "--seed", "3",
-        "--block_size", "4", "--num_draft_layers", "1", "--num_anchors", "16", "--max_tokens", "600",
-        "--prompt", "Transcribe.", "--label_source", "ground_truth", "--attention_backend", "sdpa",
-        "--report_to", "none", "--disable_tqdm", "true",
+        "--target_name_or_path",
+        str(root / "target"),
+        "--train_data",
+        str(root / "speech" / "manifest.jsonl"),
+        "--mask_token_id",
+        "262",
+        "--output_dir",
+        str(root / "out"),
+        "--max_steps",
+        "8",
+        "--gradient_accumulation_steps",
+        "2",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        "--logging_steps",
+        "1",
+        "--use_cpu",
+        "true",
+        "--seed",
+        "3",
+        "--block_size",
+        "4",
+        "--num_draft_layers",
+        "1",
+        "--num_anchors",
+        "16",
+        "--max_tokens",
+        "600",
+        "--prompt",
+        "Transcribe.",
+        "--label_source",
+        "ground_truth",
+        "--attention_backend",
+        "sdpa",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
     ]
 
 
@@ -64,7 +99,7 @@ def draft_weights(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from dflash_hf import tiny
+    from dflash_hf.testing import tiny
 
     root = tmp_path_factory.mktemp("fault_assets")
     tok = tiny.build_tokenizer()
@@ -113,8 +148,9 @@ def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_fo
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
     assert "skipped incomplete checkpoints ['checkpoint-4']" in second.stderr, second.stderr[-3000:]
     for step in (2, 4):  # each resumed segment wrote the same checkpoints as the uninterrupted run
-        assert_bitwise_equal(draft_weights(ref_root / "out" / f"checkpoint-{step}"),
-                             draft_weights(out / f"checkpoint-{step}"))
+        assert_bitwise_equal(
+            draft_weights(ref_root / "out" / f"checkpoint-{step}"), draft_weights(out / f"checkpoint-{step}")
+        )
 
     last = dflash_train(run_root, "--resume_from_checkpoint", "true")  # from checkpoint-4: the second epoch
     assert last.returncode == 0, last.stderr[-3000:]
@@ -124,7 +160,7 @@ def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_fo
 
 def _install_kill(spec: str) -> None:
     """Patch the trainer so that this process SIGKILLs itself at the kill point `spec`."""
-    from dflash_hf.trainer import DFlashTrainer
+    from dflash_hf.training.trainer import DFlashTrainer
 
     kind, *numbers = spec.split(":")
     point = tuple(int(n) for n in numbers)

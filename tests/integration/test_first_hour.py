@@ -8,10 +8,12 @@ import re
 import pytest
 from utils import REPO_ROOT
 
-from dflash_hf import DFlashTrainingArguments, launch, tiny
+from dflash_hf import DFlashTrainingArguments
 from dflash_hf.cli import train as cli_train
-from dflash_hf.mask_token import mask_token_candidates
-from dflash_hf.training_args import DFlashDataArguments
+from dflash_hf.targets.mask_token import mask_token_candidates
+from dflash_hf.testing import tiny
+from dflash_hf.training import launch
+from dflash_hf.training.training_args import DFlashDataArguments
 
 DEMO_MASK_ID = 262  # <|dflash_mask|> of the tiny tokenizer
 
@@ -95,23 +97,75 @@ def test_mask_token_candidates_of_a_text_target_best_first():
 # ------------------------------------------------------------------------------------------------
 def test_validate_only_takes_block_size_and_anchors_from_the_export(speech, tmp_path, capsys):
     target, train, dev = speech
-    common = ["--target_name_or_path", str(target), "--eval_data", f"dev={dev}", "--use_cpu", "true",
-              "--disable_tqdm", "true", "--report_to", "none", "--attention_backend", "sdpa"]
-    trained = cli_train.run([
-        *common, "--output_dir", str(tmp_path / "run"), "--train_data", str(train), "--mask_token_id", "262",
-        "--block_size", "4", "--num_anchors", "8", "--num_draft_layers", "1", "--max_steps", "2",
-        "--save_strategy", "no", "--seed", "0", "--learning_rate", "0.003",
-    ])
+    common = [
+        "--target_name_or_path",
+        str(target),
+        "--eval_data",
+        f"dev={dev}",
+        "--use_cpu",
+        "true",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "none",
+        "--attention_backend",
+        "sdpa",
+    ]
+    trained = cli_train.run(
+        [
+            *common,
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--train_data",
+            str(train),
+            "--mask_token_id",
+            "262",
+            "--block_size",
+            "4",
+            "--num_anchors",
+            "8",
+            "--num_draft_layers",
+            "1",
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            "--seed",
+            "0",
+            "--learning_rate",
+            "0.003",
+        ]
+    )
     export = tmp_path / "run" / "draft"
     # block size, anchors and seed all left at their defaults: the export's block size and anchors are used
-    validated = cli_train.run([*common, "--output_dir", str(tmp_path / "val"), "--validate_only", "true",
-                               "--init_from_pretrained", str(export)])
+    validated = cli_train.run(
+        [
+            *common,
+            "--output_dir",
+            str(tmp_path / "val"),
+            "--validate_only",
+            "true",
+            "--init_from_pretrained",
+            str(export),
+        ]
+    )
     keys = sorted(k for k in trained if k.startswith("eval_dev_") and not k.endswith("_runtime"))
     assert "eval_dev_acc_slot3" in keys and "eval_dev_acc_slot4" not in keys  # block 4
     assert {k: validated[k] for k in keys} == {k: trained[k] for k in keys}
     # a block size given explicitly wins over the export's
-    at8 = cli_train.run([*common, "--output_dir", str(tmp_path / "val8"), "--validate_only", "true",
-                         "--init_from_pretrained", str(export), "--block_size", "8"])
+    at8 = cli_train.run(
+        [
+            *common,
+            "--output_dir",
+            str(tmp_path / "val8"),
+            "--validate_only",
+            "true",
+            "--init_from_pretrained",
+            str(export),
+            "--block_size",
+            "8",
+        ]
+    )
     assert "eval_dev_acc_slot7" in at8
     capsys.readouterr()
 
@@ -120,8 +174,9 @@ def test_checkpoint_saves_and_the_export_draw_no_bars_of_their_own(tmp_path, cap
     from utils import make_trainer, random_rows, tiny_text_target
 
     model, tok = tiny_text_target()
-    trainer = make_trainer(tmp_path, model, tok, random_rows(4, 250), max_steps=1, save_strategy="steps",
-                           save_steps=1, disable_tqdm=False)
+    trainer = make_trainer(
+        tmp_path, model, tok, random_rows(4, 250), max_steps=1, save_strategy="steps", save_steps=1, disable_tqdm=False
+    )
     trainer.train()
     trainer.export_draft()
     err = capfd.readouterr().err
@@ -140,16 +195,30 @@ def test_dflash_eval_bar_has_a_total_without_num_samples(tmp_path, capfd):
     from dflash_hf import DFlashConfig, DFlashDraftModel
     from dflash_hf.cli import eval as cli_eval
 
-    target = tiny.save_tiny_target(tmp_path / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2,
-                                   num_kv_heads=1)
-    cfg = DFlashConfig.from_target_config(tiny.build_text_target(hidden_size=32, num_layers=4, num_heads=2,
-                                                                 num_kv_heads=1).config,
-                                          mask_token_id=DEMO_MASK_ID, num_hidden_layers=1, block_size=4)
+    target = tiny.save_tiny_target(
+        tmp_path / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1
+    )
+    cfg = DFlashConfig.from_target_config(
+        tiny.build_text_target(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1).config,
+        mask_token_id=DEMO_MASK_ID,
+        num_hidden_layers=1,
+        block_size=4,
+    )
     DFlashDraftModel(cfg).save_pretrained(tmp_path / "draft")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b", "c d", "e f")) + "\n")
-    argv = ["--draft", str(tmp_path / "draft"), "--target", str(target), "--data", str(prompts),
-            "--max_new_tokens", "4", "--output_json", str(tmp_path / "out.json")]
+    argv = [
+        "--draft",
+        str(tmp_path / "draft"),
+        "--target",
+        str(target),
+        "--data",
+        str(prompts),
+        "--max_new_tokens",
+        "4",
+        "--output_json",
+        str(tmp_path / "out.json"),
+    ]
     assert cli_eval.main(argv) == 0
     assert "3/3" in capfd.readouterr().err
     assert cli_eval.main([*argv, "--num_samples", "2"]) == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_hf import tiny
+from dflash_hf.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import float8_quality  # noqa: E402
@@ -23,9 +23,31 @@ def test_both_runs_are_trained_evaluated_and_compared(tmp_path):
     rows[0]["context"] = "Say where the cat sat."  # a generated-labels row keeps its own user turn
     sentences.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "result.json"
-    argv = ["--target", str(target), "--sentences", str(sentences), "--train", "16", "--dev", "4", "--max_steps", "4",
-            "--evals", "2", "--mask_token_id", str(tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)),
-            "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out), "--", "--max_tokens", "512"]
+    argv = [
+        "--target",
+        str(target),
+        "--sentences",
+        str(sentences),
+        "--train",
+        "16",
+        "--dev",
+        "4",
+        "--max_steps",
+        "4",
+        "--evals",
+        "2",
+        "--mask_token_id",
+        str(tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)),
+        "--threads",
+        "1",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--",
+        "--max_tokens",
+        "512",
+    ]
     assert float8_quality.main(argv) == 0
     train_rows = [json.loads(line) for line in (tmp_path / "work" / "train.jsonl").read_text().splitlines()]
     assert [r["context"] for r in train_rows[:2]] == ["Say where the cat sat.", float8_quality.PROMPT]
@@ -36,7 +58,8 @@ def test_both_runs_are_trained_evaluated_and_compared(tmp_path):
         assert [e["step"] for e in run["dev"]] == [2, 4] and all(e["eval_dev_tau_est"] >= 1.0 for e in run["dev"])
         assert "--float8_draft_linears" in run["command"]
     assert res["float8_minus_reference"] == pytest.approx(
-        res["final_dev_tau_est"]["float8"] - res["final_dev_tau_est"]["reference"], abs=1e-4)
+        res["final_dev_tau_est"]["float8"] - res["final_dev_tau_est"]["reference"], abs=1e-4
+    )
     with pytest.raises(SystemExit, match="need more"):
         float8_quality.main([*argv[:4], "--train", "100", *argv[6:]])
 
@@ -48,11 +71,25 @@ def test_lm_head_error_report_measures_both_precisions(tmp_path):
 
     target = tiny.save_tiny_target(tmp_path / "target", kind="text")
     sentences = tmp_path / "sentences.jsonl"
-    sentences.write_text("".join(json.dumps({"text": f"the {w} sat on mat number {i}."}) + "\n"
-                                 for i, w in enumerate(["cat", "dog", "owl", "fox"] * 10)))
+    sentences.write_text(
+        "".join(
+            json.dumps({"text": f"the {w} sat on mat number {i}."}) + "\n"
+            for i, w in enumerate(["cat", "dog", "owl", "fox"] * 10)
+        )
+    )
     out = tmp_path / "error.json"
-    argv = ["--target", str(target), "--sentences", str(sentences), "--tokens", "200", "--threads", "1",
-            "--out", str(out)]
+    argv = [
+        "--target",
+        str(target),
+        "--sentences",
+        str(sentences),
+        "--tokens",
+        "200",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert float8_lm_head_error.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["tokens"] == 200

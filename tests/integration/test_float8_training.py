@@ -15,19 +15,30 @@ from utils import (
     trainer_weights,
 )
 
-from dflash_hf import DFlashTrainer, tiny
-from dflash_hf.float8 import Float8Linear, float8_draft_linears
+from dflash_hf import DFlashTrainer
+from dflash_hf.ops.float8 import Float8Linear, float8_draft_linears
+from dflash_hf.testing import tiny
 
 PROJECTIONS = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-    f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")
+]
 
 
 def _trainer(root, model, tok, **kw) -> DFlashTrainer:
-    base = dict(mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2,
-                max_steps=6, learning_rate=1e-3, logging_steps=1, float8_draft_linears=True)
-    return DFlashTrainer(args=make_args(root, **(base | kw)), target=model,
-                         train_dataset=ListDataset(random_rows(8, 250, seed=2)),
-                         data_collator=lambda items: text_batch(items, tok.pad_token_id))
+    base = dict(
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        per_device_train_batch_size=2,
+        max_steps=6,
+        learning_rate=1e-3,
+        logging_steps=1,
+        float8_draft_linears=True,
+    )
+    return DFlashTrainer(
+        args=make_args(root, **(base | kw)),
+        target=model,
+        train_dataset=ListDataset(random_rows(8, 250, seed=2)),
+        data_collator=lambda items: text_batch(items, tok.pad_token_id),
+    )
 
 
 def test_the_draft_trains_with_fp8_linears_and_saves_the_same_checkpoint(tmp_path):
@@ -81,7 +92,7 @@ def test_a_draft_without_convertible_layers_is_refused_and_unaligned_ones_are_na
     draft.layers = torch.nn.ModuleList([torch.nn.Module()])
     draft.layers[0].mlp = torch.nn.Module()
     draft.layers[0].mlp.up_proj = torch.nn.Linear(32, 40, bias=False)  # 40: not a multiple of 16
-    with caplog.at_level("WARNING", logger="dflash_hf.float8"):
+    with caplog.at_level("WARNING", logger="dflash_hf.ops.float8"):
         assert float8_draft_linears(draft) == ["fc"]
     assert "layers.0.mlp.up_proj stay in the training precision" in caplog.text
     assert type(draft.layers[0].mlp.up_proj) is torch.nn.Linear
@@ -114,8 +125,11 @@ def test_fp8_lm_head_keeps_the_first_loss_exact_and_resumes_bit_identical(tmp_pa
 
 
 def test_fp8_lm_head_is_refused_where_it_cannot_run(tmp_path):
-    with pytest.raises(ValueError, match=r"float8_lm_head=true runs in the fused lm_head \+ CE, which this run does "
-                                         r"not use .*: set float8_lm_head=false"):
+    with pytest.raises(
+        ValueError,
+        match=r"float8_lm_head=true runs in the fused lm_head \+ CE, which this run does "
+        r"not use .*: set float8_lm_head=false",
+    ):
         make_args(tmp_path, mask_token_id=262, float8_lm_head=True, variant="dflash2")
     with pytest.raises(ValueError, match="float8_lm_head=true runs in the fused"):
         make_args(tmp_path, mask_token_id=262, float8_lm_head=True, use_fused_linear_ce=False)

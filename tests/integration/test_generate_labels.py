@@ -4,9 +4,9 @@ import pytest
 import torch
 import yaml
 
-from dflash_hf import tiny
 from dflash_hf.cli.generate_labels import main, make_parser
 from dflash_hf.data import open_source
+from dflash_hf.testing import tiny
 
 
 def _greedy_one(model, processor, line, root, max_new_tokens):
@@ -19,7 +19,7 @@ def _greedy_one(model, processor, line, root, max_new_tokens):
     inputs = processor(text=[text], audio=[audio], sampling_rate=sr)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
@@ -33,8 +33,9 @@ def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
     manifest.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "labels.json"
     config = tmp_path / "gen.yaml"
-    config.write_text(yaml.safe_dump({"model": str(model_dir), "manifest": str(manifest), "batch_size": 2,
-                                      "max_new_tokens": 4}))
+    config.write_text(
+        yaml.safe_dump({"model": str(model_dir), "manifest": str(manifest), "batch_size": 2, "max_new_tokens": 4})
+    )
     assert main(["--config", str(config), "--output", str(out)]) == 0
     got = [json.loads(x) for x in out.read_text().splitlines()]
     assert [g["id"] for g in got] == [f"manifest-{i:08d}" for i in range(4)]
@@ -75,11 +76,13 @@ def test_missing_model_or_manifest_named_before_loading(tmp_path):
     (tmp_path / "a.json").write_text("")
     missing = str(tmp_path / "no_model")
     with pytest.raises(FileNotFoundError, match=r"model=.*no_model: the directory does not exist"):
-        make_parser().parse_args_into_dataclasses(["--model", missing, "--manifest", str(tmp_path / "a.json"),
-                                                   "--output", "b"])
+        make_parser().parse_args_into_dataclasses(
+            ["--model", missing, "--manifest", str(tmp_path / "a.json"), "--output", "b"]
+        )
     with pytest.raises(FileNotFoundError, match=r"field 'manifest': .*nope.json' is not a file"):
-        make_parser().parse_args_into_dataclasses(["--model", str(tmp_path), "--manifest", str(tmp_path / "nope.json"),
-                                                   "--output", "b"])
+        make_parser().parse_args_into_dataclasses(
+            ["--model", str(tmp_path), "--manifest", str(tmp_path / "nope.json"), "--output", "b"]
+        )
 
 
 def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):
@@ -92,8 +95,27 @@ def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):
     texts = {}
     for family in ("qwen2_audio", "qwen2_audio_single_placeholder"):
         out = tmp_path / f"{family}.json"
-        assert main(["--model", str(tmp_path / "target"), "--manifest", str(manifest), "--output", str(out),
-                     "--family", family, "--batch_size", "2", "--max_new_tokens", "5", "--prompt", "Transcribe."]) == 0
+        assert (
+            main(
+                [
+                    "--model",
+                    str(tmp_path / "target"),
+                    "--manifest",
+                    str(manifest),
+                    "--output",
+                    str(out),
+                    "--family",
+                    family,
+                    "--batch_size",
+                    "2",
+                    "--max_new_tokens",
+                    "5",
+                    "--prompt",
+                    "Transcribe.",
+                ]
+            )
+            == 0
+        )
         texts[family] = [json.loads(x)["text"] for x in out.read_text().splitlines()]
     assert len(texts["qwen2_audio"]) == 3 and all(texts["qwen2_audio"])
     assert texts["qwen2_audio_single_placeholder"] == texts["qwen2_audio"]
@@ -110,8 +132,25 @@ def test_prefetching_the_next_batch_changes_nothing_written(tmp_path):
     outputs = {}
     for prefetch in ("false", "true"):
         outputs[prefetch] = tmp_path / f"labels_{prefetch}.json"
-        assert main(["--model", str(model_dir), "--manifest", str(manifest), "--output", str(outputs[prefetch]),
-                     "--batch_size", "2", "--max_new_tokens", "4", "--prefetch", prefetch]) == 0
+        assert (
+            main(
+                [
+                    "--model",
+                    str(model_dir),
+                    "--manifest",
+                    str(manifest),
+                    "--output",
+                    str(outputs[prefetch]),
+                    "--batch_size",
+                    "2",
+                    "--max_new_tokens",
+                    "4",
+                    "--prefetch",
+                    prefetch,
+                ]
+            )
+            == 0
+        )
     assert outputs["true"].read_text() == outputs["false"].read_text()
     assert len(outputs["true"].read_text().splitlines()) == 7
 
@@ -124,8 +163,22 @@ def test_prefetching_the_next_batch_changes_nothing_written(tmp_path):
     for prefetch in ("false", "true"):
         out = tmp_path / f"partial_{prefetch}.json"
         with pytest.raises(BadSampleError, match="missing.wav"):
-            main(["--model", str(model_dir), "--manifest", str(manifest), "--output", str(out), "--batch_size", "2",
-                  "--max_new_tokens", "4", "--prefetch", prefetch])
+            main(
+                [
+                    "--model",
+                    str(model_dir),
+                    "--manifest",
+                    str(manifest),
+                    "--output",
+                    str(out),
+                    "--batch_size",
+                    "2",
+                    "--max_new_tokens",
+                    "4",
+                    "--prefetch",
+                    prefetch,
+                ]
+            )
         written[prefetch] = out.read_text()
     assert written["true"] == written["false"] == "".join(outputs["true"].read_text().splitlines(True)[:4])
 
@@ -142,9 +195,12 @@ def test_shards_concatenated_in_order_equal_the_whole_run(tmp_path):
         assert main([*common, "--output", str(parts[-1]), "--num_shards", "3", "--shard_index", str(k)]) == 0
     assert [len(p.read_text().splitlines()) for p in parts] == [3, 3, 1]
     assert "".join(p.read_text() for p in parts) == (tmp_path / "whole.json").read_text()
-    for bad, field in ((["--num_shards", "2", "--shard_index", "2"], "shard_index"),
-                       (["--num_shards", "0"], "num_shards"), (["--batch_size", "0"], "batch_size"),
-                       (["--dtype", "fp16"], "dtype")):
+    for bad, field in (
+        (["--num_shards", "2", "--shard_index", "2"], "shard_index"),
+        (["--num_shards", "0"], "num_shards"),
+        (["--batch_size", "0"], "batch_size"),
+        (["--dtype", "fp16"], "dtype"),
+    ):
         with pytest.raises(ValueError, match=f"field '{field}'"):
             main([*common, "--output", str(tmp_path / "never.json"), *bad])
     assert not (tmp_path / "never.json").exists()

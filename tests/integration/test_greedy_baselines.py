@@ -10,7 +10,7 @@ from pathlib import Path
 from test_cli_eval import _save_draft
 from test_families import save_qwen2_audio
 
-from dflash_hf import tiny
+from dflash_hf.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import greedy_baselines  # noqa: E402
@@ -20,8 +20,20 @@ def test_static_cache_greedy_equals_plain_greedy_and_is_reported(tmp_path):
     save_qwen2_audio(tmp_path / "target")
     draft = _save_draft(tmp_path / "target", tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "data", 3, seed=2, min_dur=0.5, max_dur=1.5)
-    argv = ["--draft", str(draft), "--target", str(tmp_path / "target"), "--data", str(manifest), "--prompt",
-            "Transcribe.", "--max_new_tokens", "6", "--device", "cpu"]
+    argv = [
+        "--draft",
+        str(draft),
+        "--target",
+        str(tmp_path / "target"),
+        "--data",
+        str(manifest),
+        "--prompt",
+        "Transcribe.",
+        "--max_new_tokens",
+        "6",
+        "--device",
+        "cpu",
+    ]
     assert greedy_baselines.main([*argv, "--output_json", str(tmp_path / "a.json")]) == 0
     res = json.loads((tmp_path / "a.json").read_text())
     spec, static = res["speculative"], res["static_greedy"]

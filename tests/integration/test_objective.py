@@ -22,21 +22,25 @@ from utils import (
 )
 
 from dflash_hf import DFlashTrainingArguments
-from dflash_hf.blocks import slot_decay
-from dflash_hf.labels import make_label_source
-from dflash_hf.labels.target_distribution import topk_distribution
-from dflash_hf.losses import make_loss
-from dflash_hf.losses.common import slot_cross_entropy
-from dflash_hf.losses.dpace import dpace_weights
-from dflash_hf.target import FrozenTarget
+from dflash_hf.objective.blocks import slot_decay
+from dflash_hf.objective.labels import make_label_source
+from dflash_hf.objective.labels.target_distribution import topk_distribution
+from dflash_hf.objective.losses import make_loss
+from dflash_hf.objective.losses.common import slot_cross_entropy
+from dflash_hf.objective.losses.dpace import dpace_weights
+from dflash_hf.targets.frozen import FrozenTarget
 
 PACKAGE = REPO_ROOT / "dflash_hf"
 
 
 def _trainer(tmp_path, text_target_4x64, **kw):
     model, tok = text_target_4x64
-    kw = dict(block_size=4, num_anchors=5, anchor_pad_multiple=1, label_source="target_argmax",
-              use_fused_linear_ce=False) | kw
+    kw = (
+        dict(
+            block_size=4, num_anchors=5, anchor_pad_multiple=1, label_source="target_argmax", use_fused_linear_ce=False
+        )
+        | kw
+    )
     return make_trainer(tmp_path, model, tok, random_rows(3, 250, seed=7), **kw)
 
 
@@ -104,8 +108,9 @@ def test_soft_cross_entropy_with_one_hot_is_the_hard_ce():
     labels = torch.tensor([0, 3, 10, 7, 7])
     ids = torch.stack([labels, (labels + 1) % 11, (labels + 2) % 11], dim=-1)
     one_hot = torch.tensor([[1.0, 0.0, 0.0]]).expand(5, 3)
-    torch.testing.assert_close(slot_cross_entropy(logits, labels, ids, one_hot), F.cross_entropy(logits, labels,
-                                                                                                   reduction="none"))
+    torch.testing.assert_close(
+        slot_cross_entropy(logits, labels, ids, one_hot), F.cross_entropy(logits, labels, reduction="none")
+    )
 
 
 def test_target_distribution_top1_equals_target_argmax(tmp_path, text_target_4x64):
@@ -155,13 +160,27 @@ def test_target_distribution_is_chunked(text_target_4x64, chunk):
     torch.testing.assert_close(soft.probs.sum(-1), torch.ones(ids.shape))
 
 
-@pytest.mark.parametrize("variant,loss_type,label_source", [("dflash", "dpace", "target_argmax"),
-                                                             ("dflash2", "dpace", "target_distribution")])
+@pytest.mark.parametrize(
+    "variant,loss_type,label_source",
+    [("dflash", "dpace", "target_argmax"), ("dflash2", "dpace", "target_distribution")],
+)
 def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x64, variant, loss_type, label_source):
     """Trainer.train with gradient accumulation: finite logged losses, the weights move; DFlash2 adds the selector."""
-    trainer = _trainer(tmp_path, text_target_4x64, variant=variant, loss_type=loss_type, label_source=label_source,
-                       label_top_k=3, selector_top_k=4, per_device_train_batch_size=1, gradient_accumulation_steps=2,
-                       max_steps=2, logging_steps=1, learning_rate=1e-2, use_fused_linear_ce=None)
+    trainer = _trainer(
+        tmp_path,
+        text_target_4x64,
+        variant=variant,
+        loss_type=loss_type,
+        label_source=label_source,
+        label_top_k=3,
+        selector_top_k=4,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,
+        use_fused_linear_ce=None,
+    )
     before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -175,7 +194,7 @@ def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x
 def test_objective_without_a_trainer_equals_compute_loss(tmp_path, text_target_4x64):
     """A standalone DFlashObjective (FrozenTarget, draft, arguments) gives the trainer's compute_loss exactly; in
     Trainer.train every micro-batch is planned once, in get_batch_samples, and that plan reaches compute_loss."""
-    from dflash_hf.objective import DFlashObjective
+    from dflash_hf.objective.dflash_objective import DFlashObjective
 
     model, tok = text_target_4x64
     trainer = _trainer(
@@ -185,8 +204,9 @@ def test_objective_without_a_trainer_equals_compute_loss(tmp_path, text_target_4
     objective = DFlashObjective.from_args(trainer.args, trainer.model.config)
     ft = FrozenTarget(model)
     plan = objective.plan(ft, batch, seed=3)
-    loss, skipped = objective.normalize(objective.loss(trainer.model, ft, batch, plan), plan.denominator,
-                                        training_step=True, accumulation=2)
+    loss, skipped = objective.normalize(
+        objective.loss(trainer.model, ft, batch, plan), plan.denominator, training_step=True, accumulation=2
+    )
     ref = trainer.compute_loss(trainer.model, dict(batch), plan=plan, num_items_in_batch=plan.denominator)
     assert torch.equal(loss, ref) and not bool(skipped)
 
@@ -204,8 +224,13 @@ def _own_rows(model, rows, corrupt_every: int):
     out = []
     for p, r in rows:
         with torch.no_grad():
-            own = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=len(r), min_new_tokens=len(r), do_sample=False)[0, len(p):].tolist()
+            own = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=len(r),
+                min_new_tokens=len(r),
+                do_sample=False,
+            )[0, len(p) :].tolist()
         out.append((p, [3 + (t + 1) % 240 if i % corrupt_every == 2 else t for i, t in enumerate(own)]))
     return out
 
@@ -216,8 +241,8 @@ def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_
 ):
     """`target_agreement` = (label == data token) over the positions a target label source relabels, brute force
     from the target's full logits; ground_truth labels nothing, so there is no such metric."""
-    from dflash_hf.blocks import label_positions
-    from dflash_hf.losses import MetricSums
+    from dflash_hf.objective.blocks import label_positions
+    from dflash_hf.objective.losses import MetricSums
 
     model, tok = text_target_4x64
     trainer = _trainer(tmp_path, text_target_4x64, label_source=label_source, label_top_k=3)
@@ -243,17 +268,22 @@ def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_
 
 
 def test_low_label_agreement_is_warned_once_per_metric(monkeypatch):
-    from dflash_hf import callbacks
+    from dflash_hf.training import callbacks
 
     warned = []
     monkeypatch.setattr(callbacks.logger, "warning", lambda msg, *args: warned.append(msg % args))
     cb = callbacks.LabelAgreementCallback(threshold=0.9)
     state = type("S", (), {"global_step": 7, "is_world_process_zero": True})()
-    cb.on_log(None, type("S", (), {"global_step": 7, "is_world_process_zero": False})(), None,
-              logs={"target_agreement": 0.5})  # another rank: silent
+    cb.on_log(
+        None, type("S", (), {"global_step": 7, "is_world_process_zero": False})(), None, logs={"target_agreement": 0.5}
+    )  # another rank: silent
     assert not warned and not cb.warned
-    for logs in ({"target_agreement": 0.95}, {"target_agreement": 0.71, "loss": 2.0}, {"target_agreement": 0.7},
-                 {"eval_dev_target_agreement": 0.72}):
+    for logs in (
+        {"target_agreement": 0.95},
+        {"target_agreement": 0.71, "loss": 2.0},
+        {"target_agreement": 0.7},
+        {"eval_dev_target_agreement": 0.72},
+    ):
         cb.on_log(None, state, None, logs=logs)
     assert len(warned) == 2 and "target_agreement = 0.710 at step 7" in warned[0] and "29.0%" in warned[0]
     assert "so the draft learns from sequences the target never writes" in warned[0]
@@ -270,8 +300,10 @@ def test_unknown_loss_or_label_source_is_refused(tmp_path):
     base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="loss_type must be one of"):
         DFlashTrainingArguments(loss_type="kl", **base)
-    for kw, match in ((dict(loss_type="dpace"), "loss_type=dpace"),
-                      (dict(label_source="target_distribution"), "label_source=target_distribution")):
+    for kw, match in (
+        (dict(loss_type="dpace"), "loss_type=dpace"),
+        (dict(label_source="target_distribution"), "label_source=target_distribution"),
+    ):
         assert DFlashTrainingArguments(**kw, **base).use_fused_linear_ce is False  # the default follows the loss
         with pytest.raises(ValueError, match=f"use_fused_linear_ce=true: {match}"):
             DFlashTrainingArguments(use_fused_linear_ce=True, **kw, **base)
@@ -299,8 +331,10 @@ def _imports(path: Path, module: str) -> set[str]:
 
 
 def test_no_import_circle_and_module_sizes():
-    files = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in PACKAGE.rglob("*.py")}
+    files = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
     graph = {m: {d for d in _imports(p, m) if d in files and d != m} for m, p in files.items()}
 
     def reaches(start, goal, seen):
@@ -309,9 +343,9 @@ def test_no_import_circle_and_module_sizes():
     circles = sorted(m for m in graph if reaches(m, m, set()))
     assert not circles, circles
     sizes = {m: len(p.read_text().splitlines()) for m, p in files.items()}
-    assert sizes["dflash_hf.trainer"] < 300
+    assert sizes["dflash_hf.training.trainer"] < 300
     # modeling_dflash.py is remote code copied into every export (the checkpoint contract): not split
-    big = {m: n for m, n in sizes.items() if n > 400 and m != "dflash_hf.modeling_dflash"}
+    big = {m: n for m, n in sizes.items() if n > 400 and m != "dflash_hf.models.modeling_dflash"}
     assert not big, big
 
 
@@ -320,7 +354,7 @@ def test_dflash2_fields_have_one_source(tmp_path):
     `DFlash2Fields`; the config refuses a bad value with the field's dflash_config name."""
     import importlib.util
 
-    from dflash_hf.configuration_dflash import DFlash2Fields, DFlashConfig
+    from dflash_hf.models.configuration_dflash import DFlash2Fields, DFlashConfig
 
     defaults = DFlash2Fields().as_dict()
     args = DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
@@ -334,9 +368,11 @@ def test_dflash2_fields_have_one_source(tmp_path):
     with pytest.raises(ValueError, match="selector_rank must be >= 1, got 0"):
         DFlashTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", selector_rank=0)
     tcfg = tiny_text_target(num_layers=4, hidden_size=32)[0].config
-    cfg = DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
-                                          conv_group_size=8)
+    cfg = DFlashConfig.from_target_config(
+        tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1, conv_group_size=8
+    )
     assert cfg.dflash_config["conv_group_size"] == 8 and cfg.dflash_config["selector_rank"] == defaults["selector_rank"]
     with pytest.raises(ValueError, match="dflash_config.conv_kernel_size must be >= 1, got 0"):
-        DFlashConfig.from_target_config(tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1,
-                                        conv_group_size=8, conv_kernel_size=0)
+        DFlashConfig.from_target_config(
+            tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1, conv_group_size=8, conv_kernel_size=0
+        )

@@ -8,8 +8,7 @@ import pytest
 import torch
 from utils import make_args, make_trainer, random_rows, text_batch, tiny_text_target
 
-from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
-from dflash_hf.blocks import valid_anchor_mask
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments
 from dflash_hf.data import (
     BadSampleError,
     BadSamples,
@@ -20,8 +19,10 @@ from dflash_hf.data import (
     open_source,
 )
 from dflash_hf.data.packing import PackingCollator, PackingSampler, pack_padded_batch
-from dflash_hf.families import resolve_family
-from dflash_hf.target import FrozenTarget
+from dflash_hf.objective.blocks import valid_anchor_mask
+from dflash_hf.targets.families.registry import resolve_family
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 TOL = dict(atol=2e-5, rtol=1e-4)  # fp32: packed and padded differ only in summation order
 
@@ -56,8 +57,13 @@ def _text_docs(tok, n=3, seed=0):
 def _fields(tmp_path, mask_id, packing: bool, **kw) -> dict:
     """`make_args` fields of these comparisons: a 1-layer draft, every anchor taken, target-argmax labels."""
     base = dict(
-        output_dir=str(tmp_path / f"out{int(packing)}"), mask_token_id=mask_id, num_draft_layers=1, num_anchors=512,
-        anchor_pad_multiple=1, label_source="target_argmax", packing=packing,
+        output_dir=str(tmp_path / f"out{int(packing)}"),
+        mask_token_id=mask_id,
+        num_draft_layers=1,
+        num_anchors=512,
+        anchor_pad_multiple=1,
+        label_source="target_argmax",
+        packing=packing,
         packing_max_tokens=4096 if packing else None,
     )
     return base | kw
@@ -133,9 +139,12 @@ def test_qwen3_asr_packed_taps_equal_each_document_alone(asr):
     for d, cut in enumerate(cuts):
         # Alone = the same processor outputs (the feature extractor's values depend on the batch's padding).
         real = padded["attention_mask"][d].bool()
-        alone = {"input_ids": padded["input_ids"][d, real][None], "attention_mask": torch.ones(1, int(real.sum())),
-                 "input_features": padded["input_features"][d : d + 1],
-                 "input_features_mask": padded["input_features_mask"][d : d + 1]}
+        alone = {
+            "input_ids": padded["input_ids"][d, real][None],
+            "attention_mask": torch.ones(1, int(real.sum())),
+            "input_features": padded["input_features"][d : d + 1],
+            "input_features_mask": padded["input_features_mask"][d : d + 1],
+        }
         ref = ft.capture(alone, [0, 2]).taps[0]
         assert ref.shape[0] == cu[d + 1] - cu[d] == cut.custom["dflash_num_tokens"]
         torch.testing.assert_close(taps[0, cu[d] : cu[d + 1]], ref, **TOL)
@@ -258,8 +267,9 @@ def test_loader_packs_within_budget_and_skips_too_long(tmp_path, asr):
     tight = longest - 1  # the longest conversation no longer fits
     with pytest.raises(BadSampleError, match="max_tokens"):
         list(build_train_dataloader(manifest, processor, model.config, max_tokens=tight, packing=True))
-    loader = build_train_dataloader(manifest, processor, model.config, max_tokens=tight, packing=True,
-                                    skip_bad_samples=True)
+    loader = build_train_dataloader(
+        manifest, processor, model.config, max_tokens=tight, packing=True, skip_bad_samples=True
+    )
     n_docs = sum(len(b["cu_seqlens"]) - 1 for b in loader)
     assert loader.bad_samples.num_skipped >= 1 and n_docs + loader.bad_samples.num_skipped == len(cuts)
 

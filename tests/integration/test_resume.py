@@ -30,14 +30,15 @@ from utils import (  # noqa: E402
     trainer_weights,
 )
 
-from dflash_hf import DFlashTrainer, tiny  # noqa: E402
-from dflash_hf.checkpoints import (  # noqa: E402
+from dflash_hf import DFlashTrainer  # noqa: E402
+from dflash_hf.testing import tiny
+from dflash_hf.training.checkpoints import (  # noqa: E402
     COMPLETE_MARKER,
     last_complete_checkpoint,
     parse_resume_flag,
     resolve_resume_checkpoint,
 )
-from dflash_hf.training_args import DFlashDataArguments  # noqa: E402
+from dflash_hf.training.training_args import DFlashDataArguments  # noqa: E402
 
 # 12 utterances at max_tokens 600 make 6 batches per epoch on one rank, 3 per rank on two
 STEPS, RESUME_AT = 10, 8  # checkpoint-8 lies in the second data epoch
@@ -55,22 +56,32 @@ def speech_assets(root: Path):
 def speech_trainer(root: Path, name: str, assets, skip_bad_samples: bool = False, **kw) -> DFlashTrainer:
     model, processor, manifest = assets
     if skip_bad_samples:  # the same data plus one row whose audio does not exist
-        lines = manifest.read_text() + json.dumps({"audio_filepath": "audio/missing.wav", "duration": 1.0,
-                                                   "text": "yes"}) + "\n"
+        lines = (
+            manifest.read_text()
+            + json.dumps({"audio_filepath": "audio/missing.wav", "duration": 1.0, "text": "yes"})
+            + "\n"
+        )
         manifest = manifest.with_name("with_bad_row.jsonl")
         manifest.write_text(lines)
     packing = kw.get("packing", False)
-    base = dict(mask_token_id=262, max_steps=STEPS, save_strategy="steps", save_steps=2, learning_rate=1e-3,
-                logging_steps=1, packing_max_tokens=600 if packing else None)
+    base = dict(
+        mask_token_id=262,
+        max_steps=STEPS,
+        save_strategy="steps",
+        save_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        packing_max_tokens=600 if packing else None,
+    )
     args = make_args(root / name, **(base | kw))
     data_args = DFlashDataArguments(max_tokens=600, prompt="Transcribe.", skip_bad_samples=skip_bad_samples)
-    return DFlashTrainer(args=args, target=model, processor=processor, data_args=data_args,
-                         train_dataset=[str(manifest)])
+    return DFlashTrainer(
+        args=args, target=model, processor=processor, data_args=data_args, train_dataset=[str(manifest)]
+    )
 
 
 def logged_epochs(trainer: DFlashTrainer) -> dict[int, float]:
     return {h["step"]: h["epoch"] for h in trainer.state.log_history if "loss" in h}
-
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +92,12 @@ def asr(tmp_path_factory):
 @pytest.mark.parametrize("case", ["padded", "workers", "packed", "skipped"])
 def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     """Before the fix the Trainer took max_steps as one epoch and skipped batches of the wrong epoch."""
-    kw = {"padded": {}, "workers": {"dataloader_num_workers": 1}, "packed": {"packing": True},
-          "skipped": {"skip_bad_samples": True}}[case]
+    kw = {
+        "padded": {},
+        "workers": {"dataloader_num_workers": 1},
+        "packed": {"packing": True},
+        "skipped": {"skip_bad_samples": True},
+    }[case]
     straight = speech_trainer(tmp_path, "a", asr, **kw)
     straight.train()
     checkpoint = tmp_path / "a" / "out" / f"checkpoint-{RESUME_AT}"
@@ -141,9 +156,16 @@ def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path, iterable):
         rows = rows.to_iterable_dataset(num_shards=1)
 
     def trainer(name: str) -> DFlashTrainer:
-        args = make_args(tmp_path / name, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), max_steps=10,
-                         per_device_train_batch_size=2, save_strategy="steps", save_steps=3, learning_rate=1e-3,
-                         logging_steps=1)
+        args = make_args(
+            tmp_path / name,
+            mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+            max_steps=10,
+            per_device_train_batch_size=2,
+            save_strategy="steps",
+            save_steps=3,
+            learning_rate=1e-3,
+            logging_steps=1,
+        )
         collate = lambda items: text_batch([(x["p"], x["r"]) for x in items], tok.pad_token_id)  # noqa: E731
         return DFlashTrainer(args=args, target=model, train_dataset=rows, data_collator=collate)
 
@@ -213,16 +235,23 @@ def test_resume_true_takes_the_last_complete_checkpoint_and_says_what_it_skipped
 
 def _text_trainer(tmp_path, **kw) -> DFlashTrainer:
     model, tok = tiny_text_target()
-    base = dict(mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2,
-                save_strategy="steps", save_steps=1)
-    return DFlashTrainer(args=make_args(tmp_path, **(base | kw)), target=model,
-                         train_dataset=ListDataset(random_rows(4, 250, seed=1)),
-                         data_collator=lambda items: text_batch(items, tok.pad_token_id))
+    base = dict(
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+    )
+    return DFlashTrainer(
+        args=make_args(tmp_path, **(base | kw)),
+        target=model,
+        train_dataset=ListDataset(random_rows(4, 250, seed=1)),
+        data_collator=lambda items: text_batch(items, tok.pad_token_id),
+    )
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint_despite_rotation(tmp_path, monkeypatch):
     """A save that dies before its marker leaves the older checkpoint in place (rotation waits for the marker)."""
-    import dflash_hf.trainer as trainer_module
+    import dflash_hf.training.trainer as trainer_module
 
     real = trainer_module.mark_complete
 
@@ -245,7 +274,7 @@ def test_checkpoint_pushed_to_the_hub_is_complete(tmp_path, monkeypatch):
     """hub_strategy pushes run inside the Trainer's save, before it returns: the copy must already be complete."""
     from transformers import Trainer
 
-    from dflash_hf.checkpoints import is_complete
+    from dflash_hf.training.checkpoints import is_complete
 
     pushed = []
     monkeypatch.setattr(Trainer, "_push_from_checkpoint", lambda self, folder: pushed.append(is_complete(folder)))
@@ -257,8 +286,10 @@ def test_checkpoint_pushed_to_the_hub_is_complete(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "error",
-    [RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1360"),
-     OSError(errno.ENOSPC, "No space left on device")],
+    [
+        RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1472 vs 1360"),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
 )
 def test_full_disk_names_the_directory(tmp_path, monkeypatch, error):
     real_save = torch.save
@@ -279,10 +310,22 @@ def test_full_disk_names_the_directory(tmp_path, monkeypatch, error):
 def test_final_evaluation_is_not_repeated_when_the_last_step_evaluated(tmp_path, monkeypatch):
     model, tok = tiny_text_target()
     rows = ListDataset(random_rows(4, 250, seed=1))
-    args = make_args(tmp_path, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), max_steps=4,
-                     per_device_train_batch_size=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
-    trainer = DFlashTrainer(args=args, target=model, train_dataset=rows, eval_dataset=rows,
-                            data_collator=lambda items: text_batch(items, tok.pad_token_id))
+    args = make_args(
+        tmp_path,
+        mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=2,
+    )
+    trainer = DFlashTrainer(
+        args=args,
+        target=model,
+        train_dataset=rows,
+        eval_dataset=rows,
+        data_collator=lambda items: text_batch(items, tok.pad_token_id),
+    )
     calls, evaluate = [], trainer.evaluate
 
     def counted(*args, **kwargs):
@@ -313,13 +356,44 @@ def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monk
         return evaluate(self, eval_dataset, *args, **kwargs)
 
     monkeypatch.setattr(DFlashTrainer, "evaluate", counted)
-    metrics = run([
-        "--target_name_or_path", str(tmp_path / "target"), "--train_data", str(manifest), "--eval_data",
-        f"dev={manifest}", "--mask_token_id", "262", "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
-        "--eval_strategy", "steps", "--eval_steps", "2", "--use_cpu", "true", "--block_size", "4",
-        "--num_draft_layers", "1", "--max_tokens", "600", "--prompt", "Transcribe.", "--report_to", "none",
-        "--disable_tqdm", "true", "--label_source", "ground_truth", "--save_strategy", "no",
-    ])
+    metrics = run(
+        [
+            "--target_name_or_path",
+            str(tmp_path / "target"),
+            "--train_data",
+            str(manifest),
+            "--eval_data",
+            f"dev={manifest}",
+            "--mask_token_id",
+            "262",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--use_cpu",
+            "true",
+            "--block_size",
+            "4",
+            "--num_draft_layers",
+            "1",
+            "--max_tokens",
+            "600",
+            "--prompt",
+            "Transcribe.",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--label_source",
+            "ground_truth",
+            "--save_strategy",
+            "no",
+        ]
+    )
     assert calls == [2] and "eval_dev_loss" in metrics  # before: [2, 2], the last step evaluated twice
 
 
@@ -330,8 +404,16 @@ DDP_TIMEOUT_S = 240
 @pytest.mark.slow  # a torchrun launch of two ranks: 15-18 s on 2 cores
 def test_ddp_speech_resume_past_the_first_epoch_is_exact(tmp_path):
     tiny.synthesize_speech(tmp_path / "speech", 12, seed=0)  # once, before the ranks read it
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        str(tmp_path),
+    ]
     run_torchrun(cmd, DDP_TIMEOUT_S)
     for rank in (0, 1):
         result = torch.load(tmp_path / f"rank{rank}.pt")
@@ -352,8 +434,16 @@ def ddp_worker(out: Path) -> None:
     epoch = json.loads((checkpoint / f"dflash_data_state_rank{rank}.json").read_text())["epoch"]
     resumed = speech_trainer(out, "b", assets, max_steps=DDP_STEPS)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    torch.save({"straight": trainer_weights(straight), "resumed": trainer_weights(resumed), "resumed_from_epoch": epoch,
-                "epochs": logged_epochs(straight), "resumed_epochs": logged_epochs(resumed)}, out / f"rank{rank}.pt")
+    torch.save(
+        {
+            "straight": trainer_weights(straight),
+            "resumed": trainer_weights(resumed),
+            "resumed_from_epoch": epoch,
+            "epochs": logged_epochs(straight),
+            "resumed_epochs": logged_epochs(resumed),
+        },
+        out / f"rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":

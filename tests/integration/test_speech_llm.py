@@ -11,8 +11,8 @@ import torch
 import transformers as tf
 from utils import REPO_ROOT
 
-from dflash_hf import tiny
-from dflash_hf.target import FrozenTarget, load_target
+from dflash_hf.targets.frozen import FrozenTarget, load_target
+from dflash_hf.testing import tiny
 
 _PATH = REPO_ROOT / "benchmarks" / "speech_llm.py"
 _spec = importlib.util.spec_from_file_location("speech_llm", _PATH)
@@ -28,10 +28,23 @@ def parts(tmp_path_factory):
     """Directories of a tiny Whisper (16 mel bins, 30 s input) and a tiny Llama with the tiny tokenizer."""
     root = tmp_path_factory.mktemp("parts")
     torch.manual_seed(0)
-    wcfg = tf.WhisperConfig(vocab_size=64, num_mel_bins=16, d_model=16, encoder_layers=1, decoder_layers=1,
-                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                            decoder_ffn_dim=32, max_source_positions=1500, max_target_positions=16,
-                            decoder_start_token_id=1, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    wcfg = tf.WhisperConfig(
+        vocab_size=64,
+        num_mel_bins=16,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_source_positions=1500,
+        max_target_positions=16,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     whisper = tf.WhisperForConditionalGeneration(wcfg)
     with torch.no_grad():  # layer norms and biases are 1 / 0 at init: make every tensor distinguishable
         for name, p in whisper.named_parameters():
@@ -40,10 +53,20 @@ def parts(tmp_path_factory):
     whisper.save_pretrained(root / "whisper")
     tf.WhisperFeatureExtractor(feature_size=16, sampling_rate=16000).save_pretrained(root / "whisper")
     tok = tiny.build_tokenizer()
-    lcfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
-                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-                          tie_word_embeddings=True)
+    lcfg = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     tf.LlamaForCausalLM(lcfg).save_pretrained(root / "llm")
     tok.save_pretrained(root / "llm")
     manifest = tiny.synthesize_speech(root / "speech", 3, seed=4, min_dur=0.6, max_dur=1.2)
@@ -55,8 +78,21 @@ def trained(parts):
     root, whisper, tok, manifest = parts
     mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
     assembled = sl.assemble(root / "whisper", root / "llm", root / "assembled", reserved_ids=(mask_id,), **TOKENS)
-    out = sl.train(assembled, manifest, root / "trained", steps=6, batch_size=3, lr=3e-2, lora_rank=2,
-                   lora_lr=1e-2, device="cpu", precision="fp32", warmup=1, log_every=1, encoder_batch_size=3)
+    out = sl.train(
+        assembled,
+        manifest,
+        root / "trained",
+        steps=6,
+        batch_size=3,
+        lr=3e-2,
+        lora_rank=2,
+        lora_lr=1e-2,
+        device="cpu",
+        precision="fp32",
+        warmup=1,
+        log_every=1,
+        encoder_batch_size=3,
+    )
     return assembled, out, manifest, mask_id
 
 
@@ -95,27 +131,67 @@ def test_dflash_loads_and_trains_on_it(trained, tmp_path):
     model = load_target(str(out))
     for family in ("qwen2_audio", "qwen2_audio_single_placeholder"):
         FrozenTarget(model, family=family)
-        metrics = cli_train.run([
-            "--target_name_or_path", str(out), "--target_family", family, "--train_data", str(manifest),
-            "--prompt", sl.INSTRUCTION, "--mask_token_id", str(mask_id), "--output_dir", str(tmp_path / family),
-            "--max_steps", "1", "--block_size", "4", "--num_draft_layers", "1", "--use_cpu", "true",
-            "--report_to", "none", "--label_source", "target_argmax", "--disable_tqdm", "true",
-            "--save_strategy", "no",
-        ])
+        metrics = cli_train.run(
+            [
+                "--target_name_or_path",
+                str(out),
+                "--target_family",
+                family,
+                "--train_data",
+                str(manifest),
+                "--prompt",
+                sl.INSTRUCTION,
+                "--mask_token_id",
+                str(mask_id),
+                "--output_dir",
+                str(tmp_path / family),
+                "--max_steps",
+                "1",
+                "--block_size",
+                "4",
+                "--num_draft_layers",
+                "1",
+                "--use_cpu",
+                "true",
+                "--report_to",
+                "none",
+                "--label_source",
+                "target_argmax",
+                "--disable_tqdm",
+                "true",
+                "--save_strategy",
+                "no",
+            ]
+        )
         assert np.isfinite(metrics["train_loss"]) and metrics["skipped_samples"] == 0
 
 
 def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
     _, out, manifest, _ = trained
-    res = sl.wer(out, manifest, num_samples=2, batch_size=2, device="cpu", precision="bf16", max_new_tokens=4,
-                 output=tmp_path / "wer.json")
+    res = sl.wer(
+        out,
+        manifest,
+        num_samples=2,
+        batch_size=2,
+        device="cpu",
+        precision="bf16",
+        max_new_tokens=4,
+        output=tmp_path / "wer.json",
+    )
     assert json.loads((tmp_path / "wer.json").read_text())["num_samples"] == 2
     assert len(res["samples"]) == 2 and all(isinstance(s["hyp"], str) for s in res["samples"])
 
 
 def test_word_error_rate():
-    assert sl.normalize("Hello, World! It's a well-known fact.") == ["hello", "world", "it's", "a", "well", "known",
-                                                                     "fact"]
+    assert sl.normalize("Hello, World! It's a well-known fact.") == [
+        "hello",
+        "world",
+        "it's",
+        "a",
+        "well",
+        "known",
+        "fact",
+    ]
     assert sl.word_errors("a b c".split(), "a b c".split()) == 0
     assert sl.word_errors("a b c".split(), "a x c d".split()) == 2  # one substitution, one insertion
     assert sl.word_errors("a b c".split(), []) == 3
@@ -130,8 +206,13 @@ def test_bad_inputs_name_the_flag(parts, tmp_path):
     with pytest.raises(ValueError, match="--audio_token"):
         sl.assemble(root / "whisper", root / "llm", tmp_path / "x", **(TOKENS | {"audio_token": "<nope>"}))
     with pytest.raises(ValueError, match="reserved"):
-        sl.assemble(root / "whisper", root / "llm", tmp_path / "x", reserved_ids=(tiny.build_tokenizer()
-                    .convert_tokens_to_ids(tiny.AUDIO_PAD),), **TOKENS)
+        sl.assemble(
+            root / "whisper",
+            root / "llm",
+            tmp_path / "x",
+            reserved_ids=(tiny.build_tokenizer().convert_tokens_to_ids(tiny.AUDIO_PAD),),
+            **TOKENS,
+        )
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"audio_filepath": "a.wav", "text": ""}) + "\n")
     with pytest.raises(ValueError, match="'text'"):
@@ -167,10 +248,12 @@ def test_the_training_loss_is_the_full_logits_loss_at_the_supervised_positions(t
     proj = model.model.multi_modal_projector.linear.weight
     proj.requires_grad_(True)
     losses, grads = [], []
-    for fn in (lambda: sl.lm_loss(sl.forward_with_audio(model, batch["input_ids"], batch["attention_mask"], frames),
-                                  batch["labels"]),
-               lambda: sl.supervised_loss(model, batch["input_ids"], batch["attention_mask"], frames,
-                                          batch["labels"])):
+    for fn in (
+        lambda: sl.lm_loss(
+            sl.forward_with_audio(model, batch["input_ids"], batch["attention_mask"], frames), batch["labels"]
+        ),
+        lambda: sl.supervised_loss(model, batch["input_ids"], batch["attention_mask"], frames, batch["labels"]),
+    ):
         proj.grad = None
         loss = fn()
         loss.backward()
@@ -182,14 +265,23 @@ def test_the_training_loss_is_the_full_logits_loss_at_the_supervised_positions(t
 
 def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
     assembled, _, manifest, _ = trained
-    out = sl.train(assembled, manifest, tmp_path / "t", steps=50, batch_size=2, lora_rank=0, device="cpu",
-                   precision="bf16", max_minutes=1e-6)  # bf16: the device default (feature extraction stays fp32)
+    out = sl.train(
+        assembled,
+        manifest,
+        tmp_path / "t",
+        steps=50,
+        batch_size=2,
+        lora_rank=0,
+        device="cpu",
+        precision="bf16",
+        max_minutes=1e-6,
+    )  # bf16: the device default (feature extraction stays fp32)
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
 
 
 def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
-    from dflash_hf.families import resolve_family
+    from dflash_hf.targets.families.registry import resolve_family
 
     assembled, _, manifest, _ = trained
     model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()

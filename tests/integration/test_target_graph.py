@@ -20,14 +20,14 @@ from utils import (
     tiny_whisper,
 )
 
-from dflash_hf import target_graph
-from dflash_hf.target import FrozenTarget
-from dflash_hf.target_graph import TargetForwardGraphs, forward_graphs, graph_blocker
+from dflash_hf.targets import forward_graph
+from dflash_hf.targets.forward_graph import TargetForwardGraphs, forward_graphs, graph_blocker
+from dflash_hf.targets.frozen import FrozenTarget
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-class Counted(target_graph.CapturedForward):
+class Counted(forward_graph.CapturedForward):
     made: list = []
 
     def __init__(self, ft, batch, *args, **kwargs):
@@ -37,7 +37,7 @@ class Counted(target_graph.CapturedForward):
 
 @pytest.fixture
 def graphs(monkeypatch):
-    monkeypatch.setattr(target_graph, "CapturedForward", Counted)
+    monkeypatch.setattr(forward_graph, "CapturedForward", Counted)
     Counted.made = []
     return TargetForwardGraphs(None)
 
@@ -49,8 +49,10 @@ def text():
 
 def _rows(rows: int, seed: int, lengths=None):
     """Random rows of a 4-token prompt and a response of `lengths[i]` tokens (default 8)."""
-    return [(p[:4], r[: (lengths or [8] * rows)[i]])
-            for i, (p, r) in enumerate(random_rows(rows, 250, seed=seed, resp_len=(17, 20)))]
+    return [
+        (p[:4], r[: (lengths or [8] * rows)[i]])
+        for i, (p, r) in enumerate(random_rows(rows, 250, seed=seed, resp_len=(17, 20)))
+    ]
 
 
 @pytest.mark.parametrize("case", sorted(GRAPH_CASES))
@@ -77,7 +79,7 @@ def test_the_key_holds_what_the_target_reads(graphs, text):
 
 
 def test_each_signature_is_captured_once_and_at_most_max_graphs_are_kept(graphs, text, monkeypatch):
-    monkeypatch.setattr(target_graph, "MAX_GRAPHS", 2)
+    monkeypatch.setattr(forward_graph, "MAX_GRAPHS", 2)
     model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
@@ -98,31 +100,33 @@ def test_kept_graphs_stay_within_max_kept_bytes(graphs, text, monkeypatch):
         ft.capture(batch, [0], padded=False)
     sizes = [g.nbytes for g in graphs.graphs.values()]
     assert len(sizes) == 2 and all(sizes)
-    monkeypatch.setattr(target_graph, "MAX_KEPT_BYTES", sizes[1])  # room for the larger one alone
+    monkeypatch.setattr(forward_graph, "MAX_KEPT_BYTES", sizes[1])  # room for the larger one alone
     batch = text_batch(_rows(3, 3), tok.pad_token_id)
     for _ in range(2):
         ft.capture(batch, [0], padded=False)
     assert [k[0][0][1][0] for k in graphs.graphs] == [3]  # the newest only (input_ids rows)
 
 
-@pytest.mark.parametrize("error", [RuntimeError("operation not permitted when stream is capturing"),
-                                   torch.OutOfMemoryError("CUDA out of memory")])
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("operation not permitted when stream is capturing"), torch.OutOfMemoryError("CUDA out of memory")],
+)
 def test_a_failed_capture_stops_capturing_with_one_warning(graphs, text, monkeypatch, caplog, error):
     def fails(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(target_graph, "CapturedForward", fails)
+    monkeypatch.setattr(forward_graph, "CapturedForward", fails)
     model, tok = text
     ft = FrozenTarget(model)
     ft.forward_graphs = graphs
     batches = [text_batch(_rows(n, n), tok.pad_token_id) for n in (1, 2)]
-    with caplog.at_level(logging.WARNING, logger="dflash_hf.draft_graph"):
+    with caplog.at_level(logging.WARNING, logger="dflash_hf.ops.cuda_graphs"):
         for batch in batches * 3:
             ref = ft.features(batch, [0])
             assert torch.equal(ft.capture(batch, [0], padded=False).taps, ref.taps)
     assert caplog.text.count("could not run") == 1 and "target_cuda_graph=false skips the attempt" in caplog.text
-    assert graphs.stopped and (ft.model in target_graph._FAILED) != isinstance(error, torch.OutOfMemoryError)
-    target_graph._FAILED.pop(ft.model, None)
+    assert graphs.stopped and (ft.model in forward_graph._FAILED) != isinstance(error, torch.OutOfMemoryError)
+    forward_graph._FAILED.pop(ft.model, None)
     ft.forward_graphs = TargetForwardGraphs(True)  # asked for: the error is raised
     ft.capture(batches[0], [0], padded=False)
     with pytest.raises(type(error)):
@@ -138,8 +142,7 @@ def test_a_batch_that_cannot_be_captured(graphs, text):
         ft.capture(batch, [0], padded=False)
     assert Counted.made == [] and not graphs.sightings
     ft.forward_graphs = TargetForwardGraphs(True)
-    with pytest.raises(ValueError, match="target_cuda_graph=True: this batch cannot be captured: its 'note' is a "
-                                         "list"):
+    with pytest.raises(ValueError, match="target_cuda_graph=True: this batch cannot be captured: its 'note' is a list"):
         ft.capture(batch, [0], padded=False)
 
 
@@ -158,7 +161,7 @@ def test_which_targets_can_be_captured(text):
 
 
 def test_an_audio_llm_family_is_not_captured():
-    from dflash_hf import tiny
+    from dflash_hf.testing import tiny
 
     asr = FrozenTarget(tiny.build_qwen3_asr_target()[0])
     assert "reads values back to the host" in graph_blocker(asr, CUDA)
@@ -172,7 +175,7 @@ def test_the_trainer_refuses_target_cuda_graph_on_the_cpu(tmp_path, text):
 
 
 def test_a_target_sharded_by_fsdp2_is_not_captured(text):
-    from dflash_hf.distributed import shard_frozen_target_layers
+    from dflash_hf.training.distributed import shard_frozen_target_layers
 
     ft = FrozenTarget(text[0])
     ft.forward_graphs = TargetForwardGraphs(True)

@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from utils import random_rows, text_batch, tiny_text_target
 
-from dflash_hf import tiny
 from dflash_hf.data import build_train_dataloader
 from dflash_hf.data.packing import pack_padded_batch
-from dflash_hf.target import FrozenTarget
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default"}
 
@@ -62,8 +62,14 @@ def test_packed_row_of_one_document_goes_without_mask_or_host_read():
     target = FrozenTarget(model)
     assert target.unmasked_causal(row, None) and "attention_mask" not in target.target_inputs(row)
     with HostReads() as theirs:  # transformers' own path: the same forward, its packed-sequence detection kept
-        _, ref = target.tapped_forward([0, 2], keep_final=True, head=False, input_ids=row["input_ids"],
-                                       position_ids=row["position_ids"], use_cache=False)
+        _, ref = target.tapped_forward(
+            [0, 2],
+            keep_final=True,
+            head=False,
+            input_ids=row["input_ids"],
+            position_ids=row["position_ids"],
+            use_cache=False,
+        )
     with HostReads() as ours:
         got = target.capture(row, [0, 2], keep_final=True)
     assert theirs.count == 1 and ours.count == 0
@@ -81,8 +87,9 @@ def test_whisper_prebuilt_decoder_mask(tmp_path):
     one = next(iter(loader))
     equal = {k: v[:1] if torch.is_tensor(v) else v for k, v in one.items()}  # one row: no padding
     equal["attention_mask"] = torch.ones_like(equal["attention_mask"][:, : int(one["attention_mask"][0].sum())])
-    equal = {k: v[:, : equal["attention_mask"].shape[1]] if k in ("input_ids", "loss_mask") else v
-             for k, v in equal.items()}
+    equal = {
+        k: v[:, : equal["attention_mask"].shape[1]] if k in ("input_ids", "loss_mask") else v for k, v in equal.items()
+    }
     seen.add(_same_features_without_host_reads(target, equal, [0, 2]))
     assert seen == {True, False}
 
@@ -92,11 +99,29 @@ def test_a_sliding_window_decoder_keeps_transformers_mask():
     (and model types not checked) keep transformers' own mask, with the same taps."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen3Config
 
-    for config in (MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
-                   Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-                               sliding_window=4, max_window_layers=0)):
+    for config in (
+        MistralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+        ),
+        Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=0,
+        ),
+    ):
         torch.manual_seed(0)
         target = FrozenTarget(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
         assert not target.padded_decoder_mask_applies()
@@ -113,7 +138,7 @@ def test_a_stream_capture_does_not_count_as_tracing_inside_the_unmasked_forward(
     inside `without_packed_detection` (a batch known to need no mask) a capture keeps the eager forward's path."""
     from transformers import masking_utils
 
-    from dflash_hf.target_masks import without_packed_detection
+    from dflash_hf.targets.decoder_masks import without_packed_detection
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -128,7 +153,7 @@ def test_a_stream_capture_does_not_count_as_tracing_inside_the_unmasked_forward(
 def test_a_transformers_without_the_packed_detection_helper_keeps_its_own_path(monkeypatch):
     from transformers import masking_utils
 
-    from dflash_hf.target_masks import without_packed_detection
+    from dflash_hf.targets.decoder_masks import without_packed_detection
 
     monkeypatch.delattr(masking_utils, "find_packed_sequence_indices")
     tracing = masking_utils.is_tracing

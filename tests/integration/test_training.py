@@ -13,8 +13,9 @@ import torch
 from safetensors import safe_open
 from utils import make_args, make_trainer, random_rows, tiny_text_target
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, speculative_generate, tiny
-from dflash_hf.target import FrozenTarget
+from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, speculative_generate
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 
 def _trainer(tmp_path, rows, model=None, tok=None, **kw):
@@ -84,8 +85,13 @@ def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
     trainer.train()
     export = trainer.export_draft(str(tmp_path / "export"))
     files = sorted(os.listdir(export))
-    assert files == ["config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py",
-                     "modeling_dflash_encoder.py"]
+    assert files == [
+        "config.json",
+        "configuration_dflash.py",
+        "model.safetensors",
+        "modeling_dflash.py",
+        "modeling_dflash_encoder.py",
+    ]
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3" and cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 4
@@ -162,7 +168,7 @@ def test_bf16_audio_target_gets_its_features_in_bf16():
 def test_target_loading_is_strict_unless_partial_init_is_asked_for(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from dflash_hf.target import load_target
+    from dflash_hf.targets.frozen import load_target
 
     path = tiny.save_tiny_target(tmp_path / "target", kind="text", num_layers=2, hidden_size=32)
     weights = load_file(path / "model.safetensors")
@@ -177,7 +183,7 @@ def test_target_loading_is_strict_unless_partial_init_is_asked_for(tmp_path):
 
 def test_speech_training_resumes_mid_epoch_exactly(tmp_path):
     """lhotse loader + Trainer checkpoint: resuming at step 3 of 6 sees the same later batches and anchors."""
-    from dflash_hf.training_args import DFlashDataArguments
+    from dflash_hf.training.training_args import DFlashDataArguments
 
     tok = tiny.build_tokenizer()
     model, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
@@ -214,8 +220,15 @@ def test_mask_token_candidates_are_embedding_rows_the_tokenizer_never_produces()
 
 def test_max_train_minutes_stops_after_the_step_that_crosses_it_and_saves(tmp_path):
     rows = random_rows(8, 250, seed=2)
-    trainer = _trainer(tmp_path, rows, max_steps=50, per_device_train_batch_size=2, save_strategy="steps",
-                       save_steps=100, max_train_minutes=1e-9)
+    trainer = _trainer(
+        tmp_path,
+        rows,
+        max_steps=50,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=100,
+        max_train_minutes=1e-9,
+    )
     trainer.train()
     assert trainer.state.global_step == 1  # the first step crosses the budget; the schedule still says 50
     assert (tmp_path / "out" / "checkpoint-1" / "model.safetensors").is_file()

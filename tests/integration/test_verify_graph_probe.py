@@ -15,8 +15,22 @@ probe = script_fixture(SCRIPT)
 @pytest.mark.parametrize("kind", ["whisper", "text"])
 def test_fixed_buffer_verify_matches_the_growing_cache_on_every_block(probe, tmp_path, kind):
     out = tmp_path / "probe.json"
-    results = probe.main(["--tiny", kind, "--num_prompts", "3", "--max_new_tokens", "24", "--step", "3",
-                          "--device", "cpu", "--output_json", str(out)])
+    results = probe.main(
+        [
+            "--tiny",
+            kind,
+            "--num_prompts",
+            "3",
+            "--max_new_tokens",
+            "24",
+            "--step",
+            "3",
+            "--device",
+            "cpu",
+            "--output_json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(results))
     static = results["static_vs_dynamic"]["static"]
     assert results["verifies"] > 3 and static["positions"] == 8 * results["verifies"]
@@ -30,7 +44,10 @@ def test_anchor_and_block_helpers_and_argument_errors(probe):
     assert probe.anchors(4, 15, 4) == [4, 8, 12]
     seq = torch.arange(10)[None]
     assert probe.block_ids(seq, 7, 5).tolist() == [[7, 8, 9, 9, 9]]  # past the end: the last token repeated
-    for argv, message in ((["--tiny", "text", "--step", "0"], "--step must be in 1..block_size"),
-                          (["--target", "x"], "--target and --data go together"), ([], "give --tiny")):
+    for argv, message in (
+        (["--tiny", "text", "--step", "0"], "--step must be in 1..block_size"),
+        (["--target", "x"], "--target and --data go together"),
+        ([], "give --tiny"),
+    ):
         with pytest.raises(SystemExit, match=message):
             probe.main(argv)

@@ -12,12 +12,15 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from utils import TINY_WHISPER_MASK as MASK
 from utils import scripted_draft, tiny_qwen3_asr_prompt, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
-from dflash_hf import DFlashConfig, DFlashDraftModel, evaluation, speculative_generate, tiny
+from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
 from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
-from dflash_hf.speculative import dflash_custom_generate
-from dflash_hf.target import FrozenTarget
-from dflash_hf.whisper_features import with_whole_window
+from dflash_hf.generation.speculative import dflash_custom_generate
+from dflash_hf.objective.labels.target_argmax import target_argmax_labels
+from dflash_hf.targets.families.whisper_features import with_whole_window
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training import decode_benchmark
 
 BLOCK = 4
 
@@ -40,13 +43,15 @@ def _manifest(tmp_path, rows_extra=None):
 def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervised(whisper, tmp_path):
     model, processor = whisper
     tok = processor.tokenizer
-    loader = build_train_dataloader(str(_manifest(tmp_path)), processor, model.config, max_tokens=400,
-                                    shuffle=False, compact_features=True)
+    loader = build_train_dataloader(
+        str(_manifest(tmp_path)), processor, model.config, max_tokens=400, shuffle=False, compact_features=True
+    )
     target = FrozenTarget(model)
     assert target.family.name == "whisper"
     languages = set()
-    for batch, whole in zip(loader, build_train_dataloader(str(_manifest(tmp_path)), processor, model.config,
-                                                           max_tokens=400, shuffle=False)):
+    for batch, whole in zip(
+        loader, build_train_dataloader(str(_manifest(tmp_path)), processor, model.config, max_tokens=400, shuffle=False)
+    ):
         # compact features: the frames that hold audio; the target rebuilds the window, taps bit-identical
         assert batch["input_features_compact"].shape[1] == tiny.NUM_MEL_BINS
         assert batch["input_features_compact"].shape[2] < whole["input_features"].shape[2] == 400
@@ -69,7 +74,6 @@ def test_decoder_prompt_is_context_and_the_transcript_and_end_token_are_supervis
         streams = target.streams(batch)
         assert not streams.audio_mask.any() and torch.equal(streams.loss_mask, mask)
     assert languages == {"<|en|>", "<|de|>"}  # lang from the manifest row, default English
-
 
 
 def test_waves_batches_give_the_whole_windows_taps_and_a_custom_extractor_keeps_its_features(whisper, tmp_path):
@@ -102,8 +106,12 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
     ids = torch.tensor([[257, 258, 359, 363, 32, 104, 105, 256]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.zeros_like(ids),
-             "input_features": whisper_features(processor, 0)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.zeros_like(ids),
+        "input_features": whisper_features(processor, 0),
+    }
     layers = [0, 2, 3]
     feats = target.capture(batch, layers, keep_final=True)
     out = model(input_features=batch["input_features"], decoder_input_ids=ids, output_hidden_states=True)
@@ -115,9 +123,12 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     assert not torch.allclose(last, out.decoder_hidden_states[-1])
     torch.testing.assert_close(target.lm_head(feats.final_hidden), out.logits)  # target_argmax's head
     # a left-padded row keeps the decoder positions of its real tokens: the same taps as unpadded
-    padded = {"input_ids": torch.cat([torch.full((1, 3), 256), ids], 1), "loss_mask": torch.zeros(1, 11),
-              "attention_mask": torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1),
-              "input_features": batch["input_features"]}
+    padded = {
+        "input_ids": torch.cat([torch.full((1, 3), 256), ids], 1),
+        "loss_mask": torch.zeros(1, 11),
+        "attention_mask": torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1),
+        "input_features": batch["input_features"],
+    }
     torch.testing.assert_close(target.capture(padded, layers).taps[:, 3:], feats.taps, atol=1e-5, rtol=1e-5)
     assert target.num_layers == 4 and target.text_config.num_hidden_layers == 4  # the decoder's depth
     assert target.mask_token_candidates(processor.tokenizer, limit=3) == [364, 365, 366]
@@ -126,7 +137,7 @@ def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
 def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_target_4x64):
     """`target_argmax` / `target_distribution` labels are the target's greedy next token as `generate` (and so the
     verify step) writes it: never an id of `generation_config.suppress_tokens`; a target without any keeps its head."""
-    from dflash_hf.labels.target_distribution import topk_distribution
+    from dflash_hf.objective.labels.target_distribution import topk_distribution
 
     model, _ = whisper
     target = FrozenTarget(model)
@@ -140,7 +151,7 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
     raw = target.lm_head(hidden)
     assert raw[0, 1].argmax() == suppressed[0] and raw[0, 3].argmax() == suppressed[1]  # the case that matters
     expected = raw.index_fill(-1, torch.tensor(suppressed), float("-inf")).argmax(-1)
-    labels = target.argmax_labels(hidden, ids, mask, docs)
+    labels = target_argmax_labels(target, hidden, ids, mask, docs)
     assert labels[0, 2:].tolist() == expected[0, 1:5].tolist()  # label[t] from the state at t-1
     assert not set(labels[0, 2:].tolist()) & set(suppressed)
     soft = topk_distribution(target.label_logits, hidden, ids, mask, docs, top_k=4)
@@ -167,15 +178,19 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
         assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
         assert out.num_target_forwards == len(out.acceptance_lengths) + 1
         plain = model.generate(feats, max_new_tokens=24)
-        assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)),
-                           plain)
+        assert torch.equal(
+            model.generate(feats, max_new_tokens=24, custom_generate=dflash_custom_generate(draft)), plain
+        )
     # a draft that always agrees: whole blocks accepted, the output is still the target's (processors applied);
     # the encoder and each layer's cross-attention keys run once for the utterance, not once per cycle
     ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
     calls = {"encoder": 0, "cross_keys": 0}
-    hooks = [model.model.encoder.register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1)),
-             model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
-                 lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1))]
+    hooks = [
+        model.model.encoder.register_forward_hook(lambda *_: calls.__setitem__("encoder", calls["encoder"] + 1)),
+        model.model.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(
+            lambda *_: calls.__setitem__("cross_keys", calls["cross_keys"] + 1)
+        ),
+    ]
     out = speculative_generate(scripted_draft(whisper_draft(target), ref, 4), model, 24, input_features=feats)
     for h in hooks:
         h.remove()
@@ -184,11 +199,15 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     assert calls == {"encoder": 1, "cross_keys": 1}
     # an audio decoder-only target (Qwen3-ASR) through custom_generate too
     asr, _, inputs = tiny_qwen3_asr_prompt()
-    asr_draft = DFlashDraftModel(DFlashConfig.from_target_config(FrozenTarget(asr).text_config, mask_token_id=262,
-                                                                 num_hidden_layers=1, block_size=BLOCK)).eval()
-    assert torch.equal(asr.generate(**inputs, max_new_tokens=12, do_sample=False,
-                                    custom_generate=dflash_custom_generate(asr_draft)),
-                       asr.generate(**inputs, max_new_tokens=12, do_sample=False))
+    asr_draft = DFlashDraftModel(
+        DFlashConfig.from_target_config(
+            FrozenTarget(asr).text_config, mask_token_id=262, num_hidden_layers=1, block_size=BLOCK
+        )
+    ).eval()
+    assert torch.equal(
+        asr.generate(**inputs, max_new_tokens=12, do_sample=False, custom_generate=dflash_custom_generate(asr_draft)),
+        asr.generate(**inputs, max_new_tokens=12, do_sample=False),
+    )
     # an explicit decoder prompt (another language) is what generate takes as decoder_input_ids
     prompt = torch.tensor([[257, 259, 359, 363]])
     ref = model.generate(feats, decoder_input_ids=prompt, max_new_tokens=10, return_dict_in_generate=True).sequences
@@ -211,27 +230,33 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
     target = FrozenTarget(model)
     ended = capped = 0
     for n in (2, 6, 24):
-        ref = model.generate(feats, decoder_input_ids=prompt.repeat(4, 1), max_new_tokens=n,
-                             return_dict_in_generate=True).sequences
+        ref = model.generate(
+            feats, decoder_input_ids=prompt.repeat(4, 1), max_new_tokens=n, return_dict_in_generate=True
+        ).sequences
         for row in range(4):  # one utterance at a time, as dflash-eval decodes
-            one = model.generate(feats[row : row + 1], decoder_input_ids=prompt, max_new_tokens=n,
-                                 return_dict_in_generate=True).sequences
-            got = evaluation.target_greedy(target, {"input_features": feats[row : row + 1],
-                                                    "decoder_input_ids": prompt}, n)
+            one = model.generate(
+                feats[row : row + 1], decoder_input_ids=prompt, max_new_tokens=n, return_dict_in_generate=True
+            ).sequences
+            got = decode_benchmark.target_greedy(
+                target, {"input_features": feats[row : row + 1], "decoder_input_ids": prompt}, n
+            )
             assert torch.equal(got, one), (n, row)
             ended += int(one[0, -1]) == eos
             capped += one.shape[1] == 4 + n and int(one[0, -1]) != eos
-        got = evaluation.target_greedy(target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, n)
+        got = decode_benchmark.target_greedy(
+            target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, n
+        )
         assert torch.equal(got, ref), n
     assert ended and capped  # both ways a decode stops were seen
     calls = []  # and without the dict call's cache copy: the plain call, once
     generate = model.generate
     model.generate = lambda *a, **kw: calls.append(kw.get("return_dict_in_generate")) or generate(*a, **kw)
-    evaluation.target_greedy(target, {"input_features": feats[:1], "decoder_input_ids": prompt}, 6)
+    decode_benchmark.target_greedy(target, {"input_features": feats[:1], "decoder_input_ids": prompt}, 6)
     del model.generate
     assert calls == [False]
-    new = evaluation.target_greedy_new_tokens(target, {"input_features": feats, "decoder_input_ids":
-                                                       prompt.repeat(4, 1)}, 24)
+    new = decode_benchmark.target_greedy_new_tokens(
+        target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, 24
+    )
     assert torch.equal(new, ref[:, 4:]) and int(new[0, -1]) == eos
     # where the plain call could differ, the dict call's sequences: a timestamp token in the output (Whisper then
     # splits segments and decodes on), a pad token other than the end token, several end tokens
@@ -246,7 +271,7 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
         for n in (8, 25):
             one = {"input_features": feats[:1], "decoder_input_ids": prompt}
             ref = odd.generate(**one, max_new_tokens=n, return_dict_in_generate=True).sequences
-            assert torch.equal(evaluation.target_greedy(FrozenTarget(odd), one, n), ref), n
+            assert torch.equal(decode_benchmark.target_greedy(FrozenTarget(odd), one, n), ref), n
 
 
 def test_speculative_sampling_applies_whispers_logits_processors(whisper):
@@ -284,8 +309,7 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     ref = model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False)
     first_eos = 7 + j
     assert ref.shape[1] == first_eos + 1
-    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1,
-                                          block_size=BLOCK)
+    cfg = DFlashConfig.from_target_config(target.text_config, mask_token_id=262, num_hidden_layers=1, block_size=BLOCK)
     draft = scripted_draft(DFlashDraftModel(cfg).eval(), free, 7)
     out = speculative_generate(draft, model, 12, input_ids=prompt, attention_mask=am)
     assert torch.equal(out.sequences, ref)
@@ -294,8 +318,10 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     assert out.acceptance_lengths[:-1] == [BLOCK] * (len(out.acceptance_lengths) - 1)
     assert out.acceptance_lengths[-1] < BLOCK  # the end token was accepted mid-block
     custom = dflash_custom_generate(scripted_draft(DFlashDraftModel(cfg).eval(), free, 7))
-    assert torch.equal(model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
-                                      custom_generate=custom), ref)
+    assert torch.equal(
+        model.generate(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False, custom_generate=custom),
+        ref,
+    )
     assert custom.acceptance_lengths == out.acceptance_lengths
     # a user's own stopping criterion is checked after every accepted token too
     model.generation_config.eos_token_id = None
@@ -304,8 +330,13 @@ def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
         def __call__(self, input_ids, scores, **kwargs):
             return input_ids[:, -1] == new_tokens[j]
 
-    kw = dict(input_ids=prompt, attention_mask=am, max_new_tokens=12, do_sample=False,
-              stopping_criteria=StoppingCriteriaList([StopOn()]))
+    kw = dict(
+        input_ids=prompt,
+        attention_mask=am,
+        max_new_tokens=12,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList([StopOn()]),
+    )
     custom = dflash_custom_generate(scripted_draft(DFlashDraftModel(cfg).eval(), free, 7))
     assert torch.equal(model.generate(**kw, custom_generate=custom), model.generate(**kw))
     assert sum(custom.acceptance_lengths) == new - 1
@@ -317,8 +348,10 @@ def test_too_long_transcripts_and_audio_and_unknown_languages_are_bad_samples(wh
     cases = [
         ({1: {"text": "yes " * 120}}, r"field 'text'.*more than the target's 448"),
         ({2: {"lang": "klingon"}}, r"field 'lang'"),
-        ({3: json.loads(long_audio.read_text()) | {"audio_filepath": str(long_audio.parent / "audio/utt-0000.wav")}},
-         r"field 'duration'.*longer than Whisper's 4 s window"),
+        (
+            {3: json.loads(long_audio.read_text()) | {"audio_filepath": str(long_audio.parent / "audio/utt-0000.wav")}},
+            r"field 'duration'.*longer than Whisper's 4 s window",
+        ),
     ]
     for i, (extra, message) in enumerate(cases):
         manifest = str(_manifest(tmp_path / str(i), extra))
@@ -335,36 +368,68 @@ def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
     batch = next(iter(build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)))
     row = batch["input_ids"][0, : int(batch["attention_mask"][0].sum())]
     sot = int((row == tok.convert_tokens_to_ids("<|startoftranscript|>")).nonzero())
-    assert tok.decode(row[: sot]) == "<|startofprev|> go left"
+    assert tok.decode(row[:sot]) == "<|startofprev|> go left"
     assert not batch["loss_mask"][0, : sot + 4].any()
     # the token budget counts the decoder stream as encoded (no second start-of-transcript prefix)
     from dflash_hf.data import ConversationRenderer, open_source
     from dflash_hf.data.bad_samples import BadSamples
-    from dflash_hf.data.validation import SampleValidator
+    from dflash_hf.data.sample_checks import SampleValidator
 
     family = FrozenTarget(model).family
-    validator = SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=None,
-                                bad=BadSamples())
+    validator = SampleValidator(
+        ConversationRenderer(processor, family), family, model.config, max_tokens=None, bad=BadSamples()
+    )
     counts = sorted(validator.count_tokens(cut) for cut in open_source(manifest))
-    lengths = [n for b in build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)
-               for n in b["attention_mask"].sum(-1).tolist()]
+    lengths = [
+        n
+        for b in build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000)
+        for n in b["attention_mask"].sum(-1).tolist()
+    ]
     assert counts == sorted(lengths)
     with pytest.raises(ValueError, match="field 'system_prompt'"):
-        build_train_dataloader(str(manifest), processor, model.config, max_tokens=4000,
-                               conversation=ConversationConfig(system_prompt="Be brief."))
+        build_train_dataloader(
+            str(manifest),
+            processor,
+            model.config,
+            max_tokens=4000,
+            conversation=ConversationConfig(system_prompt="Be brief."),
+        )
 
 
 def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
     from dflash_hf.cli import train as cli_train
 
     target_dir = tiny.save_tiny_target(tmp_path / "target", kind="whisper", hidden_size=32, num_heads=2)
-    metrics = cli_train.run([
-        "--target_name_or_path", str(target_dir), "--train_data", str(_manifest(tmp_path)),
-        "--mask_token_id", str(MASK), "--output_dir", str(tmp_path / "out"), "--max_steps", "2",
-        "--block_size", str(BLOCK), "--num_draft_layers", "1", "--use_cpu", "true", "--report_to", "none",
-        "--max_tokens", "400", "--label_source", "target_argmax", "--disable_tqdm", "true",
-        "--save_strategy", "no",
-    ])
+    metrics = cli_train.run(
+        [
+            "--target_name_or_path",
+            str(target_dir),
+            "--train_data",
+            str(_manifest(tmp_path)),
+            "--mask_token_id",
+            str(MASK),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--block_size",
+            str(BLOCK),
+            "--num_draft_layers",
+            "1",
+            "--use_cpu",
+            "true",
+            "--report_to",
+            "none",
+            "--max_tokens",
+            "400",
+            "--label_source",
+            "target_argmax",
+            "--disable_tqdm",
+            "true",
+            "--save_strategy",
+            "no",
+        ]
+    )
     assert np.isfinite(metrics["train_loss"]) and metrics["skipped_samples"] == 0
     cfg = json.loads((tmp_path / "out" / "draft" / "config.json").read_text())
     assert cfg["num_target_layers"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [2]
@@ -382,14 +447,46 @@ def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
     whisper_draft(FrozenTarget(model)).save_pretrained(tmp_path / "draft")
     manifest = _manifest(tmp_path)
     out = tmp_path / "eval.json"
-    assert cli_eval.main(["--draft", str(tmp_path / "draft"), "--target", str(target_dir), "--data", str(manifest),
-                          "--num_samples", "2", "--max_new_tokens", "8", "--output_json", str(out)]) == 0
+    assert (
+        cli_eval.main(
+            [
+                "--draft",
+                str(tmp_path / "draft"),
+                "--target",
+                str(target_dir),
+                "--data",
+                str(manifest),
+                "--num_samples",
+                "2",
+                "--max_new_tokens",
+                "8",
+                "--output_json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["prompts"] == 2 and res["outputs_identical"] and 1.0 <= res["tau"] <= BLOCK
 
     labels = tmp_path / "labels.jsonl"
-    assert generate_labels.main(["--model", str(target_dir), "--manifest", str(manifest), "--output", str(labels),
-                                 "--batch_size", "4", "--max_new_tokens", "6"]) == 0
+    assert (
+        generate_labels.main(
+            [
+                "--model",
+                str(target_dir),
+                "--manifest",
+                str(manifest),
+                "--output",
+                str(labels),
+                "--batch_size",
+                "4",
+                "--max_new_tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line) for line in labels.read_text().splitlines()]
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     assert len(got) == len(rows) and got[0]["lang"] == "de"
@@ -416,14 +513,28 @@ def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
     full = model.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
     assert len(set(full[0, 4:].tolist())) > 10  # a varied transcript, not one repeated token
     ids = full.clone()
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "input_features": feats,
-             "loss_mask": torch.arange(ids.shape[1])[None] >= 4}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "input_features": feats,
+        "loss_mask": torch.arange(ids.shape[1])[None] >= 4,
+    }
     block, steps = 8, 200
     torch.manual_seed(0)
     trainer = DFlashTrainer(
-        args=make_args(tmp_path, mask_token_id=MASK, block_size=block, num_draft_layers=1, max_steps=steps,
-                       per_device_train_batch_size=1, learning_rate=3e-3, label_source="target_argmax"),
-        target=model, train_dataset=ListDataset([0], steps), data_collator=lambda _: dict(batch),
+        args=make_args(
+            tmp_path,
+            mask_token_id=MASK,
+            block_size=block,
+            num_draft_layers=1,
+            max_steps=steps,
+            per_device_train_batch_size=1,
+            learning_rate=3e-3,
+            label_source="target_argmax",
+        ),
+        target=model,
+        train_dataset=ListDataset([0], steps),
+        data_collator=lambda _: dict(batch),
     )
     trainer.train()
     out = speculative_generate(trainer.model.eval(), model, 40, input_features=feats)
@@ -442,7 +553,7 @@ def test_packing_is_refused_for_whisper(whisper):
 def test_real_tau_rows_pass_the_sample_validator_and_skip_policy(whisper, tmp_path):
     """The real-tau callback's and dflash-eval's rows go through training's validator: an unknown language is a
     BadSampleError, or skipped with skip_bad_samples (before: it reached the collator unchecked)."""
-    from dflash_hf.evaluation import speech_rows_and_collator
+    from dflash_hf.training.decode_benchmark import speech_rows_and_collator
 
     model, processor = whisper
     manifest = _manifest(tmp_path, {1: {"lang": "xx"}})
@@ -454,14 +565,17 @@ def test_real_tau_rows_pass_the_sample_validator_and_skip_policy(whisper, tmp_pa
 
 
 def test_decode_benchmark_gives_a_bf16_whisper_its_features_in_bf16(whisper):
-    from dflash_hf.evaluation import decode_benchmark
+    from dflash_hf.training.decode_benchmark import decode_benchmark
 
     model, processor = whisper
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     draft = whisper_draft(FrozenTarget(bf16)).to(torch.bfloat16)
     prompt = torch.tensor([[257, 258, 359, 363]])
-    inputs = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt),
-              "input_features": whisper_features(processor, 0)}
+    inputs = {
+        "input_ids": prompt,
+        "attention_mask": torch.ones_like(prompt),
+        "input_features": whisper_features(processor, 0),
+    }
     assert inputs["input_features"].dtype == torch.float32  # as the collator emits them
     stats = decode_benchmark(draft, bf16, [inputs], 8, warmup=False)
     assert stats.prompts == 1 and not stats.mismatches and stats.spec_tokens > 0
@@ -484,7 +598,7 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
         assert any("seem to have been set" in r.getMessage() for r in records)
         records.clear()
         ft = FrozenTarget(model)
-        evaluation.target_greedy(ft, {"input_features": feats}, 4)
+        decode_benchmark.target_greedy(ft, {"input_features": feats}, 4)
         speculative_generate(whisper_draft(model), ft, 4, input_features=feats)
         assert not any("seem to have been set" in r.getMessage() for r in records)
         model.generate(input_features=feats, max_new_tokens=4)  # the filter is gone afterwards
@@ -502,7 +616,7 @@ def test_training_on_waves_or_compact_features_equals_training_on_the_whole_wind
 
     import dflash_hf.data as data
     from dflash_hf import DFlashTrainer
-    from dflash_hf.training_args import DFlashDataArguments
+    from dflash_hf.training.training_args import DFlashDataArguments
 
     model, processor = whisper
     manifest = str(_manifest(tmp_path))
@@ -510,10 +624,21 @@ def test_training_on_waves_or_compact_features_equals_training_on_the_whole_wind
     def trained(name: str, **loader):
         monkeypatch.setattr(data, "build_train_dataloader", lambda *a, **k: build(*a, **{**k, **loader}))
         torch.manual_seed(0)
-        args = make_args(tmp_path / name, mask_token_id=MASK, max_steps=2, label_source="target_argmax",
-                         target_layer_ids=[0, 1], num_draft_layers=1)
-        trainer = DFlashTrainer(args=args, target=model, processor=processor, train_dataset=[manifest],
-                                data_args=DFlashDataArguments(max_tokens=400))
+        args = make_args(
+            tmp_path / name,
+            mask_token_id=MASK,
+            max_steps=2,
+            label_source="target_argmax",
+            target_layer_ids=[0, 1],
+            num_draft_layers=1,
+        )
+        trainer = DFlashTrainer(
+            args=args,
+            target=model,
+            processor=processor,
+            train_dataset=[manifest],
+            data_args=DFlashDataArguments(max_tokens=400),
+        )
         keys.append(set(next(iter(trainer.get_train_dataloader()))))
         trainer.train()
         return trainer.model.state_dict()

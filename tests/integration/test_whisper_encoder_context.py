@@ -12,12 +12,13 @@ from transformers import AutoModel, WhisperForConditionalGeneration
 from utils import TINY_WHISPER_MASK as MASK
 from utils import make_args, tiny_text_target, tiny_whisper, whisper_features
 
-from dflash_hf import speculative_generate, tiny
-from dflash_hf.assembly import build_draft, check_encoder_context
-from dflash_hf.export import export_draft, load_draft_strict
-from dflash_hf.hub import DraftCardInfo, build_model_card
-from dflash_hf.speculative import dflash_custom_generate
-from dflash_hf.target import FrozenTarget
+from dflash_hf import speculative_generate
+from dflash_hf.export.drafts import export_draft, load_draft_strict
+from dflash_hf.export.hub import DraftCardInfo, build_model_card
+from dflash_hf.generation.speculative import dflash_custom_generate
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training.assembly import build_draft, check_encoder_context
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +55,43 @@ def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whi
     with torch.no_grad():
         a = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0])
         cache = {}
-        first = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0],
-                      encoder_cache=cache)
+        first = draft(
+            position_ids=pos,
+            noise_embedding=noise,
+            target_hidden=taps,
+            encoder_hidden_states=frames[0],
+            encoder_cache=cache,
+        )
         assert sorted(cache) == [0, 1]  # one entry per layer, filled by the layers themselves
         cache = {k: (key.clone(), value) for k, (key, value) in cache.items()}
-        cached = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[0],
-                       encoder_cache=cache)
+        cached = draft(
+            position_ids=pos,
+            noise_embedding=noise,
+            target_hidden=taps,
+            encoder_hidden_states=frames[0],
+            encoder_cache=cache,
+        )
         b = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps, encoder_hidden_states=frames[1])
         poisoned = {k: (key, 2.0 * value) for k, (key, value) in cache.items()}
-        from_cache = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps,
-                           encoder_hidden_states=frames[0], encoder_cache=poisoned)
+        from_cache = draft(
+            position_ids=pos,
+            noise_embedding=noise,
+            target_hidden=taps,
+            encoder_hidden_states=frames[0],
+            encoder_cache=poisoned,
+        )
     assert torch.equal(a, first) and torch.equal(a, cached)
     assert not torch.allclose(a, from_cache)  # the cached keys are what is used, not recomputed
     assert not torch.allclose(a, b)  # other audio, other proposals
     with pytest.raises(ValueError, match="encoder_hidden_states"):
         draft(position_ids=pos, noise_embedding=noise, target_hidden=taps)
     with pytest.raises(ValueError, match="one utterance's frames per row"):
-        draft(position_ids=pos, noise_embedding=noise.expand(2, -1, -1), target_hidden=taps.expand(2, -1, -1),
-              encoder_hidden_states=frames[0])
+        draft(
+            position_ids=pos,
+            noise_embedding=noise.expand(2, -1, -1),
+            target_hidden=taps.expand(2, -1, -1),
+            encoder_hidden_states=frames[0],
+        )
 
 
 def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp_path):
@@ -79,12 +99,38 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
 
     target_dir = tiny.save_tiny_target(tmp_path / "target", kind="whisper", hidden_size=32, num_heads=2)
     manifest = tiny.synthesize_speech(tmp_path / "speech", 4, seed=0)
-    metrics = cli_train.run([
-        "--target_name_or_path", str(target_dir), "--train_data", str(manifest), "--mask_token_id", str(MASK),
-        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--block_size", "4", "--num_draft_layers", "1",
-        "--use_cpu", "true", "--report_to", "none", "--max_tokens", "400", "--disable_tqdm", "true",
-        "--save_strategy", "no", "--draft_encoder_context", "true", "--learning_rate", "1e-2",
-    ])
+    metrics = cli_train.run(
+        [
+            "--target_name_or_path",
+            str(target_dir),
+            "--train_data",
+            str(manifest),
+            "--mask_token_id",
+            str(MASK),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "2",
+            "--block_size",
+            "4",
+            "--num_draft_layers",
+            "1",
+            "--use_cpu",
+            "true",
+            "--report_to",
+            "none",
+            "--max_tokens",
+            "400",
+            "--disable_tqdm",
+            "true",
+            "--save_strategy",
+            "no",
+            "--draft_encoder_context",
+            "true",
+            "--learning_rate",
+            "1e-2",
+        ]
+    )
     assert np.isfinite(metrics["train_loss"])
     export = tmp_path / "out" / "draft"
     cfg = json.loads((export / "config.json").read_text())
@@ -108,8 +154,10 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
         reference = model.generate(feats, max_new_tokens=20, return_dict_in_generate=True).sequences
         out = speculative_generate(draft, model, 20, input_features=feats)
         assert torch.equal(out.sequences, reference)
-        assert torch.equal(model.generate(feats, max_new_tokens=20, custom_generate=dflash_custom_generate(draft)),
-                           model.generate(feats, max_new_tokens=20))
+        assert torch.equal(
+            model.generate(feats, max_new_tokens=20, custom_generate=dflash_custom_generate(draft)),
+            model.generate(feats, max_new_tokens=20),
+        )
 
 
 def test_encoder_context_is_refused_for_decoder_only_targets(tmp_path):
@@ -132,8 +180,10 @@ def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_wid
 def _two_utterances(model, processor, side: str):
     """Two utterances of different decoder lengths padded on `side`, prompts (4 tokens) unsupervised."""
     feats = torch.cat([whisper_features(processor, 0), whisper_features(processor, 1)])
-    seqs = [model.generate(feats[i : i + 1], max_new_tokens=n, return_dict_in_generate=True).sequences[0]
-            for i, n in ((0, 14), (1, 9))]
+    seqs = [
+        model.generate(feats[i : i + 1], max_new_tokens=n, return_dict_in_generate=True).sequences[0]
+        for i, n in ((0, 14), (1, 9))
+    ]
     width = max(len(s) for s in seqs)
     ids = torch.full((2, width), 0, dtype=torch.long)
     mask, loss = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.bool)
@@ -152,8 +202,10 @@ def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_
     model, processor = whisper
     args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=1, draft_encoder_context=True, block_size=4)
     trainer = DFlashTrainer(args=args, target=model, train_dataset=ListDataset([0]), data_collator=lambda _: {})
-    losses = {side: trainer.compute_loss(trainer.model, _two_utterances(model, processor, side)).item()
-              for side in ("right", "left")}
+    losses = {
+        side: trainer.compute_loss(trainer.model, _two_utterances(model, processor, side)).item()
+        for side in ("right", "left")
+    }
     assert abs(losses["right"] - losses["left"]) < 1e-5, losses
 
     # the classic-bug gate on the new path: overfit one utterance, then decode it in whole blocks
@@ -161,15 +213,29 @@ def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_
     tiny.sharpen(sharp, seed=2, embed_std=1.0, layer_std=0.3)
     feats = whisper_features(processor, 0)
     full = sharp.generate(feats, max_new_tokens=40, return_dict_in_generate=True).sequences
-    batch = {"input_ids": full, "attention_mask": torch.ones_like(full), "input_features": feats,
-             "loss_mask": torch.arange(full.shape[1])[None] >= 4}
+    batch = {
+        "input_ids": full,
+        "attention_mask": torch.ones_like(full),
+        "input_features": feats,
+        "loss_mask": torch.arange(full.shape[1])[None] >= 4,
+    }
     block, steps = 8, 150
     torch.manual_seed(0)
     trainer = DFlashTrainer(
-        args=make_args(tmp_path / "fit", mask_token_id=MASK, block_size=block, num_draft_layers=1, max_steps=steps,
-                       per_device_train_batch_size=1, learning_rate=3e-3, label_source="target_argmax",
-                       draft_encoder_context=True),
-        target=sharp, train_dataset=ListDataset([0], steps), data_collator=lambda _: dict(batch),
+        args=make_args(
+            tmp_path / "fit",
+            mask_token_id=MASK,
+            block_size=block,
+            num_draft_layers=1,
+            max_steps=steps,
+            per_device_train_batch_size=1,
+            learning_rate=3e-3,
+            label_source="target_argmax",
+            draft_encoder_context=True,
+        ),
+        target=sharp,
+        train_dataset=ListDataset([0], steps),
+        data_collator=lambda _: dict(batch),
     )
     trainer.train()
     out = speculative_generate(trainer.model.eval(), sharp, 40, input_features=feats)
@@ -186,8 +252,14 @@ def test_a_warm_start_of_an_encoder_context_dflash2_draft_continues_from_its_exp
         for p in trained.parameters():
             p.add_(0.01 * torch.randn_like(p))  # differ from any fresh initialization
     export_draft(trained, tmp_path / "trained")
-    args = make_args(tmp_path, mask_token_id=None, num_draft_layers=2, draft_encoder_context=True, variant="dflash2",
-                     init_from_pretrained=str(tmp_path / "trained"))
+    args = make_args(
+        tmp_path,
+        mask_token_id=None,
+        num_draft_layers=2,
+        draft_encoder_context=True,
+        variant="dflash2",
+        init_from_pretrained=str(tmp_path / "trained"),
+    )
     warm = build_draft(args, FrozenTarget(model))
     expected = load_draft_strict(tmp_path / "trained").state_dict()
     got = warm.state_dict()

@@ -38,8 +38,14 @@ def test_block8_to_block16_requires_a_real_draft(tmp_path):
     draft.mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json; it is not a DFlash draft export"):
         _parse("adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path), "--init_from_pretrained", str(draft))
-    config = tiny_draft_config({"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=8, num_target_layers=4,
-                               hidden_size=32, head_dim=8, vocab_size=40)
+    config = tiny_draft_config(
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]},
+        block_size=8,
+        num_target_layers=4,
+        hidden_size=32,
+        head_dim=8,
+        vocab_size=40,
+    )
     DFlashDraftModel(config).save_pretrained(draft)
     args = _parse("adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path), "--init_from_pretrained", str(draft))
     assert (args.variant, args.block_size, args.projection_only) == ("dflash2", 16, True)

@@ -5,10 +5,11 @@ labels equal the eager target's, and one dynamic-shape graph serves every layer,
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from dflash_hf import tiny
-from dflash_hf.assembly import compile_target_layers
-from dflash_hf.blocks import doc_ids_from
-from dflash_hf.target import FrozenTarget
+from dflash_hf.objective.blocks import doc_ids_from
+from dflash_hf.objective.labels.target_argmax import target_argmax_labels
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training.assembly import compile_target_layers
 
 
 def _padded_batch(rows: int, width: int, seed: int) -> dict:
@@ -26,7 +27,9 @@ def _padded_batch(rows: int, width: int, seed: int) -> dict:
 def _features_and_labels(target: FrozenTarget, batch: dict, layer_ids: list[int]):
     feats = target.capture(batch, layer_ids, keep_final=True)
     doc_ids = doc_ids_from(batch["attention_mask"])
-    labels = target.argmax_labels(feats.final_hidden, batch["input_ids"], batch["loss_mask"], doc_ids, chunk_size=16)
+    labels = target_argmax_labels(
+        target, feats.final_hidden, batch["input_ids"], batch["loss_mask"], doc_ids, chunk_size=16
+    )
     return feats, labels
 
 

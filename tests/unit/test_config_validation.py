@@ -12,13 +12,13 @@ from transformers import Qwen3Config
 from utils import make_args, tiny_draft_config, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.assembly import build_draft
 from dflash_hf.cli import console
 from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.cli.train import make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
-from dflash_hf.target import FrozenTarget
-from dflash_hf.training_args import DFlashDataArguments
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.training.assembly import build_draft
+from dflash_hf.training.training_args import DFlashDataArguments
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,11 @@ def _write(tmp_path: Path, name: str, text: str) -> str:
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("num_anchors: 16\ntarget_layer_ids: 3\n", r"x.yaml line 2: target_layer_ids: 3 is an integer; "
-         r"target_layer_ids takes a list, e.g. `target_layer_ids: \[3\]`"),
+        (
+            "num_anchors: 16\ntarget_layer_ids: 3\n",
+            r"x.yaml line 2: target_layer_ids: 3 is an integer; "
+            r"target_layer_ids takes a list, e.g. `target_layer_ids: \[3\]`",
+        ),
         ("num_anchors: 8.5\n", r"x.yaml line 1: num_anchors: 8.5 is a number; give an integer"),
         ("use_cpu: 3\n", r"line 1: use_cpu: 3 is an integer; give true or false"),
         ("gamma: fast\n", r"line 1: gamma: 'fast' is not a valid number"),
@@ -78,7 +81,8 @@ def test_bad_yaml_config(tmp_path, text, match):
 
 def test_yaml_values_parse_as_on_the_command_line(tmp_path):
     config = _write(
-        tmp_path, "ok.yaml",
+        tmp_path,
+        "ok.yaml",
         "target_layer_ids: [1, 3]\ngamma: 3\nlearning_rate: 1e-4\nuse_cpu: true\neval_strategy: 'no'\n"
         "lr_scheduler_kwargs: {min_lr: 1.0e-6}\nmax_steps: 5\n",
     )
@@ -91,8 +95,12 @@ def test_yaml_values_parse_as_on_the_command_line(tmp_path):
 def _export(tmp_path: Path, vocab_size: int = 40) -> Path:
     torch.manual_seed(0)
     config = tiny_draft_config(
-        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=8, num_target_layers=4, hidden_size=64,
-        head_dim=16, vocab_size=vocab_size,
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]},
+        block_size=8,
+        num_target_layers=4,
+        hidden_size=64,
+        head_dim=16,
+        vocab_size=vocab_size,
     )
     out = tmp_path / "draft"
     DFlashDraftModel(config).save_pretrained(out)
@@ -116,8 +124,11 @@ def test_warm_start_from_another_vocabulary_is_refused(tmp_path):
     model, tok = tiny_text_target(num_layers=4)
     export = _export(tmp_path, vocab_size=model.config.vocab_size + 3)
     args = make_args(tmp_path, init_from_pretrained=str(export), block_size=8)
-    with pytest.raises(ValueError, match=rf"vocab_size {model.config.vocab_size + 3}, but this target's embedding "
-                                         rf"has {model.config.vocab_size} rows"):
+    with pytest.raises(
+        ValueError,
+        match=rf"vocab_size {model.config.vocab_size + 3}, but this target's embedding "
+        rf"has {model.config.vocab_size} rows",
+    ):
         build_draft(args, FrozenTarget(model))
 
 
@@ -140,8 +151,13 @@ def test_missing_local_target_directory(tmp_path):
 
 
 def test_draft_config_says_what_the_draft_computes():
-    target = Qwen3Config(num_hidden_layers=6, hidden_size=64, num_attention_heads=4, hidden_act="gelu",
-                         rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    target = Qwen3Config(
+        num_hidden_layers=6,
+        hidden_size=64,
+        num_attention_heads=4,
+        hidden_act="gelu",
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )
     config = DFlashConfig.from_target_config(target, mask_token_id=3, num_hidden_layers=2)
     assert config.hidden_act == "silu"
     assert config.to_dict()["rope_theta"] == 5e5 == config.to_dict()["rope_parameters"]["rope_theta"]
@@ -201,8 +217,12 @@ def test_run_inputs_are_required(tmp_path):
     from dflash_hf.cli.train import check_run_inputs
 
     def ns(**kw):
-        return SimpleNamespace(**({"target_name_or_path": str(tmp_path), "validate_only": False, "train_data": None,
-                                   "eval_data": None} | kw))
+        return SimpleNamespace(
+            **(
+                {"target_name_or_path": str(tmp_path), "validate_only": False, "train_data": None, "eval_data": None}
+                | kw
+            )
+        )
 
     with pytest.raises(ValueError, match="--target_name_or_path is required"):
         check_run_inputs(ns(target_name_or_path=None), ns())

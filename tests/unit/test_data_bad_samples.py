@@ -42,15 +42,25 @@ def _check(asr_target, root, lines, bad_line, pattern, **kw):
 
 def test_missing_audio(asr_target, good):
     root, lines = good
-    _check(asr_target, root, lines, {"audio_filepath": "nope.wav", "duration": 1.0, "text": "x"},
-           r"'audio_filepath'.*does not exist")
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "nope.wav", "duration": 1.0, "text": "x"},
+        r"'audio_filepath'.*does not exist",
+    )
 
 
 def test_unreadable_audio(asr_target, good):
     root, lines = good
     (root / "junk.wav").write_bytes(b"this is not audio at all" * 10)
-    _check(asr_target, root, lines, {"audio_filepath": "junk.wav", "duration": 1.0, "text": "x"},
-           r"'audio_filepath'.*unreadable")
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "junk.wav", "duration": 1.0, "text": "x"},
+        r"'audio_filepath'.*unreadable",
+    )
 
 
 def test_empty_text_and_missing_text(asr_target, good):
@@ -66,20 +76,34 @@ def test_invalid_json_line(asr_target, good):
 
 def test_duration_and_offset_outside_file(asr_target, good):
     root, lines = good
-    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "duration": 1.5, "text": "x"},
-           r"'duration'.*runs past the end")
-    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "offset": 0.8, "duration": 0.5, "text": "x"},
-           r"'duration'.*runs past the end")
-    _check(asr_target, root, lines, {"audio_filepath": "g0.wav", "offset": 2.0, "duration": 0.5, "text": "x"},
-           r"'offset'.*outside")
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "g0.wav", "duration": 1.5, "text": "x"},
+        r"'duration'.*runs past the end",
+    )
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "g0.wav", "offset": 0.8, "duration": 0.5, "text": "x"},
+        r"'duration'.*runs past the end",
+    )
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "g0.wav", "offset": 2.0, "duration": 0.5, "text": "x"},
+        r"'offset'.*outside",
+    )
 
 
 def test_rounded_duration_within_tolerance_is_clipped(asr_target, good):
     root, lines = good
     model, processor = asr_target
     manifest = _write(root, lines, {"audio_filepath": "g0.wav", "duration": 1.02, "text": "x"})
-    loader = build_train_dataloader(manifest, processor, model.config, max_tokens=400, max_batch_size=1,
-                                    shuffle=False)
+    loader = build_train_dataloader(manifest, processor, model.config, max_tokens=400, max_batch_size=1, shuffle=False)
     assert sum(len(b["input_ids"]) for b in loader) == 4 and loader.bad_samples.num_skipped == 0
 
 
@@ -99,8 +123,13 @@ def test_sample_rate_mismatch_refused_or_resampled(asr_target, good):
 def test_sample_longer_than_budget(asr_target, good):
     root, lines = good
     sf.write(root / "long.wav", np.zeros(16000 * 40, dtype=np.float32), 16000)
-    _check(asr_target, root, lines, {"audio_filepath": "long.wav", "duration": 40.0, "text": "x"},
-           r"'duration'.*decoder tokens.*max_tokens=400")
+    _check(
+        asr_target,
+        root,
+        lines,
+        {"audio_filepath": "long.wav", "duration": 40.0, "text": "x"},
+        r"'duration'.*decoder tokens.*max_tokens=400",
+    )
 
 
 def test_decode_failure_after_header_names_the_cut(tmp_path):

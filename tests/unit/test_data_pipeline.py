@@ -5,7 +5,6 @@ import pytest
 import soundfile as sf
 import torch
 
-from dflash_hf import tiny
 from dflash_hf.data import (
     BadSampleError,
     ConversationConfig,
@@ -13,7 +12,8 @@ from dflash_hf.data import (
     build_train_dataloader,
     open_source,
 )
-from dflash_hf.families import resolve_family
+from dflash_hf.targets.families.registry import resolve_family
+from dflash_hf.testing import tiny
 
 
 @pytest.fixture(scope="module")
@@ -36,25 +36,52 @@ def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, asr_target, fmt)
     tok = processor.tokenizer
     audio = (0.1 * np.random.default_rng(0).standard_normal(24000)).astype(np.float32)
     sf.write(tmp_path / f"a.{fmt}", audio, 16000)
-    line = {"audio_filepath": f"a.{fmt}", "duration": 1.0, "offset": 0.25, "text": "yes no",
-            "lang": "en", "context": "Say it:", "speaker": "s1"}
+    line = {
+        "audio_filepath": f"a.{fmt}",
+        "duration": 1.0,
+        "offset": 0.25,
+        "text": "yes no",
+        "lang": "en",
+        "context": "Say it:",
+        "speaker": "s1",
+    }
     (tmp_path / "m.json").write_text(json.dumps(line) + "\n")
     cut = next(iter(open_source(tmp_path / "m.json")))
     assert cut.id == "m-00000000" and cut.start == 0.25 and cut.duration == 1.0
-    assert cut.supervisions[0].language == "en" and cut.custom == {"context": "Say it:", "speaker": "s1",
-                                                                    "dflash_origin": f"{tmp_path / 'm.json'} line 1"}
+    assert cut.supervisions[0].language == "en" and cut.custom == {
+        "context": "Say it:",
+        "speaker": "s1",
+        "dflash_origin": f"{tmp_path / 'm.json'} line 1",
+    }
 
-    loader = build_train_dataloader(tmp_path / "m.json", processor, model.config, max_tokens=500, shuffle=False,
-                                    conversation=ConversationConfig(system_prompt="SYS"))
+    loader = build_train_dataloader(
+        tmp_path / "m.json",
+        processor,
+        model.config,
+        max_tokens=500,
+        shuffle=False,
+        conversation=ConversationConfig(system_prompt="SYS"),
+    )
     (batch,) = list(loader)
     assert set(batch) == {"input_ids", "attention_mask", "loss_mask", "input_features", "input_features_mask"}
     n_audio = int(processor._get_audio_token_length(torch.tensor([100]))[0])  # 1.0 s = 100 mel frames
     sp = {t: tok.convert_tokens_to_ids(t) for t in tiny.SPECIAL_TOKENS}
     expected = (
-        [sp[tiny.IM_START]] + _ids(tok, "system\nSYS") + [sp[tiny.IM_END]] + _ids(tok, "\n")
-        + [sp[tiny.IM_START]] + _ids(tok, "user\nSay it:") + [sp[tiny.AUDIO_START]]
-        + [sp[tiny.AUDIO_PAD]] * n_audio + [sp[tiny.AUDIO_END], sp[tiny.IM_END]] + _ids(tok, "\n")
-        + [sp[tiny.IM_START]] + _ids(tok, "assistant\n") + _ids(tok, "yes no") + [sp[tiny.IM_END]] + _ids(tok, "\n")
+        [sp[tiny.IM_START]]
+        + _ids(tok, "system\nSYS")
+        + [sp[tiny.IM_END]]
+        + _ids(tok, "\n")
+        + [sp[tiny.IM_START]]
+        + _ids(tok, "user\nSay it:")
+        + [sp[tiny.AUDIO_START]]
+        + [sp[tiny.AUDIO_PAD]] * n_audio
+        + [sp[tiny.AUDIO_END], sp[tiny.IM_END]]
+        + _ids(tok, "\n")
+        + [sp[tiny.IM_START]]
+        + _ids(tok, "assistant\n")
+        + _ids(tok, "yes no")
+        + [sp[tiny.IM_END]]
+        + _ids(tok, "\n")
     )
     assert batch["input_ids"][0].tolist() == expected
     supervised = batch["input_ids"][0][batch["loss_mask"][0]].tolist()
@@ -70,8 +97,7 @@ def test_manifest_to_batch_exact_tokens_and_loss_mask(tmp_path, asr_target, fmt)
 
 def test_batches_follow_token_budget_padding_side_and_target_forward(asr_target, corpus):
     model, processor = asr_target
-    loader = build_train_dataloader([corpus["wav"], corpus["flac"]], processor, model.config, max_tokens=160,
-                                    seed=3)
+    loader = build_train_dataloader([corpus["wav"], corpus["flac"]], processor, model.config, max_tokens=160, seed=3)
     batches = _all_batches(loader)
     assert sum(len(b["input_ids"]) for b in batches) == 20  # every cut of both sources, once
     for b in batches:
@@ -133,11 +159,11 @@ def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, asr_target, corpus):
     paths = [str(corpus["wav"].parent / x["audio_filepath"]) for x in lines]
     ds_paths = Dataset.from_dict({"audio": paths, "text": [x["text"] for x in lines]})
     arrays = [{"array": sf.read(p, dtype="float32")[0], "sampling_rate": 16000} for p in paths]
-    ds_arrays = Dataset.from_dict({"audio": arrays, "text": [x["text"] for x in lines],
-                                   "context": ["Ctx"] * 3})
+    ds_arrays = Dataset.from_dict({"audio": arrays, "text": [x["text"] for x in lines], "context": ["Ctx"] * 3})
     loaders = [
-        build_train_dataloader(DataSource(hf_dataset=ds, path=name), processor, model.config, max_tokens=10_000,
-                               shuffle=False)
+        build_train_dataloader(
+            DataSource(hf_dataset=ds, path=name), processor, model.config, max_tokens=10_000, shuffle=False
+        )
         for ds, name in ((ds_paths, "p"), (ds_arrays, "a"))
     ]
     (bp,), (ba,) = (list(loader) for loader in loaders)
@@ -146,7 +172,12 @@ def test_hf_dataset_paths_and_arrays_and_mixing(tmp_path, asr_target, corpus):
     assert "Ctx" in tok.decode(ba["input_ids"][0]) and "Ctx" not in tok.decode(bp["input_ids"][0])
     mixed = build_train_dataloader(
         [DataSource(path=str(corpus["wav"]), weight=3.0), DataSource(hf_dataset=ds_arrays, path="a")],
-        processor, model.config, max_tokens=10_000, shuffle=False, max_batch_size=1)
+        processor,
+        model.config,
+        max_tokens=10_000,
+        shuffle=False,
+        max_batch_size=1,
+    )
     texts = [tok.decode(b["input_ids"][0]) for b in mixed]
     assert len(texts) == 13 and sum("Ctx" in t for t in texts) == 3
 
@@ -168,8 +199,14 @@ def test_text_family_loader(tmp_path):
     model = tiny.build_text_target(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     assert resolve_family(model.config).name == "text"
     ds = Dataset.from_dict({"text": ["four", "six"], "context": ["2+2?", "3+3?"]})
-    loader = build_train_dataloader(DataSource(hf_dataset=ds, audio_column=None, path="t"), tok, model.config,
-                                    max_tokens=1000, shuffle=False, padding_side="right")
+    loader = build_train_dataloader(
+        DataSource(hf_dataset=ds, audio_column=None, path="t"),
+        tok,
+        model.config,
+        max_tokens=1000,
+        shuffle=False,
+        padding_side="right",
+    )
     (b,) = list(loader)
     assert set(b) == {"input_ids", "attention_mask", "loss_mask"}
     assert tok.decode(b["input_ids"][0][b["loss_mask"][0]]) == "four<|im_end|>"
@@ -185,8 +222,9 @@ def test_skip_summary_and_num_workers(tmp_path, asr_target, corpus):
     manifest.write_text("\n".join([json.dumps(bad)] + lines[1:]) + "\n")
     with pytest.raises(BadSampleError, match=r"with_bad-00000000.*'text'.*empty"):
         list(build_train_dataloader(manifest, processor, model.config, max_tokens=160))
-    loader = build_train_dataloader(manifest, processor, model.config, max_tokens=160, skip_bad_samples=True,
-                                    num_workers=2)
+    loader = build_train_dataloader(
+        manifest, processor, model.config, max_tokens=160, skip_bad_samples=True, num_workers=2
+    )
     assert sum(len(b["input_ids"]) for b in loader) == 9
     assert loader.bad_samples.num_skipped == 1
     assert "with_bad-00000000" in loader.bad_samples.summary()
@@ -200,14 +238,15 @@ def test_token_counts_are_remembered_by_content(tmp_path, asr_target):
     from lhotse.utils import fastcopy
 
     from dflash_hf.data import BadSamples, ConversationRenderer
-    from dflash_hf.data.validation import SampleValidator
+    from dflash_hf.data.sample_checks import SampleValidator
 
     model, processor = asr_target
     family = resolve_family(model.config)
 
     def validator():
-        return SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=None,
-                               bad=BadSamples(skip=False))
+        return SampleValidator(
+            ConversationRenderer(processor, family), family, model.config, max_tokens=None, bad=BadSamples(skip=False)
+        )
 
     cuts = list(open_source(tiny.synthesize_speech(tmp_path, 3, min_dur=0.6, max_dur=1.6)))
     remembering = validator()
@@ -274,7 +313,7 @@ def _per_row_supervision(input_ids, attention_mask, samples):
     """The loss mask row by row: each row's last `len(suffix_ids)` real tokens carry its flags."""
     loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
     for row, sample in enumerate(samples):
-        tail = attention_mask[row].nonzero().flatten()[-len(sample.suffix_ids):]
+        tail = attention_mask[row].nonzero().flatten()[-len(sample.suffix_ids) :]
         assert input_ids[row, tail].tolist() == sample.suffix_ids
         loss_mask[row, tail] = torch.tensor(sample.suffix_supervised)
     return loss_mask
@@ -320,7 +359,7 @@ def test_supervision_mask_marks_each_rows_suffix_and_names_a_misplaced_one(side)
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("special", [True, False])
 def test_tokenize_padded_equals_the_tokenizers_tensors(asr_target, side, special):
-    from dflash_hf.families_base import tokenize_padded
+    from dflash_hf.targets.families.base import tokenize_padded
 
     tok = asr_target[1].tokenizer
     texts = ["yes no", "a much longer text than the first one", "", f"{tiny.IM_START}user\nhi{tiny.IM_END}"]
@@ -336,7 +375,7 @@ def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tm
     from lhotse.utils import fastcopy
 
     from dflash_hf.data import BadSamples, ConversationRenderer
-    from dflash_hf.data.validation import COUNT_CHUNK, NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
+    from dflash_hf.data.sample_checks import COUNT_CHUNK, NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
 
     model, processor = asr_target
     family = resolve_family(model.config)
@@ -345,8 +384,9 @@ def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tm
     cuts = [*cuts[:3], empty, *cuts[4:]]
 
     def validator():
-        return SampleValidator(ConversationRenderer(processor, family), family, model.config, max_tokens=55,
-                               bad=BadSamples(skip=True))
+        return SampleValidator(
+            ConversationRenderer(processor, family), family, model.config, max_tokens=55, bad=BadSamples(skip=True)
+        )
 
     alone = validator()
     expected = [(c.id, c.custom[NUM_TOKENS_KEY]) for c in map(alone, cuts) if c is not None]
@@ -356,8 +396,13 @@ def test_counts_made_ahead_by_chunk_equal_one_at_a_time_with_reports_in_order(tm
     ahead = validator()
     tokenizer_type, calls = type(processor.tokenizer), []
     original = tokenizer_type.__call__
-    monkeypatch.setattr(tokenizer_type, "__call__", lambda self, text, *a, **k: calls.append(
-        len(text) if isinstance(text, list) else 1) or original(self, text, *a, **k))
+    monkeypatch.setattr(
+        tokenizer_type,
+        "__call__",
+        lambda self, text, *a, **k: (
+            calls.append(len(text) if isinstance(text, list) else 1) or original(self, text, *a, **k)
+        ),
+    )
     got = [(c.id, c.custom[NUM_TOKENS_KEY]) for c in ValidatedCuts(cuts, ahead)]
     assert got == expected and list(ahead.bad.skipped.items()) == list(alone.bad.skipped.items())
     assert calls == [COUNT_CHUNK - 1, 6]  # one call a chunk, the empty text left out
@@ -369,9 +414,9 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     none past the memory's cap. The batch is the one the collation renders itself."""
     from lhotse.utils import fastcopy
 
-    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, cut_to_messages, validation
+    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, cut_to_messages, sample_checks
     from dflash_hf.data.conversation import RENDERED_TEXT_KEY
-    from dflash_hf.data.validation import SampleValidator, ValidatedCuts
+    from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
 
     model, processor = asr_target
     family = resolve_family(model.config)
@@ -381,11 +426,12 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
     fresh = lambda: [fastcopy(c, custom=dict(c.custom or {})) for c in [stale, *cuts[1:]]]  # noqa: E731
     counted = list(ValidatedCuts(fresh(), validator))
-    assert [c.custom[RENDERED_TEXT_KEY][1] for c in counted] == [renderer.render_text(cut_to_messages(c, family))
-                                                                for c in counted]
+    assert [c.custom[RENDERED_TEXT_KEY][1] for c in counted] == [
+        renderer.render_text(cut_to_messages(c, family)) for c in counted
+    ]
     again = [validator(c) for c in fresh()]  # a later epoch: counts and texts remembered
     assert [c.custom[RENDERED_TEXT_KEY] for c in again] == [c.custom[RENDERED_TEXT_KEY] for c in counted]
-    monkeypatch.setattr(validation, "MAX_REMEMBERED_TEXT_CHARS", 0)
+    monkeypatch.setattr(sample_checks, "MAX_REMEMBERED_TEXT_CHARS", 0)
     capped = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
     list(ValidatedCuts(fresh(), capped))
     remembered = [capped(c) for c in fresh()]  # counts remembered, texts not (the cap)
@@ -393,8 +439,9 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
 
     full_renders = []
     render_text = renderer.render_text
-    renderer.render_text = lambda messages, add_generation_prompt=False: full_renders.append(
-        add_generation_prompt is False) or render_text(messages, add_generation_prompt)
+    renderer.render_text = lambda messages, add_generation_prompt=False: (
+        full_renders.append(add_generation_prompt is False) or render_text(messages, add_generation_prompt)
+    )
     collator = PaddedCollator(processor, model.config, family, renderer, "right")
     batch = collator(counted)
     assert not any(full_renders)
@@ -404,8 +451,16 @@ def test_the_collation_takes_the_conversation_the_validator_rendered(tmp_path, a
     # a text of other messages (another conversation config) or of another moment (a template that prints the
     # date: the prompt no longer prefixes it) is rendered again
     other = fastcopy(counted[0], custom={**counted[0].custom, RENDERED_TEXT_KEY: (b"0" * 16, "other")})
-    dated = fastcopy(counted[1], custom={**counted[1].custom, RENDERED_TEXT_KEY: (
-        counted[1].custom[RENDERED_TEXT_KEY][0], "[Tue] " + counted[1].custom[RENDERED_TEXT_KEY][1])})
+    dated = fastcopy(
+        counted[1],
+        custom={
+            **counted[1].custom,
+            RENDERED_TEXT_KEY: (
+                counted[1].custom[RENDERED_TEXT_KEY][0],
+                "[Tue] " + counted[1].custom[RENDERED_TEXT_KEY][1],
+            ),
+        },
+    )
     full_renders.clear()
     again = collator([other, dated, *counted[2:]])
     assert sum(full_renders) == 2 and all(torch.equal(batch[k], again[k]) for k in batch)
@@ -415,7 +470,7 @@ def test_a_render_that_fails_ahead_is_left_to_the_cuts_own_validation(tmp_path, 
     """Counting ahead renders cuts before their own checks: one whose render raises is left to its validation, so a
     bad offset is still reported (and skipped) first, as one cut at a time."""
     from dflash_hf.data import BadSamples, ConversationRenderer
-    from dflash_hf.data.validation import NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
+    from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, ValidatedCuts
 
     model, processor = asr_target
     family = resolve_family(model.config)
@@ -435,7 +490,8 @@ def test_a_render_that_fails_ahead_is_left_to_the_cuts_own_validation(tmp_path, 
     validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples(skip=True))
     kept = list(ValidatedCuts(list(open_source(manifest)), validator))
     assert [c.id for c in kept] == ["manifest-00000000", "manifest-00000002"] and all(
-        c.custom[NUM_TOKENS_KEY] > 0 for c in kept)
+        c.custom[NUM_TOKENS_KEY] > 0 for c in kept
+    )
     (message,) = validator.bad.skipped.values()
     assert "manifest-00000001" in message and "'offset'" in message
 

@@ -8,7 +8,7 @@ import torch
 from utils import tiny_draft_config
 
 from dflash_hf import DFlash2DraftModel
-from dflash_hf.modeling_dflash import _greedy_walk
+from dflash_hf.models.modeling_dflash import _greedy_walk
 
 HIDDEN, VOCAB = 32, 263
 ROWS = (2, 3, 4, 5, 8, 9, 16, 17, 33)  # draft rows B (anchor + B-1 slots): a walk of 1 slot, powers of two and past
@@ -40,10 +40,20 @@ def selector_draft(rank: int, top_k: int, dtype: torch.dtype, seed: int = 0):
     codebook: a fresh one is zero and would hide any error of the walk behind the plain argmax)."""
     torch.manual_seed(seed)
     config = tiny_draft_config(
-        {"mask_token_id": 5, "target_layer_ids": [1, 2], "conv_kernel_size": 2, "conv_group_size": 8,
-         "selector_rank": rank, "selector_top_k": top_k},
-        architectures=["DFlash2DraftModel"], num_hidden_layers=1, num_target_layers=4, hidden_size=HIDDEN,
-        head_dim=8, vocab_size=VOCAB,
+        {
+            "mask_token_id": 5,
+            "target_layer_ids": [1, 2],
+            "conv_kernel_size": 2,
+            "conv_group_size": 8,
+            "selector_rank": rank,
+            "selector_top_k": top_k,
+        },
+        architectures=["DFlash2DraftModel"],
+        num_hidden_layers=1,
+        num_target_layers=4,
+        hidden_size=HIDDEN,
+        head_dim=8,
+        vocab_size=VOCAB,
     )
     draft = DFlash2DraftModel(config).eval().to(dtype)
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(dtype)
@@ -122,8 +132,9 @@ def test_sampled_walk_is_unchanged():
             hidden = torch.randn(rows, HIDDEN, generator=g)
             anchor = int(torch.randint(VOCAB, (), generator=g))
             tokens, q = draft.propose_block(hidden, lm_head, anchor, 0.8, torch.Generator().manual_seed(rows))
-            ref, ref_q = reference_propose_block(draft, hidden, lm_head, anchor, 0.8,
-                                                 torch.Generator().manual_seed(rows))
+            ref, ref_q = reference_propose_block(
+                draft, hidden, lm_head, anchor, 0.8, torch.Generator().manual_seed(rows)
+            )
             assert torch.equal(tokens, ref) and torch.equal(q, ref_q)
             assert torch.allclose(q.sum(-1), torch.ones(rows - 1))
         tokens, q = draft.propose_block(torch.randn(1, HIDDEN), lm_head, 3, 0.8, torch.Generator().manual_seed(0))

@@ -1,4 +1,5 @@
-"""FP8 draft linears (`dflash_hf.float8`): scale orientation, the three matmuls against their dequantized references,
+"""FP8 draft linears (`dflash_hf.ops.float8`): scale orientation, the three matmuls against their dequantized
+references,
 eval mode exact, and the device check. The CPU runs the same `torch._scaled_mm` operator as the GPU."""
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from utils import gpu_scaled_mm_contract, make_args
 
-from dflash_hf.float8 import E4M3_MAX, Float8Linear, _Float8Linear, check_float8_device, quantize
+from dflash_hf.ops.float8 import E4M3_MAX, Float8Linear, _Float8Linear, check_float8_device, quantize
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -59,8 +60,11 @@ def test_every_fp8_matmul_meets_the_gpu_operator_contract(monkeypatch, layout):
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", gpu_scaled_mm_contract(calls))
     torch.manual_seed(3)
-    x = {"contiguous": torch.randn(3, 7, 64), "transposed": torch.randn(64, 21).t(),  # (bf16 copies keep strides)
-         "row_slice": torch.randn(21, 80).to(torch.bfloat16)[:, 8:72]}[layout].to(torch.bfloat16)
+    x = {
+        "contiguous": torch.randn(3, 7, 64),
+        "transposed": torch.randn(64, 21).t(),  # (bf16 copies keep strides)
+        "row_slice": torch.randn(21, 80).to(torch.bfloat16)[:, 8:72],
+    }[layout].to(torch.bfloat16)
     assert x.is_contiguous() == (layout == "contiguous")
     x = x.detach().requires_grad_()
     layer = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
@@ -89,8 +93,11 @@ def test_float8_linear_is_exact_in_eval_mode_and_fp8_in_training():
 def test_device_check_names_the_field_and_the_fix(monkeypatch):
     check_float8_device(torch.device("cpu"))  # the same operators, for tests
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match=r"float8_draft_linears=true needs FP8 tensor cores .* 8\.0: set "
-                                         r"float8_draft_linears=false"):
+    with pytest.raises(
+        ValueError,
+        match=r"float8_draft_linears=true needs FP8 tensor cores .* 8\.0: set "
+        r"float8_draft_linears=false",
+    ):
         check_float8_device(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_device(torch.device("cuda"))
@@ -111,10 +118,13 @@ def test_training_arguments_refuse_fp8_with_lora_or_off_cuda(tmp_path, monkeypat
         args._check_float8()
 
 
-@pytest.mark.parametrize(("capability", "precision", "match"), [
-    ((8, 0), "bf16", r"needs FP8 tensor cores"),
-    ((9, 0), "fp32", r"float8_draft_linears=true on a GPU needs precision=bf16.*got precision='fp32'"),
-])
+@pytest.mark.parametrize(
+    ("capability", "precision", "match"),
+    [
+        ((8, 0), "bf16", r"needs FP8 tensor cores"),
+        ((9, 0), "fp32", r"float8_draft_linears=true on a GPU needs precision=bf16.*got precision='fp32'"),
+    ],
+)
 def test_training_arguments_refuse_fp8_where_it_cannot_run(tmp_path, monkeypatch, capability, precision, match):
     args = make_args(tmp_path, mask_token_id=262, float8_draft_linears=True)  # on the CPU: accepted
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

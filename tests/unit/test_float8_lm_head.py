@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from utils import gpu_scaled_mm_contract
 
-from dflash_hf.float8 import E4M3_MAX, frozen_weight_for_input_grad, quantize
-from dflash_hf.losses import fused_lm_head_ce
-from dflash_hf.losses.fused_ce import _ce_and_logit_grad
+from dflash_hf.objective.losses import fused_lm_head_ce
+from dflash_hf.ops.float8 import E4M3_MAX, frozen_weight_for_input_grad, quantize
+from dflash_hf.ops.fused_ce import _ce_and_logit_grad
 
 
 def _case(dtype, m=37, h=64, v=400, seed=0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_hf.losses import fused_lm_head_ce
+from dflash_hf.objective.losses import fused_lm_head_ce
 
 
 def _reference(hidden, weight, labels, weights):
@@ -54,8 +54,8 @@ def test_fused_without_grad_and_empty_rows():
 def test_block_loss_fused_and_dense_chunk_paths_agree():
     """`use_fused_linear_ce` true (gradient made in the forward) and false (dense chunks recomputed in
     backward) give the same loss sum, correctness and gradient."""
-    from dflash_hf.blocks import build_blocks
-    from dflash_hf.losses import block_loss
+    from dflash_hf.objective.blocks import build_blocks
+    from dflash_hf.objective.losses import block_loss
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 50, (2, 24), generator=g)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dflash_hf.reporting import HostTimes
+from dflash_hf.training.reporting import HostTimes
 
 
 def test_means_per_step_over_a_window_then_a_new_window(monkeypatch):
     clock = iter([100.0, 100.02, 100.03, 100.1, 100.13, 100.4, 100.5, 107.0, 107.2, 107.21, 107.5, 107.6, 107.7, 108.0])
-    monkeypatch.setattr("dflash_hf.reporting.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("dflash_hf.training.reporting.time.perf_counter", lambda: next(clock))
     times = HostTimes()
     assert times.fetch(iter(range(5)), 2) == [0, 1]  # the window starts at this fetch (100.0); waited until 100.02
     times.planned()  # planned until 100.03
@@ -25,7 +25,7 @@ def test_means_per_step_over_a_window_then_a_new_window(monkeypatch):
 
 
 def test_a_loader_that_sets_the_pace_is_warned_once_after_the_first_window(monkeypatch):
-    from dflash_hf import callbacks
+    from dflash_hf.training import callbacks
 
     warned = []
     monkeypatch.setattr(callbacks.logger, "warning", lambda msg, *args: warned.append(msg % args))

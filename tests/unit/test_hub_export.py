@@ -10,14 +10,19 @@ import torch
 from utils import tiny_draft_config
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.hub import convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf.export.hub import convert_dflash_to_dflash2, export_draft, load_draft_strict
 
 
 def test_export_files_are_0644_with_top_level_rope_theta(tmp_path):
     torch.manual_seed(0)
     config = tiny_draft_config(
-        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=8, num_target_layers=4, hidden_size=32,
-        head_dim=8, vocab_size=40, rope_parameters={"rope_type": "default", "rope_theta": 123456.0},
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]},
+        block_size=8,
+        num_target_layers=4,
+        hidden_size=32,
+        head_dim=8,
+        vocab_size=40,
+        rope_parameters={"rope_type": "default", "rope_theta": 123456.0},
     )
     out = export_draft(DFlashDraftModel(config), tmp_path / "draft")
     dflash2 = convert_dflash_to_dflash2(out, tmp_path / "dflash2", conv_group_size=8, selector_rank=4, selector_top_k=2)

@@ -1,4 +1,4 @@
-"""Strict weights-only warm start (`dflash_hf.hub.load_draft_strict`)."""
+"""Strict weights-only warm start (`dflash_hf.export.hub.load_draft_strict`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from utils import tiny_draft_config
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.hub import load_draft_strict
+from dflash_hf.export.hub import load_draft_strict
 
 HIDDEN = 32
 
@@ -20,8 +20,13 @@ HIDDEN = 32
 def _draft(block_size: int = 8) -> DFlashDraftModel:
     torch.manual_seed(0)
     config = tiny_draft_config(
-        {"mask_token_id": 5, "target_layer_ids": [1, 2]}, block_size=block_size, num_target_layers=4,
-        hidden_size=HIDDEN, head_dim=8, vocab_size=40, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        {"mask_token_id": 5, "target_layer_ids": [1, 2]},
+        block_size=block_size,
+        num_target_layers=4,
+        hidden_size=HIDDEN,
+        head_dim=8,
+        vocab_size=40,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return DFlashDraftModel(config)
 
@@ -107,7 +112,7 @@ def test_every_bad_tensor_is_named(export):
 def test_extra_files_ignored_with_note(export, caplog):
     draft, path = export
     save_file({"mask_embedding": torch.zeros(HIDDEN)}, str(path / "mask_embedding.safetensors"))
-    with caplog.at_level(logging.WARNING, logger="dflash_hf.hub"):
+    with caplog.at_level(logging.WARNING, logger="dflash_hf.export.hub"):
         loaded = load_draft_strict(path)
     assert "mask_embedding.safetensors" in caplog.text
     _assert_same_weights(draft, loaded)
@@ -169,12 +174,12 @@ def test_published_style_config_loads(export):
 def test_warm_start_sizes_refuse_a_given_value_the_export_cannot_honour(caplog):
     """A warm start keeps the export's draft sizes: a value given that differs from it (and from the default) is
     refused; the default is replaced by the export's value with a log line."""
-    from dflash_hf.export import check_warm_start_sizes
+    from dflash_hf.export.drafts import check_warm_start_sizes
 
     config = tiny_draft_config({"mask_token_id": 5, "target_layer_ids": [0, 1]})  # 2 layers
     defaults = {"num_draft_layers": 5}
     check_warm_start_sizes(config, {"num_draft_layers": 2}, defaults)
-    with caplog.at_level(logging.INFO, logger="dflash_hf.hub"):
+    with caplog.at_level(logging.INFO, logger="dflash_hf.export.hub"):
         check_warm_start_sizes(config, {"num_draft_layers": 5}, defaults)
     assert "num_draft_layers=2 from the export" in caplog.text
     with pytest.raises(ValueError, match=r"num_draft_layers=3 differs from the warm-started draft's 2"):

@@ -14,10 +14,16 @@ from transformers import AutoModel
 from utils import tiny_draft_config
 
 from dflash_hf import DFlash2DraftModel
-from dflash_hf.hub import DraftCardInfo, push_draft_to_hub
+from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub
 
-UPLOAD = ["README.md", "config.json", "configuration_dflash.py", "model.safetensors", "modeling_dflash.py",
-          "modeling_dflash_encoder.py"]
+UPLOAD = [
+    "README.md",
+    "config.json",
+    "configuration_dflash.py",
+    "model.safetensors",
+    "modeling_dflash.py",
+    "modeling_dflash_encoder.py",
+]
 REPO = "someone/tiny-asr-dflash2-b16"
 
 
@@ -33,8 +39,13 @@ def export(tmp_path) -> Path:
             "selector_rank": 8,
             "selector_top_k": 4,
         },
-        block_size=16, num_target_layers=6, architectures=["DFlash2DraftModel"], hidden_size=32, head_dim=8,
-        vocab_size=50, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        block_size=16,
+        num_target_layers=6,
+        architectures=["DFlash2DraftModel"],
+        hidden_size=32,
+        head_dim=8,
+        vocab_size=50,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     out = tmp_path / "export"
     DFlash2DraftModel(config).save_pretrained(out)

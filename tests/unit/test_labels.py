@@ -5,9 +5,12 @@ import pytest
 import torch
 from utils import LargestAllocation, mixed_padding_batch, row_inputs
 
-from dflash_hf import DFlashTrainer, DFlashTrainingArguments, tiny
-from dflash_hf.blocks import move_leading_padding
-from dflash_hf.target import FrozenTarget
+from dflash_hf import DFlashTrainer, DFlashTrainingArguments
+from dflash_hf.objective.blocks import move_leading_padding
+from dflash_hf.objective.labels import target_argmax
+from dflash_hf.objective.labels.target_argmax import target_argmax_labels
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 MASK_ID = 262
 
@@ -90,7 +93,7 @@ def test_argmax_labels_match_full_logit_reference(text_target_4x64, layout):
     final, ids, loss_mask, doc_ids, shifts = row_inputs(ft, batch)
     assert bool(shifts.any()) == (layout == "left")
     ref_rows = move_leading_padding(ref, shifts)
-    outs = [ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=c) for c in (1, 7, 128)]
+    outs = [target_argmax_labels(ft, final, ids, loss_mask, doc_ids, chunk_size=c) for c in (1, 7, 128)]
     for out in outs:
         assert torch.equal(out, ref_rows)
     # the labels really come from the target (not the data) on most supervised positions
@@ -113,7 +116,7 @@ def test_argmax_labels_never_allocate_sequence_logits(text_target_4x64, chunk):
     final, ids, loss_mask, doc_ids, _ = row_inputs(ft, batch)
     vocab = ft.vocab_size
     with LargestAllocation() as probe:
-        ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=chunk)
+        target_argmax_labels(ft, final, ids, loss_mask, doc_ids, chunk_size=chunk)
     n_sup = int(loss_mask[:, 1:].sum())
     assert 0 < probe.largest <= min(chunk, n_sup) * vocab
     assert ids.shape[1] * vocab > 7 * vocab  # one row's logits would already break the bound for chunk 1 and 7
@@ -141,7 +144,7 @@ def test_chunk_size_zero_is_refused(text_target_4x64, tmp_path):
     ft = FrozenTarget(model)
     final, ids, loss_mask, doc_ids, _ = row_inputs(ft, mixed_padding_batch(tok, "right"))
     with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
-        ft.argmax_labels(final, ids, loss_mask, doc_ids, chunk_size=0)
+        target_argmax_labels(ft, final, ids, loss_mask, doc_ids, chunk_size=0)
     with pytest.raises(ValueError, match="target_argmax_chunk_size must be > 0"):
         DFlashTrainingArguments(output_dir=str(tmp_path), target_argmax_chunk_size=0, report_to="none")
     with pytest.raises(ValueError, match="label_source"):
@@ -149,24 +152,31 @@ def test_chunk_size_zero_is_refused(text_target_4x64, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["left", "packed"])
-def test_trainer_draft_forward_uses_reference_labels(text_target_4x64, tmp_path, layout):
+def test_trainer_draft_forward_uses_reference_labels(text_target_4x64, tmp_path, layout, monkeypatch):
     """End to end through `DFlashObjective.loss` (target forward, row handling, labels)."""
     model, tok = text_target_4x64
     batch = _packed_batch(tok.pad_token_id)[0] if layout == "packed" else mixed_padding_batch(tok, "left")
     args = DFlashTrainingArguments(
-        output_dir=str(tmp_path), block_size=4, num_draft_layers=1, mask_token_id=MASK_ID, num_anchors=4,
-        attention_backend="sdpa", target_argmax_chunk_size=5, report_to="none", use_cpu=True,
+        output_dir=str(tmp_path),
+        block_size=4,
+        num_draft_layers=1,
+        mask_token_id=MASK_ID,
+        num_anchors=4,
+        attention_backend="sdpa",
+        target_argmax_chunk_size=5,
+        report_to="none",
+        use_cpu=True,
         **({"packing": True, "packing_max_tokens": 32} if layout == "packed" else {}),
     )
     trainer = DFlashTrainer(args=args, target=model)
     seen = []
-    original = trainer.target.argmax_labels
+    original = target_argmax.target_argmax_labels
 
     def spy(*a, **kw):
         seen.append(original(*a, **kw))
         return seen[-1]
 
-    trainer.target.argmax_labels = spy
+    monkeypatch.setattr(target_argmax, "target_argmax_labels", spy)
     plan = trainer.objective.plan(trainer.target, batch, seed=0)
     out = trainer.objective.loss(trainer.model, trainer.target, batch, plan)
     ref = move_leading_padding(reference_labels(model, batch), plan.shifts)

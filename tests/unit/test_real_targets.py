@@ -14,7 +14,7 @@ import torch
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 from utils import REPO_ROOT
 
-from dflash_hf.evaluation import DecodeStats
+from dflash_hf.training.decode_benchmark import DecodeStats
 
 _PATH = REPO_ROOT / "benchmarks" / "real_targets.py"
 _spec = importlib.util.spec_from_file_location("real_targets", _PATH)
@@ -25,10 +25,23 @@ _spec.loader.exec_module(rt)
 
 def _tiny_whisper() -> WhisperForConditionalGeneration:
     torch.manual_seed(0)
-    config = WhisperConfig(vocab_size=64, num_mel_bins=8, d_model=16, encoder_layers=2, decoder_layers=2,
-                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
-                           decoder_ffn_dim=32, max_source_positions=12, max_target_positions=10,
-                           decoder_start_token_id=1, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config = WhisperConfig(
+        vocab_size=64,
+        num_mel_bins=8,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_source_positions=12,
+        max_target_positions=10,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = WhisperForConditionalGeneration(config).eval()
     with torch.no_grad():  # layer norms and biases are 1 / 0 at init: make them distinguishable
         for name, p in model.named_parameters():
@@ -99,8 +112,9 @@ def test_ct2_whisper_reader_and_converter_reproduce_the_model(tmp_path):
     assert facts["encoder_layers"] == facts["decoder_layers"] == 2 and facts["vocab_size"] == 64
     assert facts["encoder_attention_heads"] == 2 and facts["num_mel_bins"] == 8
     rebuilt = WhisperForConditionalGeneration(model.config).to(torch.float16)
-    missing, unexpected = rebuilt.load_state_dict({k: torch.from_numpy(np.array(a)) for k, a in state.items()},
-                                                  strict=False)
+    missing, unexpected = rebuilt.load_state_dict(
+        {k: torch.from_numpy(np.array(a)) for k, a in state.items()}, strict=False
+    )
     assert missing == ["proj_out.weight"] and not unexpected  # tied to the embedding
     rebuilt.tie_weights()
     for name, p in model.state_dict().items():
@@ -188,7 +202,7 @@ def test_revoice_refuses_an_unknown_voice_before_synthesizing(tmp_path):
 def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids():
     from types import SimpleNamespace
 
-    from dflash_hf import tiny
+    from dflash_hf.testing import tiny
 
     tok = tiny.build_tokenizer()
     eos, pad = tok.convert_ids_to_tokens(5), tok.convert_ids_to_tokens(6)
@@ -262,7 +276,7 @@ def test_mask_id_is_the_first_row_above_the_added_tokens_that_no_text_encodes_to
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from dflash_hf import tiny
+    from dflash_hf.testing import tiny
 
     tok = tiny.build_tokenizer()  # byte-level: every vocabulary entry is reachable, rows past it are free
     n = len(tok)
@@ -293,7 +307,7 @@ def _byte_level_bpe_json(merges: list[str]) -> dict:
     """A byte-level BPE tokenizer.json in GPT-2's layout: 256 byte tokens, then merge r makes id 256 + r."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from dflash_hf import tiny
+    from dflash_hf.testing import tiny
 
     vocab = {c: b for b, c in tiny._bytes_to_unicode().items()}
     for r, merge in enumerate(merges):
@@ -355,8 +369,10 @@ def _labelling(tmp_path, monkeypatch, train: int, dev: int) -> tuple[Path, list[
     (hf / "config.json").write_text("{}")
     (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
     for name, n in (("train", train), ("dev", dev)):
-        rt.write_jsonl(speech / f"{name}.json", [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}",
-                                                  "id": f"{name}-{i}"} for i in range(n)])
+        rt.write_jsonl(
+            speech / f"{name}.json",
+            [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}", "id": f"{name}-{i}"} for i in range(n)],
+        )
     rt.write_stamp(speech / "speech.json", [speech / "train.json", speech / "dev.json"])
     calls = []
     monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
@@ -399,11 +415,26 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
 
 
 def test_results_table_rows_with_and_without_per_slot_acceptance(tmp_path):
-    base = {"device": "cuda", "precision": "fp32", "prompts": 40, "tau": 3.5, "spec_tokens_per_s": 400.0,
-            "greedy_tokens_per_s": 160.0, "speedup": 2.5, "outputs_identical": True}
+    base = {
+        "device": "cuda",
+        "precision": "fp32",
+        "prompts": 40,
+        "tau": 3.5,
+        "spec_tokens_per_s": 400.0,
+        "greedy_tokens_per_s": 160.0,
+        "speedup": 2.5,
+        "outputs_identical": True,
+    }
     trained = tmp_path / "quality_run-a_cuda_fp32.json"
-    trained.write_text(json.dumps({**base, "per_slot_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
-                                   "prompt_lookup": {"tokens_per_s": 50.0, "outputs_identical_to_greedy": False}}))
+    trained.write_text(
+        json.dumps(
+            {
+                **base,
+                "per_slot_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
+                "prompt_lookup": {"tokens_per_s": 50.0, "outputs_identical_to_greedy": False},
+            }
+        )
+    )
     timing = tmp_path / "quality_run-b_cuda_fp32_alone.json"  # dflash-eval's own JSON: no per-slot figures
     timing.write_text(json.dumps({**base, "outputs_identical": False}))
     header, rule, row_a, row_b = rt.results_table([trained, timing]).splitlines()

@@ -7,10 +7,10 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_hf import tiny
 from dflash_hf.data.packing import pack_padded_batch
-from dflash_hf.families import FAMILIES
-from dflash_hf.target import FrozenTarget
+from dflash_hf.targets.families.registry import FAMILIES
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
 
 TAPS = [0, 1]
 

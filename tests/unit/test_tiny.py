@@ -6,7 +6,7 @@ import soundfile as sf
 import torch
 from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, Qwen3ASRForConditionalGeneration
 
-from dflash_hf import tiny
+from dflash_hf.testing import tiny
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,7 @@ def test_tokenizer_bytes_specials_and_template(tokenizer):
     assert tokenizer.audio_token == tiny.AUDIO_PAD
     # special tokens are never split into bytes
     assert tokenizer("<|im_start|>x").input_ids == [tokenizer.convert_tokens_to_ids(tiny.IM_START), ord("x")]
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "S"}] + _conversation(), tokenize=False
-    )
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "S"}] + _conversation(), tokenize=False)
     assert text == (
         "<|im_start|>system\nS<|im_end|>\n"
         "<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>Transcribe.<|im_end|>\n"

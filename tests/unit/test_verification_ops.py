@@ -14,7 +14,7 @@ from transformers import (
     TemperatureLogitsWarper,
 )
 
-from dflash_hf.verification import _accept_greedy, _processed, with_cached_masks
+from dflash_hf.generation.verify_rules import _accept_greedy, _processed, with_cached_masks
 
 
 class Ops(TorchDispatchMode):
@@ -44,8 +44,9 @@ def test_cached_suppression_equals_the_processors(vocab):
     g = torch.Generator().manual_seed(vocab)
     tokens = torch.randint(vocab + 3, (5,), generator=g).tolist() + [0, 0]  # repeats, ids past the vocabulary
     begin_tokens = torch.randint(vocab, (2,), generator=g).tolist()
-    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(tokens),
-                                      SuppressTokensAtBeginLogitsProcessor(begin_tokens, begin_index=4)])
+    processors = LogitsProcessorList(
+        [SuppressTokensLogitsProcessor(tokens), SuppressTokensAtBeginLogitsProcessor(begin_tokens, begin_index=4)]
+    )
     cached = with_cached_masks(processors)
     assert [type(p).__name__ for p in cached] == ["_CachedSuppression", "_CachedBeginSuppression"]
     for call in range(3):  # the mask is built at the first call and reused
@@ -70,8 +71,13 @@ def test_block_scores_with_cached_masks_equal_the_processors_token_by_token():
     logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
     prefix = torch.arange(12)[None]  # row i follows prefix[:, :9 + i]
     for begin_index in (8, 9, 10, 12, 13):
-        processors = LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7]), TemperatureLogitsWarper(0.7),
-                                          SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)])
+        processors = LogitsProcessorList(
+            [
+                SuppressTokensLogitsProcessor([3, 7]),
+                TemperatureLogitsWarper(0.7),
+                SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index),
+            ]
+        )
         expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
         got = _processed(with_cached_masks(processors), prefix, logits)
         assert torch.equal(got, expected), begin_index
@@ -122,8 +128,11 @@ def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
     joined = torch.cat([seq, block[None]], dim=1)
     for begin_index, reads in ((9, False), (10, True), (12, True), (13, False)):
         for extra in ([], [LastIdBias()]):
-            processors = with_cached_masks(LogitsProcessorList([
-                SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5], begin_index), *extra]))
+            processors = with_cached_masks(
+                LogitsProcessorList(
+                    [SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5], begin_index), *extra]
+                )
+            )
             expected = _processed(processors, joined, logits)
             with Ops() as ops:
                 got = _processed(processors, seq, logits, block)
@@ -137,7 +146,7 @@ def test_rope_keeps_its_float32_inverse_frequencies():
     the cos/sin of the formula it computed at every call, bit for bit."""
     from utils import tiny_draft_config
 
-    from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
+    from dflash_hf.models.modeling_dflash import DFlashRotaryEmbedding
 
     rope = DFlashRotaryEmbedding(tiny_draft_config({}, hidden_size=64, head_dim=16)).to(torch.bfloat16)
     positions = torch.arange(40)[None]
@@ -158,7 +167,7 @@ def test_rope_inverse_frequencies_follow_a_changed_setting_and_a_moved_tensor():
     whole-module pickle loaded elsewhere) is recomputed, never used."""
     from utils import tiny_draft_config
 
-    from dflash_hf.modeling_dflash import DFlashRotaryEmbedding
+    from dflash_hf.models.modeling_dflash import DFlashRotaryEmbedding
 
     rope = DFlashRotaryEmbedding(tiny_draft_config({}, hidden_size=64, head_dim=16))
     cpu = torch.device("cpu")
@@ -193,7 +202,7 @@ def test_cached_suppression_hands_over_to_the_processor_when_they_differ():
 def test_draft_rmsnorm_equals_the_written_out_formula_with_its_gradients(dtype):
     """`DFlashRMSNorm` (through `F.rms_norm`, one kernel on CUDA) gives the float32 formula of Qwen3's RMSNorm bit
     for bit on the CPU, values and gradients, so CPU training and decoding are unchanged by it."""
-    from dflash_hf.modeling_dflash import DFlashRMSNorm
+    from dflash_hf.models.modeling_dflash import DFlashRMSNorm
 
     g = torch.Generator().manual_seed(0)
     for shape in ((3, 7, 64), (2, 5, 4, 16), (33, 576)):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import WhisperFeatureExtractor
 
-from dflash_hf.whisper_features import (
+from dflash_hf.targets.families.whisper_features import (
     AUDIO_WAVES_KEY,
     COMPACT_FEATURES_KEY,
     expand_window,
@@ -41,8 +41,12 @@ def test_declines_where_only_the_extractor_is_exact():
     near_end = [np.ones(4 * 16000 - 100, np.float32)]  # reaches the end reflection
     assert whisper_log_mel(fe, near_end, 16000) is None
     assert whisper_log_mel(fe, [np.ones(8000, np.float32)], 8000) is None  # the extractor raises on this rate
-    assert whisper_log_mel(WhisperFeatureExtractor(feature_size=80, chunk_length=4, dither=1.0),
-                           [np.ones(8000, np.float32)], 16000) is None
+    assert (
+        whisper_log_mel(
+            WhisperFeatureExtractor(feature_size=80, chunk_length=4, dither=1.0), [np.ones(8000, np.float32)], 16000
+        )
+        is None
+    )
     padded_otherwise = WhisperFeatureExtractor(feature_size=80, chunk_length=4, padding_value=0.5)
     assert whisper_log_mel(padded_otherwise, [np.ones(8000, np.float32)], 16000) is None  # it pads with 0.5
 
@@ -55,10 +59,17 @@ def _same(a, b):
         assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), k
 
 
-@pytest.mark.parametrize("kwargs", [dict(return_tensors="pt"), dict(return_attention_mask=True, padding="max_length"),
-                                    dict(return_attention_mask=True, return_tensors="pt"), dict(return_tensors="np")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(return_tensors="pt"),
+        dict(return_attention_mask=True, padding="max_length"),
+        dict(return_attention_mask=True, return_tensors="pt"),
+        dict(return_tensors="np"),
+    ],
+)
 def test_fast_extractor_call_equals_the_extractors_in_values_and_types(kwargs):
-    from dflash_hf.whisper_features import FastWhisperFeatureExtractor, with_fast_features
+    from dflash_hf.targets.families.whisper_features import FastWhisperFeatureExtractor, with_fast_features
 
     fe = WhisperFeatureExtractor(feature_size=80, chunk_length=4)
     rng = np.random.default_rng(1)
@@ -67,8 +78,10 @@ def test_fast_extractor_call_equals_the_extractors_in_values_and_types(kwargs):
     assert type(fast) is FastWhisperFeatureExtractor and type(fe) is WhisperFeatureExtractor  # the original untouched
     _same(fast(audios, sampling_rate=16000, **kwargs), fe(audios, sampling_rate=16000, **kwargs))
     _same(fast(audios[0], sampling_rate=16000, **kwargs), fe(audios[0], sampling_rate=16000, **kwargs))  # one clip
-    _same(fast(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}),
-          fe(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}))
+    _same(
+        fast(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}),
+        fe(audios, sampling_rate=16000, padding="longest", **{k: v for k, v in kwargs.items() if k != "padding"}),
+    )
 
 
 def test_very_short_clips_and_the_extractors_own_mask_default():
@@ -77,15 +90,18 @@ def test_very_short_clips_and_the_extractors_own_mask_default():
     for n in (1, 7, 160, 400, 1000, 1500, 2300):  # the longest clip of the batch under 0.1 s took other kernels
         for batch in ([n], [n, max(1, n // 3)]):
             audios = [rng.standard_normal(m).astype(np.float32) for m in batch]
-            assert torch.equal(whisper_log_mel(fe, audios, 16000),
-                               fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"]), batch
-    from dflash_hf.whisper_features import with_fast_features
+            assert torch.equal(
+                whisper_log_mel(fe, audios, 16000),
+                fe(audios, sampling_rate=16000, return_tensors="pt")["input_features"],
+            ), batch
+    from dflash_hf.targets.families.whisper_features import with_fast_features
 
     masked = WhisperFeatureExtractor(feature_size=80, chunk_length=4, return_attention_mask=True)
     fast = with_fast_features(type("P", (), {"feature_extractor": masked})()).feature_extractor
     audios = [rng.standard_normal(8000).astype(np.float32)]
-    _same(fast(audios, sampling_rate=16000, return_tensors="pt"), masked(audios, sampling_rate=16000,
-                                                                          return_tensors="pt"))
+    _same(
+        fast(audios, sampling_rate=16000, return_tensors="pt"), masked(audios, sampling_rate=16000, return_tensors="pt")
+    )
 
 
 def test_compact_calls_and_the_whole_window_rebuilt_from_them():
@@ -119,8 +135,9 @@ def test_waves_calls_give_the_extractors_features_where_the_target_computes_them
     frames = chunk_length * 100
     for _ in range(4):
         seconds = rng.uniform(0.01, 0.7 * chunk_length, size=rng.integers(1, 5))
-        audios = [rng.standard_normal(max(1, int(x * 16000))).astype(np.float32) * rng.uniform(0.01, 1)
-                  for x in seconds]
+        audios = [
+            rng.standard_normal(max(1, int(x * 16000))).astype(np.float32) * rng.uniform(0.01, 1) for x in seconds
+        ]
         out = fast(audios, sampling_rate=16000, return_tensors="pt")
         assert set(out) == {AUDIO_WAVES_KEY} and out[AUDIO_WAVES_KEY].dtype == torch.float32
         assert out[AUDIO_WAVES_KEY].shape[-1] < chunk_length * 16000  # not the whole window's samples
@@ -140,8 +157,13 @@ def test_only_the_standard_extractor_of_the_targets_bins_and_window_hands_on_wav
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 400)  # another window
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), 80, 3050)  # no whole seconds
     assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80), None, 3000)
-    for changed in (dict(n_fft=512), dict(hop_length=320), dict(dither=0.5), dict(sampling_rate=8000),
-                    dict(padding_value=0.5)):
+    for changed in (
+        dict(n_fft=512),
+        dict(hop_length=320),
+        dict(dither=0.5),
+        dict(sampling_rate=8000),
+        dict(padding_value=0.5),
+    ):
         assert not is_standard_extractor(WhisperFeatureExtractor(feature_size=80, **changed), 80, 3000), changed
     edited = WhisperFeatureExtractor(feature_size=80)
     edited.mel_filters = edited.mel_filters * 1.5  # a bank of its own: the target would compute other features

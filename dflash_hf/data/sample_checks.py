@@ -1,0 +1,284 @@
+"""Early validation of cuts (metadata and audio headers only, before any audio is decoded) and the token
+count each sample occupies in the decoder (audio positions after expansion + text tokens)."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from lhotse import CutSet
+
+from dflash_hf.data.bad_samples import BadSamples, origin_of
+from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key
+from dflash_hf.data.sources import audio_path_problem
+from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
+from dflash_hf.targets.families.registry import TargetFamily, audio_token_id
+
+NUM_TOKENS_KEY = "dflash_num_tokens"
+MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
+MAX_REMEMBERED_TEXT_CHARS = 1 << 25  # rendered conversations kept for later epochs' collation (about 32 MB of text)
+COUNT_CHUNK = 64  # cuts read ahead by `ValidatedCuts`, their counts made with one tokenizer call
+
+
+class SampleValidator:
+    """Checks one cut and stores its decoder token count in ``cut.custom["dflash_num_tokens"]``.
+
+    Checks: response text a non-empty string, context / system prompt strings; audio present, a non-empty
+    file, mono; offset/duration finite and inside the file (``duration_tolerance`` seconds of slack, for rounded
+    manifest durations: the cut is clipped to the file); sampling rate equal to the family's (or resampled when
+    ``resample_audio``); token count within ``max_tokens``. Each failure goes to ``bad`` (error, or counted
+    skip), named by the cut id and its source row."""
+
+    def __init__(
+        self,
+        renderer: ConversationRenderer,
+        family: TargetFamily,
+        target_config,
+        *,
+        max_tokens: int | None,
+        bad: BadSamples,
+        resample_audio: bool = True,
+        duration_tolerance: float = 0.05,
+    ):
+        self.renderer, self.family, self.target_config = renderer, family, target_config
+        self.max_tokens, self.bad = max_tokens, bad
+        self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
+        self.audio_id = audio_token_id(family, target_config)
+        self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
+        self._texts: dict[bytes, str] = {}  # their rendered conversations, as far as the cap allows
+        self._text_chars = 0
+        self._prefetched: dict[bytes, tuple[tuple[int, int], str]] = {}  # the last `prefetch_counts` chunk's
+        self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
+
+    def _report(self, cut, field: str, problem: str, fix: str) -> None:
+        self.bad.report(cut.id, field, problem, fix, origin=origin_of(cut))
+
+    def __call__(self, cut):
+        if not self._check_text(cut):
+            return None
+        if self.family.has_audio:
+            cut = self._check_audio(cut)
+            if cut is None:
+                return None
+        check = self.family.sample_problem  # the family's own checks (Whisper: language, one audio window)
+        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
+        if problem:
+            self._report(cut, *problem)
+            return None
+        (text_tokens, audio_positions), saved = self._counts_and_text(cut)
+        num_tokens = text_tokens + audio_positions
+        limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
+        if limit is not None and num_tokens > limit:
+            self._report(
+                cut,
+                "text",
+                f"the sample needs {num_tokens} decoder positions, more than the target's {limit}",
+                "shorten or split the transcript (or drop the sample)",
+            )
+            return None
+        if self.max_tokens is not None and num_tokens > self.max_tokens:
+            self._report_too_long(cut, text_tokens, audio_positions)
+            return None
+        cut.custom = dict(cut.custom or {})
+        cut.custom[NUM_TOKENS_KEY] = num_tokens
+        cut.custom.pop(RENDERED_TEXT_KEY, None)
+        if saved is not None:  # rendered to count it: the collation takes it instead of rendering again
+            cut.custom[RENDERED_TEXT_KEY] = saved
+        return cut
+
+    def _check_text(self, cut) -> bool:
+        """The response, context and system prompt are strings; the response is not empty."""
+        problem = self._text_problem(cut)
+        if problem:
+            self._report(cut, *problem)
+        return problem is None
+
+    def _text_problem(self, cut) -> tuple[str, str, str] | None:
+        """``(field, problem, fix)`` of `_check_text`, or None."""
+        if not cut.supervisions:
+            return "text", "the cut has no supervision", "give every cut a supervision with the text"
+        text = cut.supervisions[0].text
+        if text is not None and not isinstance(text, str):
+            return (
+                "text",
+                f"is not a string ({type(text).__name__} {text!r:.40})",
+                "write the response text as a string",
+            )
+        if text is None or not text.strip():
+            return "text", "the response text is empty", "remove the sample or fill in 'text'"
+        config = self.renderer.config
+        for key in (config.context_key, config.system_prompt_key):
+            value = (cut.custom or {}).get(key)
+            if value is not None and not isinstance(value, str):
+                return (
+                    key,
+                    f"is not a string ({type(value).__name__} {value!r:.40})",
+                    f"write '{key}' as a string, or leave it out",
+                )
+        return None
+
+    def _report_too_long(self, cut, text_tokens: int, audio_positions: int) -> None:
+        """Blame the part that needs more tokens: the rendered text or the audio (``duration``)."""
+        field = "text" if text_tokens >= audio_positions else "duration"
+        audio = f" + {audio_positions} audio positions for {cut.duration:.2f} s" if self.family.has_audio else ""
+        shorten = "shorten the text" if field == "text" else "split the audio into shorter cuts"
+        self._report(
+            cut,
+            field,
+            f"the sample needs {text_tokens + audio_positions} decoder tokens ({text_tokens} "
+            f"rendered text tokens{audio}), more than the batch budget max_tokens={self.max_tokens}",
+            f"{shorten}, or raise --max_tokens (--packing_max_tokens with --packing true)",
+        )
+
+    def _check_audio(self, cut):
+        report = functools.partial(self._report, cut)
+        rec = cut.recording
+        if rec is None:
+            report("audio_filepath", "the cut has no audio", "give every sample an audio file")
+            return None
+        for source in rec.sources:
+            problem = audio_path_problem(Path(source.source)) if source.type == "file" else None
+            if problem:
+                report("audio_filepath", problem, "point it at an audio file")
+                return None
+        if rec.num_samples <= 0 or rec.duration <= 0:
+            report(
+                "audio_filepath",
+                f"audio of recording {rec.id!r} has no samples (an empty or header-only file)",
+                "replace the file or remove the sample",
+            )
+            return None
+        if rec.num_channels != 1:
+            report(
+                "audio_filepath",
+                f"audio has {rec.num_channels} channels, targets take mono",
+                "downmix the file to mono",
+            )
+            return None
+        if not math.isfinite(cut.start) or cut.start < 0 or cut.start >= rec.duration:
+            report(
+                "offset",
+                f"offset {cut.start} s is outside the {rec.duration:.3f} s file",
+                "fix 'offset' (seconds from the start of the file)",
+            )
+            return None
+        if not math.isfinite(cut.duration) or cut.duration <= 0:
+            report("duration", f"duration {cut.duration} s is not a positive number", "fix 'duration'")
+            return None
+        overrun = cut.start + cut.duration - rec.duration
+        if overrun > self.duration_tolerance:
+            report(
+                "duration",
+                f"offset + duration = {cut.start + cut.duration:.3f} s runs past the end "
+                f"of the {rec.duration:.3f} s file",
+                "fix 'duration'/'offset' to lie inside the audio",
+            )
+            return None
+        if overrun > 0:
+            cut = cut.truncate(duration=rec.duration - cut.start)
+        if rec.sampling_rate != self.family.sampling_rate and not self.resample_audio:
+            report(
+                "sampling_rate",
+                f"audio is {rec.sampling_rate} Hz, the target takes {self.family.sampling_rate} Hz",
+                f"resample the file to {self.family.sampling_rate} Hz or pass --resample_audio true",
+            )
+            return None
+        return cut
+
+    def token_counts(self, cut) -> tuple[int, int]:
+        """``(text tokens, audio positions)`` of the rendered sample in the decoder (audio after expansion).
+        Remembered by what decides them (the conversation and the duration), so later epochs do not render and
+        tokenize again: the sampler runs this in the loader's main process, beside the training step."""
+        return self._counts_and_text(cut)[0]
+
+    def _counts_and_text(self, cut) -> tuple[tuple[int, int], tuple[bytes, str] | None]:
+        """`token_counts` and `(conversation_key, the rendered text they count)` (`RENDERED_TEXT_KEY`): made now, or
+        remembered with the counts (None past `MAX_REMEMBERED_TEXT_CHARS`: the collation renders it)."""
+        messages, key = conversation_key(cut, self.family, self.renderer.config)
+        counts = self._counts.get(key)
+        if counts is not None:
+            text = self._texts.get(key)
+            return counts, None if text is None else (key, text)
+        counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
+        if len(self._counts) < MAX_REMEMBERED_COUNTS:
+            self._counts[key] = counts
+            if self._text_chars + len(text) <= MAX_REMEMBERED_TEXT_CHARS:
+                self._texts[key] = text
+                self._text_chars += len(text)
+        return counts, (key, text)
+
+    def prefetch_counts(self, cuts) -> None:
+        """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
+        a count), for `token_counts` to find. Only cuts that can be counted are (`_countable`); the checks and their
+        reports stay with each cut's validation."""
+        todo: dict[bytes, tuple[list[dict], float, str]] = {}
+        for cut in filter(self._countable, cuts):
+            messages, key = conversation_key(cut, self.family, self.renderer.config)
+            if key in self._counts or key in todo:
+                continue
+            try:
+                text = self.renderer.render_text(messages)
+            except Exception:  # noqa: BLE001 - left to the cut's own validation, which raises or reports in order
+                continue
+            todo[key] = (messages, cut.duration, text)
+        self._prefetched = dict(zip(todo, self._count(*zip(*todo.values())))) if todo else {}
+
+    def _countable(self, cut) -> bool:
+        """Whether `cut` can be rendered and counted: string texts and, for audio, a usable duration. The family's
+        own checks are left to `__call__` (a cut they refuse is at worst counted for nothing; one whose render raises
+        is skipped in `prefetch_counts`)."""
+        if self._text_problem(cut):
+            return False
+        return not self.family.has_audio or (math.isfinite(cut.duration) and cut.duration > 0)
+
+    def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str]]:
+        """`(token_counts, rendered text)` of each conversation (rendered here where its text is None), the texts
+        tokenized together (a fast tokenizer tokenizes each text of a batch on its own: the same ids as one call a
+        text)."""
+        tokenizer = self.renderer.tokenizer
+        texts = [self.renderer.render_text(m) if t is None else t for m, t in zip(conversations, texts)]
+        if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
+            ids = [self.family.stream_ids(tokenizer, text) for text in texts]
+        else:
+            ids = [None] * len(texts)
+            for special in (True, False):  # as the collation adds them: not where a text holds the prefix already
+                rows = [i for i, text in enumerate(texts) if add_special_tokens_for(self._prefix, [text]) == special]
+                if rows:
+                    found = tokenizer([texts[i] for i in rows], add_special_tokens=special)["input_ids"]
+                    for i, row_ids in zip(rows, found):
+                        ids[i] = row_ids
+        return [(self._split_count(row_ids, duration), text) for row_ids, duration, text in zip(ids, durations, texts)]
+
+    def _split_count(self, ids: list[int], duration: float) -> tuple[int, int]:
+        if not self.family.has_audio:
+            return len(ids), 0
+        n_placeholders = sum(1 for i in ids if i == self.audio_id)
+        num_samples = round(duration * self.family.sampling_rate)
+        return len(ids) - n_placeholders, n_placeholders * self.family.audio_tokens(self.target_config, num_samples)
+
+    def count_tokens(self, cut) -> int:
+        """Decoder positions of the rendered sample: text tokens + audio positions after expansion."""
+        return sum(self.token_counts(cut))
+
+
+class ValidatedCuts:
+    """Lazy, re-iterable: the cuts of ``cuts`` that pass ``validator`` (with token counts attached)."""
+
+    def __init__(self, cuts: Iterable, validator: SampleValidator):
+        self.cuts, self.validator = cuts, validator
+
+    def __iter__(self) -> Iterator:
+        cuts = iter(self.cuts)
+        while chunk := list(itertools.islice(cuts, COUNT_CHUNK)):
+            self.validator.prefetch_counts(chunk)
+            for cut in chunk:
+                checked = self.validator(cut)
+                if checked is not None:
+                    yield checked
+
+
+def validated_cutset(cuts: Iterable, validator: SampleValidator) -> CutSet:
+    return CutSet(ValidatedCuts(cuts, validator))

@@ -1,0 +1,381 @@
+"""Draft checkpoints in and out: strict warm start, export, conversion (publishing is `hub.py`'s).
+
+- :func:`load_draft_strict`: weights-only warm start from a draft export (docs/ARCHITECTURE.md). Every missing,
+  unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
+- :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
+- :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlash2Fields, DFlashConfig
+from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+from dflash_hf.training.adaptation import is_peft_model, merged_draft, peft_model
+
+logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages have always been logged under
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Files a draft export may hold besides its weights; anything else is noted and ignored on load.
+REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
+EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json")
+# safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
+QUANT_FILES = ("hf_quant_config.json", "quant_config.json", "quantize_config.json")
+
+
+# ------------------------------------------------------------------------------------------------
+# Warm start: strict weights-only loading
+# ------------------------------------------------------------------------------------------------
+def _quantized_error(path: Path, reason: str) -> ValueError:
+    return ValueError(
+        f"{path} is a quantized draft export ({reason}); warm start needs a BF16 or FP32 export of the "
+        "draft (save the unquantized draft with save_pretrained, or dequantize it first)"
+    )
+
+
+def resolve_draft_dir(path: str | Path) -> Path:
+    """A local export directory, or a Hub repo id already in the local cache (no download)."""
+    local = Path(path)
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise NotADirectoryError(f"init_from_pretrained={str(path)!r} is a file; give the draft export directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(path), local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as err:
+        raise FileNotFoundError(
+            f"init_from_pretrained={str(path)!r} is neither a local directory nor a Hub repo in the local cache; "
+            f"download it first (`hf download {path}`) or pass the export directory"
+        ) from err
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from `file`; invalid JSON is an error naming the file and line."""
+    try:
+        raw = json.loads(file.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not UTF-8 text ({err}); it is not a DFlash draft export's JSON") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); restore or re-export it"
+        ) from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore or re-export it")
+    return raw
+
+
+def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
+    raw = _read_json(config_file)
+    for key in QUANT_CONFIG_KEYS:
+        if raw.get(key):
+            method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
+            raise _quantized_error(directory, f"config.json has `{key}` (quant_method={method})")
+    for name in QUANT_FILES:
+        if (directory / name).is_file():
+            raise _quantized_error(directory, f"it ships {name}")
+    archs = raw.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES.values()]
+    if len(known) != 1:
+        raise ValueError(
+            f"{config_file}: `architectures` is {archs}; a draft export names exactly one of "
+            f"{sorted(ARCHITECTURES.values())}"
+        )
+    dflash_config = raw.get("dflash_config")
+    if not isinstance(dflash_config, dict):
+        raise ValueError(f"{config_file} has no `dflash_config` object; it is not a DFlash draft export")
+    saved_block = raw.get("block_size", dflash_config.get("block_size"))
+    if saved_block is None:
+        raise ValueError(
+            f"{config_file} has neither top-level `block_size` nor `dflash_config.block_size`; "
+            "pass block_size explicitly"
+        )
+    config = DFlashConfig.from_dict({**raw, "block_size": int(saved_block)})
+    if block_size is not None and block_size != config.block_size:
+        logger.info("Warm start: block_size %d (saved) -> %d (weights do not depend on it)", saved_block, block_size)
+        config.set_block_size(block_size)
+    config.validate_dflash()
+    return config
+
+
+def weight_file_paths(directory: Path) -> list[Path]:
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no `weight_map`; the sharded export is incomplete")
+        shards = sorted(set(weight_map.values()))
+        absent = [s for s in shards if not (directory / s).is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} lists shards that are not in {directory}: {absent}")
+        return [directory / s for s in shards]
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    hint = f" (found {others}: re-export with save_pretrained(safe_serialization=True))" if others else ""
+    raise FileNotFoundError(f"{directory} has no {WEIGHTS_NAME} or {WEIGHTS_INDEX_NAME}{hint}")
+
+
+def _note_extra_files(directory: Path, weight_files: list[Path]) -> None:
+    known = set(EXPORT_FILES) | {WEIGHTS_INDEX_NAME} | {p.name for p in weight_files}
+    extra = sorted(p.name for p in directory.iterdir() if p.name not in known and not p.name.startswith("."))
+    if extra:
+        logger.warning("Warm start from %s: ignoring non-weight files %s", directory, extra)
+
+
+def _open_weights(file: Path):
+    """`safe_open` of one weight file; a truncated or corrupt file is an error naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as err:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({err}); it is truncated or corrupt: copy or export "
+            "the draft again"
+        ) from err
+
+
+def _weight_dtypes(directory: Path, weight_files: list[Path]) -> dict[str, str]:
+    """name -> safetensors dtype of every tensor (headers only); quantized/packed dtypes are refused."""
+    dtypes: dict[str, str] = {}
+    where: dict[str, Path] = {}
+    packed = []
+    for file in weight_files:
+        with _open_weights(file) as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    packed.append(f"{name} ({dtype})")
+                if name in dtypes:
+                    raise ValueError(f"tensor {name!r} appears in both {where[name].name} and {file.name}")
+                dtypes[name], where[name] = dtype, file
+    if packed:
+        more = f" and {len(packed) - 5} more" if len(packed) > 5 else ""
+        raise _quantized_error(directory, f"tensors in packed/quantized dtypes: {', '.join(packed[:5])}{more}")
+    return dtypes
+
+
+def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, torch.Tensor]:
+    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded."""
+    _weight_dtypes(directory, weight_files)
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        with _open_weights(file) as f:
+            for name in f.keys():
+                try:
+                    state[name] = f.get_tensor(name)
+                except SafetensorError as err:
+                    raise ValueError(f"{file}: tensor {name!r} cannot be read ({err}); export the draft again") from err
+    return state
+
+
+def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlashConfig:
+    """Cheap checks of a warm-start export before anything expensive runs: the directory, `config.json`
+    (valid JSON, a DFlash config) and the weight files' headers (readable, not quantized). Its config."""
+    directory = resolve_draft_dir(path)
+    config = _read_draft_config(directory, block_size)
+    _weight_dtypes(directory, weight_file_paths(directory))
+    return config
+
+
+def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
+    """`DFlashDraftModel` or `DFlash2DraftModel`, from `config.architectures`."""
+    return DFlash2DraftModel if config.variant == "dflash2" else DFlashDraftModel
+
+
+def check_warm_start(
+    config: DFlashConfig,
+    *,
+    variant: str,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    vocab_size: int | None = None,
+    source: str = "init_from_pretrained",
+) -> None:
+    """The warm-started draft keeps its architecture, taps and mask id: explicit settings must agree.
+    `vocab_size`: the target's embedding rows; a draft trained against another vocabulary is refused."""
+    if config.variant != variant:
+        raise ValueError(
+            f"{source} is a {ARCHITECTURES[config.variant]} but variant={variant!r}; set variant: {config.variant} "
+            "(a warm start keeps the saved architecture)"
+        )
+    if target_layer_ids is not None and list(target_layer_ids) != config.target_layer_ids:
+        raise ValueError(
+            f"target_layer_ids={list(target_layer_ids)} differs from the warm-started draft's taps "
+            f"{config.target_layer_ids}; drop target_layer_ids (fc.weight is tied to the saved taps)"
+        )
+    if mask_token_id is not None and mask_token_id != config.mask_token_id:
+        raise ValueError(
+            f"mask_token_id={mask_token_id} differs from the warm-started draft's {config.mask_token_id}; "
+            "drop mask_token_id or use the saved one"
+        )
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise ValueError(
+            f"{source} was trained against a target with vocab_size {config.vocab_size}, but this target's "
+            f"embedding has {vocab_size} rows; warm start from a draft of this target (same tokenizer and "
+            "embedding), or train a new draft"
+        )
+
+
+def check_warm_start_sizes(
+    config: DFlashConfig, given: dict[str, int], defaults: dict[str, int], source: str = "init_from_pretrained"
+) -> None:
+    """Draft sizes (`num_draft_layers`, the DFlash2 fields) come from the warm-started export. A value given that
+    differs from both the export's and the default is refused (it cannot be honoured); a default that differs
+    from the export's is logged as replaced by the export's."""
+    saved = {"num_draft_layers": config.num_hidden_layers}
+    if config.variant == "dflash2":
+        saved.update(DFlash2Fields.of(config.dflash_config).as_dict())
+    for name, value in saved.items():
+        if name not in given or given[name] == value:
+            continue
+        if given[name] != defaults.get(name):
+            raise ValueError(
+                f"{name}={given[name]} differs from the warm-started draft's {value} ({source} keeps "
+                f"its architecture); drop {name} or set it to {value}"
+            )
+        logger.info("%s: %s=%s from the export (not the default %s)", source, name, value, given[name])
+
+
+def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
+    """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
+
+    Strict: every missing, unexpected or wrongly shaped tensor is named in one error. Quantized exports
+    (a `quantization_config`, or tensors in packed/quantized dtypes) are refused. `block_size`, when
+    given, replaces the saved block size (no weight depends on it) and is what a later export writes.
+    Returns the draft in float32 (or the saved float dtype's values cast to float32), in train mode.
+    """
+    directory = resolve_draft_dir(path)
+    config = _read_draft_config(directory, block_size)
+    weight_files = weight_file_paths(directory)
+    _note_extra_files(directory, weight_files)
+    state = _read_state_dict(directory, weight_files)
+    model = draft_class_for(config)(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs draft {tuple(expected[k].shape)}"
+        for k in set(expected) & set(state)
+        if state[k].shape != expected[k].shape
+    )
+    if missing or unexpected or wrong:
+        parts = [
+            f"{label} ({len(names)}): {names}"
+            for label, names in (
+                ("missing tensors", missing),
+                ("unexpected tensors", unexpected),
+                ("wrongly shaped tensors", wrong),
+            )
+            if names
+        ]
+        raise ValueError(
+            f"strict warm start from {directory} failed for {config.architectures[0]} "
+            f"(hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_taps} taps); "
+            + "; ".join(parts)
+        )
+    model.load_state_dict(state, strict=True)
+    return model.train()
+
+
+# ------------------------------------------------------------------------------------------------
+# Export and conversion
+# ------------------------------------------------------------------------------------------------
+EXPORT_FILE_MODE = 0o644  # readable by a serving process running as another user
+
+
+def make_readable(export_dir: Path) -> None:
+    """Give every file of an export mode 0644 (safetensors writes weights as 0600)."""
+    for path in export_dir.iterdir():
+        if path.is_file():
+            path.chmod(EXPORT_FILE_MODE)
+
+
+def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
+    so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    config = copy.deepcopy(base.config)
+    fresh = draft_class_for(config)(config)
+    if peft:
+        fresh = peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+    dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
+    fresh.to(dtype).load_state_dict(state_dict, strict=True)
+    return fresh
+
+
+def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
+    remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft.
+    `state_dict`: the model's full state dict gathered elsewhere (FSDP), exported instead of its own tensors."""
+    draft = merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))
+    if not isinstance(draft, DFlashDraftModel):
+        raise TypeError(f"export_draft needs a DFlash draft (or its PeftModel), got {type(draft).__name__}")
+    export_dir = Path(export_dir)
+    draft.save_pretrained(export_dir, safe_serialization=True)
+    make_readable(export_dir)
+    return export_dir
+
+
+def convert_dflash_to_dflash2(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    **dflash2_fields: int,
+) -> Path:
+    """Bootstrap a DFlash2 draft from a DFlash export (the DFlash2 init of docs/ARCHITECTURE.md): every DFlash
+    tensor copied unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor
+    codebook. `dflash2_fields`: any of `DFlash2Fields` (`conv_kernel_size`, ...; defaults there). The result
+    computes exactly the source's hidden states and greedy proposals, is written in the source's float dtype,
+    and loads strictly. Returns `out_dir`."""
+    source_model = load_draft_strict(source)
+    config = copy.deepcopy(source_model.config)
+    if config.variant != "dflash":
+        raise ValueError(f"{source} is already a {ARCHITECTURES[config.variant]}; conversion needs a DFlash export")
+    config.architectures = [ARCHITECTURES["dflash2"]]
+    config.dflash_config.update(DFlash2Fields(**dflash2_fields).as_dict())
+    config.validate_dflash()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = draft_class_for(config)(config)
+    missing, unexpected = model.load_state_dict(source_model.state_dict(), strict=False)
+    new_only = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+    foreign = [k for k in missing if not any(part in k for part in new_only)]
+    if unexpected or foreign:
+        raise ValueError(f"{source}: tensors do not map onto DFlash2 (unexpected {unexpected}, unfilled {foreign})")
+    dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    out_dir = Path(out_dir)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    make_readable(out_dir)
+    return out_dir
+
+
+__all__ = [
+    "load_draft_strict",
+    "check_warm_start",
+    "check_warm_start_sizes",
+    "check_draft_export",
+    "export_draft",
+    "resolve_draft_dir",
+    "draft_class_for",
+    "convert_dflash_to_dflash2",
+    "weight_file_paths",
+]

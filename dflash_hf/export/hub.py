@@ -1,0 +1,264 @@
+"""Publishing a draft export: the generated model card and the push to the Hub.
+
+- :func:`push_draft_to_hub`: upload exactly the serving files plus a generated model card
+  (:func:`build_model_card`); `dry_run_dir` writes that folder instead, offline.
+
+Loading, export and conversion live in `dflash_hf.export.drafts`; their names are re-exported here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_hf.export.drafts import (
+    REMOTE_CODE_FILES,
+    WEIGHTS_INDEX_NAME,
+    check_draft_export,
+    check_warm_start,
+    convert_dflash_to_dflash2,
+    draft_class_for,
+    export_draft,
+    load_draft_strict,
+    resolve_draft_dir,
+    weight_file_paths,
+)
+from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------
+# Publishing: model card and push
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class DraftCardInfo:
+    """What the model card says beyond the draft's own config (taps, mask id, block size, variant).
+
+    Args:
+        target_id: Hub id (or name) of the frozen target the draft was trained against.
+        target_revision: the target's revision (commit or tag) the draft was trained against.
+        data_summary: training data in a sentence or two (sources, hours or samples, label source).
+        tau_est: validation expected acceptance length (`eval_tau_est` of `DFlashTrainer.evaluate`).
+        tau: measured acceptance length of speculative decoding (`speculative_generate(...).tau`).
+        eval_name: what tau_est / tau were measured on.
+        license: license id for the card metadata (the target's license usually applies).
+    """
+
+    target_id: str
+    target_revision: str | None = None
+    data_summary: str = ""
+    tau_est: float | None = None
+    tau: float | None = None
+    eval_name: str | None = None
+    license: str | None = None
+
+    def validate(self, block_size: int) -> None:
+        if not self.target_id:
+            raise ValueError("card_info.target_id is empty: give the Hub id of the target the draft accelerates")
+        for name in ("tau_est", "tau"):
+            value = getattr(self, name)
+            if value is not None and not 1.0 <= value <= block_size:
+                raise ValueError(
+                    f"card_info.{name}={value} is outside [1, block_size={block_size}]: acceptance length counts "
+                    "accepted draft tokens plus the bonus token"
+                )
+
+
+def _fmt(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.3f}"
+
+
+_CONTRACT_SERVING = (
+    "The files follow the published DFlash draft contract (`config.json` with `block_size` and `dflash_config`,\n"
+    "`model.safetensors`, remote code), so engines that load DFlash drafts load this one unchanged."
+)
+_ENCODER_CONTEXT_SERVING = (
+    "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
+    "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Engines that implement the contract cannot\n"
+    "serve it; decode it with `dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`). The\n"
+    "engine configs below are what a contract draft would use; they do not apply to this one."
+)
+
+
+def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
+    """README.md of a published draft: metadata, draft facts, data, validation tau, how to serve it."""
+    variant = ARCHITECTURES[config.variant]
+    target = f"`{info.target_id}`" + (f" (revision `{info.target_revision}`)" if info.target_revision else "")
+    revision_arg = f', revision="{info.target_revision}"' if info.target_revision else ""
+    revision_flag = f" --revision {info.target_revision}" if info.target_revision else ""
+    meta = ["---", "library_name: transformers", f"base_model: {info.target_id}"]
+    if info.license:
+        meta.append(f"license: {info.license}")
+    meta += ["tags:", "- dflash", "- speculative-decoding", "- draft-model", "- dflash_hf", "---"]
+    rows = [
+        ("variant", f"{'DFlash2' if config.variant == 'dflash2' else 'DFlash'} (`{variant}`)"),
+        ("target", target),
+        ("block size", str(config.block_size)),
+        ("mask token id", str(config.mask_token_id)),
+        ("target layer taps", f"{config.target_layer_ids} of {config.num_target_layers} decoder layers"),
+        ("draft layers / hidden size", f"{config.num_hidden_layers} / {config.hidden_size}"),
+    ]
+    if config.variant == "dflash2":
+        dc = config.dflash_config
+        rows.append(("convolution (kernel, group)", f"{dc['conv_kernel_size']}, {dc['conv_group_size']}"))
+        rows.append(("path selector (rank, top-k)", f"{dc['selector_rank']}, {dc['selector_top_k']}"))
+    if config.encoder_context:
+        rows.append(
+            (
+                "encoder context (outside the contract)",
+                f"cross-attention to {config.encoder_hidden_size}-wide target encoder frames in every layer",
+            )
+        )
+    header = "\n".join(meta)
+    draft_table = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    measured_on = f" ({info.eval_name})" if info.eval_name else ""
+    spec_tokens = config.block_size - 1
+    serving = _CONTRACT_SERVING if not config.encoder_context else _ENCODER_CONTEXT_SERVING
+    return f"""{header}
+
+# {repo_id.split("/")[-1]}
+
+A {variant} block-diffusion speculative-decoding draft for `{info.target_id}`, trained with `dflash_hf`.
+Each step it proposes up to {spec_tokens} tokens from features of the frozen target, which verifies them:
+outputs are exactly the target's (greedy) or follow its distribution (sampling).
+
+## Draft
+
+| field | value |
+| --- | --- |
+{draft_table}
+
+The checkpoint holds draft weights only: no embedding and no lm_head. Block ids are embedded with the
+target's `embed_tokens`, and draft logits come from the target's `lm_head`.
+
+## Training data
+
+{info.data_summary or "Not described."}
+
+## Validation
+
+| metric{measured_on} | value |
+| --- | --- |
+| tau_est (expected acceptance length, block {config.block_size}) | {_fmt(info.tau_est)} |
+| tau (measured acceptance length of speculative decoding) | {_fmt(info.tau)} |
+
+Acceptance length = accepted draft tokens + 1 bonus token per draft/verify cycle, in [1, {config.block_size}].
+
+## Serving
+
+{serving}
+
+A vLLM-style speculative config:
+
+```bash
+vllm serve {info.target_id}{revision_flag} \\
+  --speculative-config '{{"method": "dflash", "model": "{repo_id}", "num_speculative_tokens": {spec_tokens}}}'
+```
+
+SGLang-style:
+
+```bash
+python -m sglang.launch_server --model-path {info.target_id}{revision_flag} \\
+  --speculative-algorithm DFLASH --speculative-draft-model-path {repo_id} \\
+  --speculative-num-draft-tokens {config.block_size}
+```
+
+With `dflash_hf` (without it: `AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)`):
+
+```python
+from transformers import AutoModelForCausalLM, AutoProcessor  # or the target's audio-LLM class
+from dflash_hf import {variant}, speculative_generate
+
+draft = {variant}.from_pretrained("{repo_id}")
+target = AutoModelForCausalLM.from_pretrained("{info.target_id}"{revision_arg})
+processor = AutoProcessor.from_pretrained("{info.target_id}"{revision_arg})
+inputs = processor(...)  # one prompt (text and/or audio), exactly as for target.generate
+out = speculative_generate(draft, target, max_new_tokens=256, **inputs)
+print(out.sequences, sum(out.acceptance_lengths) / len(out.acceptance_lengths))
+```
+"""
+
+
+def _stage_upload(export_dir: Path, staging: Path, config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> None:
+    """Copy exactly the files serving needs into `staging`, plus the generated README.md."""
+    weights = weight_file_paths(export_dir)
+    index = [export_dir / WEIGHTS_INDEX_NAME] if (export_dir / WEIGHTS_INDEX_NAME).is_file() else []
+    code = [export_dir / name for name in REMOTE_CODE_FILES]
+    absent = [p.name for p in code if not p.is_file()]
+    if absent or "auto_map" not in json.loads((export_dir / "config.json").read_text()):
+        raise FileNotFoundError(
+            f"{export_dir} lacks remote code ({absent or 'config.json auto_map'}) that lets AutoModel load the "
+            "draft; re-export it with dflash_hf.export.drafts.export_draft (save_pretrained)"
+        )
+    files = [export_dir / "config.json", *code, *index, *weights]
+    skipped = sorted({p.name for p in export_dir.iterdir()} - {p.name for p in files} - {"README.md"})
+    if skipped:
+        logger.warning("push_draft_to_hub: not uploading %s from %s", skipped, export_dir)
+    staging.mkdir(parents=True, exist_ok=True)
+    for p in files:
+        shutil.copy2(p, staging / p.name)
+    (staging / "README.md").write_text(build_model_card(config, repo_id, info))
+
+
+def push_draft_to_hub(
+    export_dir: str | Path,
+    repo_id: str,
+    *,
+    card_info: DraftCardInfo,
+    dry_run_dir: str | Path | None = None,
+    private: bool = False,
+    token: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Publish a draft export with a generated model card.
+
+    The export is first validated as a strict warm start would (contract tensors only, no quantized
+    weights). Uploaded: config.json, the weights, the remote code (`REMOTE_CODE_FILES`), README.md;
+    other files of the export dir are not. With `dry_run_dir`, the exact folder is written there and
+    nothing touches the network. Returns the commit URL (or the dry-run folder).
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import validate_repo_id
+
+    validate_repo_id(repo_id)
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise FileNotFoundError(f"export_dir={str(export_dir)!r} is not a directory; run export_draft first")
+    config = load_draft_strict(export_dir).config
+    card_info.validate(config.block_size)
+    if dry_run_dir is not None:
+        dry_run_dir = Path(dry_run_dir)
+        if dry_run_dir.exists() and any(dry_run_dir.iterdir()):
+            raise FileExistsError(f"dry_run_dir={str(dry_run_dir)!r} is not empty; give a new or empty folder")
+        _stage_upload(export_dir, dry_run_dir, config, repo_id, card_info)
+        return str(dry_run_dir)
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as tmp:
+        _stage_upload(export_dir, Path(tmp), config, repo_id, card_info)
+        api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            repo_type="model",
+            commit_message=commit_message or f"Upload {ARCHITECTURES[config.variant]} for {card_info.target_id}",
+        )
+    return commit.commit_url
+
+
+__all__ = [
+    "load_draft_strict",
+    "check_warm_start",
+    "check_draft_export",
+    "export_draft",
+    "resolve_draft_dir",
+    "draft_class_for",
+    "convert_dflash_to_dflash2",
+    "DraftCardInfo",
+    "build_model_card",
+    "push_draft_to_hub",
+]

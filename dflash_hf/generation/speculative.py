@@ -1,0 +1,480 @@
+"""Draft/verify speculative decoding against the (audio) target (README, "Use the exported draft").
+
+One cycle: the draft proposes `B-1` tokens for the block `[x_a, M, ..., M]` at positions
+`a..a+B-1` from the target features of every position `< a` (kept as a draft KV cache), the target
+verifies the block in one forward, the longest agreeing prefix plus the target's bonus token is
+appended, and the features of the verified positions join the draft context. Decoding stops at the first
+stop token anywhere among a cycle's accepted tokens; the cycle's acceptance length counts only the tokens up
+to and including it.
+
+The target's scores go through its logits processors before any decision (Whisper's suppressed and
+begin-suppressed tokens, and the temperature when sampling), so greedy decoding is exactly the target's
+greedy `generate`, and at `temperature > 0` rejection sampling keeps the target's distribution (Leviathan et
+al.). Encoder-decoder targets (Whisper) decode through their own `generate` with
+:class:`DFlashCustomGenerate` as `custom_generate`: the prompt, processors, stopping criteria and encoder
+output are the model's own; the encoder runs once per utterance and the cross-attention cache is kept for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
+
+from dflash_hf.generation.static_draft import fixed_draft_step
+from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
+from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
+    FirstStop,
+    _accept,
+    _criteria_stop,
+    _eos_ids,
+    _pick,
+    _processed,
+    _stop_at,
+    accept_tokens,
+    max_new_tokens_given,
+    propose_block,
+    with_cached_masks,
+)
+from dflash_hf.targets.frozen import FrozenTarget
+
+
+@dataclass
+class SpeculativeOutput:
+    sequences: torch.LongTensor  # [1, prompt + new]
+    acceptance_lengths: list[int] = field(default_factory=list)  # accepted draft tokens + 1 per cycle
+    num_target_forwards: int = 0
+    draft_step: str = "eager"  # how the draft ran: "cuda graph", "fixed-shape, no graph" or "eager"
+    verify_step: str = "eager"  # how the target verified: the same three (`verify_cuda_graph`)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions (a negative argument means "remove" in every transformers 5.x). An
+    encoder-decoder cache crops its self-attention part only: the cross-attention cache stays."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+@dataclass
+class _Verifier:
+    """How the target runs one decoding forward: its ids keyword (`input_ids`, or `decoder_input_ids` for an
+    encoder-decoder target), keywords kept for every forward (the encoder output), and its KV cache."""
+
+    target: FrozenTarget
+    layer_ids: list[int]
+    ids_key: str
+    cache: object
+    step_kwargs: dict = field(default_factory=dict)
+    forwards: int = 0
+    draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
+    verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
+
+    def __call__(self, **kwargs):
+        self.forwards += 1
+        out, feats = self.target.tapped_forward(
+            self.layer_ids, past_key_values=self.cache, use_cache=True, **self.step_kwargs, **kwargs
+        )
+        return out.logits[0], feats.taps
+
+    def step(self, ids: torch.Tensor):
+        return self(**{self.ids_key: ids})
+
+
+class _Positions:
+    """Decoder positions `[1, n]` as slices of one `arange`, made once and grown by doubling (no new tensor per
+    cycle)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.all = torch.arange(0, device=device)[None]
+
+    def span(self, start: int, stop: int) -> torch.Tensor:
+        if stop > self.all.shape[1]:
+            self.all = torch.arange(max(stop, 2 * self.all.shape[1]), device=self.device)[None]
+        return self.all[:, start:stop]
+
+
+def _decode(
+    draft,
+    verifier: _Verifier,
+    prefill: dict,
+    prompt: torch.Tensor,
+    *,
+    processors: LogitsProcessorList,
+    sample: bool,
+    draft_temperature: float,
+    first_stop: FirstStop,
+    max_positions: int | None,
+    generator,
+    max_length: int | None = None,
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
+    `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
+    when `sample`); `first_stop` finds the first new token that ends decoding.
+    `max_positions` caps decoder positions (Whisper's 448), `max_length` the token count (prompt included) where
+    decoding stops. `draft_cuda_graph` (greedy only): None = on when decoding on a GPU and the decode's positions are
+    bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
+    (`dflash_hf.generation.static_draft`). `verify_cuda_graph`: the target's verify as a fixed-shape forward, the
+    same three
+    ways (`dflash_hf.generation.static_verify`). Returns the sequence and acceptance lengths."""
+    ft = verifier.target
+    cfg = draft.config
+    bsz, mask_id = cfg.block_size, cfg.mask_token_id
+    dev = prompt.device
+    draft_dtype = next(draft.parameters()).dtype
+    target_t = 1.0 if sample else 0.0  # scores already carry the temperature
+    processors = with_cached_masks(processors)  # suppression masks built once per decode, not per cycle
+    dcache = DynamicCache()
+    draft_kwargs = {}
+    if cfg.encoder_context:  # the opt-in outside the contract: the draft reads the encoder frames, once per utterance
+        encoder_outputs = verifier.step_kwargs.get("encoder_outputs")
+        if encoder_outputs is None:
+            raise ValueError(
+                "this draft attends to encoder frames (dflash_config.encoder_hidden_size), but the target "
+                "is not an encoder-decoder model; use a draft without encoder context"
+            )
+        draft_kwargs = {"encoder_hidden_states": encoder_outputs[0], "encoder_cache": {}}  # keys/values kept
+
+    if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
+        prefill = {**prefill, "logits_to_keep": 1}
+    if verify_cuda_graph:
+        check_verify_step(
+            ft, bsz, verifier.step_kwargs, sample=sample, max_positions=max_positions, max_length=max_length
+        )
+    logits, pending = verifier(**prefill)
+    scores = _processed(processors, prompt, logits[-1:])
+    nxt, _ = _pick(scores, target_t, generator)
+    # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
+    # and the first decoder position of `pending` (the draft's positions run from there to the block's end).
+    anchor, pending_start = int(nxt), 0
+    positions = _Positions(dev)
+    masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
+    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
+    expansion = pending.shape[1] - prompt.shape[1]
+    # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
+    fixed_verify = fixed_verify_step(
+        verify_cuda_graph,
+        ft,
+        verifier.layer_ids,
+        bsz,
+        verifier.cache,
+        verifier.step_kwargs,
+        sample=sample,
+        max_positions=max_positions,
+        max_length=max_length,
+        expansion=expansion,
+    )
+    if fixed_verify is not None:
+        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
+    static = fixed_draft_step(
+        draft_cuda_graph,
+        draft,
+        ft,
+        bsz,
+        draft_kwargs.get("encoder_hidden_states"),
+        device=dev,
+        sample=sample,
+        max_positions=max_positions,
+        max_length=max_length,
+        expansion=expansion,
+    )
+    if static is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
+        verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
+    seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
+    accepted: list[int] = []
+    stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
+    while not stopped:
+        a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
+        width = bsz if max_positions is None else min(bsz, max_positions - a)
+        anchor_ids = seq[:, -1:]
+        if static is not None:  # a whole block always (its slots past `width` are not verified)
+            proposal, q = static.propose(ft, pending, pending_start, anchor_ids)[: width - 1], None
+        else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
+            block_ids = torch.cat([anchor_ids, masks], dim=1)
+            pos = positions.span(pending_start, a + bsz)  # the pending features' positions, then the block's
+            hidden = draft(
+                position_ids=pos,
+                noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
+                target_hidden=pending.to(draft_dtype),
+                past_key_values=dcache,
+                use_cache=True,
+                **draft_kwargs,
+            )[0]
+            crop_cache(dcache, a)  # keep the context, drop the block
+            proposal, q = propose_block(
+                draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample else 0.0, generator
+            )
+            proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
+        verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
+        if fixed_verify is None:
+            logits, feats = verifier.step(verify_ids)
+        else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
+            logits, feats = fixed_verify.verify(ft, verify_ids, a)
+            verifier.forwards += 1
+        scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
+        k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
+        if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
+            crop_cache(verifier.cache, a + k + 1)
+        grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
+        stop = first_stop(grown, length, scores, new_ids)  # the first stop token anywhere among the accepted ones
+        stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
+        seq = grown[:, : length + kept]
+        accepted.append(kept)
+        anchor, pending, pending_start = new_ids[kept - 1], feats[:, : k + 1], a
+    return seq, accepted
+
+
+def _check_one_prompt(ids: torch.Tensor) -> None:
+    if ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one prompt at a time; got batch {ids.shape[0]}")
+
+
+@torch.no_grad()
+def speculative_generate(
+    draft,
+    target,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
+    **target_inputs,
+) -> SpeculativeOutput:
+    """Decode one prompt with draft proposals verified by the target.
+
+    `target` is the HF model (text or audio); `target_inputs` exactly what its processor returns for
+    one prompt (`input_ids`, `attention_mask`, `input_features`, ...). Encoder-decoder targets (Whisper) take
+    `input_features` and optionally `decoder_input_ids` (default: the prompt the target's `generate` forces);
+    their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
+    returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
+    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.static_draft`);
+    the output
+    is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
+    three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    if ft.family.expansion != "model":
+        # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
+        # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
+        return _through_generate(
+            draft, ft, max_new_tokens, temperature, generator, target_inputs, draft_cuda_graph, verify_cuda_graph
+        )
+    # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
+    # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
+    input_ids = target_inputs["input_ids"]
+    _check_one_prompt(input_ids)
+    eos = _eos_ids(ft)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
+    verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
+    seq, accepted = _decode(
+        draft,
+        verifier,
+        ft.cast_features(target_inputs),
+        input_ids,
+        processors=processors,
+        sample=temperature > 0,
+        draft_temperature=temperature,
+        first_stop=_stop_at(eos, input_ids.shape[1] + max_new_tokens),
+        max_positions=None,
+        generator=generator,
+        max_length=input_ids.shape[1] + max_new_tokens,
+        draft_cuda_graph=draft_cuda_graph,
+        verify_cuda_graph=verify_cuda_graph,
+    )
+    return SpeculativeOutput(
+        sequences=seq,
+        acceptance_lengths=accepted,
+        num_target_forwards=verifier.forwards,
+        draft_step=verifier.draft_step,
+        verify_step=verifier.verify_step,
+    )
+
+
+@torch.no_grad()
+def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.LongTensor:
+    """Plain greedy decoding of a model-side single-placeholder target (legacy Qwen2-Audio / SALM layout), the
+    baseline its speculative decoding must equal: transformers' `generate` drops the 2D mask the audio merge needs
+    (an error, or another sequence, depending on the version), so this is the target's own forward with a KV cache,
+    one token a step, ending at an end token of its configs or after `max_new_tokens`. Token-equal to one full
+    forward per token (tested). Returns prompt ids + new tokens `[1, L + n]`."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    input_ids = target_inputs["input_ids"]
+    _check_one_prompt(input_ids)
+    eos = _eos_ids(ft)
+    cache = DynamicCache()
+    prefill = {**ft.cast_features(target_inputs), "past_key_values": cache, "use_cache": True}
+    if ft.keeps_last_logits_only:
+        prefill["logits_to_keep"] = 1
+    logits = ft.model(**prefill).logits
+    new: list[int] = []
+    while True:
+        token = logits[0, -1].argmax(-1)
+        new.append(int(token))
+        if new[-1] in eos or len(new) >= max_new_tokens:
+            break
+        logits = ft.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
+    return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+
+
+def _through_generate(
+    draft,
+    ft: FrozenTarget,
+    max_new_tokens,
+    temperature,
+    generator,
+    target_inputs,
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
+):
+    """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
+    processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
+    key = ft.family.audio_kwargs[0] if ft.is_encoder_decoder else "input_ids"  # Whisper: input_features
+    if key not in target_inputs:
+        kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
+        raise ValueError(f"{kind} needs {key} (what its processor returns)")
+    _check_one_prompt(target_inputs[key])
+    decode = DFlashCustomGenerate(
+        draft, generator=generator, draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph
+    )
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    with max_new_tokens_given():
+        ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
+    return SpeculativeOutput(
+        sequences=decode.sequences,
+        acceptance_lengths=decode.acceptance_lengths,
+        num_target_forwards=decode.num_target_forwards,
+        draft_step=decode.draft_step,
+        verify_step=decode.verify_step,
+    )
+
+
+# Keywords of the standard decoding step that the speculative loop sets itself.
+_LOOP_KEYS = frozenset(
+    {
+        "past_key_values",
+        "use_cache",
+        "logits_to_keep",
+        "cache_position",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+    }
+)
+
+
+class DFlashCustomGenerate:
+    """`target.generate(**inputs, custom_generate=DFlashCustomGenerate(draft))`: transformers 5's `generate`
+    prepares the prompt, the encoder output (encoder-decoder targets), the logits processors and the stopping
+    criteria as it does for greedy or sampled decoding, then hands them to this callable, which decodes with
+    DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
+    distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
+    and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
+    `draft_cuda_graph`, `verify_cuda_graph`: as for :func:`speculative_generate`."""
+
+    def __init__(
+        self,
+        draft,
+        generator: torch.Generator | None = None,
+        draft_cuda_graph: bool | None = None,
+        verify_cuda_graph: bool | None = None,
+    ):
+        self.draft = draft
+        self.generator = generator
+        self.draft_cuda_graph, self.verify_cuda_graph = draft_cuda_graph, verify_cuda_graph
+        self._target: FrozenTarget | None = None
+        self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
+        self.acceptance_lengths: list[int] = []
+        self.num_target_forwards = 0
+        self.draft_step = self.verify_step = "eager"  # how the last call's steps ran (`SpeculativeOutput`)
+
+    def __call__(
+        self,
+        model,
+        input_ids,
+        logits_processor=None,
+        stopping_criteria=None,
+        generation_config=None,
+        synced_gpus=False,
+        streamer=None,
+        **model_kwargs,
+    ):
+        _check_one_prompt(input_ids)
+        if streamer is not None:
+            raise ValueError("DFlashCustomGenerate does not stream; call generate without streamer")
+        if self._target is None or self._target.model is not model:
+            self._target = FrozenTarget(model)
+        ft = self._target
+        kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KEYS}
+        layer_ids = list(self.draft.config.target_layer_ids)
+        if ft.is_encoder_decoder:
+            if kwargs.get("encoder_outputs") is None:
+                raise ValueError("encoder-decoder decoding needs encoder_outputs (generate computes them)")
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+            verifier = _Verifier(
+                ft,
+                layer_ids,
+                "decoder_input_ids",
+                cache,
+                step_kwargs={"encoder_outputs": kwargs.pop("encoder_outputs")},
+            )
+            prefill = {
+                "decoder_input_ids": input_ids,
+                **{k: v for k, v in kwargs.items() if k.startswith("decoder_") and k != "decoder_input_ids"},
+            }
+            max_positions = getattr(model.config, "max_target_positions", None)
+        else:
+            verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache())
+            prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
+            max_positions = None
+        if not stopping_criteria:
+            raise ValueError(
+                "DFlashCustomGenerate needs stopping criteria (generate passes its max length and end "
+                "token); call it through target.generate(..., custom_generate=...)"
+            )
+        sample = bool(getattr(generation_config, "do_sample", False))
+
+        seq, accepted = _decode(
+            self.draft,
+            verifier,
+            prefill,
+            input_ids,
+            processors=logits_processor or LogitsProcessorList(),
+            sample=sample,
+            draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
+            first_stop=_criteria_stop(stopping_criteria),
+            max_positions=max_positions,
+            generator=self.generator,
+            max_length=getattr(generation_config, "max_length", None),
+            draft_cuda_graph=self.draft_cuda_graph,
+            verify_cuda_graph=self.verify_cuda_graph,
+        )
+        self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
+        self.draft_step, self.verify_step = verifier.draft_step, verifier.verify_step
+        if generation_config is not None and generation_config.return_dict_in_generate:
+            cls = GenerateEncoderDecoderOutput if ft.is_encoder_decoder else GenerateDecoderOnlyOutput
+            return cls(sequences=seq)
+        return seq
+
+
+def dflash_custom_generate(
+    draft,
+    generator: torch.Generator | None = None,
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
+) -> DFlashCustomGenerate:
+    """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
+    return DFlashCustomGenerate(
+        draft, generator=generator, draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph
+    )

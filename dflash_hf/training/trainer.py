@@ -1,0 +1,303 @@
+"""`DFlashTrainer`: a `transformers.Trainer` whose model is the draft; the frozen target lives beside it.
+
+The trainer keeps the Trainer hooks; the loss of a micro-batch is `objective.DFlashObjective`'s
+(docs/ARCHITECTURE.md): `get_batch_samples` plans every micro-batch of an optimizer step on the host and sums the
+planned denominators of the *global* batch (every gradient-accumulation micro-batch and every rank) before any
+forward; `compute_loss` runs the objective on the micro-batch with its plan and normalizes it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
+
+from dflash_hf.data.epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
+from dflash_hf.export.drafts import export_draft
+from dflash_hf.models.configuration_dflash import DFlashConfig
+from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
+from dflash_hf.objective.losses import MetricSums
+from dflash_hf.training.adaptation import check_resume_selection, save_selection
+from dflash_hf.training.assembly import (
+    compile_draft_layers,
+    draft_for_training,
+    host_batches,
+    is_speech_source,
+    prepare_target,
+    speech_loader,
+)
+from dflash_hf.training.callbacks import add_dflash_callbacks
+from dflash_hf.training.checkpoints import (
+    complete_only_save,
+    load_data_state,
+    mark_complete,
+    reporting_full_disk,
+    resolve_resume_checkpoint,
+    save_data_state,
+)
+from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
+from dflash_hf.training.launch import no_hf_progress_bars
+from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
+from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
+
+
+class DFlashTrainer(Trainer):
+    loss_is_scaled_for_ga = True  # compute_loss divides by the global-batch denominator itself
+
+    def __init__(
+        self,
+        model=None,
+        args: DFlashTrainingArguments = None,
+        *,
+        target,
+        processor=None,
+        data_args: DFlashDataArguments | None = None,
+        **kwargs,
+    ):
+        """`target`: the frozen HF model (or a `FrozenTarget`). `train_dataset` / `eval_dataset` may be
+        speech sources (`DataSource`, paths, a lhotse `CutSet`, or a dict of named ones for eval): they are
+        batched by the lhotse token-budget loader with `processor` and `data_args`; any other dataset goes
+        through the standard Trainer path with `data_collator`."""
+        self.processor = processor
+        self.data_args = data_args or DFlashDataArguments()
+        self.target = prepare_target(target, args)
+        model = draft_for_training(model, args, self.target)
+        super().__init__(model=model, args=args, **kwargs)
+        self.target.model.to(self.args.device)
+        if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
+            shard_frozen_target_layers(self.target)
+        if args.compile_draft_layers and self.args.device.type == "cuda":
+            compile_draft_layers(self.model)
+        self.objective = DFlashObjective.from_args(args, model.config)
+        self.train_sums = MetricSums()
+        self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
+        self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
+        self._micro_plan: BlockPlan | None = None
+        add_dflash_callbacks(self, args)
+        self._resume_checkpoint: str | None = None  # set by train()
+        self._checkpoint_completed = False  # within a save: its marker is written
+        self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
+        self._user_ignores_data_skip = args.ignore_data_skip
+
+    # --- Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
+    def _speech_loader(self, source, shuffle: bool):
+        return speech_loader(
+            source,
+            processor=self.processor,
+            target=self.target,
+            args=self.args,
+            data_args=self.data_args,
+            shuffle=shuffle,
+        )
+
+    def get_train_dataloader(self):
+        """Speech sources: the lhotse loader. A loader without a length (lhotse, an HF `IterableDataset`) reaches
+        the Trainer as an `EpochStream`: its data position is restored here from the resumed checkpoint."""
+        self.train_position = None
+        if is_speech_source(self.train_dataset):
+            if self.args.max_steps <= 0:
+                raise ValueError("speech data streams through lhotse and has no length: set max_steps (> 0)")
+            self.speech_train_loader = self._speech_loader(self.train_dataset, shuffle=True)
+            self.train_position = self.speech_train_loader
+        else:
+            loader = host_batches(super().get_train_dataloader())
+            if not self._streams_epochs():
+                return loader
+            self.train_position = ReplayedEpochs(loader)
+        if self._resume_checkpoint and not self._user_ignores_data_skip:
+            self.train_position.load_state_dict(
+                load_data_state(self._resume_checkpoint, self.args.process_index, self.args.world_size)
+            )
+        return EpochStream(self.train_position)  # the Trainer counts and skips nothing
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if is_speech_source(dataset):
+            return self._speech_loader(dataset, shuffle=False)
+        return host_batches(super().get_eval_dataloader(eval_dataset))
+
+    def _prepare_input(self, data):
+        """Host tensors go to the accelerator asynchronously (the micro-batch's anchors were already planned on
+        the host, so nothing has to wait for the device before its kernels are queued)."""
+        if isinstance(data, torch.Tensor) and data.device.type == "cpu" and self.args.device.type == "cuda":
+            if not self.is_deepspeed_enabled:
+                return data.to(self.args.device, non_blocking=True)
+        return super()._prepare_input(data)
+
+    # --- Checkpoints and export (the trainable selection is recorded so resumes can be checked)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`resume_from_checkpoint`: a complete checkpoint directory, or true (also the string "true") for the
+        last complete one in `output_dir`; incomplete ones (interrupted saves) are skipped and logged."""
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if checkpoint:
+            check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
+        self._resume_checkpoint = checkpoint
+        with trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip:
+            return super().train(checkpoint, *args, **kwargs)
+
+    def _streams_epochs(self) -> bool:
+        """Whether the training data has no length, so it is trained on as an `EpochStream`."""
+        return is_speech_source(self.train_dataset) or not has_length(self.train_dataset)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        with no_hf_progress_bars():  # save_pretrained's "Writing model shards" bar would break the training bar
+            super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            save_selection(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint plus each rank's data position, marked complete only once every rank has
+        written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
+        run_dir = self._get_output_dir(trial=trial)
+        folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._checkpoint_completed = False
+        with complete_only_save(run_dir, folder, self.args, self.state, self.accelerator):
+            super()._save_checkpoint(model, trial)
+            self._complete_checkpoint(folder)
+
+    def _complete_checkpoint(self, folder: Path) -> None:
+        """Each rank's data position, then, once every rank is done, the completeness marker (once per save)."""
+        if self._checkpoint_completed:
+            return
+        self._checkpoint_completed = True
+        if self.train_position is not None:
+            state = self.train_position.state_dict() | {"world_size": self.args.world_size}
+            save_data_state(folder, self.args.process_index, state)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """`hub_strategy` checkpoint pushes happen inside the save: complete the checkpoint first, so that the
+        pushed copy can be resumed (data position and marker included)."""
+        self._complete_checkpoint(Path(checkpoint_folder))
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def export_draft(self, export_dir: str | None = None) -> str:
+        """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
+        export_dir = export_dir or self.args.resolved_export_dir
+        # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
+        state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
+        if self.args.should_save:
+            self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
+            with reporting_full_disk(export_dir), no_hf_progress_bars():
+                export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        return export_dir
+
+    def final_eval_metrics(self) -> dict[str, float]:
+        """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
+        step (when `eval_steps` divides `max_steps`), else a new evaluation. A best checkpoint loaded at the end
+        (`load_best_model_at_end`) is another draft, so it is evaluated anew."""
+        step = self.state.global_step
+        best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
+        done = logged_eval_metrics(self.state.log_history, step)
+        return done if done and not best_loaded else self.evaluate()
+
+    # --- The objective: plans before the step, the loss of each micro-batch with its plan
+    @property
+    def draft_config(self) -> DFlashConfig:
+        return self.accelerator.unwrap_model(self.model).config
+
+    @property
+    def block_size(self) -> int:
+        return self.objective.block_size
+
+    def _anchor_seed(self, micro_step: int) -> int:
+        # Deterministic per (seed, optimizer step, micro-batch, rank): resumable without RNG state.
+        return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples = self.host_times.fetch(epoch_iterator, num_batches)
+        self._step_plans = [
+            (b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in enumerate(batch_samples)
+        ]
+        self.host_times.planned()
+        total = summed_denominator(plan for _, plan in self._step_plans).to(device, non_blocking=True)
+        if self.args.world_size > 1:
+            total = self.accelerator.reduce(total, reduction="sum")
+        return batch_samples, total
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step, with the plan `get_batch_samples` made for this micro-batch (matched by identity:
+        `_prepare_inputs` copies the batch before `compute_loss` sees it)."""
+        self._micro_plan = next((plan for batch, plan in self._step_plans if batch is inputs), None)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._micro_plan = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, plan: BlockPlan | None = None):
+        """The objective's loss of `inputs` with `plan` (default: the one planned in `get_batch_samples`, else planned
+        now), normalized by `num_items_in_batch` (the global planned denominator) when given."""
+        plan = plan or self._micro_plan or self.objective.plan(self.target, inputs, self._anchor_seed(0))
+        out = self.objective.loss(model, self.target, inputs, plan)
+        in_step = model.training and num_items_in_batch is not None
+        loss, skipped = self.objective.normalize(
+            out,
+            num_items_in_batch,
+            training_step=in_step,
+            world_size=self.args.world_size,
+            # set by Trainer.train; a compute_loss call outside it (a custom loop) takes the configured count
+            accumulation=getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps),
+            all_reduce=self._all_reduce if self.args.world_size > 1 else None,
+        )
+        if model.training:
+            self.objective.record(self.train_sums, out, plan, skipped)
+        return (loss, out) if return_outputs else loss
+
+    def _all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(value, reduction="sum")
+
+    # --- Logging and evaluation
+    def _report(self, sums: MetricSums, prefix: str = "") -> dict[str, float]:
+        """Metrics of all-reduced sums. For DFlash2, `loss` is the optimized objective
+        `base + selector_loss_weight * selector` and the decayed CE alone is `base_loss`."""
+        return self.objective.report(self._all_reduce_sums(sums).reduce(), prefix)
+
+    def _all_reduce_sums(self, sums: MetricSums) -> MetricSums:
+        if self.args.world_size > 1:
+            names, vec = sums.as_tensor(self.args.device)
+            sums.load_tensor(names, self._all_reduce(vec))
+        return sums
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self.train_sums.values:
+            sums = self.train_sums
+            sums.settle()
+            metrics = self._report(sums)
+            logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
+            logs.update(self.host_times.entries())
+            self.train_sums = MetricSums()
+        super().log(logs, start_time)
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source.
+        Anchors are seeded by batch index, so the same draft and data always give the same metrics."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        start = time.time()
+        model = self.model
+        model.eval()
+        sums = MetricSums(prefix=f"{metric_key_prefix}_")
+        dataloader = self.get_eval_dataloader(dataset)
+        self.callback_handler.eval_dataloader = dataloader
+        for step, batch in enumerate(dataloader):
+            # seeded by batch index only (not args.seed), so validate_only repeats any run's evaluation
+            plan = self.objective.plan(self.target, batch, stable_seed(-1, step, self.args.process_index))
+            batch = self._prepare_inputs(batch)  # after planning: the plan is made from the host batch
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+            out = self.objective.loss(model, self.target, batch, plan)
+            sums.add_block_loss(out)
+        metrics = eval_set_metrics(self._report(sums, f"{metric_key_prefix}_"), dataloader, metric_key_prefix, start)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics

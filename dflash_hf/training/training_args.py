@@ -1,0 +1,311 @@
+"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (docs/ARCHITECTURE.md).
+
+The DFlash fields are defined by the light argument groups of `dflash_hf.training.argument_groups` (also parsed
+alone, without
+torch, for `dflash-train --help`); this class combines them with `TrainingArguments` and checks everything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import TrainingArguments
+
+from dflash_hf.export.drafts import check_draft_export, resolve_draft_dir
+from dflash_hf.models.configuration_dflash import (
+    DFlash2Fields,
+    check_block_size,
+    check_distinct_taps,
+    check_target_layer_ids,
+)
+from dflash_hf.training.argument_groups import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_ANCHORS,
+    DFLASH_VARIANTS,
+    LORA_TARGETS,
+    TRAINER_OVERRIDES,
+    DFlashAdaptationArguments,
+    DFlashDataArguments,
+    DFlashModelArguments,
+    DFlashObjectiveArguments,
+    DFlashPackingArguments,
+    DFlashRunArguments,
+)
+from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag
+from dflash_hf.training.launch import check_launch
+
+__all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
+
+
+def _export_settings(path: str) -> dict[str, int]:
+    """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json.
+    An unreadable export gives {}: `export.check_draft_export` (in `_check_adaptation`) names the problem."""
+    try:
+        raw = json.loads((resolve_draft_dir(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    dflash_config = raw.get("dflash_config") or {}
+    found = {
+        "block_size": raw.get("block_size", dflash_config.get("block_size")),
+        "num_anchors": dflash_config.get("num_anchors"),
+    }
+    return {k: v for k, v in found.items() if isinstance(v, int)}
+
+
+def _override(name: str):
+    default, help_text = TRAINER_OVERRIDES[name]
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class DFlashTrainingArguments(
+    TrainingArguments,
+    DFlashModelArguments,
+    DFlashObjectiveArguments,
+    DFlashAdaptationArguments,
+    DFlashPackingArguments,
+    DFlashRunArguments,
+):
+    """Optimizer and schedule come from the standard fields. Defaults here: AdamW, lr 6e-4, constant
+    schedule. An adaptation schedule is `learning_rate=1.5e-4, lr_scheduler_type=cosine_with_min_lr,
+    lr_scheduler_kwargs={min_lr: 1e-6}, warmup_steps=500, max_steps=8000` (examples/configs/adapt.yaml)."""
+
+    # --- standard fields with DFlash defaults (arguments.TRAINER_OVERRIDES) ------------------------
+    learning_rate: float = _override("learning_rate")
+    lr_scheduler_type: str = _override("lr_scheduler_type")
+    weight_decay: float = _override("weight_decay")
+    remove_unused_columns: bool = _override("remove_unused_columns")
+    save_safetensors: bool = _override("save_safetensors")
+    logging_nan_inf_filter: bool = _override("logging_nan_inf_filter")
+    push_to_hub: bool = _override("push_to_hub")
+    hub_model_id: str | None = _override("hub_model_id")
+    resume_from_checkpoint: str | None = _override("resume_from_checkpoint")
+    ddp_find_unused_parameters: bool | None = _override("ddp_find_unused_parameters")
+
+    def __post_init__(self):
+        if self.bf16 or self.fp16:
+            raise ValueError(
+                "--bf16/--fp16 (autocast) are not used by dflash_hf: set --precision bf16, which sets the "
+                "parameter dtype of both the frozen target and the draft"
+            )
+        check_launch(self)  # before the devices are set up
+        super().__post_init__()
+        self._resolve_from_export()
+        self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
+        if isinstance(self.resume_from_checkpoint, (str, Path)):
+            check_checkpoint_dir(self.resume_from_checkpoint)  # before the target loads
+        if self.variant not in DFLASH_VARIANTS:
+            raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
+        self._check_objective()
+        if self.target_argmax_chunk_size <= 0:
+            raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
+        check_block_size(self.block_size)
+        if self.target_layer_ids is not None:
+            check_target_layer_ids(self.target_layer_ids)
+            check_distinct_taps(self.target_layer_ids)
+        if self.max_train_minutes is not None and not 0 < self.max_train_minutes < float("inf"):
+            raise ValueError(
+                f"max_train_minutes must be a positive number of minutes (or unset), got {self.max_train_minutes}"
+            )
+        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
+            raise ValueError(
+                f"early_stopping_patience must be >= 1 evaluation (or unset), got {self.early_stopping_patience}"
+            )
+        if not self.early_stopping_threshold >= 0:
+            raise ValueError(f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(
+                f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "
+                "the recipe default (7/5/4 for block_size 16/10/8)"
+            )
+        lows = (
+            ("num_draft_layers", 1),
+            ("num_anchors", 1),
+            ("anchor_pad_multiple", 1),
+            ("ce_chunk_size", 1),
+            ("real_tau_steps", 0),
+            ("real_tau_samples", 1),
+            ("real_tau_max_new_tokens", 1),
+        )
+        for name, low in lows:
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        self._check_attention_backend()
+        self._check_hub()
+        self._check_packing()
+        self._check_dflash2()
+        self._check_adaptation()
+        self._check_float8()
+
+    def _resolve_from_export(self) -> None:
+        """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
+        training run's anchors recorded in its dflash_config, so a validation repeats the run's evaluation."""
+        recorded = _export_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
+        if self.block_size is None:
+            self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
+        if self.num_anchors is None:
+            self.num_anchors = (
+                recorded.get("num_anchors", DEFAULT_NUM_ANCHORS) if self.validate_only else (DEFAULT_NUM_ANCHORS)
+            )
+
+    def _check_hub(self) -> None:
+        if not self.push_to_hub:
+            return
+        if self.validate_only:
+            raise ValueError(
+                "push_to_hub=true publishes the draft this run trains; validate_only=true trains none (publish an "
+                "export with dflash_hf.export.hub.push_draft_to_hub)"
+            )
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(self.hub_model_id or "")
+        except HFValidationError as err:
+            raise ValueError(
+                f"push_to_hub=true publishes the exported draft to hub_model_id, which must be a Hub repo id "
+                f"(org/name), got {self.hub_model_id!r}"
+            ) from err
+
+    def _device_type(self) -> str:
+        """The device type the Trainer will train on (`use_cpu`, else the first accelerator present), known before
+        its devices are set up."""
+        import torch
+
+        if self.use_cpu:
+            return "cpu"
+        accelerators = {
+            "cuda": torch.cuda.is_available,
+            "mps": torch.backends.mps.is_available,
+            "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+        }
+        return next((name for name, present in accelerators.items() if present()), "cpu")
+
+    def _check_attention_backend(self) -> None:
+        if self.attention_backend == "flex" and not self.validate_only:
+            if self._device_type() != "cuda":
+                raise ValueError(
+                    "attention_backend=flex trains on CUDA only (FlexAttention has no backward on CPU); "
+                    "use attention_backend=sdpa (or auto: flex on CUDA, sdpa on CPU)"
+                )
+
+    def _check_float8(self) -> None:
+        flags = tuple(name for name in ("float8_draft_linears", "float8_lm_head") if getattr(self, name))
+        if not flags or self.validate_only:  # (a validation trains nothing)
+            return
+        import torch
+
+        from dflash_hf.ops.float8 import check_float8_device, options_set
+
+        if self.float8_draft_linears and self.lora_r > 0:
+            raise ValueError(
+                "float8_draft_linears=true converts the draft's own linear layers, which lora_r > 0 wraps "
+                "in peft's LoRA layers: set float8_draft_linears=false or lora_r=0"
+            )
+        if self.float8_lm_head and not self.use_fused_linear_ce:
+            raise ValueError(
+                "float8_lm_head=true runs in the fused lm_head + CE, which this run does not use "
+                "(use_fused_linear_ce=false; DFlash2, soft labels and loss types weighted by the draft's "
+                "own CE need the dense logits): set float8_lm_head=false"
+            )
+        device = self._device_type()
+        check_float8_device(torch.device(device), flags)
+        if device == "cuda" and self.precision != "bf16":
+            raise ValueError(
+                f"{options_set(flags, 'true')} on a GPU needs precision=bf16 (FP8 matmuls with per-row "
+                f"scales write bf16 there), got precision={self.precision!r}"
+            )
+
+    def _check_packing(self) -> None:
+        if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):
+            raise ValueError(
+                f"packing=true needs packing_max_tokens >= 1 (the token budget of one packed row), "
+                f"got {self.packing_max_tokens}"
+            )
+        if not self.packing and self.packing_max_tokens is not None:
+            raise ValueError("packing_max_tokens is set but packing=false; set packing=true or drop packing_max_tokens")
+        if self.anchor_budget is not None:
+            if self.anchor_budget < 1:
+                raise ValueError(f"anchor_budget must be >= 1 (or unset for no cap), got {self.anchor_budget}")
+            if not self.packing:
+                raise ValueError(
+                    "anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
+                    "bound padded batches with num_anchors (up to batch * num_anchors blocks)"
+                )
+
+    def _check_objective(self) -> None:
+        from dflash_hf.objective.dflash_objective import fused_ce_conflict
+        from dflash_hf.objective.labels import LABEL_SOURCES
+        from dflash_hf.objective.losses import LOSSES
+
+        for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
+            if getattr(self, name) not in registry:
+                raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
+        if self.label_top_k < 1:
+            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
+        if self.use_fused_linear_ce is None:
+            self.use_fused_linear_ce = conflict is None
+        if self.use_fused_linear_ce and conflict:
+            raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
+
+    def _check_dflash2(self) -> None:
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
+        DFlash2Fields.of(self).check()
+
+    def _check_adaptation(self) -> None:
+        if self.projection_only and not self.init_from_pretrained:
+            raise ValueError(
+                "projection_only=true trains only fc.weight of a pretrained draft: set init_from_pretrained to "
+                "the draft export to adapt (or set projection_only=false to train a new draft)"
+            )
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r must be >= 0 (0 = LoRA off), got {self.lora_r}")
+        if self.lora_r > 0:
+            if not self.init_from_pretrained:
+                raise ValueError(
+                    "lora_r > 0 adapts a pretrained draft: set init_from_pretrained to the draft export "
+                    "(a new draft is trained in full; set lora_r=0)"
+                )
+            if self.projection_only:
+                raise ValueError("projection_only and lora_r > 0 are exclusive: pick one adaptation mode")
+            if self.lora_alpha <= 0:
+                raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+            bad = [m for m in self.lora_target_modules if m not in LORA_TARGETS]
+            if bad or not self.lora_target_modules:
+                raise ValueError(
+                    f"lora_target_modules {list(self.lora_target_modules)}: {bad or 'empty'} are not draft linear "
+                    f"layers; choose from {list(LORA_TARGETS)}"
+                )
+        # transformers >= 5.23 names it activation_checkpointing (gradient_checkpointing stays an alias).
+        if getattr(self, "activation_checkpointing", self.gradient_checkpointing):
+            # Block inputs come from the frozen target embedding, so reentrant checkpointing would drop the
+            # gradients of everything inside a checkpointed layer (nothing entering it requires grad).
+            given = getattr(self, "activation_checkpointing_kwargs", None) or self.gradient_checkpointing_kwargs
+            kwargs = dict(given or {})
+            if kwargs.get("use_reentrant", False):
+                raise ValueError(
+                    "gradient_checkpointing_kwargs.use_reentrant=True drops draft gradients (the draft's block "
+                    "inputs come from the frozen embedding); use use_reentrant=False (the default here)"
+                )
+            kwargs["use_reentrant"] = False
+            self.gradient_checkpointing_kwargs = kwargs
+            if hasattr(self, "activation_checkpointing_kwargs"):
+                self.activation_checkpointing_kwargs = kwargs
+        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
+            check_draft_export(self.init_from_pretrained)
+
+    @property
+    def resolved_export_dir(self) -> str:
+        return self.export_dir or f"{self.output_dir}/draft"

@@ -1,0 +1,73 @@
+"""Validate-only: `DFlashTrainer.evaluate` of a trained draft on named validation sets, no training; prints a table
+and writes `<output_dir>/validation_metrics.json` (the `--validate_only true` path, docs/EVALUATION.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from dflash_hf.targets.frozen import load_target
+from dflash_hf.training.trainer import DFlashTrainer
+
+VALIDATION_METRICS_FILE = "validation_metrics.json"
+
+
+def validate(
+    args,
+    eval_datasets: Mapping[str, object],
+    *,
+    target=None,
+    data_collator=None,
+    draft=None,
+    **trainer_kwargs,
+) -> dict[str, float]:
+    """Evaluate a draft on each named validation set with the training label source and anchors seeded by
+    batch index, so the metrics equal those of an evaluation inside a training run on the same draft and data.
+
+    `args` is a `DFlashTrainingArguments`; the draft is `draft` or else the export at
+    `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
+    `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`.
+    Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
+    if not eval_datasets:
+        raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
+    if draft is None and not args.init_from_pretrained:
+        raise ValueError(
+            "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
+        )
+    if target is None:
+        if not args.target_name_or_path:
+            raise ValueError("validate needs the frozen target: set target_name_or_path to its directory")
+        target = load_target(args.target_name_or_path, args.precision, args.target_strict_load)
+    trainer = DFlashTrainer(
+        model=draft,
+        args=args,
+        target=target,
+        eval_dataset=dict(eval_datasets),
+        data_collator=data_collator,
+        **trainer_kwargs,
+    )
+    metrics = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / VALIDATION_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        print(metrics_table(metrics, list(eval_datasets)))
+    return metrics
+
+
+def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = "eval") -> str:
+    """One line per validation set: loss, tau_est, accuracy and the per-slot accuracies."""
+    lines = [f"{'set':<16} {'loss':>9} {'tau_est':>8} {'accuracy':>8}  acc_slot1..k"]
+    for name in names:
+        p = f"{prefix}_{name}_"
+        slots, k = [], 1
+        while f"{p}acc_slot{k}" in metrics:
+            slots.append(f"{metrics[f'{p}acc_slot{k}']:.3f}")
+            k += 1
+        loss, tau_est, acc = (metrics.get(p + k, float("nan")) for k in ("loss", "tau_est", "accuracy"))
+        lines.append(f"{name:<16} {loss:>9.4f} {tau_est:>8.3f} {acc:>8.4f}  {' '.join(slots)}")
+    return "\n".join(lines)
+
+
+__all__ = ["VALIDATION_METRICS_FILE", "metrics_table", "validate"]
