@@ -1,11 +1,11 @@
 """Suite-wide fixtures and set-up.
 
-The tests come in three tiers: `unit/` (pure functions: no Trainer or CLI run, no other process;
-`unit/test_layout.py` checks), `integration/` (Trainer, CLI, torchrun and subprocess runs, fault injection) and
-`gpu/` (marked `gpu`, skipped without CUDA). Tests over 5 s on 2 CPU cores are marked `slow`. Shared helpers
-(batches, argument and trainer factories) live in `utils.py`, shared fixtures here.
+The test tree mirrors the package's folders (`tests/<folder>/` tests `dflash_hf/<folder>/`; `tests/benchmarks/` the
+scripts; `tests/gpu/` needs CUDA and is marked `gpu`); `test_layout.py` keeps both layouts. Tests over 5 s on two
+CPU cores are marked `slow`: `-m "not slow"` is the quick loop. Shared helpers (batches, argument and trainer
+factories) live in `utils.py`, shared fixtures here.
 
-`tests/` is put on `sys.path` so every tier imports the helpers as `from utils import ...` (and `dist_train`);
+`tests/` is put on `sys.path` so every folder imports the helpers as `from utils import ...` (and `dist_train`);
 scripts that a test starts as a separate process (torchrun workers, `python FILE`) insert it themselves.
 """
 

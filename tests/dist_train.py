@@ -1,4 +1,4 @@
-"""Helper of tests/integration/test_distributed.py: train a tiny draft a few steps on a fixed global batch and save the
+"""Helper of tests/training/test_distributed.py: train a tiny draft a few steps on a fixed global batch and save the
 logged losses and final draft weights.
 
 Launched as `torchrun --nproc_per_node 2 tests/dist_train.py OUT_DIR CASE...` (CPU, gloo) or run in-process

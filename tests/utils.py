@@ -323,7 +323,7 @@ def run_torchrun(cmd: list[str], timeout_s: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------ target_cuda_graph
-# Batch layouts of the target-graph tests (CPU: tests/integration/test_target_graph.py; GPU: tests/gpu/test_gpu.py):
+# Batch layouts of the target-graph tests (CPU: tests/targets/test_target_graph.py; GPU: tests/gpu/test_gpu.py):
 # case -> whether a batch has padding, as the trainer's CPU plan tells the target (None: packed rows).
 GRAPH_CASES = {
     "unpadded": False,

@@ -19,7 +19,6 @@ from torch import nn
 
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlash2Fields, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
-from dflash_hf.training.adaptation import is_peft_model, merged_draft, peft_model
 
 logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages have always been logged under
 
@@ -307,27 +306,14 @@ def make_readable(export_dir: Path) -> None:
             path.chmod(EXPORT_FILE_MODE)
 
 
-def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
-    """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
-    so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
-    peft = is_peft_model(model)
-    base = model.get_base_model() if peft else model
-    config = copy.deepcopy(base.config)
-    fresh = draft_class_for(config)(config)
-    if peft:
-        fresh = peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
-    dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
-    fresh.to(dtype).load_state_dict(state_dict, strict=True)
-    return fresh
-
-
-def export_draft(model: nn.Module, export_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write the draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
-    remote-code files. A LoRA `PeftModel` is merged first (on a copy), so the export is a plain draft.
-    `state_dict`: the model's full state dict gathered elsewhere (FSDP), exported instead of its own tensors."""
-    draft = merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))
+def export_draft(draft: nn.Module, export_dir: str | Path) -> Path:
+    """Write a plain draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
+    remote-code files. A LoRA draft is merged before it gets here (`training.adaptation.plain_draft`)."""
     if not isinstance(draft, DFlashDraftModel):
-        raise TypeError(f"export_draft needs a DFlash draft (or its PeftModel), got {type(draft).__name__}")
+        raise TypeError(
+            f"export_draft needs a plain DFlash draft, got {type(draft).__name__} "
+            "(merge a LoRA draft first: dflash_hf.training.adaptation.plain_draft)"
+        )
     export_dir = Path(export_dir)
     draft.save_pretrained(export_dir, safe_serialization=True)
     make_readable(export_dir)

@@ -56,7 +56,7 @@ class DFlashRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x^2) + eps) in float32, then the weight in x's dtype (Qwen3's RMSNorm). On CUDA `F.rms_norm`
         # runs torch's fused kernel (`_fused_rms_norm`) where the written-out formula launches five; on the CPU it
-        # runs that formula's operators, bit for bit (tests/unit/test_verification_ops.py)
+        # runs that formula's operators, bit for bit (tests/generation/test_verification_ops.py)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.variance_epsilon)
         return self.weight * normed.to(x.dtype)
 
@@ -453,7 +453,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         Greedy (`temperature <= 0`): each slot takes the best-scoring candidate given the token chosen
         at the previous slot; returns `(tokens [B-1], None)`. The scores of all slots come from one batched
         `transition_table` and the walk runs on device (`_greedy_walk`), a fixed number of kernels instead of
-        B-1 sequential rounds. It equals the slot-by-slot walk over `forward` (tests/unit/test_dflash2_walk.py)
+        B-1 sequential rounds. It equals the slot-by-slot walk over `forward` (tests/models/test_dflash2_walk.py)
         up to rounding: batched and per-vector matmuls may round differently at the last place, which can only
         flip a choice between near-tied candidates (none in the float32 and bf16 checks on CPU; a GPU's bf16
         kernels may differ). Decoded output is unchanged either way: verification decides the tokens.

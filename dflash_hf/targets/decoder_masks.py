@@ -3,7 +3,7 @@
 transformers' mask helpers read the 2D padding mask (or, without one, the position ids) on the host to decide
 whether a batch needs a mask at all: a device synchronize per micro-batch, and a forward that a CUDA graph cannot
 capture. Where the trainer's CPU plan already knows the answer, these give the decoder the same mask, or none,
-without the read (`FrozenTarget.target_inputs`; checked bit for bit in tests/integration/test_target_masks.py).
+without the read (`FrozenTarget.target_inputs`; checked bit for bit in tests/targets/test_target_masks.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import masking_utils
 
 # Decoder model types whose mask is transformers' causal-plus-padding mask and nothing else (with full attention in
-# every layer), so that a prebuilt 4D mask gives the same taps (checked in tests/integration/test_target_masks.py);
+# every layer), so that a prebuilt 4D mask gives the same taps (checked in tests/targets/test_target_masks.py);
 # others build their own masks (sliding windows, hybrid recurrent layers) and keep transformers' path.
 PREBUILT_MASK_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "whisper"})
 # Attention implementations that build per-document masks from `position_ids` restarts in transformers 5.x

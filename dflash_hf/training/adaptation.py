@@ -16,8 +16,10 @@ import json
 import warnings
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from dflash_hf.export.drafts import draft_class_for
 from dflash_hf.training.argument_groups import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 PROJECTION_PARAM = "fc.weight"
@@ -109,10 +111,31 @@ def merged_draft(model: nn.Module) -> nn.Module:
     return model
 
 
+def _fresh_copy(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU copy of `model` (a draft or its LoRA `PeftModel`) holding `state_dict`, built from the config,
+    so it works for parameter-sharded (FSDP) models whose own tensors are only shards."""
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    config = copy.deepcopy(base.config)
+    fresh = draft_class_for(config)(config)
+    if peft:
+        fresh = peft_model(fresh, copy.deepcopy(model.peft_config[model.active_adapter]))
+    dtype = next(t.dtype for t in state_dict.values() if t.is_floating_point())
+    fresh.to(dtype).load_state_dict(state_dict, strict=True)
+    return fresh
+
+
+def plain_draft(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """The plain draft to export from `model` (a draft or its LoRA `PeftModel`, merged on a copy); `state_dict`: the
+    model's full state dict gathered elsewhere (FSDP), used instead of its own tensors."""
+    return merged_draft(model if state_dict is None else _fresh_copy(model, state_dict))
+
+
 __all__ = [
     "apply_adaptation",
     "check_resume_selection",
     "merged_draft",
+    "plain_draft",
     "peft_model",
     "save_selection",
     "trainable_selection",

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # lhotse is imported only when speech data is used
 
 # Mirrors of configuration_dflash constants (DFLASH_VARIANTS, MAX_BLOCK_SIZE, DEFAULT_BLOCK_SIZE and the DFlash2Fields
 # defaults below) (a remote-code file, which cannot import this module);
-# tests/integration/test_cli.py checks that they agree.
+# tests/cli/test_cli.py checks that they agree.
 DFLASH_VARIANTS = ("dflash", "dflash2")
 MAX_BLOCK_SIZE = 128
 DEFAULT_BLOCK_SIZE = 16

@@ -20,7 +20,7 @@ from dflash_hf.export.drafts import export_draft
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
 from dflash_hf.objective.losses import MetricSums
-from dflash_hf.training.adaptation import check_resume_selection, save_selection
+from dflash_hf.training.adaptation import check_resume_selection, plain_draft, save_selection
 from dflash_hf.training.assembly import (
     compile_draft_layers,
     draft_for_training,
@@ -184,7 +184,7 @@ class DFlashTrainer(Trainer):
         if self.args.should_save:
             self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
             with reporting_full_disk(export_dir), no_hf_progress_bars():
-                export_draft(self.accelerator.unwrap_model(self.model), export_dir, state_dict=state_dict)
+                export_draft(plain_draft(self.accelerator.unwrap_model(self.model), state_dict), export_dir)
         self.accelerator.wait_for_everyone()
         return export_dir
 

@@ -357,7 +357,7 @@ def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
 def test_prebuilt_padded_decoder_mask_gives_transformers_taps_on_cuda(side):
     """The padded batch's decoder mask built on the device (`FrozenTarget.padded_decoder_mask`) against
     transformers' own (an expanded view of the same values): bit-identical taps on CUDA too (the CPU check is in
-    tests/integration/test_target_masks.py)."""
+    tests/targets/test_target_masks.py)."""
     model, tok = tiny_text_target(hidden_size=256)
     target = FrozenTarget(model.cuda())
     batch = {k: v.cuda() for k, v in text_batch(random_rows(3, 250, seed=4), tok.pad_token_id, side).items()}

@@ -8,7 +8,7 @@ its keyword arguments, but `Qwen3ASRModel.forward` does not pass any to it. So t
 on the host from the collator's CPU `input_features_mask` (`host_facts`, transformers' own function on CPU tensors)
 and the frozen target builds the decoder's `inputs_embeds` as that forward does (`forward_inputs`: the audio features
 scattered into the placeholders), with the windows on the host: the splits read nothing from the device. Taps and
-final states are bit-identical to the model's own forward (`tests/integration/test_families.py`); one read is left,
+final states are bit-identical to the model's own forward (`tests/targets/test_families.py`); one read is left,
 the encoder's `nonzero` of its valid frames.
 """
 

@@ -12,7 +12,7 @@ accumulation 2, so 3 optimizer steps per epoch; 8 steps; a checkpoint every 2 st
 
 The uninterrupted reference is the same `dflash-train` entry point run in the test process (one thread).
 
-Run as `python tests/integration/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
+Run as `python tests/training/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
 variable `DFLASH_TEST_KILL` (`micro:STEP:M`: before micro-batch M after optimizer step STEP; `save:STEP`:
 inside the save of checkpoint-STEP, right after its weights are written). The process dies by SIGKILL.
 """

@@ -1,7 +1,7 @@
 """Resume and reproducibility: exact resume at any step (lhotse padded / packed, workers, HF datasets, 2 DDP
 ranks), --seed, the resume flag, complete-only checkpoints, a full disk, one final evaluation.
 
-Run as `torchrun --nproc_per_node 2 tests/integration/test_resume.py OUT_DIR` it is the DDP worker of
+Run as `torchrun --nproc_per_node 2 tests/training/test_resume.py OUT_DIR` it is the DDP worker of
 `test_ddp_speech_resume_past_the_first_epoch_is_exact`.
 """
 

@@ -15,7 +15,7 @@ from utils import make_trainer, random_rows, tiny_text_target
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments
 from dflash_hf.export.hub import check_warm_start, convert_dflash_to_dflash2, export_draft, load_draft_strict
 from dflash_hf.testing import tiny
-from dflash_hf.training.adaptation import SELECTION_FILE
+from dflash_hf.training.adaptation import SELECTION_FILE, plain_draft
 
 HIDDEN = 32
 
@@ -150,7 +150,7 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
     assert any("lora_A" in n for n, _ in peft_model.named_parameters())
 
     # the FSDP path: export from a gathered full state dict (rebuilt on CPU) writes the same tensors
-    gathered = export_draft(peft_model, tmp_path / "gathered", state_dict=peft_model.state_dict())
+    gathered = export_draft(plain_draft(peft_model, peft_model.state_dict()), tmp_path / "gathered")
     from_state = load_draft_strict(gathered)
     assert all(torch.equal(p, plain.state_dict()[n]) for n, p in from_state.state_dict().items())
 

@@ -1,0 +1,71 @@
+"""The layout of the package and of its tests.
+
+- The package's folders depend one way: cli -> training -> {generation, objective, data, export} -> targets ->
+  {models, ops}. `errors` (user errors) may be imported from anywhere, `testing` (tiny targets) only from cli.
+- The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from utils import REPO_ROOT, TESTS_DIR
+
+PACKAGE = REPO_ROOT / "dflash_hf"
+# what each folder (or top-level module) may import from the package besides itself
+ALLOWED = {
+    "errors": set(),
+    "models": set(),
+    "ops": set(),
+    "testing": set(),
+    "targets": {"models", "ops", "errors"},
+    "data": {"targets", "models", "ops", "errors"},
+    "objective": {"targets", "models", "ops", "errors"},
+    "generation": {"targets", "models", "ops", "errors"},
+    "export": {"targets", "models", "ops", "errors"},
+    "training": {"generation", "objective", "data", "export", "targets", "models", "ops", "errors"},
+    "cli": {"training", "generation", "objective", "data", "export", "targets", "models", "ops", "errors", "testing"},
+}
+TEST_FOLDERS = {p for p in ALLOWED if (PACKAGE / p).is_dir()} | {"benchmarks", "gpu"}
+
+
+def _package_imports(path) -> set[str]:
+    """The package folders (or top-level modules) that `path` imports, lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "dflash_hf" else [f"dflash_hf.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found |= {n.split(".")[1] for n in names if n.startswith("dflash_hf.")}
+    return found
+
+
+def _folder_of(path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def test_package_folders_depend_one_way():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        folder = _folder_of(path)
+        if folder == "__init__":
+            continue  # the public API re-exports from below
+        assert folder in ALLOWED, f"{path}: a new folder needs its place in ALLOWED"
+        for dep in _package_imports(path) - {folder}:
+            if dep not in ALLOWED[folder]:
+                wrong.append(f"{path.relative_to(REPO_ROOT)} imports dflash_hf.{dep}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_remote_code_files_import_only_torch_transformers_and_each_other():
+    for path in sorted((PACKAGE / "models").glob("*.py")):
+        assert not _package_imports(path), path.name
+
+
+def test_test_tree_mirrors_the_package():
+    dirs = {p.parent.relative_to(TESTS_DIR).parts[0] for p in TESTS_DIR.rglob("test_*.py") if p.parent != TESTS_DIR}
+    assert dirs <= TEST_FOLDERS, sorted(dirs - TEST_FOLDERS)
+    assert [p.name for p in TESTS_DIR.glob("test_*.py")] == ["test_layout.py"]
