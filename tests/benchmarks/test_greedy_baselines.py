@@ -7,9 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from test_cli_eval import _save_draft
-from test_families import save_qwen2_audio
-
 from dflash_hf.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -17,6 +14,9 @@ import greedy_baselines  # noqa: E402
 
 
 def test_static_cache_greedy_equals_plain_greedy_and_is_reported(tmp_path):
+    from test_cli_eval import _save_draft  # sibling test folders are on sys.path once collected
+    from test_families import save_qwen2_audio
+
     save_qwen2_audio(tmp_path / "target")
     draft = _save_draft(tmp_path / "target", tmp_path / "draft")
     manifest = tiny.synthesize_speech(tmp_path / "data", 3, seed=2, min_dur=0.5, max_dur=1.5)
