@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_hf.cli.config import add_config_option
-from dflash_hf.training.argument_groups import HELP_GROUPS, TRAINER_OVERRIDES
+from dflash_hf.training.argument_groups import HELP_GROUPS, LATE_HELP_GROUPS, TRAINER_OVERRIDES
 
 PROG = "dflash-train"
 DESCRIPTION = (
     "Train (or only validate) a DFlash / DFlash2 draft against a frozen target, then export it. "
-    "Options are grouped: the DFlash groups first, then the inherited transformers TrainingArguments. "
+    "Options are grouped: the main DFlash groups first, then the inherited transformers TrainingArguments, then "
+    "the DFlash advanced tuning knobs (the defaults suit most runs) and the experimental features. "
     "Every option can also be set in a --config YAML file."
 )
 USAGE = f"{PROG} [--config FILE.yaml] [--OPTION VALUE ...]"
@@ -142,8 +143,9 @@ class _NoValue(argparse.Action):
 
 def help_parser():
     """The parser `dflash-train --help` prints and that checks the command line before anything heavy loads:
-    `--config`, the DFlash groups (real options), then the TrainingArguments sections (placeholders).
-    None when transformers' source cannot be read (the real parser then answers)."""
+    `--config`, the main DFlash groups (real options), the TrainingArguments sections (placeholders), then the
+    DFlash advanced and experimental groups. None when transformers' source cannot be read (the real parser then
+    answers)."""
     options = trainer_options()
     if options is None:
         return None
@@ -156,4 +158,6 @@ def help_parser():
         if option.section not in groups:
             groups[option.section] = parser.add_argument_group(f"TrainingArguments: {option.section}")
         _add_placeholder(groups[option.section], option)
+    for group in LATE_HELP_GROUPS:
+        parser._add_dataclass_arguments(group)
     return parser

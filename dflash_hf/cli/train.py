@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
 from dflash_hf.cli.options import help_parser
 from dflash_hf.errors import DFlashUserError
+from dflash_hf.training.argument_groups import check_data_paths
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
     from transformers import HfArgumentParser
@@ -112,6 +113,7 @@ def check_run_inputs(args, data_args) -> None:
             raise ValueError("--validate_only true needs --eval_data NAME=PATH [...] to validate on")
     elif not data_args.train_data:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
+    check_data_paths(data_args)
 
 
 def check_data_rows(data_args: DFlashDataArguments) -> None:

@@ -1,15 +1,18 @@
 """The DFlash argument groups of `dflash-train` (light: no torch, no transformers).
 
-Each group is a plain dataclass whose fields `HfArgumentParser` turns into options, in this order in
-`dflash-train --help`: model and draft, objective, data, then adaptation, packing and run options, before the
-inherited `TrainingArguments` options. `DFlashTrainingArguments` (training_args.py) combines the groups with
-`TrainingArguments`, so one object carries every setting (`args.block_size`, `args.learning_rate`, ...) and
-checks them together. `DFlashDataArguments` is parsed beside it.
+Each group is a plain dataclass whose fields `HfArgumentParser` turns into options. `dflash-train --help` lists
+the main groups first (model and draft, objective, data, adaptation, packing, run), then the inherited
+`TrainingArguments` sections, then "DFlash advanced" (tuning knobs whose defaults suit most runs) and
+"DFlash experimental" (FP8 matmuls, the Whisper encoder context). `DFlashTrainingArguments` (training_args.py)
+combines the training groups with `TrainingArguments`, so one object carries every setting (`args.block_size`,
+`args.learning_rate`, ...) and checks them together; `DFlashDataArguments` (sources and data tuning) is parsed
+beside it. Every option keeps its flat name in `--config` YAML files, whatever its group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,15 @@ LORA_TARGETS = (
     "kernel_projection",
     "hidden_projection",
 )
+# `--torch_compile_layers` values: whose decoder layers are compiled one by one.
+COMPILE_LAYER_CHOICES = ("draft", "target")
+ADVANCED_GROUP = "DFlash advanced: tuning knobs (the defaults suit most runs)"
+EXPERIMENTAL_GROUP = "DFlash experimental: may change without notice (compare the dev tau with a run without them)"
+# Old option names (hidden from --help, still accepted with a FutureWarning) -> what to set instead.
+DEPRECATED_OPTIONS = {
+    "compile_draft_layers": "torch_compile_layers: [draft]",
+    "compile_target": "torch_compile_layers: [target]",
+}
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # TrainingArguments fields whose DFlash default or meaning differs: (default, help).
@@ -80,10 +92,6 @@ class DFlashModelArguments:
     target_name_or_path: str | None = field(
         default=None, metadata={"help": "Local directory (or cached hub id) of the frozen target."}
     )
-    target_strict_load: bool = field(
-        default=True,
-        metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},
-    )
     target_family: str | None = field(
         default=None,
         metadata={
@@ -102,15 +110,6 @@ class DFlashModelArguments:
     )
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "0-based target decoder layers to tap, each once; default spreads 1..L-3."}
-    )
-    draft_encoder_context: bool = field(
-        default=False,
-        metadata={
-            "help": "Encoder-decoder targets (Whisper) only, OUTSIDE the published DFlash contract (engines "
-            "implementing it cannot serve the draft): each draft layer also cross-attends to the target's "
-            "encoder frames, initialized from the cross-attention of the target's top decoder layers. "
-            "docs/QUALITY.md measures what it buys."
-        },
     )
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Reserved token id with a row in the target embedding, unused by the data."}
@@ -143,9 +142,6 @@ class DFlashObjectiveArguments:
             "training run's (recorded in the export's dflash_config)."
         },
     )
-    anchor_pad_multiple: int = field(
-        default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
-    )
     gamma: float | None = field(
         default=None, metadata={"help": "Slot decay w_k=exp(-(k-1)/gamma), > 0; default 7/5/4 for B=16/10/8."}
     )
@@ -166,33 +162,6 @@ class DFlashObjectiveArguments:
     dpace_alpha: float = field(
         default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
     )
-    target_argmax_chunk_size: int = field(
-        default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
-    )
-    attention_backend: str = field(
-        default="auto",
-        metadata={
-            "help": "flex, sdpa (dense mask) or auto (flex on CUDA, sdpa on CPU).",
-            "choices": ("auto", "flex", "sdpa"),
-        },
-    )
-    ce_chunk_size: int = field(
-        default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}
-    )
-    use_fused_linear_ce: bool | None = field(
-        default=None,
-        metadata={
-            "help": "DFlash loss as a fused lm_head+CE (gradient made in the forward, logits never kept; "
-            "default for dflash) or, false, dense per-chunk logits recomputed in backward. DFlash2 needs "
-            "the dense logits (must be false; its default)."
-        },
-    )
-    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
-    conv_group_size: int = field(
-        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
-    )
-    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
     selector_loss_weight: float = field(
         default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
     )
@@ -250,8 +219,6 @@ class DFlashRunArguments:
         default=0,
         metadata={"help": "Every N steps decode validation prompts speculatively and log the real tau; 0 = off."},
     )
-    real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
-    real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
     max_train_minutes: float | None = field(
         default=None,
         metadata={
@@ -269,14 +236,101 @@ class DFlashRunArguments:
             "None = off."
         },
     )
+    torch_compile_layers: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "torch.compile each decoder layer of these models apart, on CUDA (TrainingArguments' "
+            "--torch_compile compiles the whole draft module at once instead): draft (docs/PERFORMANCE.md: "
+            "8B-shape draft step 180 -> 151 ms; a second batch shape compiles dynamic-shape kernels used from then "
+            "on) and/or target (the frozen decoder layers' forward, dynamic shapes; the tap hooks stay outside the "
+            "compiled code, so taps and target_argmax labels are the eager target's; the audio encoder stays "
+            "eager; the first step compiles for tens of seconds). Default: none.",
+            "choices": COMPILE_LAYER_CHOICES,
+        },
+    )
+
+
+@dataclass
+class DFlashTuningArguments:
+    """Tuning knobs of the training run whose defaults suit most runs (`--help` lists them after the
+    TrainingArguments sections, as "DFlash advanced")."""
+
+    _argument_group_name = ADVANCED_GROUP
+
+    target_strict_load: bool = field(
+        default=True,
+        metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},
+    )
+    anchor_pad_multiple: int = field(
+        default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}
+    )
+    target_argmax_chunk_size: int = field(
+        default=128, metadata={"help": "Supervised positions projected per chunk for target_argmax labels."}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "flex, sdpa (dense mask) or auto (flex on CUDA, sdpa on CPU).",
+            "choices": ("auto", "flex", "sdpa"),
+        },
+    )
+    ce_chunk_size: int = field(
+        default=2048, metadata={"help": "Draft slots projected to the vocabulary per chunk in the loss."}
+    )
+    use_fused_linear_ce: bool | None = field(
+        default=None,
+        metadata={
+            "help": "DFlash loss as a fused lm_head+CE (gradient made in the forward, logits never kept; "
+            "default for dflash) or, false, dense per-chunk logits recomputed in backward. DFlash2 needs "
+            "the dense logits (must be false; its default)."
+        },
+    )
+    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
+    conv_group_size: int = field(
+        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
+    )
+    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
+    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
+    real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
+    real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
     early_stopping_threshold: float = field(
         default=0.0, metadata={"help": "How much the metric must improve to count as better (early stopping)."}
     )
+    target_cuda_graph: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Replay the frozen target's training forward as a CUDA graph for batch shapes seen before "
+            "(the same kernels, none of the host work; docs/PERFORMANCE.md). Unset: on a GPU where the target "
+            "can be captured (text and Whisper families, sdpa decoders with full attention), falling back to the "
+            "eager forward with a warning if a capture fails; true: always (refused where it cannot run); false: "
+            "never. The graphs keep one forward's intermediates and each kept shape's taps allocated (up to a "
+            "few GiB): set false when memory is tight."
+        },
+    )
     compile_draft_layers: bool = field(
         default=False,
+        metadata={"help": argparse.SUPPRESS},  # deprecated: DEPRECATED_OPTIONS
+    )
+    compile_target: bool = field(
+        default=False,
+        metadata={"help": argparse.SUPPRESS},  # deprecated: DEPRECATED_OPTIONS
+    )
+
+
+@dataclass
+class DFlashExperimentalArguments:
+    """Experimental features: outside the tested defaults and the published DFlash contract; their behaviour or
+    names may change. Compare the dev tau with a run without them."""
+
+    _argument_group_name = EXPERIMENTAL_GROUP
+
+    draft_encoder_context: bool = field(
+        default=False,
         metadata={
-            "help": "torch.compile each draft decoder layer on CUDA (docs/PERFORMANCE.md: 8B-shape draft step "
-            "180 -> 151 ms). The second batch shape compiles dynamic-shape kernels used from then on."
+            "help": "Encoder-decoder targets (Whisper) only, OUTSIDE the published DFlash contract (engines "
+            "implementing it cannot serve the draft): each draft layer also cross-attends to the target's "
+            "encoder frames, initialized from the cross-attention of the target's top decoder layers. "
+            "docs/QUALITY.md measures what it buys."
         },
     )
     float8_draft_linears: bool = field(
@@ -297,31 +351,40 @@ class DFlashRunArguments:
             "precision=bf16 on a GPU. Compare the dev tau with a run without it."
         },
     )
-    compile_target: bool = field(
+
+
+@dataclass
+class DFlashDataTuningArguments:
+    """Tuning knobs and trust policy of the data (listed with "DFlash advanced" in `--help`)."""
+
+    _argument_group_name = ADVANCED_GROUP
+
+    padding_side: str | None = field(
+        default=None, metadata={"help": "left or right; default: the processor's own padding side."}
+    )
+    resample_audio: bool = field(
+        default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
+    )
+    num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
+    allow_command_audio_sources: bool = field(
         default=False,
         metadata={
-            "help": "torch.compile the forward of each frozen target decoder layer on CUDA, with dynamic shapes "
-            "(one compile for all batch shapes; the tap hooks stay outside the compiled code, so taps and "
-            "target_argmax labels are the eager target's). The audio encoder stays eager. The first step "
-            "compiles (tens of seconds)."
+            "help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
+            "shell to read the audio. Only for cut files you trust (default: refused)."
         },
     )
-    target_cuda_graph: bool | None = field(
-        default=None,
+    allow_url_audio_sources: bool = field(
+        default=False,
         metadata={
-            "help": "Replay the frozen target's training forward as a CUDA graph for batch shapes seen before "
-            "(the same kernels, none of the host work; docs/PERFORMANCE.md). Unset: on a GPU where the target "
-            "can be captured (text and Whisper families, sdpa decoders with full attention), falling back to the "
-            "eager forward with a warning if a capture fails; true: always (refused where it cannot run); false: "
-            "never. The graphs keep one forward's intermediates and each kept shape's taps allocated (up to a "
-            "few GiB): set false when memory is tight."
+            "help": "Allow lhotse cuts whose audio source is of type 'url': the audio is downloaded from that "
+            "address while training. Only for cut files you trust (default: refused)."
         },
     )
 
 
 @dataclass
-class DFlashDataArguments:
-    """Where the speech data comes from and how it is batched (parsed beside `DFlashTrainingArguments`)."""
+class DFlashDataSourceArguments:
+    """Where the speech data comes from and how it is batched."""
 
     _argument_group_name = "DFlash data"
 
@@ -346,30 +409,18 @@ class DFlashDataArguments:
     prompt: str | None = field(
         default=None, metadata={"help": "User text beside the audio when a cut has no `context` field."}
     )
-    padding_side: str | None = field(
-        default=None, metadata={"help": "left or right; default: the processor's own padding side."}
-    )
     skip_bad_samples: bool = field(
         default=False, metadata={"help": "False: a bad sample is an error. True: skip it, warn with its id, count it."}
     )
-    resample_audio: bool = field(
-        default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
-    )
-    num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
-    allow_command_audio_sources: bool = field(
-        default=False,
-        metadata={
-            "help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
-            "shell to read the audio. Only for cut files you trust (default: refused)."
-        },
-    )
-    allow_url_audio_sources: bool = field(
-        default=False,
-        metadata={
-            "help": "Allow lhotse cuts whose audio source is of type 'url': the audio is downloaded from that "
-            "address while training. Only for cut files you trust (default: refused)."
-        },
-    )
+
+
+@dataclass
+class DFlashDataArguments(DFlashDataTuningArguments, DFlashDataSourceArguments):
+    """The data options, parsed beside `DFlashTrainingArguments`: the sources (`DFlashDataSourceArguments`) and
+    their tuning knobs (`DFlashDataTuningArguments`). Paths are checked by `check_data_paths` (the CLI's pre-flight),
+    not here."""
+
+    _argument_group_name = "DFlash data"
 
     def __post_init__(self):
         if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
@@ -379,9 +430,6 @@ class DFlashDataArguments:
             )
         if self.padding_side not in (None, "left", "right"):
             raise ValueError(f"padding_side must be left or right, got {self.padding_side!r}")
-        for path in (self.train_data or []) + [p.split("=", 1)[-1] for p in self.eval_data or []]:
-            if not Path(path).exists():
-                raise FileNotFoundError(f"data file {path!r} does not exist (from train_data / eval_data)")
 
     def train_sources(self) -> list[DataSource] | None:
         from dflash_hf.data import DataSource
@@ -416,12 +464,40 @@ class DFlashDataArguments:
         return ConversationConfig(system_prompt=self.system_prompt, prompt=self.prompt)
 
 
-# `dflash-train --help` order of the DFlash groups (the TrainingArguments sections follow).
+def check_data_paths(data_args) -> None:
+    """Every train_data / eval_data file exists (the CLI's pre-flight, before anything loads). `data_args`: a
+    `DFlashDataArguments` or the light parser's namespace."""
+    for path in (data_args.train_data or []) + [p.split("=", 1)[-1] for p in data_args.eval_data or []]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"data file {path!r} does not exist (from train_data / eval_data)")
+
+
+@dataclass
+class DFlashAdvancedArguments(DFlashTuningArguments, DFlashDataTuningArguments):
+    """`--help`'s "DFlash advanced" group: the training and data tuning knobs together (help only: the real parser
+    has them in `DFlashTrainingArguments` and `DFlashDataArguments`)."""
+
+    _argument_group_name = ADVANCED_GROUP
+
+
+# `dflash-train --help` order: the main DFlash groups, the TrainingArguments sections, then the advanced and the
+# experimental groups.
 HELP_GROUPS = (
     DFlashModelArguments,
     DFlashObjectiveArguments,
-    DFlashDataArguments,
+    DFlashDataSourceArguments,
     DFlashAdaptationArguments,
     DFlashPackingArguments,
     DFlashRunArguments,
 )
+LATE_HELP_GROUPS = (DFlashAdvancedArguments, DFlashExperimentalArguments)
+
+
+def deprecated_options(args) -> dict[str, str]:
+    """name -> replacement of each deprecated option set (to a non-default value) on `args`."""
+    defaults = {f.name: f.default for f in fields(DFlashTuningArguments)}
+    return {
+        name: replacement
+        for name, replacement in DEPRECATED_OPTIONS.items()
+        if getattr(args, name, defaults[name]) != defaults[name]
+    }

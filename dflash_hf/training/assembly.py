@@ -98,7 +98,7 @@ def prepare_target(target, args: DFlashTrainingArguments) -> FrozenTarget:
     if not isinstance(target, FrozenTarget):
         target = FrozenTarget(target, args.target_family)
     target.model.to(resolve_dtype(args.precision))
-    if args.compile_target and args.device.type == "cuda":
+    if "target" in args.torch_compile_layers and args.device.type == "cuda":
         compile_target_layers(target)
     target.forward_graphs = forward_graphs(args.target_cuda_graph, target, args.device)
     if args.packing:
@@ -107,9 +107,10 @@ def prepare_target(target, args: DFlashTrainingArguments) -> FrozenTarget:
 
 
 def compile_target_layers(target: FrozenTarget) -> None:
-    """`torch.compile` the forward of each frozen decoder layer in place (`compile_target`), with dynamic shapes
-    (new sequence lengths and batch sizes reuse the kernels). Only `forward` is compiled: the module call, and with it
-    the tap hooks of `FrozenTarget.capture`, stays eager, so taps are captured exactly as from the eager target.
+    """`torch.compile` the forward of each frozen decoder layer in place (`torch_compile_layers: [target]`), with
+    dynamic shapes (new sequence lengths and batch sizes reuse the kernels). Only `forward` is compiled: the module
+    call, and with it the tap hooks of `FrozenTarget.capture`, stays eager, so taps are captured exactly as from the
+    eager target.
     Idempotent (a target shared by two trainers is compiled once)."""
     for layer in target.layers:
         if not getattr(layer, "_dflash_compiled_forward", False):
@@ -181,7 +182,7 @@ def init_encoder_context(draft: DFlashDraftModel, target: FrozenTarget) -> None:
 
 
 def compile_draft_layers(model) -> None:
-    """`torch.compile` each draft decoder layer in place (`compile_draft_layers`)."""
+    """`torch.compile` each draft decoder layer in place (`torch_compile_layers: [draft]`)."""
     for module in model.modules():
         if isinstance(module, DFlashDecoderLayer):
             module.compile()

@@ -69,7 +69,7 @@ class DFlashTrainer(Trainer):
         self.target.model.to(self.args.device)
         if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here
             shard_frozen_target_layers(self.target)
-        if args.compile_draft_layers and self.args.device.type == "cuda":
+        if "draft" in args.torch_compile_layers and self.args.device.type == "cuda":
             compile_draft_layers(self.model)
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()

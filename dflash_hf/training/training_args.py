@@ -8,6 +8,7 @@ torch, for `dflash-train --help`); this class combines them with `TrainingArgume
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from dflash_hf.models.configuration_dflash import (
     check_target_layer_ids,
 )
 from dflash_hf.training.argument_groups import (
+    COMPILE_LAYER_CHOICES,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_NUM_ANCHORS,
     DFLASH_VARIANTS,
@@ -28,10 +30,13 @@ from dflash_hf.training.argument_groups import (
     TRAINER_OVERRIDES,
     DFlashAdaptationArguments,
     DFlashDataArguments,
+    DFlashExperimentalArguments,
     DFlashModelArguments,
     DFlashObjectiveArguments,
     DFlashPackingArguments,
     DFlashRunArguments,
+    DFlashTuningArguments,
+    deprecated_options,
 )
 from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag
 from dflash_hf.training.launch import check_launch
@@ -67,6 +72,8 @@ class DFlashTrainingArguments(
     DFlashAdaptationArguments,
     DFlashPackingArguments,
     DFlashRunArguments,
+    DFlashTuningArguments,
+    DFlashExperimentalArguments,
 ):
     """Optimizer and schedule come from the standard fields. Defaults here: AdamW, lr 6e-4, constant
     schedule. An adaptation schedule is `learning_rate=1.5e-4, lr_scheduler_type=cosine_with_min_lr,
@@ -90,6 +97,7 @@ class DFlashTrainingArguments(
                 "--bf16/--fp16 (autocast) are not used by dflash_hf: set --precision bf16, which sets the "
                 "parameter dtype of both the frozen target and the draft"
             )
+        self._apply_deprecated_options()
         check_launch(self)  # before the devices are set up
         super().__post_init__()
         self._resolve_from_export()
@@ -142,6 +150,26 @@ class DFlashTrainingArguments(
         self._check_dflash2()
         self._check_adaptation()
         self._check_float8()
+
+    def _apply_deprecated_options(self) -> None:
+        """Old option names still work, each with a warning naming its replacement; `torch_compile_layers` is
+        checked here (the parser checks its choices, a Python caller may pass anything)."""
+        found = deprecated_options(self)
+        for name, replacement in found.items():
+            warnings.warn(
+                f"{name}=true is deprecated and will be removed; set {replacement} instead", FutureWarning, stacklevel=3
+            )
+        layers = list(self.torch_compile_layers or [])
+        renamed = (("compile_draft_layers", "draft"), ("compile_target", "target"))
+        layers += [layer for name, layer in renamed if name in found]
+        bad = [layer for layer in layers if layer not in COMPILE_LAYER_CHOICES]
+        if bad:
+            raise ValueError(
+                f"torch_compile_layers {layers}: {bad} are not models with decoder layers to compile; choose from "
+                f"{list(COMPILE_LAYER_CHOICES)}"
+            )
+        self.torch_compile_layers = sorted(set(layers), key=COMPILE_LAYER_CHOICES.index)
+        self.compile_draft_layers = self.compile_target = False  # merged into torch_compile_layers (warned once)
 
     def _resolve_from_export(self) -> None:
         """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the

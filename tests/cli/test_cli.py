@@ -32,7 +32,7 @@ def _help() -> str:
     return options.help_parser().format_help()
 
 
-def test_help_lists_dflash_groups_first_then_trainer_sections():
+def test_help_lists_dflash_groups_first_then_trainer_sections_then_advanced_and_experimental():
     text = _help()
     titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
     assert titles[:7] == [
@@ -44,11 +44,53 @@ def test_help_lists_dflash_groups_first_then_trainer_sections():
         "DFlash packed batches",
         "DFlash run: validation, real tau, compilation",
     ]
-    assert all(t.startswith("TrainingArguments: ") for t in titles[7:]) and len(titles) > 20
+    assert titles[-2:] == [argument_groups.ADVANCED_GROUP, argument_groups.EXPERIMENTAL_GROUP]
+    assert all(t.startswith("TrainingArguments: ") for t in titles[7:-2]) and len(titles) > 20
     assert "TrainingArguments: Hub Integration" in titles
     assert "--config FILE.yaml" in text.split("DFlash model and draft:")[0]
     assert text.index("--block_size") < text.index("--train_data") < text.index("--learning_rate")
+    assert text.index("--learning_rate") < text.index("--ce_chunk_size") < text.index("--float8_lm_head")
     assert "AdamW learning rate (DFlash default 6e-4)." in text  # DFlash defaults of inherited fields
+
+
+def _group_options(text: str, title: str) -> list[str]:
+    """The `--name` options listed under one `--help` group (each option's first spelling)."""
+    body = text.split(f"\n{title}:\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split()[0] for line in body.splitlines() if line.startswith("  --")]
+
+
+def test_main_dflash_groups_list_at_most_40_options_and_move_tuning_and_experimental_later():
+    text = _help()
+    main = [o for g in argument_groups.HELP_GROUPS for o in _group_options(text, g._argument_group_name)]
+    assert len(main) == len(set(main)) <= 40
+    advanced = _group_options(text, argument_groups.ADVANCED_GROUP)
+    assert {"--ce_chunk_size", "--target_cuda_graph", "--num_buckets", "--allow_url_audio_sources"} <= set(advanced)
+    experimental = _group_options(text, argument_groups.EXPERIMENTAL_GROUP)
+    assert experimental == ["--draft_encoder_context", "--float8_draft_linears", "--float8_lm_head"]
+    assert "--compile_draft_layers" not in text and "--compile_target" not in text  # deprecated: hidden, accepted
+
+
+def test_old_compile_options_still_work_with_a_deprecation_warning(tmp_path):
+    config = tmp_path / "old.yaml"
+    config.write_text("compile_draft_layers: true\n")
+    argv = ["--config", str(config), "--compile_target", "true", "--output_dir", str(tmp_path / "out"), "--use_cpu"]
+    with pytest.warns(FutureWarning, match=r"compile_draft_layers=true is deprecated.*torch_compile_layers: \[draft\]"):
+        args, _ = cli_train.parse_with_config(cli_train.make_parser(), argv)
+    assert args.torch_compile_layers == ["draft", "target"]
+    assert make_args(tmp_path, torch_compile_layers=["target", "draft", "target"]).torch_compile_layers == [
+        "draft",
+        "target",
+    ]
+    with pytest.raises(ValueError, match=r"torch_compile_layers \['encoder'\]: \['encoder'\] are not models"):
+        make_args(tmp_path, torch_compile_layers=["encoder"])
+
+
+def test_missing_data_files_are_refused_by_the_pre_flight_not_by_the_arguments(tmp_path):
+    missing = str(tmp_path / "missing.jsonl")
+    data_args = DFlashDataArguments(train_data=[missing])  # building the arguments reads no file
+    args = SimpleNamespace(target_name_or_path=str(tmp_path), validate_only=False)
+    with pytest.raises(FileNotFoundError, match=r"data file '.*missing.jsonl' does not exist"):
+        cli_train.check_run_inputs(args, data_args)
 
 
 def test_every_dflash_option_has_help():
@@ -69,8 +111,10 @@ def test_light_constants_mirror_the_config_module():
     assert argument_groups.DFLASH_VARIANTS == configuration_dflash.DFLASH_VARIANTS
     assert argument_groups.MAX_BLOCK_SIZE == configuration_dflash.MAX_BLOCK_SIZE
     assert argument_groups.DEFAULT_BLOCK_SIZE == configuration_dflash.DEFAULT_BLOCK_SIZE
+    tuning = argument_groups.DFlashTuningArguments()
     objective = argument_groups.DFlashObjectiveArguments()
-    assert configuration_dflash.DFlash2Fields.of(objective) == configuration_dflash.DFlash2Fields()
+    fields_of_both = SimpleNamespace(**dataclasses.asdict(tuning), **dataclasses.asdict(objective))
+    assert configuration_dflash.DFlash2Fields.of(fields_of_both) == configuration_dflash.DFlash2Fields()
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

@@ -84,7 +84,7 @@ def flex_sdpa_differences(
     dtype: torch.dtype, compile_layers: bool = False, device: str = "cuda", seed: int = 0
 ) -> dict:
     """Loss and per-parameter gradient differences between the flex and the dense-mask paths
-    (`compile_layers`: each decoder layer compiled, as `compile_draft_layers`)."""
+    (`compile_layers`: each decoder layer compiled, as `torch_compile_layers: [draft]`)."""
     torch.manual_seed(seed)
     h, vocab, block = 256, 1000, 16
     draft = _tiny_draft(h, vocab, block, dtype, compile_layers, device)
@@ -174,7 +174,7 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
         variant=variant,
         attention_backend=backend,
         label_source="target_argmax",
-        compile_draft_layers=backend == "flex",
+        torch_compile_layers=["draft"] if backend == "flex" else [],
         num_anchors=8,
         float8_draft_linears=fp8,
         float8_lm_head=fp8,
@@ -212,8 +212,8 @@ def test_draft_side_of_a_micro_batch_never_synchronizes(tmp_path, variant, backe
 @pytest.mark.skipif(not _has_fp8(), reason="needs FP8 tensor cores (compute capability >= 8.9)")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_float8_linear_matches_its_dequantized_references_on_cuda(compiled):
-    """`torch._scaled_mm` on the GPU (eager, and inside a compiled module as `compile_draft_layers` runs it) computes
-    the matmuls of the dequantized operands: forward, input gradient, and the exact weight gradient."""
+    """`torch._scaled_mm` on the GPU (eager, and inside a compiled module as `torch_compile_layers: [draft]` runs
+    it) computes the matmuls of the dequantized operands: forward, input gradient, and the exact weight gradient."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():  # rows and columns of very different sizes: a scale applied along the wrong axis shows
@@ -291,7 +291,7 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
         random_rows(2, 250),
         use_cpu=False,
         attention_backend="flex",
-        compile_draft_layers=True,
+        torch_compile_layers=["draft"],
         num_anchors=32,
     )
     draft = trainer.model

@@ -138,7 +138,7 @@ def test_training_arguments_refuse_fp8_where_it_cannot_run(tmp_path, monkeypatch
 
 
 def test_compiled_float8_linear_equals_eager_as_the_row_count_changes():
-    """`compile_draft_layers` compiles the converted layers (`nn.Module.compile`): the autograd function and
+    """`torch_compile_layers: [draft]` compiles the converted layers (`nn.Module.compile`): the autograd function and
     `_scaled_mm` trace in one graph, also once the token count turns dynamic, with eager's numbers."""
     torch.manual_seed(4)
     eager = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)

@@ -1,6 +1,6 @@
-"""`compile_target` (torch.compile of the frozen target's decoder layers): taps, final states and `target_argmax`
-labels equal the eager target's, and one dynamic-shape graph serves every layer, batch shape and tap choice
-(the tap hooks stay outside the compiled region). Runs on CPU (inductor needs a C compiler, present in CI)."""
+"""`torch_compile_layers: [target]` (torch.compile of the frozen target's decoder layers): taps, final states and
+`target_argmax` labels equal the eager target's, and one dynamic-shape graph serves every layer, batch shape and tap
+choice (the tap hooks stay outside the compiled region). Runs on CPU (inductor needs a C compiler, present in CI)."""
 
 import torch
 import torch._dynamo.utils as dynamo_utils

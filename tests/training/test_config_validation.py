@@ -230,4 +230,5 @@ def test_run_inputs_are_required(tmp_path):
         check_run_inputs(ns(), ns())
     with pytest.raises(ValueError, match="--validate_only true needs --eval_data"):
         check_run_inputs(ns(validate_only=True), ns())
-    check_run_inputs(ns(), ns(train_data=["t.jsonl"]))
+    (tmp_path / "t.jsonl").write_text("")
+    check_run_inputs(ns(), ns(train_data=[str(tmp_path / "t.jsonl")]))
