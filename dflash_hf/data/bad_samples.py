@@ -54,6 +54,13 @@ class BadSamples:
             self.skipped[key] = message
             logger.warning("skipping %s (%d skipped so far)", message, len(self.skipped))
 
+    def add_skipped(self, skipped: dict[str, str]) -> None:
+        """Count skips made elsewhere (a collator in a worker process): ``{sample label: message}``."""
+        for key, message in skipped.items():
+            if key not in self.skipped:
+                self.skipped[key] = message
+                logger.warning("skipping %s (%d skipped so far)", message, len(self.skipped))
+
     @property
     def num_skipped(self) -> int:
         return len(self.skipped)

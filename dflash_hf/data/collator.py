@@ -11,12 +11,30 @@ from lhotse import MonoCut
 from lhotse.augmentation.resample import Resample
 from lhotse.utils import compute_num_samples
 
-from dflash_hf.data.bad_samples import BadSampleError, bad_sample_message, origin_of
+from dflash_hf.data.audio_files import (
+    REFUSAL_FIX,
+    VALUE_FIX,
+    ExternalDecoderRefused,
+    audio_value_problem,
+    load_audio_safely,
+)
+from dflash_hf.data.bad_samples import (
+    SKIP_HINT,
+    BadSampleError,
+    BadSamples,
+    bad_sample_message,
+    origin_of,
+    sample_label,
+)
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.targets.families.registry import TargetFamily, encode_batch
 from dflash_hf.targets.families.whisper_features import is_standard_extractor, with_fast_features
 
 PLAIN_AUDIO_SUFFIXES = (".wav", ".flac")
+SKIPPED_KEY = "dflash_skipped"
+"""Batch key of the samples the collator skipped (bad audio found when it was read, with ``skip_bad_samples``):
+``{sample label: message}``; the loader moves them to its ``BadSamples`` (the collator may run in a worker process).
+A batch holding only this key had no usable sample."""
 
 
 def read_plain_audio(cut) -> np.ndarray | None:
@@ -44,10 +62,15 @@ def read_plain_audio(cut) -> np.ndarray | None:
 
 
 def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
-    """Mono float32 samples of the cut at ``sampling_rate`` (resampled with a windowed-sinc filter if needed)."""
+    """Mono float32 samples of the cut at ``sampling_rate`` (resampled with a windowed-sinc filter if needed). Read
+    without running programs unless the cut's source opted in (``audio_files``); samples that are not finite or
+    beyond ``audio_files.MAX_ABS_SAMPLE`` are a :class:`BadSampleError` naming the cut."""
     try:
         audio = read_plain_audio(cut)
-        audio = cut.load_audio() if audio is None else audio
+        audio = load_audio_safely(cut) if audio is None else audio
+    except ExternalDecoderRefused as e:
+        problem = str(e).split("\n[extra info]")[0]  # lhotse appends the call that failed
+        raise BadSampleError(bad_sample_message(cut.id, "audio_filepath", problem, REFUSAL_FIX, origin_of(cut))) from e
     except Exception as e:  # noqa: BLE001 - re-raised with the cut id and the fix
         raise BadSampleError(
             bad_sample_message(
@@ -59,6 +82,11 @@ def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
             )
         ) from e
     audio = np.asarray(audio, dtype=np.float32)[0]
+    problem = audio_value_problem(audio)
+    if problem:
+        raise BadSampleError(
+            bad_sample_message(cut.id, "audio_filepath", f"the audio {problem}", VALUE_FIX, origin_of(cut))
+        )
     if cut.sampling_rate != sampling_rate:
         resampler = Resample(orig_freq=cut.sampling_rate, new_freq=sampling_rate)
         audio = resampler(torch.from_numpy(audio)[None]).numpy()[0]
@@ -95,7 +123,9 @@ class PaddedCollator:
     family with a fixed encoder window (``window_frames``: Whisper) gives compact features instead of the window
     (``whisper_features.COMPACT_FEATURES_KEY``; the frozen target expands them), where the extractor's window is
     the encoder's; ``device_features``: the padded waves instead (``AUDIO_WAVES_KEY``; the frozen target computes
-    their features), where the extractor is also the standard one of the target's ``num_mel_bins`` and window."""
+    their features), where the extractor is also the standard one of the target's ``num_mel_bins`` and window.
+    ``bad``: with skipping on, a cut whose audio turns out bad when read is left out of the batch and named under
+    ``SKIPPED_KEY``; otherwise it raises :class:`BadSampleError`."""
 
     def __init__(
         self,
@@ -106,7 +136,9 @@ class PaddedCollator:
         padding_side: str,
         compact_features: bool = False,
         device_features: bool = False,
+        bad: BadSamples | None = None,
     ):
+        self.bad = bad
         fe = getattr(processor, "feature_extractor", None)
         frames = family.window_frames(target_config) if family.window_frames is not None else None
         window = frames is not None and getattr(fe, "nb_max_frames", None) == frames
@@ -121,12 +153,31 @@ class PaddedCollator:
         self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 
+    def _audios(self, cuts: list) -> tuple[list, list, dict[str, str]]:
+        """``(kept cuts, their audio, {label: message} of the skipped ones)``."""
+        kept, audios, skipped = [], [], {}
+        for cut in cuts:
+            try:
+                audios.append(load_cut_audio(cut, self.family.sampling_rate))
+            except BadSampleError as e:
+                if self.bad is None:
+                    raise
+                if not self.bad.skip:
+                    raise BadSampleError(f"{e} ({SKIP_HINT})") from e
+                skipped[sample_label(cut.id, origin_of(cut))] = str(e)
+                continue
+            kept.append(cut)
+        return kept, audios, skipped
+
     def __call__(self, cuts) -> dict:
-        cuts = list(cuts)
+        cuts, audios, skipped = self._audios(list(cuts)) if self.family.has_audio else (list(cuts), [], {})
+        if not cuts:
+            return {SKIPPED_KEY: skipped}
         samples = self.renderer.render_many(cuts)
-        audios = [load_cut_audio(c, self.family.sampling_rate) for c in cuts] if self.family.has_audio else []
         batch = encode_batch(
             self.family, self.processor, self.target_config, [s.text for s in samples], audios, self.padding_side
         )
         batch["loss_mask"] = supervision_mask(batch["input_ids"], batch["attention_mask"], samples)
+        if skipped:
+            batch[SKIPPED_KEY] = skipped
         return batch

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 _END = object()
+EMPTY_BATCH = object()
+"""What `_epoch_batches` yields for a batch whose samples were all skipped: counted in the position, not handed out."""
 
 
 def replay_error(epoch: int, consumed: int) -> ValueError:
@@ -52,7 +54,8 @@ class ResumableEpochs:
             following = next(batches, _END)
             self.batches_consumed += 1
             self._epoch_done = following is _END
-            yield batch
+            if batch is not EMPTY_BATCH:
+                yield batch
             batch = following
         self._epoch_done = True
 

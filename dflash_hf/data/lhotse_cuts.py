@@ -1,5 +1,6 @@
 """The lhotse cuts reader: a lhotse CutSet file (``.jsonl`` / ``.jsonl.gz``) of MonoCuts, read lazily, every row
-checked; audio sources that would run a command or download are refused unless allowed (``GATED_SOURCE_TYPES``)."""
+checked; audio sources that would run a command or download are refused unless allowed (``GATED_SOURCE_TYPES``), and
+each cut records whether decoder programs may read its files (``audio_files.mark_programs``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from lhotse import MonoCut
 
+from dflash_hf.data.audio_files import OPT_IN_FLAG, mark_programs
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
 from dflash_hf.data.json_rows import describe_value, json_rows, seconds_problem
 
@@ -71,7 +73,7 @@ class LhotseCuts:
                 )
                 return None
         self._check_sources(cut, origin)
-        cut.custom = {**(cut.custom or {}), ORIGIN_KEY: origin}
+        cut.custom = mark_programs({**(cut.custom or {}), ORIGIN_KEY: origin}, self.allowed[OPT_IN_FLAG])
         return cut
 
     def _check_sources(self, cut: MonoCut, origin: str) -> None:

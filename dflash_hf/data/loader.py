@@ -14,9 +14,9 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_hf.data.bad_samples import BadSamples
-from dflash_hf.data.collator import PaddedCollator
+from dflash_hf.data.collator import SKIPPED_KEY, PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-from dflash_hf.data.epochs import ResumableEpochs, replay_error
+from dflash_hf.data.epochs import EMPTY_BATCH, ResumableEpochs, replay_error
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.data.sources import DataSource, mix_sources
@@ -93,8 +93,14 @@ class CutDataLoader(DataLoader, ResumableEpochs):
         self.batch_sampler.set_epoch(epoch)
 
     def _epoch_batches(self):
+        """The epoch's batches from the position; samples a collator skipped (``SKIPPED_KEY``) are counted in
+        ``bad_samples``, and a batch left without samples is ``EMPTY_BATCH`` (counted in the position only)."""
         self.batch_sampler.skip = self.batches_consumed
-        return DataLoader.__iter__(self)
+        for batch in DataLoader.__iter__(self):
+            skipped = batch.pop(SKIPPED_KEY, None) if isinstance(batch, dict) else None
+            if skipped:
+                self.bad_samples.add_skipped(skipped)
+            yield batch if not isinstance(batch, dict) or batch else EMPTY_BATCH
 
     def __iter__(self):
         return self.one_epoch()
@@ -197,6 +203,7 @@ def build_train_dataloader(
         padding_side,
         compact_features=compact_features,
         device_features=device_features,
+        bad=bad,
     )
     if packing:
         check_family_packable(family)

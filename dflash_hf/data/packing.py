@@ -26,6 +26,7 @@ import torch
 from lhotse import CutSet
 from lhotse.utils import streaming_shuffle
 
+from dflash_hf.data.collator import SKIPPED_KEY
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY
 from dflash_hf.targets.families.registry import TargetFamily
 
@@ -120,9 +121,14 @@ class PackingCollator:
         self.pad_token_id, self.pad_to_multiple_of = pad_token_id, pad_to_multiple_of
 
     def __call__(self, cuts) -> dict:
-        return pack_padded_batch(
-            self.padded_collator(list(cuts)), self.max_tokens, self.pad_to_multiple_of, self.pad_token_id
-        )
+        batch = self.padded_collator(list(cuts))
+        skipped = batch.pop(SKIPPED_KEY, None)
+        if "input_ids" not in batch:  # every sample was skipped
+            return {SKIPPED_KEY: skipped}
+        packed = pack_padded_batch(batch, self.max_tokens, self.pad_to_multiple_of, self.pad_token_id)
+        if skipped:
+            packed[SKIPPED_KEY] = skipped
+        return packed
 
 
 class PackingSampler:

@@ -5,6 +5,7 @@
   ``context``).
 - lhotse CutSet files (``.jsonl`` / ``.jsonl.gz``) of MonoCuts, read lazily; audio sources of type ``command``
   or ``url`` are refused unless allowed.
+Audio headers and samples are read without running programs unless the source allows it (``audio_files.py``).
 - Hugging Face ``datasets``: an audio column holding paths, ``{"path", "bytes"}`` dicts (``Audio(decode=False)``)
   or ``{"array", "sampling_rate"}`` dicts, plus a text column; ``audio_column=None`` for text-only data.
 
@@ -29,6 +30,13 @@ import numpy as np
 import soundfile as sf
 from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 
+from dflash_hf.data.audio_files import (
+    REFUSAL_FIX,
+    ExternalDecoderRefused,
+    mark_programs,
+    recording_from_bytes,
+    recording_from_file,
+)
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
 from dflash_hf.data.json_rows import describe_value, detect_kind, json_rows, manifest_stem, seconds_problem
 from dflash_hf.data.lhotse_cuts import LhotseCuts
@@ -43,7 +51,8 @@ class DataSource:
     first line when None) or ``hf_dataset`` (a ``datasets.Dataset`` or a ``save_to_disk`` directory).
     ``weight`` is the relative sampling weight when several sources are mixed. lhotse cuts whose audio comes
     from a shell command or a URL are refused unless ``allow_command_audio_sources`` /
-    ``allow_url_audio_sources`` is True."""
+    ``allow_url_audio_sources`` is True; the first also lets decoder programs (ffmpeg through audioread) read audio
+    files libsndfile cannot (``audio_files.py``)."""
 
     path: str | None = None
     weight: float = 1.0
@@ -121,19 +130,34 @@ def audio_file_stat(path: Path) -> tuple[os.stat_result | None, str | None]:
 
 
 def nemo_line_to_cut(
-    record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None = None
+    record: dict,
+    cut_id: str,
+    manifest_dir: Path,
+    bad: BadSamples,
+    origin: str | None = None,
+    *,
+    allow_programs: bool = False,
 ) -> MonoCut | None:
-    """One NeMo manifest line -> MonoCut (checks the line, reads only the audio header). None when skipped."""
+    """One NeMo manifest line -> MonoCut (checks the line, reads only the audio header). None when skipped.
+    ``allow_programs``: decoder programs may read the audio (``audio_files.py``)."""
     if not check_nemo_record(record, cut_id, bad, origin):
         return None
-    return _nemo_cut(record, cut_id, manifest_dir, bad, origin)
+    return _nemo_cut(record, cut_id, manifest_dir, bad, origin, allow_programs=allow_programs)
 
 
 def _nemo_cut(
-    record: dict, cut_id: str, manifest_dir: Path, bad: BadSamples, origin: str | None, recordings: dict | None = None
+    record: dict,
+    cut_id: str,
+    manifest_dir: Path,
+    bad: BadSamples,
+    origin: str | None,
+    recordings: dict | None = None,
+    *,
+    allow_programs: bool = False,
 ) -> MonoCut | None:
-    """A checked NeMo line -> MonoCut: the audio file must exist and have a readable header. `recordings`: headers
-    already read, by (path, size, modification time); a file changed since is read again."""
+    """A checked NeMo line -> MonoCut: the audio file must exist and have a header libsndfile reads (or, with
+    ``allow_programs``, a decoder program). `recordings`: headers already read, by (path, size, modification time);
+    a file changed since is read again."""
     path = Path(record["audio_filepath"]).expanduser()
     if not path.is_absolute():
         path = manifest_dir / path
@@ -160,7 +184,10 @@ def _nemo_cut(
     recording = recordings.get(key) if recordings is not None else None
     if recording is None:
         try:
-            recording = Recording.from_file(path, recording_id=str(path))
+            recording = recording_from_file(path, str(path), allow_programs)
+        except ExternalDecoderRefused as e:
+            bad.report(cut_id, "audio_filepath", str(e), REFUSAL_FIX, origin=origin)
+            return None
         except Exception as e:  # noqa: BLE001 - any decoder failure means the file is unusable
             bad.report(
                 cut_id,
@@ -176,6 +203,7 @@ def _nemo_cut(
     duration = record.get("duration")
     duration = recording.duration - offset if duration is None else float(duration)
     extras = {k: v for k, v in record.items() if k not in NEMO_KEYS}
+    mark_programs(extras, allow_programs)
     if origin is not None:
         extras[ORIGIN_KEY] = origin
     return _make_cut(cut_id, recording, offset, duration, record["text"], record.get("lang"), extras)
@@ -206,9 +234,10 @@ class NemoManifest:
     """Lazy, re-iterable NeMo manifest reader (plain or gzipped) yielding MonoCuts (bad lines go to ``bad``).
     ``check()`` reads every line once without touching audio, so malformed lines surface before training."""
 
-    def __init__(self, path: str | Path, bad: BadSamples | None = None):
+    def __init__(self, path: str | Path, bad: BadSamples | None = None, *, allow_programs: bool = False):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
+        self.allow_programs = allow_programs
         self._recordings: dict = {}  # audio headers read in an earlier epoch (lhotse Recordings)
 
     def _records(self) -> Iterator[tuple[str, str, dict]]:
@@ -226,7 +255,9 @@ class NemoManifest:
     def __iter__(self) -> Iterator[MonoCut]:
         manifest_dir = self.path.parent
         for cut_id, origin, record in self._records():
-            cut = _nemo_cut(record, cut_id, manifest_dir, self.bad, origin, self._recordings)
+            cut = _nemo_cut(
+                record, cut_id, manifest_dir, self.bad, origin, self._recordings, allow_programs=self.allow_programs
+            )
             if cut is not None:
                 yield cut
 
@@ -244,6 +275,7 @@ class HFDatasetCuts:
         id_column: str | None = None,
         name: str = "hf",
         bad: BadSamples | None = None,
+        allow_programs: bool = False,
     ):
         if audio_column is not None and audio_column in dataset.column_names:
             from datasets import Audio
@@ -261,6 +293,7 @@ class HFDatasetCuts:
         self.audio_column, self.text_column = audio_column, text_column
         self.context_column = context_column if context_column in dataset.column_names else None
         self.id_column, self.name = id_column, name
+        self.allow_programs = allow_programs
         self.bad = bad if bad is not None else BadSamples(skip=False)
 
     def __iter__(self) -> Iterator[MonoCut]:
@@ -269,6 +302,7 @@ class HFDatasetCuts:
             origin = f"hf dataset {self.name!r} row {index}"
             custom = {"context": row[self.context_column]} if self.context_column else {}
             custom[ORIGIN_KEY] = origin
+            mark_programs(custom, self.allow_programs)
             text = row[self.text_column]
             if self.audio_column is None:
                 yield _make_cut(cut_id, None, 0.0, 0.0, text, None, custom)
@@ -284,7 +318,7 @@ class HFDatasetCuts:
             if not isinstance(audio, dict):
                 raise TypeError(f"expected a path or a dict, got {type(audio).__name__}")
             if audio.get("bytes"):
-                return Recording.from_bytes(audio["bytes"], recording_id=cut_id)
+                return recording_from_bytes(audio["bytes"], cut_id, self.allow_programs)
             if audio.get("array") is not None:
                 buffer = io.BytesIO()
                 sf.write(
@@ -294,17 +328,20 @@ class HFDatasetCuts:
                     format="WAV",
                     subtype="FLOAT",
                 )
-                return Recording.from_bytes(buffer.getvalue(), recording_id=cut_id)
+                return recording_from_bytes(buffer.getvalue(), cut_id)
             if audio.get("path"):
                 path = Path(audio["path"])
                 problem = audio_path_problem(path)
                 if problem:
                     self.bad.report(cut_id, self.audio_column, problem, "point it at an audio file", origin=origin)
                     return None
-                return Recording.from_file(path, recording_id=cut_id)
+                return recording_from_file(path, cut_id, self.allow_programs)
             raise ValueError("the dict has none of 'bytes', 'array', 'path'")
         except BadSampleError:  # already reported (strict mode): not an unreadable-audio error
             raise
+        except ExternalDecoderRefused as e:
+            self.bad.report(cut_id, self.audio_column, str(e), REFUSAL_FIX, origin=origin)
+            return None
         except Exception as e:  # noqa: BLE001 - reported with the cut id
             self.bad.report(
                 cut_id,
@@ -337,13 +374,14 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
                 id_column=source.id_column,
                 name=Path(str(source.path or "hf")).stem,
                 bad=bad,
+                allow_programs=source.allow_command_audio_sources,
             )
         )
     if source.path is None:
         raise ValueError("DataSource needs path= or hf_dataset=")
     kind = source.kind or detect_kind(source.path)
     if kind == "nemo":
-        reader = NemoManifest(source.path, bad)
+        reader = NemoManifest(source.path, bad, allow_programs=source.allow_command_audio_sources)
     elif kind == "lhotse":
         reader = LhotseCuts(
             source.path,
