@@ -14,13 +14,21 @@ _EXPORTS = {
     "DFlashDraftModel": ".models.modeling_dflash",
     "DFlashTrainer": ".training.trainer",
     "DFlashTrainingArguments": ".training.training_args",
+    "dflash_custom_generate": ".generation.speculative",
+    "export_draft": ".export.drafts",
+    "load_draft_strict": ".export.drafts",
+    "load_target": ".targets.frozen",
+    "push_draft_to_hub": ".export.hub",
     "speculative_generate": ".generation.speculative",
 }
 
 if TYPE_CHECKING:
-    from dflash_hf.generation.speculative import speculative_generate
+    from dflash_hf.export.drafts import export_draft, load_draft_strict
+    from dflash_hf.export.hub import push_draft_to_hub
+    from dflash_hf.generation.speculative import dflash_custom_generate, speculative_generate
     from dflash_hf.models.configuration_dflash import DFlashConfig
     from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+    from dflash_hf.targets.frozen import load_target
     from dflash_hf.training.trainer import DFlashTrainer
     from dflash_hf.training.training_args import DFlashTrainingArguments
 
@@ -43,6 +51,11 @@ __all__ = [
     "DFlashDraftModel",
     "DFlashTrainer",
     "DFlashTrainingArguments",
+    "dflash_custom_generate",
+    "export_draft",
+    "load_draft_strict",
+    "load_target",
+    "push_draft_to_hub",
     "speculative_generate",
 ]
 __version__ = "0.1.0"
