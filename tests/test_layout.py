@@ -68,4 +68,4 @@ def test_remote_code_files_import_only_torch_transformers_and_each_other():
 def test_test_tree_mirrors_the_package():
     dirs = {p.parent.relative_to(TESTS_DIR).parts[0] for p in TESTS_DIR.rglob("test_*.py") if p.parent != TESTS_DIR}
     assert dirs <= TEST_FOLDERS, sorted(dirs - TEST_FOLDERS)
-    assert [p.name for p in TESTS_DIR.glob("test_*.py")] == ["test_layout.py"]
+    assert sorted(p.name for p in TESTS_DIR.glob("test_*.py")) == ["test_layout.py", "test_repository_text.py"]
