@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 18): launches that do what they say, the mask-id hint, validate-only equal to
+"""A new user's first hour: launches that do what they say, the mask-id hint, validate-only equal to
 the training run's evaluation, quiet checkpoint saves, CPU threads, README's snippet and install pins."""
 
 from __future__ import annotations

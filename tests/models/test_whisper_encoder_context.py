@@ -244,8 +244,8 @@ def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_
 
 
 def test_a_warm_start_of_an_encoder_context_dflash2_draft_continues_from_its_export(whisper, tmp_path):
-    """The multi-session recipe (benchmarks/README.md): a trained draft brought home and trained on in the next
-    session starts from its own weights (cross-attention and selector included), not from the target's layers."""
+    """A trained draft warm-started again (`--init_from_pretrained` its export, as training in stages does) starts
+    from its own weights (cross-attention and selector included), not from the target's layers."""
     model, _ = whisper
     trained = _draft(tmp_path, model, variant="dflash2")
     with torch.no_grad():
