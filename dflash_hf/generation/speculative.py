@@ -25,6 +25,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEnc
 
 from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
+from dflash_hf.generation.target_cache import (
+    cache_keyword,
+    check_block_cached,
+    check_prompt_cached,
+    generate_state_free,
+)
 from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
     _accept,
@@ -76,10 +82,13 @@ class _Verifier:
     draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
     verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
 
+    def __post_init__(self):
+        self.cache_key = cache_keyword(self.target.model)  # `past_key_values`, or `cache` from transformers 5.24
+
     def __call__(self, **kwargs):
         self.forwards += 1
         out, feats = self.target.tapped_forward(
-            self.layer_ids, past_key_values=self.cache, use_cache=True, **self.step_kwargs, **kwargs
+            self.layer_ids, **{self.cache_key: self.cache}, use_cache=True, **self.step_kwargs, **kwargs
         )
         return out.logits[0], feats.taps
 
@@ -151,6 +160,7 @@ def _decode(
             ft, bsz, verifier.step_kwargs, sample=sample, max_positions=max_positions, max_length=max_length
         )
     logits, pending = verifier(**prefill)
+    check_prompt_cached(verifier.cache, pending.shape[1], prompt.shape[1], ft.model)
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)
     # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
@@ -217,6 +227,7 @@ def _decode(
         verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
         if fixed_verify is None:
             logits, feats = verifier.step(verify_ids)
+            check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
         else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
             logits, feats = fixed_verify.verify(ft, verify_ids, a)
             verifier.forwards += 1
@@ -314,7 +325,8 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
     _check_one_prompt(input_ids)
     eos = _eos_ids(ft)
     cache = DynamicCache()
-    prefill = {**ft.cast_features(target_inputs), "past_key_values": cache, "use_cache": True}
+    key = cache_keyword(ft.model)  # `past_key_values`, or `cache` from transformers 5.24
+    prefill = {**ft.cast_features(target_inputs), key: cache, "use_cache": True}
     if ft.keeps_last_logits_only:
         prefill["logits_to_keep"] = 1
     logits = ft.model(**prefill).logits
@@ -324,7 +336,7 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
         new.append(int(token))
         if new[-1] in eos or len(new) >= max_new_tokens:
             break
-        logits = ft.model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True).logits
+        logits = ft.model(input_ids=token.view(1, 1), **{key: cache}, use_cache=True).logits
     return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
@@ -358,20 +370,6 @@ def _through_generate(
         draft_step=decode.draft_step,
         verify_step=decode.verify_step,
     )
-
-
-# Keywords of the standard decoding step that the speculative loop sets itself.
-_LOOP_KEYS = frozenset(
-    {
-        "past_key_values",
-        "use_cache",
-        "logits_to_keep",
-        "cache_position",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-    }
-)
 
 
 class DFlashCustomGenerate:
@@ -416,7 +414,7 @@ class DFlashCustomGenerate:
         if self._target is None or self._target.model is not model:
             self._target = FrozenTarget(model)
         ft = self._target
-        kwargs = {k: v for k, v in model_kwargs.items() if k not in _LOOP_KEYS}
+        kwargs = generate_state_free(model_kwargs)  # generate's cache stays out: the decode keeps its own
         layer_ids = list(self.draft.config.target_layer_ids)
         if ft.is_encoder_decoder:
             if kwargs.get("encoder_outputs") is None:

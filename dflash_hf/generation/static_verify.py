@@ -17,7 +17,7 @@ Attention over the masked fixed buffers may round differently from attention ove
 decoding stays `generate`'s unless a rounding flips a near-tie. Measured (`benchmarks/verify_graph_probe.py`,
 `docs/PERFORMANCE.md`): no argmax of 2440 Whisper-base block positions differed on the CPU or on an H200 (whose
 logits were equal to the bit), nor of 1488 on SmolLM2-135M (CPU); on the H200 every output of Whisper-base and of the
-speech LLM of docs/QUALITY.md equalled plain greedy `generate` (40/40 each) at 1.4x and 1.9x the growing cache's tokens/s.
+speech LLM of issue 19 equalled plain greedy `generate` (40/40 each) at 1.4x and 1.9x the growing cache's tokens/s.
 Hence the default `verify_cuda_graph=None`: on a GPU wherever it can run (:func:`fixed_verify_rows`), the growing
 cache elsewhere; `dflash-eval` checks the outputs as always. On the CPU the same fixed-shape forward runs without a
 graph only when asked for (how the tests compare it with the growing cache).
@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from dflash_hf.generation.static_draft import MAX_GRAPH_POSITIONS
+from dflash_hf.generation.target_cache import cache_keyword
 from dflash_hf.models.configuration_dflash import decoder_attends_fully
 from dflash_hf.ops.cuda_graphs import (
     built_or_fallback,
@@ -95,6 +96,7 @@ class StaticVerifyStep:
         self._model = weakref.ref(ft.model)
         self.addresses = weight_addresses(ft.model)
         self.layer_ids, self.block, self.dtype = list(layer_ids), block, dtype
+        self.cache_key = cache_keyword(ft.model)  # `past_key_values`, or `cache` from transformers 5.24
         self.encoder_decoder = encoder_hidden is not None
         first = _self_attention(prefill_cache).layers[0].keys  # [1, kv_heads, L, head_dim]
         self.self_cache = FixedSelfCache(
@@ -141,7 +143,7 @@ class StaticVerifyStep:
             )
         else:
             kwargs = dict(input_ids=self.ids, position_ids=self.pos[None], attention_mask=mask)
-        out, feats = ft.tapped_forward(self.layer_ids, past_key_values=self.cache, use_cache=True, **kwargs)
+        out, feats = ft.tapped_forward(self.layer_ids, **{self.cache_key: self.cache}, use_cache=True, **kwargs)
         return out.logits[0], feats.taps
 
     def _capture(self, ft, at: int) -> None:
