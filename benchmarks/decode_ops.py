@@ -1,6 +1,6 @@
 """Operators and host reads per speculative cycle and per greedy step: the CPU proxy for GPU kernel launches.
 
-    python benchmarks/decode_ops.py --target /work/cache/whisper-base/hf --data /work/cache/data/speech/eval.json \
+    python benchmarks/decode_ops.py --target openai/whisper-base --data eval.json \
         --num_prompts 3
     python benchmarks/decode_ops.py --tiny text       # tiny random text target
     python benchmarks/decode_ops.py --tiny whisper    # tiny random Whisper (CPU smoke run)
@@ -87,7 +87,9 @@ _SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 @dataclass
 class OpsArguments:
-    target: str | None = field(default=None, metadata={"help": "Directory of the target (model + processor)."})
+    target: str | None = field(
+        default=None, metadata={"help": "The target (model + processor): a Hub id or a local directory."}
+    )
     data: str | None = field(
         default=None,
         metadata={
@@ -377,8 +379,9 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
         else:
             prompts = profile.text_prompts(args.data, get_tokenizer(processor), "text", args.num_prompts)
         mask = WHISPER_MASK if ft.family.name == "whisper" else None
-        name = Path(args.target).resolve().name
-        name = Path(args.target).resolve().parent.name if name == "hf" else name
+        path = Path(args.target).expanduser()
+        name = path.resolve().name if path.is_dir() else args.target.replace("/", "--")  # a directory or a Hub id
+        name = path.resolve().parent.name if name == "hf" else name
     mask = args.mask_token_id if args.mask_token_id is not None else mask
     if mask is None:
         raise ValueError("give --mask_token_id for this target")

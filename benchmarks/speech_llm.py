@@ -1,4 +1,4 @@
-"""A speech LLM assembled from real parts (issue 19): Whisper-base's encoder + SmolLM2-135M-Instruct as a genuine
+"""A speech LLM assembled from real parts: Whisper-base's encoder + SmolLM2-135M-Instruct as a genuine
 ``Qwen2AudioForConditionalGeneration``, its projector (and optionally LoRA) trained to transcribe, and its WER.
 
     python benchmarks/speech_llm.py assemble --whisper WHISPER_HF --llm SMOLLM2_HF --out ASSEMBLED
@@ -491,7 +491,7 @@ def train(
     max_minutes: float | None = None,
 ) -> Path:
     """Train the projector (+ LoRA, merged) on transcription; saves a Qwen2-Audio checkpoint and its recipe.
-    ``max_minutes`` stops the optimisation early (recorded) so a device session's budget is kept."""
+    ``max_minutes`` stops the optimisation early (recorded) to keep a time budget."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
     from dflash_hf.targets.families.registry import resolve_family
@@ -776,8 +776,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("assemble", help="Whisper encoder + LLM -> Qwen2-Audio checkpoint (random projector)")
-    a.add_argument("--whisper", type=Path, required=True, help="converted WhisperForConditionalGeneration dir")
-    a.add_argument("--llm", type=Path, required=True, help="causal LM dir with its tokenizer")
+    a.add_argument(
+        "--whisper",
+        type=Path,
+        required=True,
+        help="a WhisperForConditionalGeneration: Hub id (openai/whisper-base) or directory",
+    )
+    a.add_argument("--llm", type=Path, required=True, help="a causal LM with its tokenizer: Hub id or directory")
     a.add_argument("--out", type=Path, required=True)
     a.add_argument("--audio_bos_token", default=AUDIO_BOS)
     a.add_argument("--audio_token", default=AUDIO_TOKEN, help="the audio placeholder (an existing token)")

@@ -13,11 +13,11 @@ prompt's audio positions are prefilled as usual):
 - the prompt's rows (and Whisper's cross-attention keys/values and encoder output) are copied in per prompt;
 - the block's ids and positions are copied into fixed tensors before each replay.
 
-Attention over the masked fixed buffers may round differently from attention over the growing cache, so greedy
-decoding stays `generate`'s unless a rounding flips a near-tie. Measured (`benchmarks/verify_graph_probe.py`,
-`docs/PERFORMANCE.md`): no argmax of 2440 Whisper-base block positions differed on the CPU or on an H200 (whose
-logits were equal to the bit), nor of 1488 on SmolLM2-135M (CPU); on the H200 every output of Whisper-base and of the
-speech LLM of issue 19 equalled plain greedy `generate` (40/40 each) at 1.4x and 1.9x the growing cache's tokens/s.
+Attention over the masked fixed buffers may round differently from attention over the growing cache, so greedy decoding
+stays `generate`'s unless a rounding flips a near-tie. Measured (`docs/PERFORMANCE.md`): no argmax of 2440 Whisper-base
+block positions differed on the CPU or on an H200 (whose logits were equal to the bit), nor of 1488 on SmolLM2-135M
+(CPU); on the H200 every output of Whisper-base and of the speech LLM of `benchmarks/speech_llm.py` equalled plain
+greedy `generate` (40/40 each) at 1.4x and 1.9x the growing cache's tokens/s.
 Hence the default `verify_cuda_graph=None`: on a GPU wherever it can run (:func:`fixed_verify_rows`), the growing
 cache elsewhere; `dflash-eval` checks the outputs as always. On the CPU the same fixed-shape forward runs without a
 graph only when asked for (how the tests compare it with the growing cache).

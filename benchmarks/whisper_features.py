@@ -3,8 +3,8 @@
 clips of a NeMo manifest, in the batches the data loader would form (one thread, as one loader worker runs).
 Checks the two are bit-identical and writes the timings to a JSON file.
 
-    python scripts/benchmark_whisper_features.py --processor /cache/whisper-base/hf \\
-        --manifest /cache/data/speech/train.json --num_clips 440 --batch_size 55 --out docs/results/features.json
+    python benchmarks/whisper_features.py --processor openai/whisper-base \\
+        --manifest train.json --num_clips 440 --batch_size 55 --out docs/results/features.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/benchmark_generate_labels.py at tiny size on CPU: both modes run, write the same labels, and every
+"""benchmarks/label_generation.py at tiny size on CPU: both modes run, write the same labels, and every
 reported field is there (what it times is not checked: a test times nothing)."""
 
 import importlib.util
@@ -6,11 +6,11 @@ import json
 
 from utils import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "scripts" / "benchmark_generate_labels.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "label_generation.py"
 
 
 def test_tiny_run_reports_both_modes(tmp_path):
-    spec = importlib.util.spec_from_file_location("benchmark_generate_labels", SCRIPT)
+    spec = importlib.util.spec_from_file_location("label_generation", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "labels.json"

@@ -1,4 +1,4 @@
-"""scripts/benchmark_train.py at tiny size on CPU: it runs the product step and writes every reported field."""
+"""benchmarks/train_step.py at tiny size on CPU: it runs the product step and writes every reported field."""
 
 import importlib.util
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 from utils import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "scripts" / "benchmark_train.py"
+SCRIPT = REPO_ROOT / "benchmarks" / "train_step.py"
 FIELDS = {
     "shape",
     "mode",
@@ -29,7 +29,7 @@ FIELDS = {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_train", SCRIPT)
+    spec = importlib.util.spec_from_file_location("train_step", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

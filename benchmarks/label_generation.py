@@ -2,8 +2,8 @@
 thread while the target decodes the current batch). Runs the two alternately on the same manifest, checks that they
 write the same lines, and writes clips/s to a JSON file.
 
-    python scripts/benchmark_generate_labels.py --out docs/results/generate_labels_prefetch_cpu.json
-    python scripts/benchmark_generate_labels.py --model /cache/whisper-base/hf --manifest /cache/data/speech/dev.json \\
+    python benchmarks/label_generation.py --out docs/results/generate_labels_prefetch_cpu.json
+    python benchmarks/label_generation.py --model openai/whisper-base --manifest dev.json \\
         --device cuda --batch_size 64 --out ...
 
 Without `--model` a tiny random Whisper is built (DESIGN section 6: nothing is downloaded); without `--manifest`,
@@ -31,7 +31,9 @@ from dflash_hf.testing import tiny  # noqa: E402
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="target directory (default: a tiny random Whisper)")
+    p.add_argument(
+        "--model", default=None, help="the target: a Hub id or a local directory (default: a tiny random Whisper)"
+    )
     p.add_argument("--manifest", default=None, help="NeMo manifest (default: --num_clips synthetic utterances)")
     p.add_argument("--num_clips", type=int, default=96)
     p.add_argument("--batch_size", type=int, default=16)

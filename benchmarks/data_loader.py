@@ -3,7 +3,7 @@ process whatever `--dataloader_num_workers` says: it validates each sample and c
 budget) and the whole loader (sampler + collation: chat template, tokenization, audio decoding and features) with
 each worker count asked for. Each measurement builds its own loader, as `dflash-train` does.
 
-    python scripts/benchmark_loader.py --target $CACHE/smollm2/hf --data train.cuts.jsonl.gz --max-tokens 8192 \\
+    python benchmarks/data_loader.py --target $CACHE/smollm2/hf --data train.cuts.jsonl.gz --max-tokens 8192 \\
         --workers 0 2 --epochs 2 --out docs/results/loader_smollm2_cpu.json
 """
 
@@ -24,14 +24,16 @@ from dflash_hf.cli.train import load_processor
 from dflash_hf.data import build_train_dataloader
 from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import git_commit  # noqa: E402
 from real_targets import write_json  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="the target's directory (its config and processor/tokenizer)")
+    p.add_argument(
+        "--target", required=True, help="the target (its config and processor/tokenizer): a Hub id or a local directory"
+    )
     p.add_argument("--data", required=True, nargs="+", help="training data as dflash-train's --train_data takes it")
     p.add_argument("--max-tokens", type=int, default=8192, help="the batch token budget (--max_tokens)")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="loader worker counts to time")
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "what": "training data loader ms per batch: the sampler alone (training process) and the whole loader",
         "commit": git_commit(),
-        "command": " ".join(["benchmark_loader.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["benchmarks/data_loader.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "threads": args.threads,
         "max_tokens": args.max_tokens,

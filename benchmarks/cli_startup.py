@@ -1,10 +1,10 @@
-"""How fast the console scripts answer `--help` and an argument error (issue 18: well under 2 s).
+"""How fast the console scripts answer `--help` and an argument error (well under 2 s).
 
 Each case runs in a fresh interpreter, `--repeats` times; the table gives the median wall and CPU (user + sys)
 seconds, and whether torch was imported. A measurement, not a test: run it on a quiet machine.
 
-    python scripts/benchmark_cli_startup.py
-    python scripts/benchmark_cli_startup.py --repeats 5 --json cli_startup.json
+    python benchmarks/cli_startup.py
+    python benchmarks/cli_startup.py --repeats 5 --json cli_startup.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/benchmark_loader.py: the sampler alone and the whole loader see the same batches, epoch by epoch, and
+"""benchmarks/data_loader.py: the sampler alone and the whole loader see the same batches, epoch by epoch, and
 the results name what was measured (the timings themselves are a benchmark's business, not a test's)."""
 
 import json
@@ -7,7 +7,7 @@ from utils import REPO_ROOT, script_fixture
 
 from dflash_hf.testing import tiny
 
-bench = script_fixture(REPO_ROOT / "scripts" / "benchmark_loader.py")
+bench = script_fixture(REPO_ROOT / "benchmarks" / "data_loader.py")
 
 
 def test_sampler_and_loaders_batch_alike_over_epochs(tmp_path, bench):

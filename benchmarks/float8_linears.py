@@ -1,9 +1,9 @@
-"""Where `float8_draft_linears` pays: each draft projection of a training-benchmark shape, bf16 against FP8 (issue 16).
+"""Where `float8_draft_linears` pays: each draft projection of a training-benchmark shape, bf16 against FP8.
 
 For every linear layer of one draft decoder layer (q, k, v, o, gate, up, down) and the context projection `fc`, with
 the rows a training step of the shape feeds it (block tokens `Q = batch * anchors * block`, context tokens
 `S = batch * seq_len`: k and v see `S + Q` rows, `fc` sees `S` rows and needs no input gradient), this times a
-forward + backward of three variants, each compiled as `compile_draft_layers` compiles a layer:
+forward + backward of three variants, each compiled as `torch_compile_layers: [draft]` compiles a layer:
 
 - `bf16`: `nn.Linear` in the training precision;
 - `fp8`: :class:`dflash_hf.ops.float8.Float8Linear` as training runs it (quantization included);
@@ -13,10 +13,10 @@ Each variant is timed twice: its wall time per call (CUDA events, synchronized a
 projections mostly the host's launch time) and, on a GPU, its kernel time per call (`torch.profiler`: what it costs in
 a training step that keeps the GPU busy, the figure to read). `fp8 - fp8_matmuls` is what quantizing costs;
 `bf16 - fp8` what the layer saves. The per-layer sums times the draft's
-layers (plus `fc` once) give what FP8 can save on the shape's draft side, to set beside `benchmark_train.py`'s rows.
+layers (plus `fc` once) give what FP8 can save on the shape's draft side, to set beside `train_step.py`'s rows.
 
-    python scripts/benchmark_float8_linears.py --shape qwen3-1.7b qwen3-8b qwen3-1.7b-speechlike \
-        --out docs/results/float8_linears_h200.json
+    python benchmarks/float8_linears.py --shape qwen3-1.7b qwen3-8b qwen3-1.7b-speechlike \
+        --out float8_linears.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_train import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
+from train_step import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
 
 from dflash_hf.models.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.ops.float8 import Float8Linear, forward_operands, input_grad_operands, scaled_mm  # noqa: E402

@@ -24,8 +24,8 @@ FLOP counting (model FLOPs, what the math needs; recomputation is not counted):
 
 MFU = model FLOP/s over the bf16 matmul rate measured in the same run (an `n^3` matmul, median of timed runs).
 
-    python scripts/benchmark_train.py --shape qwen3-8b --out results.json
-    python scripts/benchmark_train.py --tiny --out tiny.json   # CPU regression run
+    python benchmarks/train_step.py --shape qwen3-8b --out results.json
+    python benchmarks/train_step.py --tiny --out tiny.json   # CPU regression run
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ _QWEN3_1_7B = dict(
 )
 SHAPES = {
     "qwen3-1.7b": dict(_QWEN3_1_7B, seq_len=1024, num_anchors=256),
-    # issue 16's "speech-like" text row: 64 rows of 256 tokens (the first eighth prompt), 40 anchors a row
+    # the "speech-like" text row: 64 rows of 256 tokens (the first eighth prompt), 40 anchors a row
     "qwen3-1.7b-speechlike": dict(_QWEN3_1_7B, seq_len=256, num_anchors=40, batch_size=64),
     "qwen3-8b": dict(
         hidden_size=4096,
@@ -731,7 +731,10 @@ def make_trainer(
     args = DFlashTrainingArguments(
         packing=packing_max_tokens is not None,
         packing_max_tokens=packing_max_tokens,
-        compile_target=compile_target,
+        torch_compile_layers=[
+            *(["draft"] if config["compile"] == "layers" else []),
+            *(["target"] if compile_target else []),
+        ],
         target_cuda_graph=target_cuda_graph,
         output_dir=out_dir,
         optim="adamw_torch_fused" if target.device.type == "cuda" else "adamw_torch",
@@ -743,7 +746,6 @@ def make_trainer(
         precision="bf16" if target.dtype == torch.bfloat16 else "fp32",
         attention_backend=config["attn"],
         ce_chunk_size=int(config["ce"]),
-        compile_draft_layers=config["compile"] == "layers",
         float8_draft_linears=config["fp8"] == "1",
         float8_lm_head=config["fp8lm"] == "1",
         num_anchors=num_anchors,
@@ -1059,7 +1061,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--compile_target",
         dest="compile_target",
         action="store_true",
-        help="compile_target=true: torch.compile the frozen target's decoder layers (CUDA; mode full)",
+        help="torch_compile_layers [target]: torch.compile the frozen target's decoder layers (CUDA; mode full)",
     )
     p.add_argument(
         "--target-cuda-graph",

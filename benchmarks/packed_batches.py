@@ -6,8 +6,8 @@ AdamW step) through `build_train_dataloader` with the same token budget in three
 duration buckets, padded without buckets, and packed. Reports real (non-padding) tokens per second and the
 padding fraction of the batch tensors.
 
-    python scripts/benchmark_packing.py                       # CPU defaults (docs/PACKING.md)
-    python scripts/benchmark_packing.py --device cuda --hidden-size 1024 --num-layers 8 --max-tokens 16384 \\
+    python benchmarks/packed_batches.py                       # CPU defaults (docs/PACKING.md)
+    python benchmarks/packed_batches.py --device cuda --hidden-size 1024 --num-layers 8 --max-tokens 16384 \\
         --num-short 2000 --num-long 400 --long-dur 10 30
 """
 
