@@ -376,3 +376,75 @@ def test_dflash2_fields_have_one_source(tmp_path):
         DFlashConfig.from_target_config(
             tcfg, mask_token_id=262, variant="dflash2", num_hidden_layers=1, conv_group_size=8, conv_kernel_size=0
         )
+
+
+# ---------------------------------------------------------------------------------------------- greedy estimate
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_greedy_estimate_scores_against_the_targets_argmax_whatever_the_label_source(
+    tmp_path, text_target_4x64, variant
+):
+    """In evaluation (draft in eval mode) every label source scores the draft's argmax against the target's greedy
+    next token as well: with ground_truth or target_distribution labels it equals target_argmax's own `correct` on
+    the same plan, with target_argmax labels it is `correct` itself. In training it is not computed, and the loss
+    and the other statistics are the same with it as without."""
+    model, tok = text_target_4x64
+    batch = text_batch(random_rows(3, 250, seed=9), tok.pad_token_id, "left")
+    extra = dict(variant="dflash2", selector_top_k=4) if variant == "dflash2" else {}
+    runs = {}
+    for source in ("target_argmax", "ground_truth", "target_distribution"):
+        trainer = _trainer(tmp_path, text_target_4x64, label_source=source, **extra)
+        plan = trainer.objective.plan(trainer.target, batch, seed=0)
+        trainer.model.eval()
+        with torch.no_grad():
+            scored = trainer.objective.loss(trainer.model, trainer.target, batch, plan)
+            plain = trainer.objective.loss(trainer.model, trainer.target, batch, plan, greedy=False)
+        assert scored.greedy_correct is not None and plain.greedy_correct is None
+        assert torch.equal(scored.loss_sum, plain.loss_sum) and torch.equal(scored.correct, plain.correct)
+        trainer.model.train()
+        assert trainer.objective.loss(trainer.model, trainer.target, batch, plan).greedy_correct is None
+        runs[source] = scored
+    greedy = runs["target_argmax"].correct
+    assert runs["target_argmax"].greedy_correct is greedy
+    for source in ("ground_truth", "target_distribution"):
+        assert torch.equal(runs[source].greedy_correct, greedy), source
+    # the data are random tokens, which the target never writes: against them the same draft scores otherwise
+    assert not torch.equal(runs["ground_truth"].blocks.labels, runs["target_argmax"].blocks.labels)
+
+
+def test_greedy_tau_est_is_reported_beside_tau_est():
+    """`MetricSums` reports greedy_tau_est from the greedy acceptance sums over the same blocks as tau_est."""
+    from dflash_hf.objective.blocks import Blocks
+    from dflash_hf.objective.losses import BlockLoss, MetricSums
+
+    anchors = torch.tensor([[0, 5, -1]])
+    valid = torch.tensor([[[True, True, True], [True, True, False], [False, False, False]]])
+    correct = torch.tensor([[[True, False, True], [True, True, False], [False, False, False]]])
+    greedy = torch.tensor([[[True, True, True], [False, True, False], [False, False, False]]])
+    zeros = torch.zeros(1, 3, 3, dtype=torch.long)
+    blocks = Blocks(anchors, zeros.new_zeros(1, 3, 4), zeros.new_zeros(1, 3, 4), zeros, valid, valid.float())
+    out = BlockLoss(torch.tensor(1.0), torch.tensor(2.0), correct, blocks, greedy_correct=greedy)
+    sums = MetricSums(prefix="eval_")
+    sums.add_block_loss(out)
+    metrics = sums.reduce()
+    assert metrics["eval_tau_est"] == 1.0 + (1 + 2) / 2  # runs of 1 and 2 over two blocks
+    assert metrics["eval_greedy_tau_est"] == 1.0 + (3 + 0) / 2
+    out.greedy_correct = None  # training statistics: no greedy sums, no greedy_tau_est
+    sums = MetricSums()
+    sums.add_block_loss(out)
+    assert "greedy_tau_est" not in sums.reduce()
+
+
+def test_greedy_slot_correct_reads_the_greedy_token_at_each_slots_position():
+    """Slot k of the block at anchor a compares the draft's argmax with the greedy token at a+k; invalid slots (past
+    the row, unused anchors) are False."""
+    from dflash_hf.objective.blocks import Blocks
+    from dflash_hf.objective.dflash_objective import greedy_slot_correct
+
+    greedy_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    anchors = torch.tensor([[1, 4, -1]])
+    valid = torch.tensor([[[True, True, True], [True, False, False], [False, False, False]]])
+    zeros = torch.zeros(1, 3, 3, dtype=torch.long)
+    blocks = Blocks(anchors, zeros.new_zeros(1, 3, 4), zeros.new_zeros(1, 3, 4), zeros, valid, valid.float())
+    predictions = torch.tensor([12, 99, 14, 15])  # valid slots in order: (a=1: k=1,2,3), (a=4: k=1)
+    expected = torch.tensor([[[True, False, True], [True, False, False], [False, False, False]]])
+    assert torch.equal(greedy_slot_correct(predictions, greedy_ids, blocks), expected)

@@ -349,3 +349,95 @@ def test_the_metric_check_reads_the_drafts_variant_and_block_size(target, tmp_pa
     DFlashTrainer(
         model=built.model, args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate
     )
+
+
+def test_best_model_and_early_stopping_can_follow_the_greedy_estimate(target, tmp_path):
+    """--metric_for_best_model dev_greedy_tau_est (reported whatever the label source) selects the best checkpoint
+    and drives early stopping, here with ground_truth labels (tau_est against the data's tokens)."""
+    model, tok = target
+    train, evals, collate = _data(tok)
+    args = _args(
+        tmp_path / "run",
+        tok,
+        label_source="ground_truth",
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="dev_greedy_tau_est",
+        early_stopping_patience=1,
+        early_stopping_threshold=100.0,
+    )
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
+    trainer.train()
+    assert trainer.state.global_step == 4 and args.greater_is_better
+    logged = [e for e in trainer.state.log_history if "eval_dev_greedy_tau_est" in e]
+    assert len(logged) == 2
+    greedy = {e["step"]: e["eval_dev_greedy_tau_est"] for e in logged}
+    best_step = max(greedy, key=greedy.get)
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best_step}")
+    assert trainer.state.best_metric == greedy[best_step]
+
+
+def _greedy_rows(model, prompts: list[torch.Tensor], length: int, every: int, generator) -> list[tuple]:
+    """(prompt, the target's greedy continuation); with `every`, each `every`-th token is a random one instead (the
+    continuation then goes on greedily from it): data the target agrees with except at those tokens, as references
+    normalized otherwise than the target writes them."""
+    rows = []
+    for p in prompts:
+        ids = p[None].clone()
+        for i in range(length):
+            with torch.no_grad():
+                nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            if every and i % every == every - 1:
+                nxt = int(torch.randint(3, 250, (1,), generator=generator))
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+        rows.append((p.tolist(), ids[0, len(p) :].tolist()))
+    return rows
+
+
+@pytest.mark.slow
+def test_greedy_tau_est_tracks_real_greedy_acceptance_where_the_data_disagrees_with_the_target(target, tmp_path):
+    """A draft taught the target's own next tokens, measured on a manifest whose text disagrees with the target at
+    every fifth token: the configured estimate (ground_truth labels, against the manifest's text) stays far below
+    the real tau of greedy speculative decoding, the greedy estimate follows it. The greedy estimate is exactly
+    tau_est with target_argmax labels (same draft, data and anchors)."""
+    from dflash_hf.training.decode_benchmark import decode_benchmark
+
+    model, tok = target
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (8,), generator=g) for _ in range(8)]
+    own = _greedy_rows(model, prompts, 24, 0, g)
+    manifest = _greedy_rows(model, prompts, 24, 5, g)
+    collate = lambda items: text_batch(items, tok.pad_token_id, "right")  # noqa: E731
+    kw = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, num_anchors=64, max_steps=150)
+    torch.manual_seed(0)
+    teach = DFlashTrainer(
+        args=_args(tmp_path / "teach", tok, **kw),  # target_argmax labels: the target's own next tokens
+        target=model,
+        train_dataset=ListDataset(own + manifest),
+        data_collator=collate,
+    )
+    teach.train()
+    draft = teach.model.eval()
+
+    def measured():
+        on_text = DFlashTrainer(
+            model=draft,
+            args=_args(tmp_path / "gt", tok, label_source="ground_truth", **kw),
+            target=model,
+            eval_dataset={"manifest": ListDataset(manifest)},
+            data_collator=collate,
+        ).evaluate()
+        on_target = teach.evaluate(eval_dataset=ListDataset(manifest))
+        inputs = [{"input_ids": p[None], "attention_mask": torch.ones(1, 8, dtype=torch.long)} for p in prompts]
+        real = decode_benchmark(draft, teach.target, inputs, 24).tau
+        return on_text["eval_manifest_tau_est"], on_text["eval_manifest_greedy_tau_est"], on_target, real
+
+    tau_est, greedy_tau_est, on_target, real = measured()
+    assert greedy_tau_est == on_target["eval_tau_est"] == on_target["eval_greedy_tau_est"]
+    assert real > 3.0  # the draft learned the target's greedy continuations
+    assert abs(greedy_tau_est - real) < 0.5 < real - tau_est - 0.4  # the greedy estimate follows, tau_est does not

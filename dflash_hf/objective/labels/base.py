@@ -26,11 +26,13 @@ class Labels:
 class LabelSource:
     """Turns a micro-batch's target features into labels. `needs_final_hidden`: the target's final-normed states
     must be captured (`FrozenTarget.capture(keep_final=True)`). `soft`: the source yields soft labels (the loss then
-    runs on dense chunked logits: the fused lm_head + CE takes hard labels only)."""
+    runs on dense chunked logits: the fused lm_head + CE takes hard labels only). `greedy`: the hard labels are the
+    target's greedy next token (`target_argmax_labels`), so the evaluation's `greedy_tau_est` reuses them."""
 
     name: ClassVar[str]
     needs_final_hidden: ClassVar[bool] = False
     soft: ClassVar[bool] = False
+    greedy: ClassVar[bool] = False
 
     def check(self, vocab_size: int) -> None:
         """Refuse options the target's vocabulary cannot satisfy (before any forward)."""

@@ -18,6 +18,7 @@ class TargetArgmax(LabelSource):
 
     name = "target_argmax"
     needs_final_hidden = True
+    greedy = True
 
     def __call__(self, target, final_hidden, input_ids, plan) -> Labels:
         ids = target_argmax_labels(

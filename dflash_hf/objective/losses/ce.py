@@ -70,4 +70,5 @@ def block_loss(
         correct=correct,
         blocks=blocks,
         denominator_after_forward=loss.denominator_after_forward,
+        predictions=pred,
     )

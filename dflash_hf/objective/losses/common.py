@@ -48,6 +48,9 @@ class BlockLoss:
     denominator_after_forward: bool = False
     # (agreeing, relabelled) label positions where a target label source's label equals the data token
     data_agreement: tuple[torch.Tensor, torch.Tensor] | None = None
+    predictions: torch.Tensor | None = None  # [M] the draft's argmax on the valid slots (`Blocks.flat_valid_index`)
+    # [b, N, B-1] bool: the draft's argmax equals the target's greedy next token (evaluation: `greedy_tau_est`)
+    greedy_correct: torch.Tensor | None = None
 
 
 @dataclass

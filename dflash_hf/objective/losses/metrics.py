@@ -56,6 +56,8 @@ class MetricSums:
         self.add(f"{tag}blocks", out.blocks.anchor_valid.sum())
         if not tag:
             self.add_slots(out.correct, out.blocks.valid)
+        if not tag and out.greedy_correct is not None:  # logged as greedy_tau_est (evaluation)
+            self.add("greedy_accept_sum", acceptance_sum(out.greedy_correct, out.blocks.anchor_valid))
         if not tag and out.data_agreement is not None:  # logged as target_agreement (the trainer warns when low)
             self.add("num_target_agreement", out.data_agreement[0])
             self.add("den_target_agreement", out.data_agreement[1])
@@ -86,7 +88,8 @@ class MetricSums:
             self.slot_correct, self.slot_count = rest[:half].clone(), rest[half:].clone()
 
     def reduce(self) -> dict[str, float]:
-        """Metrics: `{tag}loss` and `{tag}tau_est` per tag, per-slot accuracy, and each ratio `num_X / den_X`."""
+        """Metrics: `{tag}loss` and `{tag}tau_est` per tag (`greedy_tau_est` when greedy sums were added), per-slot
+        accuracy, and each ratio `num_X / den_X`."""
         self.settle()
         v, p = self.values, self.prefix
         out: dict[str, float] = {}
@@ -97,6 +100,8 @@ class MetricSums:
             nb = v.get(f"{tag}blocks", 0.0)
             if f"{tag}accept_sum" in v:
                 out[f"{p}{tag}tau_est"] = 1.0 + (v[f"{tag}accept_sum"] / nb if nb > 0 else 0.0)
+            if not tag and "greedy_accept_sum" in v:  # against the target's greedy next token, the same blocks
+                out[f"{p}greedy_tau_est"] = 1.0 + (v["greedy_accept_sum"] / nb if nb > 0 else 0.0)
         if self.slot_correct is not None:
             acc = self.slot_correct / self.slot_count.clamp(min=1)
             out[f"{p}accuracy"] = float(self.slot_correct.sum() / self.slot_count.sum().clamp(min=1))

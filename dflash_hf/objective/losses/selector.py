@@ -77,6 +77,7 @@ def dflash2_block_loss(
         correct=scatter(pred == labels),
         blocks=blocks,
         denominator_after_forward=loss.denominator_after_forward,
+        predictions=pred,
         selector=BlockLoss(
             loss_sum=(w * sel_ce).sum() + zero,
             weight_sum=(w * hit).sum().detach(),
