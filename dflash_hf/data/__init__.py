@@ -22,6 +22,7 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
         compact_features=False,  # True: Whisper features over the frames that hold audio (FrozenTarget expands)
         device_features=False,   # True: Whisper's padded waves instead (FrozenTarget computes their features)
         pin_memory=False,        # True: batches in pinned memory (their copy to a GPU does not wait)
+        mask_token_id=None,      # the draft's mask token: refused where the template, processor or a sample uses it
     ) -> CutDataLoader
 
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,

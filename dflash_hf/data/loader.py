@@ -157,6 +157,7 @@ def build_train_dataloader(
     compact_features: bool = False,
     device_features: bool = False,
     pin_memory: bool = False,
+    mask_token_id: int | None = None,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
@@ -165,7 +166,8 @@ def build_train_dataloader(
     ``FrozenTarget.capture`` expands; ``device_features``: the padded waves, whose features ``FrozenTarget.capture``
     computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
     second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
-    memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device)."""
+    memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device).
+    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it."""
     if packing and max_batch_size is not None:
         raise ValueError(
             "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"
@@ -193,6 +195,7 @@ def build_train_dataloader(
         bad=bad,
         resample_audio=resample_audio,
         duration_tolerance=duration_tolerance,
+        mask_token_id=mask_token_id,
     )
     cuts = validated_cutset(cuts, validator)
     collator = PaddedCollator(

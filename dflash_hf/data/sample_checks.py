@@ -11,11 +11,13 @@ from pathlib import Path
 
 from lhotse import CutSet
 
-from dflash_hf.data.bad_samples import BadSamples, origin_of
-from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key
-from dflash_hf.data.sources import audio_path_problem
+from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
+from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
+from dflash_hf.data.sources import _make_cut, audio_path_problem
+from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
 from dflash_hf.targets.families.registry import TargetFamily, audio_token_id
+from dflash_hf.targets.mask_token import mask_token_fix, mask_token_role
 
 NUM_TOKENS_KEY = "dflash_num_tokens"
 MAX_REMEMBERED_COUNTS = 1 << 19  # about 180 bytes each (95 MB at most); later samples are counted every epoch
@@ -26,11 +28,14 @@ COUNT_CHUNK = 64  # cuts read ahead by `ValidatedCuts`, their counts made with o
 class SampleValidator:
     """Checks one cut and stores its decoder token count in ``cut.custom["dflash_num_tokens"]``.
 
-    Checks: response text a non-empty string, context / system prompt strings; audio present, a non-empty
+    Checks: response text a non-empty string, context / system prompt strings, none of them holding a control token
+    or a lone surrogate (``user_text.py``); audio present, a non-empty
     file, mono; offset/duration finite and inside the file (``duration_tolerance`` seconds of slack, for rounded
     manifest durations: the cut is clipped to the file); sampling rate equal to the family's (or resampled when
     ``resample_audio``); token count within ``max_tokens``. Each failure goes to ``bad`` (error, or counted
-    skip), named by the cut id and its source row."""
+    skip), named by the cut id and its source row. ``mask_token_id`` (the draft's): an id the chat template, the
+    processor or the target config use is refused when the validator is made, and one a sample's tokens hold when
+    that sample is counted (a setting to change, not a bad sample: ``ValueError`` naming the sample)."""
 
     def __init__(
         self,
@@ -42,16 +47,45 @@ class SampleValidator:
         bad: BadSamples,
         resample_audio: bool = True,
         duration_tolerance: float = 0.05,
+        mask_token_id: int | None = None,
     ):
         self.renderer, self.family, self.target_config = renderer, family, target_config
+        self.mask_token_id = mask_token_id
         self.max_tokens, self.bad = max_tokens, bad
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
         self.audio_id = audio_token_id(family, target_config)
         self._counts: dict[bytes, tuple[int, int]] = {}  # token_counts by a digest of their inputs
         self._texts: dict[bytes, str] = {}  # their rendered conversations, as far as the cap allows
         self._text_chars = 0
-        self._prefetched: dict[bytes, tuple[tuple[int, int], str]] = {}  # the last `prefetch_counts` chunk's
+        self._prefetched: dict[bytes, tuple] = {}  # the last `prefetch_counts` chunk's `_count`s
         self._prefix = special_prefix(renderer.tokenizer)  # found once: finding it tokenizes
+        self._user_text = UserTextCheck(renderer.tokenizer)
+        if mask_token_id is not None:
+            self._check_mask_token_roles()
+
+    def _check_mask_token_roles(self) -> None:
+        """The mask token must not be an id the rendered template (a probe conversation), the tokenizer's named
+        roles or the target config's ``*_token_id`` fields use."""
+        tokenizer = self.renderer.tokenizer
+        probe = _make_cut("probe", None, 0.0, 1.0, "a", None, {})
+        messages = cut_to_messages(probe, self.family, self.renderer.config)
+        template_ids = set(self._stream_ids([self.renderer.render_text(messages)])[0])
+        problem = mask_token_role(tokenizer, self.mask_token_id, template_ids)
+        if problem:
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} {problem}, so the draft's mask slots could not be told from it. "
+                f"Fix: {mask_token_fix(tokenizer, self.target_config)}"
+            )
+
+    def _check_mask_token_use(self, cut, ids: list[int]) -> None:
+        if self.mask_token_id is not None and self.mask_token_id in ids:
+            tokenizer = self.renderer.tokenizer
+            token = tokenizer.convert_ids_to_tokens(self.mask_token_id)
+            raise ValueError(
+                f"mask_token_id={self.mask_token_id} ({token!r}) occurs in the tokens of sample "
+                f"{sample_label(cut.id, origin_of(cut))} (its text, context or system prompt), so the draft's mask "
+                f"slots could not be told from the data. Fix: {mask_token_fix(tokenizer, self.target_config)}"
+            )
 
     def _report(self, cut, field: str, problem: str, fix: str) -> None:
         self.bad.report(cut.id, field, problem, fix, origin=origin_of(cut))
@@ -110,6 +144,7 @@ class SampleValidator:
         if text is None or not text.strip():
             return "text", "the response text is empty", "remove the sample or fill in 'text'"
         config = self.renderer.config
+        texts = [("text", text)]
         for key in (config.context_key, config.system_prompt_key):
             value = (cut.custom or {}).get(key)
             if value is not None and not isinstance(value, str):
@@ -118,7 +153,9 @@ class SampleValidator:
                     f"is not a string ({type(value).__name__} {value!r:.40})",
                     f"write '{key}' as a string, or leave it out",
                 )
-        return None
+            if value is not None:
+                texts.append((key, value))
+        return next(filter(None, (self._user_text.problem(key, value) for key, value in texts)), None)
 
     def _report_too_long(self, cut, text_tokens: int, audio_positions: int) -> None:
         """Blame the part that needs more tokens: the rendered text or the audio (``duration``)."""
@@ -202,7 +239,8 @@ class SampleValidator:
         if counts is not None:
             text = self._texts.get(key)
             return counts, None if text is None else (key, text)
-        counts, text = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
+        counts, text, ids = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
+        self._check_mask_token_use(cut, ids)
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
             if self._text_chars + len(text) <= MAX_REMEMBERED_TEXT_CHARS:
@@ -234,12 +272,20 @@ class SampleValidator:
             return False
         return not self.family.has_audio or (math.isfinite(cut.duration) and cut.duration > 0)
 
-    def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str]]:
-        """`(token_counts, rendered text)` of each conversation (rendered here where its text is None), the texts
-        tokenized together (a fast tokenizer tokenizes each text of a batch on its own: the same ids as one call a
-        text)."""
-        tokenizer = self.renderer.tokenizer
+    def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str, list[int]]]:
+        """`(token_counts, rendered text, its token ids)` of each conversation (rendered here where its text is
+        None)."""
         texts = [self.renderer.render_text(m) if t is None else t for m, t in zip(conversations, texts)]
+        ids = self._stream_ids(texts)
+        return [
+            (self._split_count(row_ids, duration), text, row_ids)
+            for row_ids, duration, text in zip(ids, durations, texts)
+        ]
+
+    def _stream_ids(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of rendered texts as the collation makes them, tokenized together (a fast tokenizer
+        tokenizes each text of a batch on its own: the same ids as one call a text)."""
+        tokenizer = self.renderer.tokenizer
         if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
             ids = [self.family.stream_ids(tokenizer, text) for text in texts]
         else:
@@ -250,7 +296,7 @@ class SampleValidator:
                     found = tokenizer([texts[i] for i in rows], add_special_tokens=special)["input_ids"]
                     for i, row_ids in zip(rows, found):
                         ids[i] = row_ids
-        return [(self._split_count(row_ids, duration), text) for row_ids, duration, text in zip(ids, durations, texts)]
+        return ids
 
     def _split_count(self, ids: list[int], duration: float) -> tuple[int, int]:
         if not self.family.has_audio:

@@ -119,4 +119,42 @@ def missing_mask_token_message(candidates: list[MaskTokenCandidate], flag: str =
     return f"{head} Candidates, best first:\n{listed}\ne.g. {flag} {candidates[0].token_id}"
 
 
-__all__ = ["MaskTokenCandidate", "mask_token_candidates", "missing_mask_token_message"]
+def mask_token_role(tokenizer, mask_token_id: int, template_ids=()) -> str | None:
+    """Why `mask_token_id` cannot be the mask token, or None: it is an id of `template_ids` (what the rendered chat
+    template emits around any sample: the turn markers, the audio placeholder), a named role of the tokenizer (pad,
+    eos, ...), or an added token the chat template's text holds. (pad and eos of the target's configs are refused by
+    ``FrozenTarget.validate``.)"""
+    token = tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id < len(tokenizer) else None
+    shown = f" ({token!r})" if token is not None else ""
+    if mask_token_id in set(template_ids):
+        return f"is a token{shown} the chat template writes into every sample"
+    for role, name in (getattr(tokenizer, "special_tokens_map", None) or {}).items():
+        if role != "mask_token" and isinstance(name, str) and tokenizer.convert_tokens_to_ids(name) == mask_token_id:
+            return f"is the tokenizer's {role}{shown}"
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and token is not None and _added_tokens(tokenizer).get(mask_token_id) in template:
+        return f"is a token{shown} of the chat template"
+    return None
+
+
+def mask_token_fix(tokenizer, target_config=None, flag: str = "--mask_token_id") -> str:
+    """The fix for a mask token id that is in use: the best candidates (`mask_token_candidates`)."""
+    text_config = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    vocab_size = getattr(text_config, "vocab_size", None) or len(tokenizer)
+    candidates = mask_token_candidates(tokenizer, vocab_size, target_config=target_config, limit=3)
+    if not candidates:
+        return f"set {flag} to a token id with an embedding row that your data never uses"
+    return (
+        f"set {flag} to an id your data never uses, e.g. {candidates[0].token_id} (candidates: "
+        + "; ".join(map(str, candidates))
+        + ")"
+    )
+
+
+__all__ = [
+    "MaskTokenCandidate",
+    "mask_token_candidates",
+    "mask_token_fix",
+    "mask_token_role",
+    "missing_mask_token_message",
+]
