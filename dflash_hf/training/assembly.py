@@ -73,6 +73,7 @@ def speech_loader(
         # compute them, beside the step; not under DeepSpeed, which casts floating inputs to its dtype
         device_features=args.device.type == "cuda" and not args.deepspeed,
         pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",  # the copy to the GPU waits for nothing
+        mask_token_id=args.mask_token_id,  # refused where the template, the processor or a sample uses it
     )
 
 
