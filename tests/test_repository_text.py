@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,36 @@ ORDINALS = (
 MACHINE = r"(?:machines?|gpus?|devices?|h100s?|h200s?|box(?:es)?)"
 PATTERNS = {
     "a numbered work session": rf"\b(?:{ORDINALS})\s+(?:device\s+|work\s+)?sessions?\b",
-    "a work session": r"\b(?:device|work|multi)[\s-]sessions?\b|(?<![a-z])sessions?[\s_-]?\d+|\b(?:this|next|previous|that|"
-    r"same|each|every|one)\s+session\b(?!\.sh)|\bthe\s+session's",
+    "a work session": "|".join(
+        [
+            r"\b(?:device|work|multi)[\s-]sessions?\b",
+            r"(?<![a-z])sessions?[\s_-]?\d+",
+            r"\b(?:this|next|previous|that|same|each|every|one)\s+session\b(?!\.sh)",
+            r"\bthe\s+session's",
+        ]
+    ),
     "the lead": r"\bthe lead\b",
     "an issue number": r"\bissues?\s+#?\d+",
-    "a machine lent or borrowed": rf"\b(?:lent|borrowed)\b[^.\n]{{0,60}}\b{MACHINE}\b|\b{MACHINE}\s+(?:was\s+|were\s+)?"
-    r"(?:not\s+)?(?:lent|borrowed)\b",
-    "files carried to a machine": r"\bcarr(?:y|ies|ied|ying)\s+(?:back|home|groups?|as\s+(?:a\s+)?wheels?)\b|"
-    r"\b(?:wheels?|files?|drafts?|exports?|models?)\s+carried\b|\.devcarry|\bbrought\s+home\b",
+    "a machine lent or borrowed": "|".join(
+        [
+            rf"\b(?:lent|borrowed)\b[^.\n]{{0,60}}\b{MACHINE}\b",
+            rf"\b{MACHINE}\s+(?:was\s+|were\s+)?(?:not\s+)?(?:lent|borrowed)\b",
+        ]
+    ),
+    "files carried to a machine": "|".join(
+        [
+            r"\bcarr(?:y|ies|ied|ying)\s+(?:back|home|groups?|as\s+(?:a\s+)?wheels?)\b",
+            r"\b(?:wheels?|files?|drafts?|exports?|models?)\s+carried\b",
+            r"\.devcarry|\bbrought\s+home\b",
+        ]
+    ),
     "device minutes": r"\bdevice\s+minutes\b|\bdevice machines?\b",
-    "a development machine's path": r"(?<![\w$.~-])/work/|/tmp/(?:bench|results|logs|lab\d*|dl|lb|rv|bring|stage_|"
-    r"helpers|venv)\b",
+    "a development machine's path": "|".join(
+        [
+            r"(?<![\w$.~-])/work/",
+            r"/tmp/(?:bench|results|logs|lab\d*|dl|lb|rv|bring|stage_|helpers|venv)\b",
+        ]
+    ),
 }
 COMPILED = {what: re.compile(pattern, re.IGNORECASE) for what, pattern in PATTERNS.items()}
 # this file names the patterns it looks for
