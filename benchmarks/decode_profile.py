@@ -66,6 +66,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 
 from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_hf.cli.config import check_model_dir, check_paths_exist  # noqa: E402
+from dflash_hf.cli.eval import DecodeStepArguments  # noqa: E402
 from dflash_hf.generation import speculative, static_draft, static_verify  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
@@ -105,7 +106,9 @@ def host_functions(module) -> dict[str, str]:
 
 
 @dataclass
-class ProfileArguments:
+class ProfileArguments(DecodeStepArguments):
+    """The profile's inputs; `--draft_cuda_graph` / `--verify_cuda_graph` as dflash-eval's (both passes use them)."""
+
     target: str | None = field(
         default=None, metadata={"help": "The frozen target (model + processor): a Hub id or a local directory."}
     )
@@ -142,20 +145,6 @@ class ProfileArguments:
         },
     )
     progress: bool = field(default=True, metadata={"help": "Show progress bars."})
-    draft_cuda_graph: str = field(
-        default="auto",
-        metadata={
-            "help": "auto (a CUDA graph of the draft's greedy step on a GPU), on or off (the eager draft "
-            "forward), as dflash-eval's option; both passes use it."
-        },
-    )
-    verify_cuda_graph: str = field(
-        default="auto",
-        metadata={
-            "help": "auto (the target's verify as a fixed-shape step replayed as a CUDA graph on a GPU where it "
-            "can run), on or off (the growing cache), as dflash-eval's option; both passes use it."
-        },
-    )
 
     def __post_init__(self):
         if self.num_prompts < 1:
@@ -163,8 +152,7 @@ class ProfileArguments:
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         resolve_dtype(self.precision)
-        static_draft.graph_mode(self.draft_cuda_graph)
-        static_draft.graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
+        super().__post_init__()
         given = [name for name in ("target", "draft", "data") if getattr(self, name) is not None]
         if self.tiny is not None:
             if self.tiny not in TINY_KINDS:
@@ -463,8 +451,8 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
             draft.to(device=device, dtype=dtype)
         else:
             ft, draft, prompts = real_setup(args, device)
-    graph = static_draft.graph_mode(args.draft_cuda_graph)
-    verify = static_draft.graph_mode(args.verify_cuda_graph, "verify_cuda_graph")
+    steps = args.speculative_kwargs()
+    graph, verify = steps["draft_cuda_graph"], steps["verify_cuda_graph"]
     prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():

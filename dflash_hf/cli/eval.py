@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from dflash_hf.cli.config import check_paths_exist, parse_with_config
+from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
 from dflash_hf.cli.train import load_processor
 from dflash_hf.data import ConversationConfig
 from dflash_hf.export.drafts import load_draft_strict
@@ -31,23 +31,13 @@ from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, 
 from dflash_hf.training.launch import configure_cpu_threads
 
 
-@dataclass
-class EvalArguments:
-    draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
-    target: str = field(metadata={"help": "Directory of the frozen target (model + processor or tokenizer)."})
-    data: str = field(
-        metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
-    )
-    output_json: str = field(default="dflash_eval.json", metadata={"help": "Where the results JSON is written."})
-    max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
-    num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
-    precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
-    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
-    family: str | None = field(
-        default=None, metadata={"help": "Target family row override (dflash_hf.targets.families.registry)."}
-    )
-    prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
-    system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
+@dataclass(kw_only=True)
+class DecodeStepArguments:
+    """The decoding switches: the draft's step and the target's verify as fixed-shape forwards (replayed as CUDA
+    graphs on a GPU). Their flags (`--draft_cuda_graph`, `--verify_cuda_graph`: auto, on or off) are shared by
+    `dflash-eval` and the decoding benchmarks; `speculative_kwargs()` hands them to `speculative_generate` and
+    `decode_benchmark`."""
+
     draft_cuda_graph: str = field(
         default="auto",
         metadata={
@@ -66,6 +56,37 @@ class EvalArguments:
             "up to rounding; outputs are checked against greedy as usual."
         },
     )
+
+    def __post_init__(self):
+        self.speculative_kwargs()  # a bad mode is an error naming its flag
+
+    def speculative_kwargs(self) -> dict[str, bool | None]:
+        """`draft_cuda_graph` and `verify_cuda_graph` as `speculative_generate` takes them (None, True, False)."""
+        return {
+            "draft_cuda_graph": graph_mode(self.draft_cuda_graph),
+            "verify_cuda_graph": graph_mode(self.verify_cuda_graph, "verify_cuda_graph"),
+        }
+
+
+@dataclass
+class EvalArguments(DecodeStepArguments):
+    draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
+    target: str = field(
+        metadata={"help": "The frozen target (model + processor or tokenizer): a local directory or a Hub id."}
+    )
+    data: str = field(
+        metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
+    )
+    output_json: str = field(default="dflash_eval.json", metadata={"help": "Where the results JSON is written."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
+    num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
+    precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
+    family: str | None = field(
+        default=None, metadata={"help": "Target family row override (dflash_hf.targets.families.registry)."}
+    )
+    prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
+    system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
     allow_mismatch: bool = field(
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
@@ -77,9 +98,12 @@ class EvalArguments:
         if self.num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         resolve_dtype(self.precision)
-        graph_mode(self.draft_cuda_graph)
-        graph_mode(self.verify_cuda_graph, "verify_cuda_graph")
-        check_paths_exist(self, ("draft", "target", "data"))
+        super().__post_init__()
+
+    def check_inputs(self) -> None:
+        """The draft and data exist and the target is an existing directory or a Hub id (before anything loads)."""
+        check_paths_exist(self, ("draft", "data"))
+        check_model_dir(self.target, "--target", "the frozen target")
 
 
 def make_parser() -> HfArgumentParser:
@@ -140,6 +164,7 @@ def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:
 def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, torch.nn.Module, Iterator[dict], int]:
     """The device, the frozen target, the draft (checked against the target), the prompts (lazily, at most
     `num_samples`) and their count at most (a row without an assistant response gives no prompt)."""
+    args.check_inputs()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = resolve_dtype(args.precision)
     target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
@@ -165,8 +190,7 @@ def evaluate(args: EvalArguments) -> dict:
         args.max_new_tokens,
         progress=True,
         total=total,
-        draft_cuda_graph=graph_mode(args.draft_cuda_graph),
-        verify_cuda_graph=graph_mode(args.verify_cuda_graph, "verify_cuda_graph"),
+        **args.speculative_kwargs(),
     )
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")

@@ -152,15 +152,9 @@ class DFlashObjectiveArguments:
             "target_distribution (soft labels: the target's top label_top_k probabilities, renormalized)."
         },
     )
-    label_top_k: int = field(
-        default=8, metadata={"help": "label_source=target_distribution: target tokens kept per position."}
-    )
     loss_type: str = field(
         default="ce",
         metadata={"help": "ce (slot-decayed cross-entropy) or dpace (D-PACE confidence-derived position weights)."},
-    )
-    dpace_alpha: float = field(
-        default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
     )
     selector_loss_weight: float = field(
         default=1.0, metadata={"help": "DFlash2: loss = base + selector_loss_weight * selector."}
@@ -257,6 +251,12 @@ class DFlashTuningArguments:
 
     _argument_group_name = ADVANCED_GROUP
 
+    label_top_k: int = field(
+        default=8, metadata={"help": "label_source=target_distribution: target tokens kept per position."}
+    )
+    dpace_alpha: float = field(
+        default=0.5, metadata={"help": "loss_type=dpace: confidence smoothing alpha in (0, 1] (paper default 0.5)."}
+    )
     target_strict_load: bool = field(
         default=True,
         metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},

@@ -93,6 +93,23 @@ def test_missing_data_files_are_refused_by_the_pre_flight_not_by_the_arguments(t
         cli_train.check_run_inputs(args, data_args)
 
 
+def test_decoding_switches_are_one_options_object_shared_by_eval(tmp_path):
+    from dflash_hf.cli.eval import DecodeStepArguments, EvalArguments
+
+    steps = DecodeStepArguments(draft_cuda_graph="off", verify_cuda_graph="on")
+    assert steps.speculative_kwargs() == {"draft_cuda_graph": False, "verify_cuda_graph": True}
+    with pytest.raises(ValueError, match="--verify_cuda_graph must be one of"):
+        DecodeStepArguments(verify_cuda_graph="yes")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "data.jsonl").write_text("")
+    args = EvalArguments(draft=str(tmp_path / "draft"), target="openai/whisper-base", data=str(tmp_path / "data.jsonl"))
+    assert args.speculative_kwargs() == {"draft_cuda_graph": None, "verify_cuda_graph": None}
+    args.check_inputs()  # a Hub id is left to transformers
+    missing = EvalArguments(draft=str(tmp_path / "draft"), target=str(tmp_path / "nope"), data=args.data)
+    with pytest.raises(FileNotFoundError, match=r"--target=.*nope: the directory does not exist"):
+        missing.check_inputs()
+
+
 def test_every_dflash_option_has_help():
     for group in argument_groups.HELP_GROUPS:
         for f in dataclasses.fields(group):
