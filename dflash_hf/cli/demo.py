@@ -29,7 +29,7 @@ from dflash_hf.training.launch import configure_cpu_threads, no_hf_progress_bars
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 DEMO_THREADS = 1
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "configs" / "demo.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml"
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """What every target family row is made of (`TargetFamily`, `DecoderStreams`) and the helpers the rows share;
-the rows themselves are in `families.py` (and `families_whisper.py`, `families_moonshine.py` for the
-encoder-decoder rows)."""
+the rows themselves are in `registry.py` (and `whisper.py`, `moonshine.py` for the encoder-decoder rows)."""
 
 from __future__ import annotations
 
