@@ -4,20 +4,32 @@
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
 - :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
 - :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
+
+Exports are atomic (:func:`write_atomically`): written into a hidden sibling directory and renamed into place, so a
+process killed while exporting over an older export leaves the older export whole (or, killed between the two
+renames, no export under that name and the older one beside it), never new files beside old weights. A draft with
+non-finite weights is never exported, and loading one is an error naming the tensors.
 """
 
 from __future__ import annotations
 
 import copy
+import glob
 import json
 import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlash2Fields, DFlashConfig
+from dflash_hf.errors import DFlashUserError
+from dflash_hf.models.configuration_dflash import ARCHITECTURES, DRAFT_ARCHITECTURES, DFlash2Fields, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
 logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages have always been logged under
@@ -31,6 +43,10 @@ EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_conf
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
 QUANT_FILES = ("hf_quant_config.json", "quant_config.json", "quantize_config.json")
+RUN_STATE_FILE = re.compile(r"trainer_state\.json|.*\.(bin|pt|pth|ckpt)")  # a run's, never an export's
+# Hidden siblings of an export directory `name` while it is written / replaced: `.name.partial-<pid>-<id>` holds the
+# new export until it is complete, `.name.previous-<pid>-<id>` the older one between the two renames.
+STAGING_KINDS = ("partial", "previous")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -50,6 +66,12 @@ def resolve_draft_dir(path: str | Path) -> Path:
         return local
     if local.exists():
         raise NotADirectoryError(f"init_from_pretrained={str(path)!r} is a file; give the draft export directory")
+    previous = _staging_siblings(local, "previous")
+    if previous:
+        raise FileNotFoundError(
+            f"{local} does not exist: an export into it was interrupted between replacing the older export and "
+            f"moving the new one in; the older, complete export is at {previous[0]} (rename it back) or export again"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -90,11 +112,11 @@ def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
         if (directory / name).is_file():
             raise _quantized_error(directory, f"it ships {name}")
     archs = raw.get("architectures") or []
-    known = [a for a in archs if a in ARCHITECTURES.values()]
+    known = [a for a in archs if a in DRAFT_ARCHITECTURES]
     if len(known) != 1:
         raise ValueError(
             f"{config_file}: `architectures` is {archs}; a draft export names exactly one of "
-            f"{sorted(ARCHITECTURES.values())}"
+            f"{sorted(DRAFT_ARCHITECTURES)}"
         )
     dflash_config = raw.get("dflash_config")
     if not isinstance(dflash_config, dict):
@@ -171,7 +193,8 @@ def _weight_dtypes(directory: Path, weight_files: list[Path]) -> dict[str, str]:
 
 
 def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, torch.Tensor]:
-    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded."""
+    """All tensors of the export; a non-float (quantized/packed) tensor is refused before any is loaded, a
+    non-finite one after reading."""
     _weight_dtypes(directory, weight_files)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
@@ -181,7 +204,27 @@ def _read_state_dict(directory: Path, weight_files: list[Path]) -> dict[str, tor
                     state[name] = f.get_tensor(name)
                 except SafetensorError as err:
                     raise ValueError(f"{file}: tensor {name!r} cannot be read ({err}); export the draft again") from err
+    bad = non_finite_tensors(state)
+    if bad:
+        raise DFlashUserError(
+            f"{directory} holds a draft with non-finite weights (NaN or inf) in {_list_names(bad)}; it cannot "
+            "decode. Export a checkpoint from before training diverged, or train again"
+        )
     return state
+
+
+def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of `state` holding a NaN or an infinity."""
+    return [
+        name
+        for name, t in state.items()
+        if torch.is_floating_point(t) and t.numel() and not bool(torch.isfinite(t).all())
+    ]
+
+
+def _list_names(names: list[str], shown: int = 8) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} tensors: {', '.join(names[:shown])}{more}"
 
 
 def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlashConfig:
@@ -306,18 +349,151 @@ def make_readable(export_dir: Path) -> None:
             path.chmod(EXPORT_FILE_MODE)
 
 
-def export_draft(draft: nn.Module, export_dir: str | Path) -> Path:
-    """Write a plain draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
-    remote-code files. A LoRA draft is merged before it gets here (`training.adaptation.plain_draft`)."""
+def _staging_siblings(export_dir: Path, kind: str) -> list[Path]:
+    """Hidden `kind` siblings (`STAGING_KINDS`) of `export_dir`, newest first."""
+    parent = export_dir.parent
+    if not parent.is_dir():
+        return []
+    found = parent.glob(f".{glob.escape(export_dir.name)}.{kind}-*")
+    return sorted((p for p in found if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _pid_alive(path: Path) -> bool:
+    """Whether the process that named a staging directory `.name.kind-<pid>-<id>` still runs."""
+    match = re.search(r"-(\d+)-[0-9a-f]+$", path.name)
+    if match is None:
+        return False
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_replaceable(export_dir: Path) -> None:
+    """`export_dir` may be written: absent, empty, or an earlier draft export (a DFlash draft's `config.json`, or none,
+    beside plain files that are not a run's training state). Anything else (a target's or another model's directory,
+    a run directory, subdirectories) is refused, never replaced."""
+    if not export_dir.exists():
+        return
+    if not export_dir.is_dir():
+        raise NotADirectoryError(f"export_dir={str(export_dir)!r} is a file; give a directory for the draft export")
+    paths = sorted(export_dir.iterdir())
+    reason = None
+    config_file = export_dir / "config.json"
+    if config_file.exists():
+        try:
+            raw = json.loads(config_file.read_text())
+        except (OSError, ValueError):
+            raw = None
+        if not (isinstance(raw, dict) and isinstance(raw.get("dflash_config"), dict)):
+            reason = "its config.json is not a DFlash draft's"
+    if reason is None:
+        others = [p.name for p in paths if not p.is_file() or RUN_STATE_FILE.fullmatch(p.name)]
+        if others:
+            shown = ", ".join(others[:6]) + (f" and {len(others) - 6} more" if len(others) > 6 else "")
+            reason = f"it holds {shown}"
+    if reason is not None:
+        raise FileExistsError(
+            f"export_dir={str(export_dir)!r} exists and is not a DFlash draft export ({reason}); an export replaces "
+            "its whole directory: give a new or empty directory"
+        )
+
+
+def write_atomically(export_dir: str | Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(staging)` on a new hidden sibling of `export_dir`, then move the result into place: a directory
+    that is complete or absent at every instant. An older export there (`check_replaceable`) is kept until the new
+    one is complete, then removed. A failed `write` leaves the older export as it was. Stale staging directories
+    of dead processes are removed first. Returns `export_dir`."""
+    export_dir = Path(export_dir)
+    check_replaceable(export_dir)
+    export_dir.parent.mkdir(parents=True, exist_ok=True)
+    for kind in STAGING_KINDS:
+        for stale in _staging_siblings(export_dir, kind):
+            if not _pid_alive(stale) and (kind == "partial" or export_dir.exists()):
+                shutil.rmtree(stale, ignore_errors=True)
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = export_dir.parent / f".{export_dir.name}.partial-{token}"
+    staging.mkdir()
+    try:
+        write(staging)
+        make_readable(staging)
+        staging.chmod(0o755)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = None
+    if export_dir.exists():
+        previous = export_dir.parent / f".{export_dir.name}.previous-{token}"
+        os.rename(export_dir, previous)
+    os.rename(staging, export_dir)
+    for old in [previous, *_staging_siblings(export_dir, "previous")]:
+        if old is not None and (old == previous or not _pid_alive(old)):
+            shutil.rmtree(old, ignore_errors=True)
+    return export_dir
+
+
+def check_exportable(draft: nn.Module, vocab_size: int | None = None, tokenizer=None) -> None:
+    """What an export must hold before anything is written: a plain DFlash draft, every weight finite, and a mask id
+    the serving engines can embed: inside the target's embedding (`vocab_size`, its rows, when given) and, with the
+    target's `tokenizer`, none of its named special tokens (pad, eos, bos, ...)."""
     if not isinstance(draft, DFlashDraftModel):
         raise TypeError(
             f"export_draft needs a plain DFlash draft, got {type(draft).__name__} "
             "(merge a LoRA draft first: dflash_hf.training.adaptation.plain_draft)"
         )
-    export_dir = Path(export_dir)
-    draft.save_pretrained(export_dir, safe_serialization=True)
-    make_readable(export_dir)
-    return export_dir
+    bad = non_finite_tensors(draft.state_dict())
+    if bad:
+        raise DFlashUserError(
+            f"the draft has non-finite weights (NaN or inf) in {_list_names(bad)}; it is not exported (it could not "
+            "decode). Training diverged: resume from an earlier checkpoint with a lower learning_rate"
+        )
+    config = draft.config
+    config.check_mask_token_id(vocab_size)
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise ValueError(
+            f"the draft's vocab_size {config.vocab_size} differs from the target's {vocab_size} embedding rows; "
+            "serving engines size the draft's vocabulary from the target: export a draft trained on this target"
+        )
+    if tokenizer is not None:
+        mask = config.mask_token_id
+        roles = {
+            role: tokenizer.convert_tokens_to_ids(token)
+            for role, token in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+            if role != "mask_token" and isinstance(token, str)
+        }
+        clash = sorted(role for role, token_id in roles.items() if token_id == mask)
+        if clash:
+            raise ValueError(
+                f"dflash_config.mask_token_id {mask} is the tokenizer's {', '.join(clash)}; the engines feed the mask "
+                "id to every drafted slot: train the draft with an id the data never uses"
+            )
+
+
+def export_draft(
+    draft: nn.Module,
+    export_dir: str | Path,
+    *,
+    vocab_size: int | None = None,
+    tokenizer=None,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a plain draft in the checkpoint contract (docs/ARCHITECTURE.md): config.json, model.safetensors and the
+    remote-code files, atomically (`write_atomically`). A LoRA draft is merged before it gets here
+    (`training.adaptation.plain_draft`). Checked first (`check_exportable`): finite weights, and with the target's
+    `vocab_size` (embedding rows) and `tokenizer` given, a mask id the serving engines embed as trained.
+    `write_extra(directory)` adds files that belong to the export (a run record, ...) before it is moved into place."""
+    check_exportable(draft, vocab_size, tokenizer)
+    draft.config.validate_dflash()
+
+    def write(staging: Path) -> None:
+        draft.save_pretrained(staging, safe_serialization=True)
+        if write_extra is not None:
+            write_extra(staging)
+
+    return write_atomically(export_dir, write)
 
 
 def convert_dflash_to_dflash2(
@@ -348,10 +524,8 @@ def convert_dflash_to_dflash2(
     if unexpected or foreign:
         raise ValueError(f"{source}: tensors do not map onto DFlash2 (unexpected {unexpected}, unfilled {foreign})")
     dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    out_dir = Path(out_dir)
-    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
-    make_readable(out_dir)
-    return out_dir
+    model = model.to(dtype)
+    return write_atomically(out_dir, lambda staging: model.save_pretrained(staging, safe_serialization=True))
 
 
 __all__ = [
@@ -360,6 +534,10 @@ __all__ = [
     "check_warm_start_sizes",
     "check_draft_export",
     "export_draft",
+    "check_exportable",
+    "check_replaceable",
+    "write_atomically",
+    "non_finite_tensors",
     "resolve_draft_dir",
     "draft_class_for",
     "convert_dflash_to_dflash2",

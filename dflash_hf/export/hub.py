@@ -74,15 +74,35 @@ def _fmt(value: float | None) -> str:
 
 
 _CONTRACT_SERVING = (
-    "The files follow the published DFlash draft contract (`config.json` with `block_size` and `dflash_config`,\n"
-    "`model.safetensors`, remote code), so engines that load DFlash drafts load this one unchanged."
+    "The files follow the published DFlash draft contract (`config.json` with `block_size`, `dflash_config` and\n"
+    "`is_causal: false`, `model.safetensors`, remote code), so engines that load DFlash drafts load this one\n"
+    "unchanged. vLLM takes the block from `num_speculative_tokens` (block size - 1; it never reads `block_size`,\n"
+    "and a DFlash2 draft's convolution spans `1 + num_speculative_tokens` slots), SGLang from `block_size`. vLLM\n"
+    "needs a target that hands its hidden states to the draft: text LLMs and Qwen3-ASR natively, Qwen2-Audio and\n"
+    "Voxtral with `pip install dflash_hf[vllm]` (a vLLM plugin). SGLang serves text targets."
 )
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
-    "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Engines that implement the contract cannot\n"
-    "serve it; decode it with `dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`). The\n"
-    "engine configs below are what a contract draft would use; they do not apply to this one."
+    "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Its architecture name says so, and serving\n"
+    "engines refuse it (an engine that dropped the tensors it does not know would serve it wrong). Decode it with\n"
+    "`dflash_hf` (`speculative_generate` or `target.generate(custom_generate=...)`)."
 )
+
+
+def serving_commands(config: DFlashConfig, draft: str, target: str, revision: str | None = None) -> dict[str, str]:
+    """The engine commands that serve `target` with the draft `draft` (a Hub id or a local directory), by engine
+    (`"vllm"`, `"sglang"`); none for a draft outside the published contract (no engine serves it)."""
+    if not config.in_published_contract:
+        return {}
+    revision_flag = f" --revision {revision}" if revision else ""
+    spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": config.block_size - 1})
+    return {
+        "vllm": f"vllm serve {target}{revision_flag} \\\n  --speculative-config '{spec}'",
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {target}{revision_flag} \\\n"
+            f"  --speculative-algorithm DFLASH --speculative-draft-model-path {draft}"
+        ),
+    }
 
 
 def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
@@ -90,7 +110,6 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     variant = ARCHITECTURES[config.variant]
     target = f"`{info.target_id}`" + (f" (revision `{info.target_revision}`)" if info.target_revision else "")
     revision_arg = f', revision="{info.target_revision}"' if info.target_revision else ""
-    revision_flag = f" --revision {info.target_revision}" if info.target_revision else ""
     meta = ["---", "library_name: transformers", f"base_model: {info.target_id}"]
     if info.license:
         meta.append(f"license: {info.license}")
@@ -118,7 +137,13 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     draft_table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     measured_on = f" ({info.eval_name})" if info.eval_name else ""
     spec_tokens = config.block_size - 1
-    serving = _CONTRACT_SERVING if not config.encoder_context else _ENCODER_CONTEXT_SERVING
+    serving = _CONTRACT_SERVING if config.in_published_contract else _ENCODER_CONTEXT_SERVING
+    commands = serving_commands(config, repo_id, info.target_id, info.target_revision)
+    engines = "".join(
+        f"\n\n{title}:\n\n```bash\n{commands[key]}\n```"
+        for key, title in (("vllm", "vLLM"), ("sglang", "SGLang (text targets)"))
+        if key in commands
+    )
     return f"""{header}
 
 # {repo_id.split("/")[-1]}
@@ -151,22 +176,7 @@ Acceptance length = accepted draft tokens + 1 bonus token per draft/verify cycle
 
 ## Serving
 
-{serving}
-
-A vLLM-style speculative config:
-
-```bash
-vllm serve {info.target_id}{revision_flag} \\
-  --speculative-config '{{"method": "dflash", "model": "{repo_id}", "num_speculative_tokens": {spec_tokens}}}'
-```
-
-SGLang-style:
-
-```bash
-python -m sglang.launch_server --model-path {info.target_id}{revision_flag} \\
-  --speculative-algorithm DFLASH --speculative-draft-model-path {repo_id} \\
-  --speculative-num-draft-tokens {config.block_size}
-```
+{serving}{engines}
 
 With `dflash_hf` (without it: `AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)`):
 
@@ -260,5 +270,6 @@ __all__ = [
     "convert_dflash_to_dflash2",
     "DraftCardInfo",
     "build_model_card",
+    "serving_commands",
     "push_draft_to_hub",
 ]

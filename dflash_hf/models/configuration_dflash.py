@@ -17,6 +17,20 @@ logger = logging.get_logger(__name__)
 
 DFLASH_VARIANTS = ("dflash", "dflash2")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# Drafts outside the published contract (the encoder-context opt-in) are written under names no serving engine
+# registers, so an engine refuses them instead of dropping the tensors it does not know. Older exports of such drafts
+# carry the contract names and still load.
+OUTSIDE_CONTRACT_ARCHITECTURES = {
+    "dflash": "DFlashEncoderContextDraftModel",
+    "dflash2": "DFlash2EncoderContextDraftModel",
+}
+DRAFT_ARCHITECTURES = (*ARCHITECTURES.values(), *OUTSIDE_CONTRACT_ARCHITECTURES.values())
+# The draft's RoPE is full-head 1-D RoPE (modeling_dflash.DFlashRotaryEmbedding): multimodal RoPE sections and a
+# partial rotary factor of a speech target's text config describe nothing the draft computes, and an engine building
+# the draft's rotary from `rope_parameters` would apply them. They are never part of a draft config.
+TARGET_ONLY_ROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved", "partial_rotary_factor")
+# rope types whose positions the draft's 1-D RoPE computes exactly (multimodal RoPE on a text-only stream is 1-D)
+ONE_D_ROPE_TYPES = ("default", "mrope")
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -120,6 +134,19 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+def draft_rope_parameters(rope: Mapping | None, default_theta: float | None = None) -> dict:
+    """The `rope_parameters` of what the draft computes, `{"rope_type": "default", "rope_theta": theta}`, from a
+    target's (or an export's) rope parameters: the target-only keys (`TARGET_ONLY_ROPE_KEYS`) are not kept. `theta`
+    is the given one, else `default_theta` (absent when both are). Other rope types (scaled RoPE) are returned as
+    given: the draft refuses them when it is built."""
+    rope = dict(rope or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ONE_D_ROPE_TYPES:
+        return rope
+    theta = rope.get("rope_theta", default_theta)
+    return {"rope_type": "default"} | ({"rope_theta": float(theta)} if theta is not None else {})
+
+
 def default_gamma(block_size: int) -> float:
     """Loss decay gamma: the recipe value for B=8/10/16, otherwise B/2 (about the same curve)."""
     return DEFAULT_GAMMA.get(block_size, max(block_size / 2.0, 1.0))
@@ -136,7 +163,13 @@ class DFlashConfig(Qwen3Config):
         dflash_config (`dict`): `block_size`, `mask_token_id`, `target_layer_ids` and, for DFlash2,
             `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. With the encoder-context
             opt-in (outside the published contract, see `encoder_hidden_size`) also `encoder_hidden_size`.
-        variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel`.
+        is_causal (`bool`): always False (every slot of a block attends to the whole block); written at the top
+            level because serving engines read causality from it before `layer_types`.
+        variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel` (or its
+            outside-contract name).
+
+    `rope_parameters` describe the draft's own full-head 1-D RoPE: a speech target's multimodal RoPE sections and
+    partial rotary factor are dropped (`TARGET_ONLY_ROPE_KEYS`), also from configs saved before they were.
     """
 
     model_type = "qwen3"
@@ -146,6 +179,7 @@ class DFlashConfig(Qwen3Config):
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_target_layers: int | None = None,
         dflash_config: dict | None = None,
+        is_causal: bool = False,
         **kwargs,
     ):
         dflash_config = dict(dflash_config or {})
@@ -156,13 +190,34 @@ class DFlashConfig(Qwen3Config):
         self.block_size = block_size
         self.num_target_layers = num_target_layers
         self.dflash_config = dflash_config
+        self.is_causal = is_causal
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(kwargs.get(key), Mapping):
+                kwargs[key] = draft_rope_parameters(kwargs[key], kwargs.get("rope_theta"))
+        for key in TARGET_ONLY_ROPE_KEYS:
+            kwargs.pop(key, None)
         super().__init__(**kwargs)
+        if isinstance(getattr(self, "rope_parameters", None), Mapping):
+            self.rope_parameters = draft_rope_parameters(self.rope_parameters, getattr(self, "rope_theta", None))
 
     # --- convenience accessors -------------------------------------------------------------
     @property
     def variant(self) -> str:
         archs = getattr(self, "architectures", None) or []
-        return "dflash2" if "DFlash2DraftModel" in archs else "dflash"
+        dflash2 = (ARCHITECTURES["dflash2"], OUTSIDE_CONTRACT_ARCHITECTURES["dflash2"])
+        return "dflash2" if any(a in dflash2 for a in archs) else "dflash"
+
+    @property
+    def architecture(self) -> str:
+        """The architecture name an export carries: the published contract's `DFlashDraftModel` /
+        `DFlash2DraftModel`, or for a draft outside it (encoder context) a name no serving engine knows."""
+        names = OUTSIDE_CONTRACT_ARCHITECTURES if self.encoder_context else ARCHITECTURES
+        return names[self.variant]
+
+    @property
+    def in_published_contract(self) -> bool:
+        """Whether engines implementing the published DFlash contract (vLLM, SGLang) can serve this draft."""
+        return not self.encoder_context
 
     @property
     def mask_token_id(self) -> int | None:
@@ -239,7 +294,7 @@ class DFlashConfig(Qwen3Config):
             dflash_config["encoder_hidden_size"] = encoder_hidden_size
             dflash_config["outside_published_contract"] = ["encoder_hidden_size"]  # said in the config itself
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6}
+        rope = draft_rope_parameters(getattr(t, "rope_parameters", None), getattr(t, "rope_theta", None) or 1e6)
         fields = dict(
             hidden_size=t.hidden_size,
             intermediate_size=t.intermediate_size,
@@ -259,7 +314,9 @@ class DFlashConfig(Qwen3Config):
             num_target_layers=num_target_layers,
             dflash_config=dflash_config,
             num_hidden_layers=num_hidden_layers,
-            architectures=[ARCHITECTURES[variant]],
+            architectures=[
+                (OUTSIDE_CONTRACT_ARCHITECTURES if encoder_hidden_size is not None else ARCHITECTURES)[variant]
+            ],
             **fields,
         )
         config.validate_dflash()
@@ -275,8 +332,18 @@ class DFlashConfig(Qwen3Config):
                 f"hidden_act={self.hidden_act!r}: the draft MLP is SwiGLU with {DRAFT_HIDDEN_ACT!r} "
                 f"(modeling_dflash); set hidden_act to {DRAFT_HIDDEN_ACT!r}"
             )
-        if dc.get("mask_token_id") is None:
-            raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
+        self.check_mask_token_id()
+        if self.is_causal or dc.get("causal"):
+            raise ValueError(
+                "is_causal / dflash_config.causal is true, but a DFlash draft attends bidirectionally within its block "
+                "(serving engines read this field); set is_causal to false and drop dflash_config.causal"
+            )
+        archs = getattr(self, "architectures", None) or []
+        if any(a in OUTSIDE_CONTRACT_ARCHITECTURES.values() for a in archs) and not self.encoder_context:
+            raise ValueError(
+                f"architectures {archs} names an encoder-context draft but dflash_config has no encoder_hidden_size; "
+                f"set architectures to [{ARCHITECTURES[self.variant]!r}] or restore encoder_hidden_size"
+            )
         if self.variant == "dflash2":
             self.check_dflash2()
         width = dc.get("encoder_hidden_size")
@@ -285,6 +352,22 @@ class DFlashConfig(Qwen3Config):
                 f"dflash_config.encoder_hidden_size must be a positive int (the target encoder's width) "
                 f"or absent, got {width!r}"
             )
+
+    def check_mask_token_id(self, embedding_rows: int | None = None) -> None:
+        """`dflash_config.mask_token_id` is an integer row of the target's input embedding, as serving engines embed
+        it (`vocab_size` is the target's embedding rows; `embedding_rows`, when given, the target's own count)."""
+        mask = self.dflash_config.get("mask_token_id")
+        if mask is None:
+            raise ValueError("dflash_config.mask_token_id is not set: pick an id the target embeds and data never uses")
+        if isinstance(mask, bool) or not isinstance(mask, int):
+            raise ValueError(f"dflash_config.mask_token_id must be an integer token id, got {mask!r}")
+        rows = {"vocab_size": getattr(self, "vocab_size", None), "the target's embedding": embedding_rows}
+        for name, size in rows.items():
+            if size is not None and not 0 <= mask < size:
+                raise ValueError(
+                    f"dflash_config.mask_token_id {mask} has no row in {name} ({size} rows); serving engines embed "
+                    f"the mask id with the target's embedding: pick an id in [0, {size})"
+                )
 
     def check_dflash2(self) -> None:
         """DFlash2's `dflash_config` fields are all present and consistent with the draft's dimensions."""
@@ -295,12 +378,24 @@ class DFlashConfig(Qwen3Config):
 
     def to_dict(self) -> dict:
         """Also writes `rope_theta` at the top level (beside `rope_parameters`): engines whose config classes
-        predate `rope_parameters` read only that key, and would otherwise fall back to their default theta."""
+        predate `rope_parameters` read only that key, and would otherwise fall back to their default theta. Writes
+        `is_causal` and the architecture name of `architecture` (what engines decide on)."""
         out = super().to_dict()
+        out["is_causal"] = bool(self.is_causal)  # engines read it before layer_types (and before dflash_config)
+        if any(a in DRAFT_ARCHITECTURES for a in out.get("architectures") or []):
+            out["architectures"] = [self.architecture]  # whichever class saved it: the name follows the contract
         rope = out.get("rope_parameters") or {}
         if isinstance(rope, dict) and rope.get("rope_theta") is not None:
             out["rope_theta"] = rope["rope_theta"]
         return out
 
 
-__all__ = ["DFlash2Fields", "DFlashConfig", "default_target_layer_ids", "default_gamma"]
+__all__ = [
+    "ARCHITECTURES",
+    "OUTSIDE_CONTRACT_ARCHITECTURES",
+    "DFlash2Fields",
+    "DFlashConfig",
+    "default_target_layer_ids",
+    "default_gamma",
+    "draft_rope_parameters",
+]

@@ -1,0 +1,207 @@
+"""What serving engines read from an export, written as the draft was trained: top-level `is_causal: false`, the
+draft's own full-head 1-D RoPE (never a speech target's multimodal RoPE fields), a distinct architecture name for
+drafts outside the published contract, a mask id inside the target's embedding, and the model card's commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModel
+from utils import make_args
+
+from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel
+from dflash_hf.export.drafts import check_draft_export, export_draft, load_draft_strict
+from dflash_hf.export.hub import DraftCardInfo, build_model_card, serving_commands
+from dflash_hf.models.configuration_dflash import TARGET_ONLY_ROPE_KEYS
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.testing import tiny
+from dflash_hf.training.assembly import build_draft
+
+# what a Qwen3-ASR (or Qwen3-Omni) text config carries beside the theta
+MROPE = {"mrope_section": [2, 1, 1], "mrope_interleaved": True, "interleaved": True, "partial_rotary_factor": 0.5}
+THETA = 1_000_000.0
+
+
+def _keys(obj) -> set[str]:
+    """Every key of a JSON object, nested ones included."""
+    if isinstance(obj, dict):
+        return set(obj) | {k for v in obj.values() for k in _keys(v)}
+    if isinstance(obj, list):
+        return {k for v in obj for k in _keys(v)}
+    return set()
+
+
+@pytest.fixture(scope="module")
+def mrope_asr():
+    """A tiny Qwen3-ASR target whose text config carries multimodal RoPE fields and a partial rotary factor."""
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    model.config.text_config.rope_parameters = {"rope_type": "default", "rope_theta": THETA, **MROPE}
+    return model, processor
+
+
+def _asr_draft(tmp_path, model, **kw) -> DFlashDraftModel:
+    mask = tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)
+    torch.manual_seed(0)
+    return build_draft(make_args(tmp_path, mask_token_id=mask, **kw), FrozenTarget(model)).eval()
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_export_of_a_speech_target_draft_writes_its_own_rope_and_is_causal_false(mrope_asr, tmp_path, variant):
+    model, _ = mrope_asr
+    extra = {"conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2} if variant == "dflash2" else {}
+    draft = _asr_draft(tmp_path, model, variant=variant, **extra)
+    raw = json.loads((export_draft(draft, tmp_path / "draft") / "config.json").read_text())
+    assert raw["is_causal"] is False
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": THETA} and raw["rope_theta"] == THETA
+    assert not _keys(raw) & set(TARGET_ONLY_ROPE_KEYS), sorted(_keys(raw) & set(TARGET_ONLY_ROPE_KEYS))
+    # what the rotary computes: full-head rotation (head_dim / 2 frequencies) at that theta
+    rotary = load_draft_strict(tmp_path / "draft").rotary_emb
+    head_dim = raw["head_dim"]
+    expected = 1.0 / THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    assert torch.equal(rotary.inv_freq(torch.device("cpu")), expected)
+
+
+def _save_legacy(draft: DFlashDraftModel, directory: Path, edit) -> Path:
+    """An export as written before the serving fields: no `is_causal`, edited by `edit(config_dict)`."""
+    draft.save_pretrained(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    raw.pop("is_causal", None)
+    edit(raw)
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory
+
+
+def test_older_export_with_target_rope_fields_loads_and_computes_the_same(mrope_asr, tmp_path):
+    model, _ = mrope_asr
+    draft = _asr_draft(tmp_path, model)
+    legacy = _save_legacy(draft, tmp_path / "old", lambda raw: raw["rope_parameters"].update(MROPE))
+    cfg = draft.config
+    taps = torch.randn(1, 5, cfg.num_taps * cfg.hidden_size)
+    noise = torch.randn(1, cfg.block_size, cfg.hidden_size)
+    pos = torch.arange(5 + cfg.block_size)[None] + 7
+    with torch.no_grad():
+        expected = draft(position_ids=pos, noise_embedding=noise, target_hidden=taps)
+        for loaded in (load_draft_strict(legacy).eval(), AutoModel.from_pretrained(legacy, trust_remote_code=True)):
+            assert loaded.config.is_causal is False
+            assert loaded.config.rope_parameters == {"rope_type": "default", "rope_theta": THETA}
+            assert torch.equal(loaded(position_ids=pos, noise_embedding=noise, target_hidden=taps), expected)
+    again = json.loads((export_draft(load_draft_strict(legacy), tmp_path / "again") / "config.json").read_text())
+    assert again["is_causal"] is False and not _keys(again) & set(TARGET_ONLY_ROPE_KEYS)
+
+
+def test_config_claiming_causal_attention_is_refused(mrope_asr, tmp_path):
+    draft = _asr_draft(tmp_path, mrope_asr[0])
+    for key, edit in (
+        ("is_causal", lambda raw: raw.update(is_causal=True)),
+        ("dflash_config.causal", lambda raw: raw["dflash_config"].update(causal=True)),
+    ):
+        directory = _save_legacy(draft, tmp_path / key, edit)
+        with pytest.raises(ValueError, match="is_causal / dflash_config.causal is true"):
+            load_draft_strict(directory)
+
+
+def _context_config(variant: str) -> DFlashConfig:
+    text = tiny.build_text_target(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1).config
+    extra = {"conv_group_size": 8, "selector_rank": 4, "selector_top_k": 2} if variant == "dflash2" else {}
+    return DFlashConfig.from_target_config(
+        text, mask_token_id=5, variant=variant, num_hidden_layers=1, block_size=4, encoder_hidden_size=16, **extra
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant", "name"), [("dflash", "DFlashEncoderContextDraftModel"), ("dflash2", "DFlash2EncoderContextDraftModel")]
+)
+def test_draft_outside_the_contract_gets_an_architecture_no_engine_knows_and_still_loads(tmp_path, variant, name):
+    config = _context_config(variant)
+    torch.manual_seed(0)
+    draft = (DFlashDraftModel if variant == "dflash" else DFlash2DraftModel)(config)
+    # (transformers keys remote code by directory name: one per variant, or AutoModel reuses the first class loaded)
+    out = export_draft(draft, tmp_path / f"ctx_{variant}")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == [name] and raw["is_causal"] is False
+    for loaded in (load_draft_strict(out), AutoModel.from_pretrained(out, trust_remote_code=True)):
+        assert loaded.config.encoder_context and loaded.config.variant == variant
+        assert type(loaded).__name__ == type(draft).__name__
+        sd = loaded.state_dict()
+        assert all(torch.equal(sd[k], v) for k, v in draft.state_dict().items())
+    # an export of such a draft made before the distinct name (the contract name, no is_causal) still loads
+    contract = "DFlashDraftModel" if variant == "dflash" else "DFlash2DraftModel"
+    legacy = _save_legacy(draft, tmp_path / "legacy", lambda raw: raw.update(architectures=[contract]))
+    assert load_draft_strict(legacy).config.encoder_context
+    assert json.loads((export_draft(load_draft_strict(legacy), tmp_path / "re") / "config.json").read_text())[
+        "architectures"
+    ] == [name]
+
+
+def test_outside_contract_name_without_encoder_context_is_refused(tmp_path):
+    config = _context_config("dflash")
+    config.dflash_config.pop("encoder_hidden_size")
+    config.architectures = ["DFlashEncoderContextDraftModel"]
+    with pytest.raises(ValueError, match="encoder-context draft but dflash_config has no encoder_hidden_size"):
+        config.validate_dflash()
+
+
+@pytest.mark.parametrize("mask", [40, -1, "5", True])
+def test_mask_id_outside_the_targets_embedding_is_refused(mask):
+    config = _context_config("dflash")
+    config.vocab_size = 40
+    config.dflash_config["mask_token_id"] = mask
+    with pytest.raises(ValueError, match="mask_token_id"):
+        config.validate_dflash()
+
+
+def test_export_checks_the_mask_id_against_the_target_and_its_tokenizer(tmp_path):
+    tok = tiny.build_tokenizer()
+    model = tiny.build_text_target(tok, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
+    rows = model.get_input_embeddings().weight.shape[0]
+
+    def draft(mask: int) -> DFlashDraftModel:
+        cfg = DFlashConfig.from_target_config(model.config, mask_token_id=mask, num_hidden_layers=1, block_size=4)
+        return DFlashDraftModel(cfg)
+
+    good = draft(tok.convert_tokens_to_ids(tiny.MASK_TOKEN))
+    export_draft(good, tmp_path / "ok", vocab_size=rows, tokenizer=tok)
+    with pytest.raises(ValueError, match="differs from the target's"):
+        export_draft(good, tmp_path / "other", vocab_size=rows + 8)
+    with pytest.raises(ValueError, match=r"has no row in the target's embedding \(30 rows\)"):
+        export_draft(good, tmp_path / "small", vocab_size=30)
+    with pytest.raises(ValueError, match="is the tokenizer's eos_token"):
+        export_draft(draft(tok.eos_token_id), tmp_path / "eos", tokenizer=tok)
+    assert not (tmp_path / "other").exists() and not (tmp_path / "eos").exists()
+
+
+def test_model_card_serving_commands_follow_the_export(tmp_path):
+    config = _context_config("dflash2")
+    outside = build_model_card(config, "me/ctx", DraftCardInfo(target_id="openai/whisper-tiny"))
+    assert "vllm serve" not in outside and "sglang" not in outside and "Outside the published DFlash" in outside
+    assert serving_commands(config, "me/ctx", "t") == {}
+
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlash2DraftModel"]
+    config.set_block_size(8)
+    commands = serving_commands(config, "me/draft", "Qwen/Qwen3-ASR-1.7B")
+    spec = json.loads(commands["vllm"].split("--speculative-config '")[1].rstrip("'"))
+    assert spec == {"method": "dflash", "model": "me/draft", "num_speculative_tokens": 7}
+    assert commands["vllm"].startswith("vllm serve Qwen/Qwen3-ASR-1.7B")
+    assert (
+        commands["sglang"].split()
+        == (
+            "python -m sglang.launch_server --model-path Qwen/Qwen3-ASR-1.7B \\ --speculative-algorithm DFLASH "
+            "--speculative-draft-model-path me/draft"
+        ).split()
+    )
+    card = build_model_card(config, "me/draft", DraftCardInfo(target_id="Qwen/Qwen3-ASR-1.7B"))
+    assert commands["vllm"] in card and commands["sglang"] in card
+    assert "block_size" not in commands["vllm"] and "num-draft-tokens" not in card
+    check = DFlashConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert check.architecture == "DFlash2DraftModel" and check.in_published_contract
+
+
+def test_check_draft_export_accepts_both_architecture_names(tmp_path):
+    torch.manual_seed(0)
+    out = export_draft(DFlashDraftModel(_context_config("dflash")), tmp_path / "ctx")
+    assert check_draft_export(out).architecture == "DFlashEncoderContextDraftModel"
