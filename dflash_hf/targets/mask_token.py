@@ -132,7 +132,8 @@ def mask_token_role(tokenizer, mask_token_id: int, template_ids=()) -> str | Non
         if role != "mask_token" and isinstance(name, str) and tokenizer.convert_tokens_to_ids(name) == mask_token_id:
             return f"is the tokenizer's {role}{shown}"
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and token is not None and _added_tokens(tokenizer).get(mask_token_id) in template:
+    added = _added_tokens(tokenizer).get(mask_token_id)
+    if isinstance(template, str) and added is not None and added in template:
         return f"is a token{shown} of the chat template"
     return None
 
