@@ -25,7 +25,10 @@ class DecoderStreams:
 
 @dataclass(frozen=True)
 class TargetFamily:
-    """One row of :data:`FAMILIES`.
+    """One row of :data:`FAMILIES`: the hooks every family gives, the optional ones that change what a family does,
+    and the optional fast paths (which change only speed: a row without them takes the generic path).
+
+    Required of every row (checked when the row is made):
 
     - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
     - ``model_types``: config ``model_type`` values this row matches.
@@ -34,14 +37,16 @@ class TargetFamily:
       token stream is the decoder's) or ``"none"`` (text-only target).
     - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
     - ``encode``: ``encode(family, processor, config, texts, audios, padding_side) -> dict`` of tensors.
-    - ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
+    - audio rows: ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
+    - encoder-decoder rows: ``render_decoder``: ``render_decoder(tokenizer, messages, add_generation_prompt)``
+      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
+      of a chat template; and ``decoder_config``: ``decoder_config(config)`` the decoder's dimensions as a config
+      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
+
+    Optional, family-specific behaviour (the default is the usual one):
+
     - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
     - ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
-    - ``render_decoder``: encoder-decoder rows: ``render_decoder(tokenizer, messages, add_generation_prompt)``
-      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
-      of a chat template.
-    - ``decoder_config``: encoder-decoder rows: ``decoder_config(config)`` the decoder's dimensions as a config
-      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
     - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
       family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
     - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
@@ -49,17 +54,21 @@ class TargetFamily:
       holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
     - ``stream_ids``: ``stream_ids(tokenizer, text) -> list[int]`` when a rendered stream is not tokenized as one
       string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
+    - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
+      e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
+
+    Optional fast paths (:data:`FAST_PATH_HOOKS`; the same results, less work):
+
     - ``prebuilt_packed_mask``: the row's packed forward takes a prebuilt 4D decoder mask unchanged (checked
       against transformers' own mask: `FrozenTarget.packed_sdpa_mask`).
     - ``prebuilt_padded_mask``: the same for a padded batch (`FrozenTarget.padded_decoder_mask`): its 2D mask is
       read only to build the decoder's causal mask (and, for Whisper, the decoder positions computed beside it).
-    - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
-      e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
     - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
       decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
     - ``host_facts``: ``host_facts(model, host_batch) -> dict | None``: what the target's forward would otherwise read
       back from the device, computed by the trainer's plan from the host batch (Qwen3-ASR: its audio encoder's
-      windows); ``forward_inputs(model, kwargs, host_facts) -> kwargs`` then builds the forward's inputs with them.
+      windows); ``forward_inputs(model, kwargs, host_facts) -> kwargs`` then builds the forward's inputs with them
+      (the two come together).
     - ``window_frames``: ``window_frames(config) -> int``: feature frames of the encoder's fixed window (Whisper:
       3000). The training collator then gives compact features (`whisper_features.COMPACT_FEATURES_KEY`: the frames
       that hold audio and one padding frame) where its extractor's window is that long, and the frozen target
@@ -90,6 +99,11 @@ class TargetFamily:
     host_facts: Callable | None = field(default=None, repr=False)
     forward_inputs: Callable | None = field(default=None, repr=False)
 
+    def __post_init__(self):
+        problems = family_problems(self)
+        if problems:
+            raise ValueError(f"target family {self.name!r}: {'; '.join(problems)}")
+
     @property
     def has_audio(self) -> bool:
         return self.expansion != "none"
@@ -97,6 +111,38 @@ class TargetFamily:
     @property
     def is_encoder_decoder(self) -> bool:
         return self.expansion == "encoder"
+
+
+EXPANSIONS = ("processor", "model", "encoder", "none")
+# The optional hooks that change only speed (a row without them takes the generic path).
+FAST_PATH_HOOKS = (
+    "prebuilt_packed_mask",
+    "prebuilt_padded_mask",
+    "graph_capturable",
+    "host_facts",
+    "forward_inputs",
+    "window_frames",
+)
+
+
+def family_problems(family: TargetFamily) -> list[str]:
+    """What a row lacks of the hooks its kind requires (empty when it is complete)."""
+    problems = []
+    if family.expansion not in EXPANSIONS:
+        problems.append(f"expansion must be one of {EXPANSIONS}, got {family.expansion!r}")
+    if not callable(family.encode):
+        problems.append("encode is required (the batch encoder of the family's samples)")
+    if family.expansion != "none" and family.audio_tokens is None:
+        problems.append("audio rows require audio_tokens (decoder positions of one audio)")
+    if family.expansion == "encoder":
+        missing = [name for name in ("render_decoder", "decoder_config") if getattr(family, name) is None]
+        if missing:
+            problems.append(f"encoder-decoder rows require {' and '.join(missing)}")
+    if family.render_with not in ("processor", "tokenizer"):
+        problems.append(f"render_with must be 'processor' or 'tokenizer', got {family.render_with!r}")
+    if (family.host_facts is None) != (family.forward_inputs is None):
+        problems.append("host_facts and forward_inputs come together (the fast path needs both)")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------- helpers
