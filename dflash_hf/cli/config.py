@@ -96,15 +96,29 @@ def _load_mapping(path: Path, name: str) -> dict[str, tuple[Any, int]]:
     loader = yaml.SafeLoader("")
     for key_node, value_node in node.value:
         line = key_node.start_mark.line + 1
-        key = loader.construct_object(key_node, deep=True)
+        key = _construct(loader, key_node, name)
         if not isinstance(key, str):
             raise ConfigFileError(f"--config {name} line {line}: key {key!r} is not a field name")
         if key in values:
             raise ConfigFileError(
                 f"--config {name} line {line}: {key} is set twice (first on line {values[key][1]}); keep one"
             )
-        values[key] = (loader.construct_object(value_node, deep=True), line)
+        values[key] = (_construct(loader, value_node, name), line)
     return values
+
+
+def _construct(loader: yaml.SafeLoader, node: yaml.Node, name: str) -> Any:
+    """A node's plain YAML value. Tags that would build Python objects (`!!python/...`) or any other tag the safe
+    loader does not know are refused, naming the line: a config file holds only plain values."""
+    try:
+        return loader.construct_object(node, deep=True)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or node.start_mark
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigFileError(
+            f"--config {name} line {mark.line + 1}: {problem}; a config file holds only plain values (numbers, "
+            "strings, booleans, lists, mappings), not Python objects (`!!python/...` tags): remove the tag"
+        ) from err
 
 
 # String options whose values include the words true / false (YAML reads those as booleans).

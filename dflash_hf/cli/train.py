@@ -114,6 +114,45 @@ def check_run_inputs(args, data_args) -> None:
     elif not data_args.train_data:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
     check_data_paths(data_args)
+    check_remote_code(args.target_name_or_path, bool(getattr(args, "trust_remote_code", False)))
+    check_run_dirs(args)
+
+
+def check_remote_code(target: str, trusted: bool) -> None:
+    """A target directory whose config.json has an `auto_map` ships its own modeling code, which loading it would
+    run in this process: refused unless `--trust_remote_code true`."""
+    config = Path(target).expanduser() / "config.json"
+    try:
+        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise ValueError(f"--target_name_or_path {target}: {config} is not a readable JSON config ({err})") from err
+    if auto_map and not trusted:
+        raise ValueError(
+            f"--target_name_or_path {target}: its config.json has an auto_map ({', '.join(sorted(auto_map))}), "
+            "modeling code of its own that loading it would run; pass --trust_remote_code true only if you trust "
+            "that directory's code, else use a target that transformers implements"
+        )
+
+
+def check_run_dirs(args) -> None:
+    """The run's output and export directories (`training.run_identity.check_run_directories`), before anything
+    loads; a validation writes only its metrics, so it is checked only for writing into the target."""
+    from dflash_hf.training.run_identity import check_not_in_target, check_run_directories
+
+    output_dir = getattr(args, "output_dir", None) or "trainer_output"  # TrainingArguments' default
+    export_dir = getattr(args, "export_dir", None) or f"{output_dir}/draft"
+    if args.validate_only:
+        check_not_in_target(output_dir, "output_dir", args.target_name_or_path)
+        return
+    resume = getattr(args, "resume_from_checkpoint", None)
+    resuming = resume is not None and str(resume).strip().lower() not in ("", "false")
+    check_run_directories(
+        output_dir,
+        export_dir,
+        resuming=resuming,
+        overwrite=bool(getattr(args, "overwrite_output_dir", False)),
+        target=args.target_name_or_path,
+    )
 
 
 def check_data_rows(data_args: DFlashDataArguments) -> None:
@@ -127,6 +166,9 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
     sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
     for source in sources:
         open_source(source, BadSamples(skip=False))
+    for source in (data_args.eval_sources() or {}).values():  # validation sets are small: open every audio file
+        for _ in open_source(source, BadSamples(skip=False)):
+            pass
 
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
@@ -141,7 +183,10 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
     check_data_rows(data_args)
     target = FrozenTarget(
-        load_target(args.target_name_or_path, args.precision, args.target_strict_load), args.target_family
+        load_target(
+            args.target_name_or_path, args.precision, args.target_strict_load, trust_remote_code=args.trust_remote_code
+        ),
+        args.target_family,
     )
     processor = load_processor(args.target_name_or_path)
     if args.mask_token_id is None and not args.init_from_pretrained:
@@ -169,7 +214,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         train_dataset=data_args.train_sources(),
         eval_dataset=data_args.eval_sources(),
     )
-    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # TrainingInterrupted on SIGTERM
     metrics = dict(result.metrics)
     metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it
     if data_args.eval_data:
@@ -214,7 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_hf.training.launch import configure_cpu_threads
 
     configure_cpu_threads()  # before any torch work: threads per process from the free cores
-    run(argv)
+    from dflash_hf.training.step_guards import TrainingInterrupted
+
+    try:
+        run(argv)
+    except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a complete checkpoint is saved; exit 128 + signal
+        print(f"dflash-train: {stop}", file=sys.stderr)
+        return stop.exit_code
     return 0
 
 

@@ -45,18 +45,29 @@ def load_target(
     precision: str = "fp32",
     strict: bool = True,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Load a target from a local directory (or hub id already in the local cache).
 
     The class is the one named in the checkpoint's `config.architectures`. Loading is strict: every
-    parameter must come from the checkpoint (`strict=False` allows intentional partial init).
+    parameter must come from the checkpoint (`strict=False` allows intentional partial init). A config with an
+    `auto_map` (modeling code shipped with the checkpoint) is refused unless `trust_remote_code`.
     """
-    config = transformers.AutoConfig.from_pretrained(name_or_path)
+    config_dict, _ = transformers.PretrainedConfig.get_config_dict(name_or_path)
+    if config_dict.get("auto_map") and not trust_remote_code:
+        raise ValueError(
+            f"target {name_or_path!r}: its config.json has an auto_map ({', '.join(sorted(config_dict['auto_map']))}), "
+            "modeling code of its own that loading it would run; pass trust_remote_code=True (--trust_remote_code "
+            "true) only if you trust that code, else use a target that transformers implements"
+        )
+    config = transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         cls = transformers.AutoModelForCausalLM
     kwargs = {"dtype": resolve_dtype(precision)}
+    if trust_remote_code:
+        kwargs["trust_remote_code"] = True
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)

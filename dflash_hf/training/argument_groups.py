@@ -209,6 +209,14 @@ class DFlashRunArguments:
         default=False,
         metadata={"help": "Only evaluate the init_from_pretrained draft on the validation sets; no training."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a new run in an output_dir (or export_dir) that holds another run's checkpoints or "
+            "export: they are removed first. Without it such a directory is refused (resume the run there with "
+            "--resume_from_checkpoint true, or choose a new directory)."
+        },
+    )
     real_tau_steps: int = field(
         default=0,
         metadata={"help": "Every N steps decode validation prompts speculatively and log the real tau; 0 = off."},
@@ -260,6 +268,21 @@ class DFlashTuningArguments:
     target_strict_load: bool = field(
         default=True,
         metadata={"help": "Require every target parameter in its checkpoint. False = intentional partial init."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Load a target whose config.json has an auto_map (its own modeling code, run in this process). "
+            "Off: such a target is refused. Set it only for a target directory whose code you trust."
+        },
+    )
+    resume_allow_changes: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Settings a resume may change deliberately (default none: a resume whose checkpoint was trained "
+            "with another value is refused, naming each difference). Recorded in the checkpoints and the export.",
+            "choices": ("target", "target_layer_ids", "mask_token_id", "block_size", "train_data"),
+        },
     )
     anchor_pad_multiple: int = field(
         default=8, metadata={"help": "Round the per-batch anchor count up to this (fewer compiled shapes)."}

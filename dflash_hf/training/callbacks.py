@@ -104,45 +104,27 @@ class RealTauCallback(TrainerCallback):
         return control
 
 
-class TimeBudgetCallback(TrainerCallback):
-    """`max_train_minutes`: after the optimizer step that crosses the budget, stop, save a checkpoint and let the
-    run export as at `max_steps`. Under DDP (two or more ranks) the ranks agree on the maximum of their verdicts,
-    read one step later (`_agreed`), so every rank stops at the same step, the one after the crossing, and no step
-    waits for the device to drain."""
+class AgreedFlag:
+    """A verdict every rank agrees on without waiting for the device. On one process it is the verdict itself. Under
+    DDP (two or more ranks) it is the ranks' maximum of the previous step's verdicts (False at the first): this step's
+    is filled on the device (no host copy: `torch.tensor(..., device=)` would wait for the stream), all-reduced in the
+    stream's order and copied to pinned host memory behind the step's work, with an event; reading it a step later
+    waits for nothing on a GPU (an `.item()` here would drain the device every step)."""
 
-    def __init__(self, minutes: float):  # checked > 0 by DFlashTrainingArguments
-        self.seconds = 60.0 * minutes
-        self.start = None
+    def __init__(self):
         self.pending = None  # the last step's verdict being reduced: (host copy, its CUDA event or None)
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.monotonic()
+    def reset(self) -> None:
         self.pending = None
 
-    def on_step_end(self, args, state, control, **kwargs):
-        over = time.monotonic() - self.start >= self.seconds
+    def __call__(self, verdict: bool, device: torch.device) -> bool:
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            over = self._agreed(over, args.device)
-        if over and not control.should_training_stop:
-            logger.warning(
-                "max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
-                self.seconds / 60,
-                state.global_step,
-                state.max_steps,
-            )
-            control.should_training_stop = True
-            control.should_save = args.save_strategy != "no"
-
-    def _agreed(self, over: bool, device: torch.device) -> bool:
-        """The ranks' verdict of the previous step (False at the first). This step's is filled on the device (no
-        host copy: `torch.tensor(..., device=)` would wait for the stream), all-reduced in the stream's order and
-        copied to pinned host memory behind the step's work, with an event; reading it a step later waits for
-        nothing on a GPU (an `.item()` here would drain the device every step)."""
-        verdict = torch.full((1,), float(over), device=device)
-        torch.distributed.all_reduce(verdict, op=torch.distributed.ReduceOp.MAX)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return verdict
+        value = torch.full((1,), float(verdict), device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
         host = torch.empty(1, pin_memory=device.type == "cuda")
-        host.copy_(verdict, non_blocking=True)
+        host.copy_(value, non_blocking=True)
         done = None
         if device.type == "cuda":
             done = torch.cuda.Event()
@@ -153,6 +135,55 @@ class TimeBudgetCallback(TrainerCallback):
         if previous[1] is not None:
             previous[1].synchronize()
         return bool(previous[0].item() > 0)
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """`max_train_minutes`: after the optimizer step that crosses the budget, stop, save a checkpoint and let the
+    run export as at `max_steps`. Under DDP the ranks agree on the maximum of their verdicts, read one step later
+    (`AgreedFlag`), so every rank stops at the same step, the one after the crossing."""
+
+    def __init__(self, minutes: float):  # checked > 0 by DFlashTrainingArguments
+        self.seconds = 60.0 * minutes
+        self.start = None
+        self.agreed = AgreedFlag()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+        self.agreed.reset()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = self.agreed(time.monotonic() - self.start >= self.seconds, args.device)
+        if over and not control.should_training_stop:
+            logger.warning(
+                "max_train_minutes=%g reached at step %d of %d: stopping, saving and exporting",
+                self.seconds / 60,
+                state.global_step,
+                state.max_steps,
+            )
+            control.should_training_stop = True
+            control.should_save = args.save_strategy != "no"
+
+
+class StopSignalCallback(TrainerCallback):
+    """SIGTERM / SIGINT (`step_guards.StopSignals`): at the end of the optimizer step in which the signal came (under
+    DDP: the step after, agreed by every rank), save a complete checkpoint and stop. `stopped_at` is that step."""
+
+    def __init__(self, signals):
+        self.signals = signals
+        self.agreed = AgreedFlag()
+        self.stopped_at: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.agreed.reset()
+        self.stopped_at = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.agreed(self.signals.signum is not None, args.device) and self.stopped_at is None:
+            self.stopped_at = state.global_step
+            logger.warning("stop signal: saving a complete checkpoint at step %d and stopping", state.global_step)
+            control.should_training_stop = True
+            control.should_save = True
+        return control
 
 
 class LabelAgreementCallback(TrainerCallback):
@@ -279,8 +310,8 @@ class DataEpochCallback(TrainerCallback):
 
 def add_dflash_callbacks(trainer, args) -> None:
     """The `DFlashTrainer`'s callbacks: the concise progress bar, real tau (`real_tau_steps`), the data epoch, the
-    label-agreement and loader-pace warnings, the time budget (`max_train_minutes`) and early stopping
-    (`early_stopping_patience`)."""
+    label-agreement and loader-pace warnings, the time budget (`max_train_minutes`), the stop on SIGTERM / SIGINT
+    (`trainer.stop_signals`) and early stopping (`early_stopping_patience`)."""
     use_concise_progress_bar(trainer)
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
@@ -289,6 +320,7 @@ def add_dflash_callbacks(trainer, args) -> None:
     trainer.add_callback(LoaderPaceCallback())
     if args.max_train_minutes is not None:
         trainer.add_callback(TimeBudgetCallback(args.max_train_minutes))
+    trainer.add_callback(StopSignalCallback(trainer.stop_signals))
     add_early_stopping(trainer, args)
 
 
@@ -301,11 +333,13 @@ def use_concise_progress_bar(trainer) -> None:
 
 
 __all__ = [
+    "AgreedFlag",
     "DataEpochCallback",
     "DFlashProgressCallback",
     "LabelAgreementCallback",
     "LoaderPaceCallback",
     "RealTauCallback",
+    "StopSignalCallback",
     "TimeBudgetCallback",
     "add_dflash_callbacks",
     "use_concise_progress_bar",

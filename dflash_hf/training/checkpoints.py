@@ -12,13 +12,16 @@ import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from dflash_hf.training.run_identity import RUN_RECORD
 
 logger = logging.getLogger("dflash_hf")
 
@@ -74,39 +77,116 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def last_complete_checkpoint(output_dir: str | Path) -> tuple[Path | None, list[Path]]:
+def checkpoint_run_id(checkpoint: str | Path) -> str | None:
+    """The run id a checkpoint records (None: written by an older dflash_hf, or no readable record)."""
+    try:
+        return json.loads((Path(checkpoint) / RUN_RECORD).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def last_complete_checkpoint(
+    output_dir: str | Path, run_id: str | None = None, exclude: Collection[Path] = ()
+) -> tuple[Path | None, list[Path]]:
     """The newest complete checkpoint of `output_dir` (None if there is none) and the incomplete ones newer
-    than it (interrupted saves), newest first."""
+    than it (interrupted saves), newest first. With `run_id`, checkpoints recording another run are passed over;
+    those in `exclude` too."""
     skipped = []
     for path in checkpoint_dirs(output_dir):
+        if path in exclude or (run_id is not None and checkpoint_run_id(path) not in (run_id, None)):
+            continue
         if is_complete(path):
             return path, skipped
         skipped.append(path)
     return None, skipped
 
 
-def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | Path) -> str | None:
-    """The checkpoint directory to resume from: `true` = the last complete one in `output_dir` (logged with
-    the incomplete ones it skipped), a path = that checkpoint (refused if incomplete), false/None = none."""
+# Files the Trainer loads on resume (training_args.bin is not loaded: it is a pickle of the arguments).
+_TORCH_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth", "pytorch_model.bin")
+_JSON_FILES = ("trainer_state.json", COMPLETE_MARKER, "dflash_data_state_rank*.json", RUN_RECORD)
+
+
+def checkpoint_problem(checkpoint: str | Path) -> str | None:
+    """Why a complete checkpoint cannot be resumed from (a file missing, truncated, or holding pickled code that
+    `weights_only` loading refuses), or None. Reads the files as resume will, tensors memory-mapped."""
+    import torch
+    from safetensors import safe_open
+    from transformers.trainer_pt_utils import safe_globals
+
+    root = Path(checkpoint)
+    if not (root / "trainer_state.json").is_file():
+        return "trainer_state.json is missing"
+    weights = sorted(root.glob("*.safetensors"))
+    for path in weights:
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors raises its own error type for a truncated or damaged file
+            return f"{path.name} cannot be read ({err})"
+    for pattern in _TORCH_FILES:
+        for path in sorted(root.glob(pattern)):
+            try:
+                with safe_globals():  # the numpy RNG state the Trainer allows too
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as err:
+                lines = str(err).strip().splitlines()
+                first = next((line.strip() for line in lines if "unsupported" in line.lower()), lines[0])[:200]
+                return (
+                    f"{path.name} holds pickled objects other than tensors ({first}); it was not written by the "
+                    "Trainer and is not loaded (unpickling it could run code)"
+                )
+            except Exception as err:
+                return f"{path.name} cannot be read ({type(err).__name__}: {err}; truncated or damaged)"
+    if not weights and not (root / "pytorch_model.bin").is_file():
+        return "it holds no model weights (model.safetensors)"
+    for pattern in _JSON_FILES:
+        for path in sorted(root.glob(pattern)):
+            try:
+                json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                return f"{path.name} cannot be read ({err}; truncated or damaged)"
+    return None
+
+
+def resolve_resume_checkpoint(
+    value: str | bool | None, output_dir: str | Path, run_id: str | None = None
+) -> str | None:
+    """The checkpoint directory to resume from: `true` = the last complete, readable one of run `run_id` (the run
+    owning `output_dir`; None: any) in `output_dir`, logged with the incomplete or damaged ones it passed over; a
+    path = that checkpoint (refused if incomplete or damaged); false/None = none."""
     value = parse_resume_flag(value)
     if value is None or value is False:
         return None
-    if value is True:
-        chosen, skipped = last_complete_checkpoint(output_dir)
+    if value is not True:
+        check_checkpoint_dir(value)
+        problem = checkpoint_problem(value)
+        if problem:
+            raise ValueError(
+                f"--resume_from_checkpoint {str(value)!r} is damaged: {problem}; resume from an earlier checkpoint "
+                "(or pass true for the last readable one in output_dir)"
+            )
+        logger.warning("resume: resuming from %s", value)
+        return str(value)
+    damaged: dict[Path, str] = {}
+    while True:
+        chosen, skipped = last_complete_checkpoint(output_dir, run_id, exclude=damaged)
         names = [p.name for p in skipped]
+        if skipped:
+            logger.warning("resume: skipped incomplete checkpoints %s (interrupted saves)", names)
         if chosen is None:
             found = f"only incomplete ones {names} (interrupted saves)" if names else "none"
+            found += "; damaged: " + "; ".join(f"{p.name}: {why}" for p, why in damaged.items()) if damaged else ""
             raise FileNotFoundError(
                 f"--resume_from_checkpoint true: no complete checkpoint in output_dir {str(output_dir)!r} (found "
                 f"{found}); start without --resume_from_checkpoint or point it at a complete checkpoint directory"
             )
-        if skipped:
-            logger.warning("resume: skipped incomplete checkpoints %s (interrupted saves)", names)
-        logger.warning("resume: resuming from %s", chosen)
-        return str(chosen)
-    check_checkpoint_dir(value)
-    logger.warning("resume: resuming from %s", value)
-    return str(value)
+        problem = checkpoint_problem(chosen)
+        if problem is None:
+            break
+        damaged[chosen] = problem
+        logger.warning("resume: %s is damaged (%s): falling back to the previous complete checkpoint", chosen, problem)
+    logger.warning("resume: resuming from %s", chosen)
+    return str(chosen)
 
 
 def check_checkpoint_dir(path: str | Path) -> None:

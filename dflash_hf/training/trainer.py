@@ -8,6 +8,7 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -34,13 +35,27 @@ from dflash_hf.training.checkpoints import (
     complete_only_save,
     load_data_state,
     mark_complete,
+    parse_resume_flag,
     reporting_full_disk,
     resolve_resume_checkpoint,
     save_data_state,
 )
+from dflash_hf.training.decode_benchmark import record_conversation
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
+from dflash_hf.training.run_identity import (
+    RunDirectoryError,
+    check_run_directories,
+    clear_previous_run,
+    export_record,
+    new_record,
+    read_record,
+    resumed_record,
+    run_settings,
+    write_record,
+)
+from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
@@ -74,6 +89,9 @@ class DFlashTrainer(Trainer):
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
         self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
+        self.stop_signals = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then stop
+        self.finite_guard = FiniteStepGuard(check_loss=args.world_size == 1)
+        self.run_record: dict | None = None  # run id and settings (run_identity), set by train()
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
         add_dflash_callbacks(self, args)
@@ -130,13 +148,61 @@ class DFlashTrainer(Trainer):
     # --- Checkpoints and export (the trainable selection is recorded so resumes can be checked)
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`resume_from_checkpoint`: a complete checkpoint directory, or true (also the string "true") for the
-        last complete one in `output_dir`; incomplete ones (interrupted saves) are skipped and logged."""
-        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        last complete, readable one of the run owning `output_dir`; incomplete ones (interrupted saves) and damaged
+        ones are passed over and logged. The run's directories are checked first (`run_identity`), and a resume
+        refuses settings that differ from its checkpoint's. SIGTERM / SIGINT save a checkpoint at the next step
+        boundary and raise `TrainingInterrupted`."""
+        checkpoint = self._start_run(resume_from_checkpoint)
         if checkpoint:
             check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
         self._resume_checkpoint = checkpoint
-        with trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip:
-            return super().train(checkpoint, *args, **kwargs)
+        self.finite_guard.last_checkpoint = checkpoint
+        with (
+            trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip,
+            self.stop_signals.installed(),
+        ):
+            result = super().train(checkpoint, *args, **kwargs)
+        self.finite_guard.settle()
+        if self.stop_signals.signum is not None:
+            saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            saved = str(saved) if saved.is_dir() else None
+            raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, saved)
+        return result
+
+    def _start_run(self, resume_from_checkpoint) -> str | None:
+        """Check the run's directories, pick the checkpoint to resume from and set `run_record`: the resumed run's
+        (settings compared, allowed changes recorded) or a new run's; written in `output_dir` (`run_identity`)."""
+        args = self.args
+        resuming = parse_resume_flag(resume_from_checkpoint) not in (None, False)
+        previous = check_run_directories(
+            args.output_dir,
+            args.resolved_export_dir,
+            resuming=resuming,
+            overwrite=args.overwrite_output_dir,
+            target=args.target_name_or_path,
+        )
+        self.accelerator.wait_for_everyone()
+        if args.should_save and previous:
+            clear_previous_run(previous, args.output_dir)
+        self.accelerator.wait_for_everyone()
+        owner = read_record(args.output_dir)
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir, owner and owner["run_id"])
+        settings = run_settings(self.draft_config, self.target.model, self.train_dataset)
+        if checkpoint:
+            record = read_record(checkpoint)
+            if owner and record and record["run_id"] != owner["run_id"]:
+                raise RunDirectoryError(
+                    f"--resume_from_checkpoint {checkpoint} is of run {record['run_id']}, but --output_dir "
+                    f"{args.output_dir} belongs to run {owner['run_id']}; resume into the checkpoint's own "
+                    "output_dir or a new one, or pass --overwrite_output_dir true to replace the run there"
+                )
+            step = json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("global_step", 0)
+            self.run_record = resumed_record(record, checkpoint, settings, args.resume_allow_changes, step)
+        else:
+            self.run_record = new_record(settings)
+        if args.should_save:
+            write_record(args.output_dir, self.run_record)
+        return checkpoint
 
     def _streams_epochs(self) -> bool:
         """Whether the training data has no length, so it is trained on as an `EpochStream`."""
@@ -151,6 +217,7 @@ class DFlashTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint plus each rank's data position, marked complete only once every rank has
         written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
+        self.finite_guard.settle()  # never save a step whose loss or gradient norm is not finite
         run_dir = self._get_output_dir(trial=trial)
         folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._checkpoint_completed = False
@@ -168,7 +235,10 @@ class DFlashTrainer(Trainer):
             save_data_state(folder, self.args.process_index, state)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
+            if self.run_record is not None:
+                write_record(folder, self.run_record, global_step=self.state.global_step)
             mark_complete(folder, self.state.global_step)
+        self.finite_guard.last_checkpoint = str(folder)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """`hub_strategy` checkpoint pushes happen inside the save: complete the checkpoint first, so that the
@@ -179,12 +249,18 @@ class DFlashTrainer(Trainer):
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
         export_dir = export_dir or self.args.resolved_export_dir
+        self.finite_guard.settle()
         # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
         state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
         if self.args.should_save:
             self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
+            if is_speech_source(self.train_dataset):  # conversations rendered from cuts: dflash-eval renders alike
+                conversation, family = self.data_args.conversation(), self.target.family.name
+                record_conversation(self.draft_config.dflash_config, conversation, family)
             with reporting_full_disk(export_dir), no_hf_progress_bars():
                 export_draft(plain_draft(self.accelerator.unwrap_model(self.model), state_dict), export_dir)
+            if self.run_record is not None:  # beside the export: the run it is of, and any allowed changes
+                write_record(export_dir, export_record(self.run_record), global_step=self.state.global_step)
         self.accelerator.wait_for_everyone()
         return export_dir
 
@@ -226,9 +302,18 @@ class DFlashTrainer(Trainer):
         `_prepare_inputs` copies the batch before `compute_loss` sees it)."""
         self._micro_plan = next((plan for batch, plan in self._step_plans if batch is inputs), None)
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._micro_plan = None
+        self.finite_guard.add_loss(loss)
+        return loss
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The Trainer's gradient norm of the step about to be taken, checked by `finite_guard` (a non-finite loss
+        or norm stops training before the optimizer takes the step; on a GPU one step later, see `step_guards`)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.finite_guard.observe(grad_norm, self.state.global_step + 1)
+        return grad_norm
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, plan: BlockPlan | None = None):
         """The objective's loss of `inputs` with `plan` (default: the one planned in `get_batch_samples`, else planned

@@ -133,6 +133,7 @@ class DFlashTrainingArguments(
                 "the recipe default (7/5/4 for block_size 16/10/8)"
             )
         lows = (
+            ("gradient_accumulation_steps", 1),
             ("num_draft_layers", 1),
             ("num_anchors", 1),
             ("anchor_pad_multiple", 1),

@@ -362,9 +362,10 @@ def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_l
     monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     for name in ("train.json", "dev.json"):
         (tmp_path / name).write_text("")
+    (tmp_path / "target").mkdir()
     argv = [
         "--target_name_or_path",
-        str(tmp_path),
+        str(tmp_path / "target"),
         "--train_data",
         str(tmp_path / "train.json"),
         "--eval_data",

@@ -184,7 +184,10 @@ def test_cli_message_speaks_flags():
 def test_console_user_error_is_one_message_and_status_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
     data = _write(tmp_path, "train.jsonl", "")
-    argv = ["--output_dir", str(tmp_path), "--target_name_or_path", str(tmp_path), "--train_data", data, "--gamma", "0"]
+    (tmp_path / "target").mkdir()
+    argv = ["--output_dir", str(tmp_path / "out"), "--target_name_or_path", str(tmp_path / "target")]
+    argv += ["--train_data", data]
+    argv += ["--gamma", "0"]
     assert console.run_command("dflash-train", argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("dflash-train: error: gamma must be > 0") and "Traceback" not in err

@@ -88,6 +88,7 @@ def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
     assert files == [
         "config.json",
         "configuration_dflash.py",
+        "dflash_run.json",  # the run it is of (run_identity)
         "model.safetensors",
         "modeling_dflash.py",
         "modeling_dflash_encoder.py",
