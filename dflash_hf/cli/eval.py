@@ -7,12 +7,17 @@ greedy decoding (`generate`) on the same prompts; greedy outputs must be identic
 `--data` is a NeMo manifest (or lhotse cuts file): each prompt is the conversation up to the assistant turn,
 rendered and processed exactly as in training; or, for text targets, JSON lines of prompts:
 `{"prompt": "raw text"}` (tokenized as is) or `{"messages": [...]}` (chat template + generation prompt).
+
+A manifest's conversations take the settings the draft was trained with, recorded in its export (user prompt, system
+prompt, cut fields, family row): `--prompt`, `--system_prompt` and `--family` left out take the recorded values; given
+ones that differ override them with a warning (tau then measures prompts the draft was not trained on).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,8 +32,16 @@ from dflash_hf.export.drafts import load_draft_strict
 from dflash_hf.generation.static_draft import graph_mode
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator
+from dflash_hf.training.decode_benchmark import (
+    CONVERSATION_KEY,
+    decode_benchmark,
+    iter_prompts,
+    recorded_conversation,
+    speech_rows_and_collator,
+)
 from dflash_hf.training.launch import configure_cpu_threads
+
+logger = logging.getLogger("dflash_hf")
 
 
 @dataclass(kw_only=True)
@@ -83,10 +96,26 @@ class EvalArguments(DecodeStepArguments):
     precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
     family: str | None = field(
-        default=None, metadata={"help": "Target family row override (dflash_hf.targets.families.registry)."}
+        default=None,
+        metadata={
+            "help": "Target family row (dflash_hf.targets.families.registry); default: the one the draft was "
+            "trained with (recorded in its export), else from the target's config."
+        },
     )
-    prompt: str | None = field(default=None, metadata={"help": "Default user text of manifest conversations."})
-    system_prompt: str | None = field(default=None, metadata={"help": "System turn of manifest conversations."})
+    prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "Default user text of manifest conversations; default: the training run's, recorded in the "
+            "draft export. An empty string decodes without one."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "System turn of manifest conversations; default: the training run's, recorded in the draft "
+            "export. An empty string decodes without one."
+        },
+    )
     allow_mismatch: bool = field(
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
@@ -144,7 +173,68 @@ def text_prompts(path: str, tokenizer) -> Iterator[dict]:
         yield {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
-def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:
+def is_text_prompts(path: str) -> bool:
+    """Whether `--data` holds JSON lines of text prompts (`prompt` / `messages`) rather than a manifest."""
+    record = _first_record(path)
+    return "prompt" in record or "messages" in record
+
+
+def _no_text(value: str | None) -> str | None:
+    """An empty prompt is no prompt (the conversation leaves out an empty user text or system turn)."""
+    return value or None
+
+
+def apply_recorded_conversation(args: EvalArguments, dflash_config: dict) -> dict | None:
+    """Fill `--prompt`, `--system_prompt` and `--family` left out (None) from the conversation recorded in the draft's
+    export, and warn about each given one that differs from it, about a draft that records none (a manifest's prompts
+    are then rendered from the flags alone) and about text prompts (rendered as they are, without the recorded
+    settings). Returns the recorded conversation (None when there is none)."""
+    recorded = recorded_conversation(dflash_config)
+    text = is_text_prompts(args.data)
+    where = f"{args.draft}/config.json (dflash_config.{CONVERSATION_KEY})"
+    if recorded is None:
+        if not text:
+            logger.warning(
+                "the draft export %s records no conversation settings (exported before they were recorded, or "
+                "trained on rows collated outside dflash-train): its prompts are rendered with --prompt %r and "
+                "--system_prompt %r as given; they must be the training run's for tau to measure what the draft "
+                "learned",
+                args.draft,
+                args.prompt,
+                args.system_prompt,
+            )
+        return None
+    if text:
+        if _no_text(recorded["prompt"]) or _no_text(recorded["system_prompt"]):
+            logger.warning(
+                "--data %s holds text prompts, rendered as they are: the conversation the draft was trained with "
+                "(prompt %r, system prompt %r, recorded in %s) is not applied to them",
+                args.data,
+                recorded["prompt"],
+                recorded["system_prompt"],
+                where,
+            )
+    for name, what in (("prompt", "user prompt"), ("system_prompt", "system prompt"), ("family", "family row")):
+        given, trained = getattr(args, name), recorded[name]
+        if given is None:
+            setattr(args, name, trained)
+        elif (given if name == "family" else _no_text(given)) != (trained if name == "family" else _no_text(trained)):
+            logger.warning(
+                "--%s %r differs from the %s the draft was trained with (%r, recorded in %s): tau then measures "
+                "prompts the draft was not trained on; leave --%s out to decode with the recorded one",
+                name,
+                given,
+                what,
+                trained,
+                where,
+                name,
+            )
+    return recorded
+
+
+def load_prompts(args: EvalArguments, processor, config, recorded: dict | None = None) -> Iterator[dict]:
+    """The target inputs of `--data`'s prompts; `recorded`: the draft's recorded conversation, whose cut fields
+    (`context_key`, `system_prompt_key`) the manifest's conversations use."""
     record = _first_record(args.data)
     family = resolve_family(config, args.family)
     if "prompt" in record or "messages" in record:
@@ -154,7 +244,8 @@ def load_prompts(args: EvalArguments, processor, config) -> Iterator[dict]:
                 "give a NeMo manifest with audio_filepath lines"
             )
         return text_prompts(args.data, get_tokenizer(processor))
-    conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt)
+    keys = {k: recorded[k] for k in ("context_key", "system_prompt_key")} if recorded else {}
+    conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt, **keys)
     rows, collate = speech_rows_and_collator(
         args.data, processor, config, family=args.family, conversation=conversation
     )
@@ -167,11 +258,13 @@ def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, to
     args.check_inputs()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = resolve_dtype(args.precision)
+    draft = load_draft_strict(args.draft)
+    recorded = apply_recorded_conversation(args, draft.config.dflash_config)  # before the family is resolved
     target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
-    draft = load_draft_strict(args.draft).to(device=device, dtype=dtype).eval()
+    draft = draft.to(device=device, dtype=dtype).eval()
     cfg = draft.config
     target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
-    prompts = load_prompts(args, load_processor(args.target), target.model.config)
+    prompts = load_prompts(args, load_processor(args.target), target.model.config, recorded)
     total = count_records(args.data)
     if args.num_samples:
         prompts = itertools.islice(prompts, args.num_samples)
@@ -201,6 +294,7 @@ def evaluate(args: EvalArguments) -> dict:
         "device": str(device),
         "draft_step": _ways(stats.draft_steps),
         "verify_step": _ways(stats.verify_steps),
+        "conversation_recorded": cfg.dflash_config.get(CONVERSATION_KEY),  # prompt / system_prompt / family: as used
         **asdict(args),
     }
 

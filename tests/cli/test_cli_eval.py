@@ -194,7 +194,10 @@ def test_speech_manifest(tmp_path):
 def test_single_placeholder_row(tmp_path):
     """--family qwen2_audio_single_placeholder decodes with the model-side row, and the greedy baseline is the
     target's own cached loop (transformers' generate cannot run that row's audio merge): outputs identical."""
-    from test_families import save_qwen2_audio
+    from utils import TESTS_DIR, loaded_script
+
+    with loaded_script(TESTS_DIR / "targets" / "test_families.py") as families:  # a helper of another folder
+        save_qwen2_audio = families.save_qwen2_audio
 
     save_qwen2_audio(tmp_path / "target")
     draft = _save_draft(tmp_path / "target", tmp_path / "draft")
@@ -238,3 +241,86 @@ def test_gzipped_text_prompts_are_read_like_plain_ones(tmp_path):
         assert cli_eval._first_record(str(path)) == {"prompt": "hello there"}
         lengths = [p["input_ids"].shape[1] for p in cli_eval.text_prompts(str(path), tok)]
         assert lengths == [len(tok("hello there")["input_ids"]), len(tok("two")["input_ids"])]
+
+
+def _conversations_used(monkeypatch) -> list:
+    """The `ConversationConfig` of each manifest `dflash-eval` renders (spied on its collator factory)."""
+    used = []
+    real = cli_eval.speech_rows_and_collator
+
+    def spy(*args, **kw):
+        used.append(kw["conversation"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cli_eval, "speech_rows_and_collator", spy)
+    return used
+
+
+@pytest.mark.slow
+def test_eval_renders_manifests_with_the_conversation_the_draft_was_trained_with(tmp_path, monkeypatch, caplog):
+    """dflash-train records its user prompt, system prompt, cut fields and family row in the export; dflash-eval
+    renders the manifest's prompts with them when its flags are left out, warns when a given flag differs (and uses
+    the flag), and warns when a draft records none."""
+    from utils import make_args
+
+    from dflash_hf import DFlashTrainer
+    from dflash_hf.cli.train import load_processor
+    from dflash_hf.training.training_args import DFlashDataArguments
+
+    target = tiny.save_tiny_target(
+        tmp_path / "asr", kind="qwen3_asr", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1
+    )
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    mask_id = tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)
+    trainer = DFlashTrainer(
+        args=make_args(tmp_path / "run", mask_token_id=mask_id, max_steps=1, num_draft_layers=1),
+        target=load_target(str(target)),
+        processor=load_processor(str(target)),
+        data_args=DFlashDataArguments(max_tokens=600, prompt="Transcribe.", system_prompt="Be brief."),
+        train_dataset=[str(manifest)],
+    )
+    trainer.train()
+    export = trainer.export_draft(str(tmp_path / "draft"))
+    recorded = json.loads((tmp_path / "draft" / "config.json").read_text())["dflash_config"]["conversation"]
+    assert recorded == {
+        "prompt": "Transcribe.",
+        "system_prompt": "Be brief.",
+        "context_key": "context",
+        "system_prompt_key": "system_prompt",
+        "family": "qwen3_asr",
+    }
+    used = _conversations_used(monkeypatch)
+    out = tmp_path / "res.json"
+    argv = ["--draft", export, "--target", str(target), "--data", str(manifest), "--max_new_tokens", "4"]
+    argv += ["--output_json", str(out)]
+    caplog.set_level("WARNING", logger="dflash_hf")
+
+    def warnings() -> str:  # dflash-eval's own (its package's modules log under their own names)
+        return " ".join(r.getMessage() for r in caplog.records if r.name == "dflash_hf")
+
+    assert cli_eval.main(argv) == 0
+    assert (used[-1].prompt, used[-1].system_prompt) == ("Transcribe.", "Be brief.") and not warnings()
+    res = json.loads(out.read_text())
+    assert (res["prompt"], res["system_prompt"], res["family"]) == ("Transcribe.", "Be brief.", "qwen3_asr")
+    assert res["conversation_recorded"] == recorded
+    assert cli_eval.main(argv + ["--prompt", "Transcribe."]) == 0 and not warnings()  # the same: no warning
+    assert cli_eval.main(argv + ["--prompt", "Write it down.", "--system_prompt", ""]) == 0  # explicit overrides
+    assert (used[-1].prompt, used[-1].system_prompt) == ("Write it down.", "")
+    warned = warnings()
+    assert "--prompt 'Write it down.' differs from the user prompt the draft was trained with ('Transcribe.'" in warned
+    assert "--system_prompt '' differs from the system prompt" in warned
+    caplog.clear()
+    old = _save_draft(target, tmp_path / "old_draft")  # an export without the record
+    assert cli_eval.main(["--draft", str(old), *argv[2:]]) == 0
+    assert used[-1].prompt is None and "records no conversation settings" in warnings()
+
+
+def test_a_malformed_conversation_record_is_named(tmp_path):
+    from dflash_hf.training.decode_benchmark import recorded_conversation
+
+    assert recorded_conversation({}) is None
+    with pytest.raises(ValueError, match="malformed dflash_config.conversation"):
+        recorded_conversation({"conversation": {"prompt": "x"}})
+    bad = dict.fromkeys(("prompt", "system_prompt", "context_key", "system_prompt_key", "family"), None) | {"prompt": 3}
+    with pytest.raises(ValueError, match=r"fields \['prompt'\] must be strings or null"):
+        recorded_conversation({"conversation": bad})

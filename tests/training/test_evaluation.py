@@ -190,7 +190,10 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     """The real-tau callback renders speech prompts with the trainer's target family (here the model-side single
     placeholder row, whose config also matches the processor-expanding qwen2_audio row) and the data arguments'
     padding side, as the training loader does; then decodes them."""
-    from test_families import build_qwen2_audio
+    from utils import TESTS_DIR, loaded_script
+
+    with loaded_script(TESTS_DIR / "targets" / "test_families.py") as families:  # a helper of another folder
+        build_qwen2_audio = families.build_qwen2_audio
 
     from dflash_hf.targets.families.registry import audio_token_id
     from dflash_hf.training.training_args import DFlashDataArguments
