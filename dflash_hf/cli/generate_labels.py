@@ -2,8 +2,9 @@
 whose ``text`` is the target's own response (the original kept under ``reference_key``).
 
 Same audio path / offset / duration / context and every other key; each output line also carries the cut
-``id`` so the run is resumable: lines already in the output are skipped, new ones appended.
-See docs/GENERATED_LABELS.md.
+``id`` so the run is resumable: rows already in the output are not labelled again. The output is never written in
+place: the lines go to ``<output>.partial`` (kept by an interrupted run, and resumed from), renamed over ``--output``
+once complete; an output that is the input manifest is refused. See docs/GENERATED_LABELS.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTo
 
 from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.data.bad_samples import BadSamples
-from dflash_hf.data.collator import load_cut_audio
+from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
+from dflash_hf.data.json_rows import json_rows, manifest_stem
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
+from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.registry import encode_batch, generate_kwargs, resolve_family
 from dflash_hf.targets.families.whisper_features import with_fast_features
 from dflash_hf.targets.frozen import FrozenTarget
@@ -49,6 +52,13 @@ class GenerateLabelsArguments:
     prompt: str | None = field(default=None, metadata={"help": "default user text (a line's context wins)"})
     reference_key: str = field(default="reference_text", metadata={"help": "where the original text is kept"})
     skip_bad_samples: bool = field(default=False)
+    allow_command_audio_sources: bool = field(
+        default=False,
+        metadata={
+            "help": "let decoder programs (ffmpeg through audioread) read audio files libsndfile cannot; only for "
+            "data you trust (default: such a file is a bad sample)"
+        },
+    )
     device: str = field(default="cpu")
     prefetch: bool = field(
         default=True,
@@ -83,6 +93,7 @@ class GenerateLabelsArguments:
             raise FileNotFoundError(
                 f"field 'manifest': {self.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
             )
+        check_output(self.manifest, self.output)
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(
                 f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
@@ -116,15 +127,86 @@ def _load_target(args: GenerateLabelsArguments):
     return model.to(args.device).eval(), processor, family
 
 
-def _done_ids(output: Path) -> set[str]:
-    """Ids already written; a torn last line (interrupted write) is cut off so appending stays valid."""
-    if not output.exists():
-        return set()
-    raw = output.read_text()
-    if raw and not raw.endswith("\n"):
-        raw = raw[: raw.rfind("\n") + 1]
-        output.write_text(raw)
-    return {json.loads(line)["id"] for line in raw.splitlines() if line.strip()}
+def check_output(manifest: str, output: str) -> None:
+    """``--output`` must not be the manifest (same path, or the same file under another name), nor a directory, and
+    its directory must exist."""
+    out, src = Path(output), Path(manifest)
+    if out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src)):
+        raise ValueError(
+            f"field 'output': {output!r} is the input manifest {manifest!r}; the generated labels go to a new file: "
+            "give another --output"
+        )
+    if out.is_dir():
+        raise IsADirectoryError(f"field 'output': {output!r} is a directory; give a file path for the new manifest")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"field 'output': the directory of {output!r} does not exist; create it first")
+
+
+def partial_path(output: Path) -> Path:
+    """Where the lines are written until the output is complete (an interrupted run leaves it; the next resumes)."""
+    return output.with_name(output.name + ".partial")
+
+
+def _earlier_lines(output: Path) -> list[str]:
+    """The complete lines an earlier run wrote: of ``<output>.partial`` when an interrupted run left one, else of the
+    output. A last line without its newline (an interrupted write) is left out, its row labelled again; a line that
+    is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
+    source = partial_path(output) if partial_path(output).exists() else output
+    if not source.exists():
+        return []
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
+        lines.pop()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+            raise ValueError(
+                f"field 'output': {str(source)!r} line {number} is not a row dflash-generate-labels wrote (a JSON "
+                "object with a string 'id'); give a new --output (the file is left as it is)"
+            )
+    return lines
+
+
+def _done_ids(lines: list[str]) -> set[str]:
+    return {json.loads(line)["id"] for line in lines if line.strip()}
+
+
+def _start_partial(output: Path, lines: list[str]) -> Path:
+    """``<output>.partial`` holding `lines` (written beside it and renamed in, so a kill never loses them)."""
+    partial = partial_path(output)
+    staged = partial.with_name(partial.name + ".tmp")
+    with open(staged, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, partial)
+    return partial
+
+
+def _record_problem(record: dict, renderer: ConversationRenderer, check: UserTextCheck) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` of a row the prompt or the output file cannot take: a control token or a lone
+    surrogate in the text fields that go into the prompt, a lone surrogate anywhere (not writable as UTF-8)."""
+    for key in (renderer.config.context_key, renderer.config.system_prompt_key):
+        if isinstance(record.get(key), str):
+            problem = check.problem(key, record[key])
+            if problem:
+                return problem
+    for key, value in record.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                key,
+                f"holds a lone UTF-16 surrogate ({e.reason}), which is not text",
+                "write the value as valid UTF-8 text",
+            )
+    return None
 
 
 def _relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
@@ -182,40 +264,57 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
     # padding in one thread can fail ("Already borrowed") while another thread uses it, so decode with a copy
     tokenizer = copy.deepcopy(renderer.tokenizer)
     manifest, output = Path(args.manifest), Path(args.output)
+    check_output(args.manifest, args.output)
     bad = BadSamples(skip=args.skip_bad_samples)
+    text_check = UserTextCheck(renderer.tokenizer)
     records = []
-    for index, line in enumerate(manifest.read_text().splitlines()):
-        if line.strip():
-            record = json.loads(line)
-            records.append((str(record.get("id", f"{manifest.stem}-{index:08d}")), record))
+    for index, origin, record in json_rows(manifest, bad, id_prefix=manifest_stem(manifest)):
+        cut_id = str(record.get("id", f"{manifest_stem(manifest)}-{index:08d}"))
+        problem = _record_problem(record, renderer, text_check)
+        if problem:
+            bad.report(cut_id, *problem, origin=origin)
+            continue
+        records.append((cut_id, origin, record))
     if args.num_shards > 1:
         total, records = len(records), shard_of(records, args.num_shards, args.shard_index)
         logger.info("shard %d of %d: %d of the %d lines", args.shard_index, args.num_shards, len(records), total)
-    done = _done_ids(output)
-    todo = [(i, r) for i, r in records if i not in done]
+    earlier = _earlier_lines(output)
+    done = _done_ids(earlier)
+    todo = [(i, o, r) for i, o, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
 
     def batches():  # (size of the chunk, its cuts with their records, their encoded prompts)
         for start in range(0, len(todo), args.batch_size):
             chunk = todo[start : start + args.batch_size]
             cuts = []
-            for cut_id, record in chunk:
+            for cut_id, origin, record in chunk:
                 if family.has_audio:
-                    cut = nemo_line_to_cut(record, cut_id, manifest.parent, bad)
+                    cut = nemo_line_to_cut(
+                        record, cut_id, manifest.parent, bad, origin, allow_programs=args.allow_command_audio_sources
+                    )
                 else:
                     extras = {k: v for k, v in record.items() if k not in ("text", "lang")}
                     cut = _make_cut(cut_id, None, 0.0, 0.0, record.get("text", ""), record.get("lang"), extras)
                 if cut is not None:
                     cuts.append((cut, record))
+            audios = []
+            if family.has_audio:  # a row whose audio is bad when read: raised, or skipped and counted
+                kept, audios, skipped = load_audios([c for c, _ in cuts], family.sampling_rate, bad)
+                bad.add_skipped(skipped)
+                kept_ids = {id(c) for c in kept}
+                cuts = [(c, r) for c, r in cuts if id(c) in kept_ids]
             texts = [
                 renderer.render_text(cut_to_messages(c, family, renderer.config)[:-1], add_generation_prompt=True)
                 for c, _ in cuts
             ]
-            audios = [load_cut_audio(c, family.sampling_rate) for c, _ in cuts] if family.has_audio else []
             yield len(chunk), cuts, _encode(family, processor, model.config, texts, audios) if cuts else []
 
+    if not todo and not partial_path(output).exists():
+        logger.info("%s is complete: nothing to label", output)
+        return 0
     written = 0
-    with open(output, "a") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
+    partial = _start_partial(output, earlier)
+    with open(partial, "a", encoding="utf-8") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
         for size, cuts, encoded in _prefetched(batches()) if args.prefetch else batches():
             if cuts:
                 for (cut, record), ids in zip(cuts, _greedy_new_tokens(target, encoded, args)):
@@ -229,6 +328,8 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                     written += 1
                 out.flush()
             bar.update(size)
+        os.fsync(out.fileno())
+    os.replace(partial, output)  # complete: the output appears (or is replaced) in one step
     if bad.num_skipped:
         logger.warning(bad.summary())
     return written

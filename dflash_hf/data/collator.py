@@ -93,6 +93,24 @@ def load_cut_audio(cut, sampling_rate: int) -> np.ndarray:
     return audio
 
 
+def load_audios(cuts: list, sampling_rate: int, bad: BadSamples | None) -> tuple[list, list, dict[str, str]]:
+    """``(kept cuts, their audio, {sample label: message} of the skipped ones)``: `load_cut_audio` of each cut; a bad
+    one raises (``bad`` None or not skipping) or is left out and named (the caller counts it: ``add_skipped``)."""
+    kept, audios, skipped = [], [], {}
+    for cut in cuts:
+        try:
+            audios.append(load_cut_audio(cut, sampling_rate))
+        except BadSampleError as e:
+            if bad is None:
+                raise
+            if not bad.skip:
+                raise BadSampleError(f"{e} ({SKIP_HINT})") from e
+            skipped[sample_label(cut.id, origin_of(cut))] = str(e)
+            continue
+        kept.append(cut)
+    return kept, audios, skipped
+
+
 def supervision_mask(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, samples: Sequence[RenderedSample]
 ) -> torch.Tensor:
@@ -153,24 +171,11 @@ class PaddedCollator:
         self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 
-    def _audios(self, cuts: list) -> tuple[list, list, dict[str, str]]:
-        """``(kept cuts, their audio, {label: message} of the skipped ones)``."""
-        kept, audios, skipped = [], [], {}
-        for cut in cuts:
-            try:
-                audios.append(load_cut_audio(cut, self.family.sampling_rate))
-            except BadSampleError as e:
-                if self.bad is None:
-                    raise
-                if not self.bad.skip:
-                    raise BadSampleError(f"{e} ({SKIP_HINT})") from e
-                skipped[sample_label(cut.id, origin_of(cut))] = str(e)
-                continue
-            kept.append(cut)
-        return kept, audios, skipped
-
     def __call__(self, cuts) -> dict:
-        cuts, audios, skipped = self._audios(list(cuts)) if self.family.has_audio else (list(cuts), [], {})
+        cuts = list(cuts)
+        cuts, audios, skipped = (
+            load_audios(cuts, self.family.sampling_rate, self.bad) if self.family.has_audio else (cuts, [], {})
+        )
         if not cuts:
             return {SKIPPED_KEY: skipped}
         samples = self.renderer.render_many(cuts)
