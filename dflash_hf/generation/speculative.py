@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from dflash_hf.generation.prompt_padding import PromptPadding, prompt_padding, refuse_padding
 from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import (
@@ -81,6 +82,7 @@ class _Verifier:
     forwards: int = 0
     draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
     verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
+    padding: PromptPadding | None = None  # a padded prompt's mask and positions, kept for every verify
 
     def __post_init__(self):
         self.cache_key = cache_keyword(self.target.model)  # `past_key_values`, or `cache` from transformers 5.24
@@ -92,8 +94,11 @@ class _Verifier:
         )
         return out.logits[0], feats.taps
 
-    def step(self, ids: torch.Tensor):
-        return self(**{self.ids_key: ids})
+    def step(self, ids: torch.Tensor, start: int):
+        """The verify of `ids` at cache rows `start ..` (a padded prompt's mask and positions included)."""
+        if self.padding is None:
+            return self(**{self.ids_key: ids})
+        return self(**{self.ids_key: ids}, **self.padding.verify_kwargs(start, start + ids.shape[1]))
 
 
 class _Positions:
@@ -161,15 +166,23 @@ def _decode(
         )
     logits, pending = verifier(**prefill)
     check_prompt_cached(verifier.cache, pending.shape[1], prompt.shape[1], ft.model)
+    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
+    expansion = pending.shape[1] - prompt.shape[1]
+    padding, skipped = verifier.padding, 0  # the draft's positions run `skipped` behind the target's cache rows
+    if padding is not None:
+        if expansion:
+            raise ValueError(
+                f"{type(ft.model).__name__} expands its audio placeholder itself: speculative decoding takes its "
+                "prompt unpadded (pass the prompt without padding)"
+            )
+        pending, skipped = pending[:, padding.keep], padding.skipped  # the draft's context: real positions only
     scores = _processed(processors, prompt, logits[-1:])
     nxt, _ = _pick(scores, target_t, generator)
     # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
-    # and the first decoder position of `pending` (the draft's positions run from there to the block's end).
+    # and the draft's first position of `pending` (its positions run from there to the block's end).
     anchor, pending_start = int(nxt), 0
     positions = _Positions(dev)
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
-    # Decoder positions minus token positions: > 0 when the model expands audio placeholders itself.
-    expansion = pending.shape[1] - prompt.shape[1]
     # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
     fixed_verify = fixed_verify_step(
         verify_cuda_graph,
@@ -182,6 +195,7 @@ def _decode(
         max_positions=max_positions,
         max_length=max_length,
         expansion=expansion,
+        padding=padding,
     )
     if fixed_verify is not None:
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
@@ -204,13 +218,14 @@ def _decode(
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
     while not stopped:
         a = seq.shape[1] - 1 + expansion  # anchor's decoder position: last verified token, not yet run
+        a_draft = a - skipped  # and the draft's (no padding)
         width = bsz if max_positions is None else min(bsz, max_positions - a)
         anchor_ids = seq[:, -1:]
         if static is not None:  # a whole block always (its slots past `width` are not verified)
             proposal, q = static.propose(ft, pending, pending_start, anchor_ids)[: width - 1], None
         else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
             block_ids = torch.cat([anchor_ids, masks], dim=1)
-            pos = positions.span(pending_start, a + bsz)  # the pending features' positions, then the block's
+            pos = positions.span(pending_start, a_draft + bsz)  # the pending features' positions, then the block's
             hidden = draft(
                 position_ids=pos,
                 noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
@@ -219,14 +234,14 @@ def _decode(
                 use_cache=True,
                 **draft_kwargs,
             )[0]
-            crop_cache(dcache, a)  # keep the context, drop the block
+            crop_cache(dcache, a_draft)  # keep the context, drop the block
             proposal, q = propose_block(
                 draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample else 0.0, generator
             )
             proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
         verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
         if fixed_verify is None:
-            logits, feats = verifier.step(verify_ids)
+            logits, feats = verifier.step(verify_ids, a)
             check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
         else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
             logits, feats = fixed_verify.verify(ft, verify_ids, a)
@@ -240,7 +255,7 @@ def _decode(
         stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
         seq = grown[:, : length + kept]
         accepted.append(kept)
-        anchor, pending, pending_start = new_ids[kept - 1], feats[:, : k + 1], a
+        anchor, pending, pending_start = new_ids[kept - 1], feats[:, : k + 1], a_draft
     return seq, accepted
 
 
@@ -284,6 +299,7 @@ def speculative_generate(
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
     _check_one_prompt(input_ids)
+    refuse_padding(target_inputs.get("attention_mask"), _model_side_what(ft))
     eos = _eos_ids(ft)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
     verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
@@ -323,6 +339,7 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     input_ids = target_inputs["input_ids"]
     _check_one_prompt(input_ids)
+    refuse_padding(target_inputs.get("attention_mask"), _model_side_what(ft))
     eos = _eos_ids(ft)
     cache = DynamicCache()
     key = cache_keyword(ft.model)  # `past_key_values`, or `cache` from transformers 5.24
@@ -338,6 +355,10 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
             break
         logits = ft.model(input_ids=token.view(1, 1), **{key: cache}, use_cache=True).logits
     return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+
+
+def _model_side_what(ft: FrozenTarget) -> str:
+    return f"decoding a {ft.family.name} target (its model expands the audio placeholder itself)"
 
 
 def _through_generate(
@@ -419,6 +440,7 @@ class DFlashCustomGenerate:
         if ft.is_encoder_decoder:
             if kwargs.get("encoder_outputs") is None:
                 raise ValueError("encoder-decoder decoding needs encoder_outputs (generate computes them)")
+            refuse_padding(kwargs.get("decoder_attention_mask"), "speculative decoding of a decoder prompt")
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
             verifier = _Verifier(
                 ft,
@@ -433,7 +455,9 @@ class DFlashCustomGenerate:
             }
             max_positions = getattr(model.config, "max_target_positions", None)
         else:
-            verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache())
+            # a padded prompt: generate's mask and positions, kept for every forward (`prompt_padding`)
+            padding = prompt_padding(kwargs.get("attention_mask"), kwargs.get("position_ids"), input_ids.shape[1])
+            verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache(), padding=padding)
             prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
             max_positions = None
         if not stopping_criteria:

@@ -75,10 +75,14 @@ class FixedSelfCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are explicit: position ids, `write_index` and the mask
 
-    def keep_mask(self, query_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's, else the lowest
-        value of `dtype`."""
+    def keep_mask(
+        self, query_positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's (and the row is
+        `valid`: not a padded prompt position), else the lowest value of `dtype`."""
         keep = self.columns[None, :] <= query_positions[:, None]
+        if valid is not None:
+            keep = keep & valid[None, :]
         return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
 
 
@@ -113,6 +117,9 @@ class StaticVerifyStep:
         self.ids = torch.zeros(1, block, dtype=torch.long, device=dev)
         self.base = torch.arange(block, device=dev)
         self.pos = self.base.clone()
+        # a padded prompt (`prompt_padding`): its real rows, and the position id of row i being i + offset
+        self.valid = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.offset = torch.zeros((), dtype=torch.long, device=dev)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
         if graph:
@@ -133,7 +140,7 @@ class StaticVerifyStep:
     def _forward(self, ft) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify over the fixed inputs (what the graph captures): logits `[B, V]` and taps `[1, B, T*H]`."""
         self.self_cache.write_index = self.pos
-        mask = self.self_cache.keep_mask(self.pos, self.dtype)
+        mask = self.self_cache.keep_mask(self.pos, self.dtype, self.valid)
         if self.encoder_decoder:
             kwargs = dict(
                 encoder_outputs=(self.encoder_hidden,),
@@ -142,7 +149,7 @@ class StaticVerifyStep:
                 decoder_attention_mask=mask,
             )
         else:
-            kwargs = dict(input_ids=self.ids, position_ids=self.pos[None], attention_mask=mask)
+            kwargs = dict(input_ids=self.ids, position_ids=(self.pos + self.offset)[None], attention_mask=mask)
         out, feats = ft.tapped_forward(self.layer_ids, **{self.cache_key: self.cache}, use_cache=True, **kwargs)
         return out.logits[0], feats.taps
 
@@ -152,9 +159,14 @@ class StaticVerifyStep:
         torch.add(self.base, at, out=self.pos)
         self.graph, self.out = capture_graph(ft.device, lambda: self._forward(ft))
 
-    def start(self, prefill_cache, encoder_hidden: torch.Tensor | None) -> None:
+    def start(self, prefill_cache, encoder_hidden: torch.Tensor | None, padding=None) -> None:
         """Per prompt: its self-attention keys/values (rows 0..L-1; a speech LLM's audio positions included) and,
-        for Whisper, the cross-attention keys/values and the encoder output, from the growing cache of the prefill."""
+        for Whisper, the cross-attention keys/values and the encoder output, from the growing cache of the prefill;
+        a padded prompt's real rows and position offset (`padding`, a `prompt_padding.PromptPadding`)."""
+        self.valid.fill_(True)
+        self.offset.fill_(0 if padding is None else padding.offset)
+        if padding is not None:
+            self.valid[: padding.keep.shape[0]].copy_(padding.keep)
         for i, layer in enumerate(_self_attention(prefill_cache).layers):
             n = layer.keys.shape[2]
             self.self_cache.keys[i][:, :, :n].copy_(layer.keys)
@@ -216,10 +228,12 @@ def static_verify_step(
     step_kwargs: dict,
     graph: bool,
     budget: int | None = None,
+    padding=None,
 ) -> StaticVerifyStep:
     """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
     and kept beside the target model (a capture costs a few forwards), started for this prompt. `budget`: bytes the
-    model's kept steps may hold together, the new one included (the least recently used are dropped to fit)."""
+    model's kept steps may hold together, the new one included (the least recently used are dropped to fit).
+    `padding`: a padded prompt's `prompt_padding.PromptPadding` (None: unpadded)."""
     encoder = step_kwargs.get("encoder_outputs")
     encoder_hidden = None if encoder is None else encoder[0]
     store = _STEPS.setdefault(ft.model, {})
@@ -237,7 +251,7 @@ def static_verify_step(
         lambda s: s.serves(ft),
         lambda: StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph),
     )
-    step.start(prefill_cache, encoder_hidden)
+    step.start(prefill_cache, encoder_hidden, padding)
     return step
 
 
@@ -337,12 +351,14 @@ def fixed_verify_step(
     max_positions: int | None,
     max_length: int | None,
     expansion: int,
+    padding=None,
 ) -> StaticVerifyStep | None:
     """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
     (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the steps kept for a model hold at most
     `AUTO_MAX_BUFFER_BYTES` of key/value buffers together, and a step that fails to build or capture falls back to
     the growing cache with a warning (for this model from then on, until `clear_static_verify_steps`; out of memory:
-    for this decode only); asked for with True, the error is raised."""
+    for this decode only); asked for with True, the error is raised. `padding`: a padded prompt's
+    `prompt_padding.PromptPadding` (its mask and positions hold in every verify)."""
     rows = fixed_verify_rows(
         setting,
         ft,
@@ -364,7 +380,7 @@ def fixed_verify_step(
         ft.model,
         clear_static_verify_steps,
         lambda: static_verify_step(
-            ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda", budget
+            ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda", budget, padding
         ),
         f"the fixed-shape verify of {type(ft.model).__name__}",
         "the growing cache",
