@@ -180,6 +180,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     from dflash_hf.training.trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
+    args.check_files()
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
     check_data_rows(data_args)
     target = FrozenTarget(

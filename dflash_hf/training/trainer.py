@@ -76,6 +76,7 @@ class DFlashTrainer(Trainer):
         speech sources (`DataSource`, paths, a lhotse `CutSet`, or a dict of named ones for eval): they are
         batched by the lhotse token-budget loader with `processor` and `data_args`; any other dataset goes
         through the standard Trainer path with `data_collator`."""
+        args.check_files()  # the resume checkpoint and warm-start export, before anything loads
         self.processor = processor
         self.data_args = data_args or DFlashDataArguments()
         self.target = prepare_target(target, args)

@@ -46,7 +46,7 @@ __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
 
 def _export_settings(path: str) -> dict[str, int]:
     """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json.
-    An unreadable export gives {}: `export.check_draft_export` (in `_check_adaptation`) names the problem."""
+    An unreadable export gives {}: `export.check_draft_export` (in `check_files`, first) names the problem."""
     try:
         raw = json.loads((resolve_draft_dir(path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -100,10 +100,8 @@ class DFlashTrainingArguments(
         self._apply_deprecated_options()
         check_launch(self)  # before the devices are set up
         super().__post_init__()
-        self._resolve_from_export()
+        self._default_unrecorded()
         self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
-        if isinstance(self.resume_from_checkpoint, (str, Path)):
-            check_checkpoint_dir(self.resume_from_checkpoint)  # before the target loads
         if self.variant not in DFLASH_VARIANTS:
             raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
         if self.precision not in ("fp32", "bf16"):
@@ -113,7 +111,8 @@ class DFlashTrainingArguments(
             raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        check_block_size(self.block_size)
+        if self.block_size is not None:  # else the init_from_pretrained export's (`check_files`)
+            check_block_size(self.block_size)
         if self.target_layer_ids is not None:
             check_target_layer_ids(self.target_layer_ids)
             check_distinct_taps(self.target_layer_ids)
@@ -143,7 +142,7 @@ class DFlashTrainingArguments(
             ("real_tau_max_new_tokens", 1),
         )
         for name, low in lows:
-            if getattr(self, name) < low:
+            if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         self._check_attention_backend()
         self._check_hub()
@@ -172,16 +171,30 @@ class DFlashTrainingArguments(
         self.torch_compile_layers = sorted(set(layers), key=COMPILE_LAYER_CHOICES.index)
         self.compile_draft_layers = self.compile_target = False  # merged into torch_compile_layers (warned once)
 
-    def _resolve_from_export(self) -> None:
-        """Unset block_size / num_anchors: the init_from_pretrained export's block size and (validate_only) the
-        training run's anchors recorded in its dflash_config, so a validation repeats the run's evaluation."""
+    def _default_unrecorded(self) -> None:
+        """Unset block_size / num_anchors take their defaults now, unless the init_from_pretrained export may record
+        them (`check_files` reads it: nothing here reads a file)."""
+        if self.block_size is None and not self.init_from_pretrained:
+            self.block_size = DEFAULT_BLOCK_SIZE
+        if self.num_anchors is None and not (self.validate_only and self.init_from_pretrained):
+            self.num_anchors = DEFAULT_NUM_ANCHORS
+
+    def check_files(self) -> None:
+        """What the arguments need from files, before anything loads (the CLI's pre-flight; `DFlashTrainer` and
+        `validate` call it too, so Python callers get the same checks): the resume checkpoint and the warm-start export
+        must be complete, and block_size / num_anchors left unset come from that export (its block size and, with
+        validate_only, the training run's anchors recorded in its dflash_config, so a validation repeats the run's
+        evaluation). Idempotent."""
+        if isinstance(self.resume_from_checkpoint, (str, Path)):
+            check_checkpoint_dir(self.resume_from_checkpoint)
+        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
+            check_draft_export(self.init_from_pretrained)
         recorded = _export_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
         if self.block_size is None:
             self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
+            check_block_size(self.block_size)
         if self.num_anchors is None:
-            self.num_anchors = (
-                recorded.get("num_anchors", DEFAULT_NUM_ANCHORS) if self.validate_only else (DEFAULT_NUM_ANCHORS)
-            )
+            self.num_anchors = recorded.get("num_anchors", DEFAULT_NUM_ANCHORS)
 
     def _check_hub(self) -> None:
         if not self.push_to_hub:
@@ -332,8 +345,6 @@ class DFlashTrainingArguments(
             self.gradient_checkpointing_kwargs = kwargs
             if hasattr(self, "activation_checkpointing_kwargs"):
                 self.activation_checkpointing_kwargs = kwargs
-        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
-            check_draft_export(self.init_from_pretrained)
 
     @property
     def resolved_export_dir(self) -> str:

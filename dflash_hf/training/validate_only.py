@@ -35,6 +35,7 @@ def validate(
         raise ValueError(
             "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
         )
+    args.check_files()  # before the target loads
     if target is None:
         if not args.target_name_or_path:
             raise ValueError("validate needs the frozen target: set target_name_or_path to its directory")

@@ -33,11 +33,13 @@ def test_adapt_schedule(tmp_path):
 
 def test_block8_to_block16_requires_a_real_draft(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"init_from_pretrained='/path/to/block8-draft'"):
-        _parse("adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path))
+        _parse("adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path)).check_files()
     draft = tmp_path / "block8"
     draft.mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json; it is not a DFlash draft export"):
-        _parse("adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path), "--init_from_pretrained", str(draft))
+        _parse(
+            "adapt_block8_to_block16.yaml", "--output_dir", str(tmp_path), "--init_from_pretrained", str(draft)
+        ).check_files()
     config = tiny_draft_config(
         {"mask_token_id": 5, "target_layer_ids": [1, 2]},
         block_size=8,

@@ -108,16 +108,22 @@ def _export(tmp_path: Path, vocab_size: int = 40) -> Path:
 
 
 def test_broken_warm_start_fails_before_the_target_loads(tmp_path):
+    """Building the arguments reads no file; `check_files` (the CLI's pre-flight, and the trainer's first step)
+    refuses a broken export and takes the block size left unset from a sound one."""
     export = _export(tmp_path)
     weights = export / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
+    args = make_args(tmp_path, init_from_pretrained=str(export), block_size=None)
+    assert args.block_size is None
     with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file.*truncated"):
-        make_args(tmp_path, init_from_pretrained=str(export))
+        args.check_files()
     weights.write_bytes(data)
+    args.check_files()
+    assert args.block_size == 8
     (export / "config.json").write_text('{"architectures": ["DFlashDraftModel"],\n "block_size": 8,,}')
     with pytest.raises(ValueError, match=rf"{export / 'config.json'} is not valid JSON \(line 2"):
-        make_args(tmp_path, init_from_pretrained=str(export))
+        make_args(tmp_path, init_from_pretrained=str(export)).check_files()
 
 
 def test_warm_start_from_another_vocabulary_is_refused(tmp_path):
