@@ -57,6 +57,7 @@ def _assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
+@pytest.mark.compat
 def test_roundtrip_and_block_size_override(export, tmp_path):
     draft, path = export
     same = load_draft_strict(path)

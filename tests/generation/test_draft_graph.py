@@ -58,6 +58,7 @@ def _text_draft(ft, cls, block):
     return draft
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("cls", [DFlashDraftModel, DFlash2DraftModel])
 @pytest.mark.parametrize("prompt_len", [5, 19])  # within one block, and over two blocks of context
 def test_text_target_static_step_proposes_what_the_eager_loop_proposes(cls, prompt_len):

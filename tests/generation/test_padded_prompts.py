@@ -17,6 +17,8 @@ from dflash_hf.generation.speculative import dflash_custom_generate, model_side_
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
 
+pytestmark = pytest.mark.compat  # run on every transformers version CI tests
+
 TEXT = "the quick brown fox jumps"
 WIDTH = 40  # padded prompt length
 NEW = 24

@@ -21,6 +21,8 @@ from dflash_hf.generation.target_cache import (
 )
 from dflash_hf.targets.frozen import FrozenTarget
 
+pytestmark = pytest.mark.compat  # run on every transformers version CI tests
+
 
 @pytest.fixture(scope="module")
 def text():

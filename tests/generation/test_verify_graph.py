@@ -16,6 +16,8 @@ from dflash_hf.generation.static_draft import MAX_GRAPH_POSITIONS
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
 
+pytestmark = pytest.mark.compat  # run on every transformers version CI tests
+
 BLOCK = 4
 
 

@@ -347,6 +347,7 @@ REMOTE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.compat
 @pytest.mark.slow  # a fresh interpreter loads the export: ~10 s
 def test_export_contract_and_remote_code_round_trip(tmp_path):
     tcfg = text_config()
@@ -441,6 +442,7 @@ def test_conversion_script_bootstraps_identity_dflash2(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Speculative decoding
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.compat
 def test_greedy_selector_walk_is_lossless():
     model, tok = tiny_text_target(seed=1)
     tiny.sharpen(model, seed=1)
@@ -467,6 +469,7 @@ def chi_square_p_value(counts: Counter, expected: dict) -> tuple[float, int]:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2))), dof
 
 
+@pytest.mark.compat
 def test_sampled_selector_walk_keeps_the_target_distribution():
     """One draft/verify cycle at T > 0, many times: the two tokens emitted after the anchor t1 (accepted
     draft tokens, residual resample or bonus) must follow the target's p(t2 | t1) p(t3 | t1, t2).

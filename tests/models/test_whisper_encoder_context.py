@@ -94,6 +94,7 @@ def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whi
         )
 
 
+@pytest.mark.compat
 def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp_path):
     from dflash_hf.cli import train as cli_train
 

@@ -34,6 +34,7 @@ def make_draft(target: FrozenTarget, mask_id: int, block_size: int = 4, layers: 
     return DFlashDraftModel(cfg).eval()
 
 
+@pytest.mark.compat
 def test_taps_are_pre_norm_decoder_layer_outputs():
     model, _ = tiny_text_target()
     ft = FrozenTarget(model)
@@ -227,6 +228,7 @@ def test_loss_invariant_to_micro_batch_split(tmp_path):
             torch.testing.assert_close(grads[k], ref[k], atol=1e-6, rtol=1e-4, msg=f"{k} ({bs}x{acc})")
 
 
+@pytest.mark.compat
 @pytest.mark.slow  # overfits to accept full blocks: ~8-10 s
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_overfit_one_sequence_then_accept_full_blocks(tmp_path, variant):
@@ -271,6 +273,7 @@ def test_overfit_one_sequence_then_accept_full_blocks(tmp_path, variant):
     assert out.tau >= 0.9 * block, out.acceptance_lengths
 
 
+@pytest.mark.compat
 def test_greedy_speculative_decoding_is_lossless_text():
     model, tok = tiny_text_target(seed=1)
     sharpen(model, seed=1)
@@ -279,6 +282,7 @@ def test_greedy_speculative_decoding_is_lossless_text():
     assert_lossless_greedy(draft, model, num_prompts=3, max_new_tokens=25)
 
 
+@pytest.mark.compat
 def test_greedy_speculative_decoding_is_lossless_audio():
     tok = tiny.build_tokenizer()
     model, processor = tiny.build_qwen3_asr_target(tok, seed=2)

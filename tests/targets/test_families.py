@@ -315,6 +315,7 @@ def test_resolve_family_errors_and_text():
         encode_batch(FAMILIES["text"], tok, text_model.config, ["a"], [np.zeros(10)])
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["qwen3_asr", "qwen2_audio_single_placeholder"])
 def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_path):
     """Model-side expansion (NeMo SALM layout): the trainer plans blocks on the expanded decoder streams

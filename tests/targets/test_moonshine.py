@@ -153,6 +153,7 @@ def test_loss_is_invariant_to_padding_side(moonshine, tmp_path):
     assert np.isfinite(losses["left"]) and losses["left"] == pytest.approx(losses["right"], rel=1e-5)
 
 
+@pytest.mark.compat
 def test_speculative_greedy_equals_moonshine_generate_and_custom_generate(moonshine):
     model, processor = moonshine
     target = FrozenTarget(model)

@@ -166,6 +166,7 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
     assert plain.suppressed_ids == [] and torch.equal(plain.label_logits(state), plain.lm_head(state))
 
 
+@pytest.mark.compat
 def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
@@ -274,6 +275,7 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
             assert torch.equal(decode_benchmark.target_greedy(FrozenTarget(odd), one, n), ref), n
 
 
+@pytest.mark.compat
 def test_speculative_sampling_applies_whispers_logits_processors(whisper):
     """At T > 0 the target's distribution is the processed one: suppressed tokens are never emitted, even though
     the unsuppressed target prefers them and a random draft proposes anything."""
@@ -294,6 +296,7 @@ def test_speculative_sampling_applies_whispers_logits_processors(whisper):
         assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
 
 
+@pytest.mark.compat
 def test_decoding_stops_at_an_end_token_accepted_inside_a_block():
     """The target emits its end token in the middle of a block: decoding stops there and the cycle counts only
     the tokens up to it (it used to go on to the next cycle and count the whole block)."""
@@ -396,6 +399,7 @@ def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
         )
 
 
+@pytest.mark.compat
 def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
     from dflash_hf.cli import train as cli_train
 

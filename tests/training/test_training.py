@@ -78,6 +78,7 @@ def test_checkpoints_hold_only_the_draft_and_resume_is_exact(tmp_path):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.compat
 @pytest.mark.slow  # a fresh interpreter loads the export: ~7-9 s
 def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
     model, tok = tiny_text_target()
