@@ -5,12 +5,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from utils import (
-    ListDataset,
     assert_bitwise_equal,
     gpu_scaled_mm_contract,
     make_args,
+    make_trainer,
     random_rows,
-    text_batch,
     tiny_text_target,
     trainer_weights,
 )
@@ -33,12 +32,7 @@ def _trainer(root, model, tok, **kw) -> DFlashTrainer:
         logging_steps=1,
         float8_draft_linears=True,
     )
-    return DFlashTrainer(
-        args=make_args(root, **(base | kw)),
-        target=model,
-        train_dataset=ListDataset(random_rows(8, 250, seed=2)),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+    return make_trainer(root, model, tok, random_rows(8, 250, seed=2), **(base | kw))
 
 
 def test_the_draft_trains_with_fp8_linears_and_saves_the_same_checkpoint(tmp_path):

@@ -23,6 +23,7 @@ from utils import (  # noqa: E402
     assert_bitwise_equal,
     end_ranks,
     make_args,
+    make_trainer,
     random_rows,
     run_torchrun,
     text_batch,
@@ -204,7 +205,7 @@ def test_resume_flag_accepts_true_false_strings_and_checks_paths_before_training
     assert parse_resume_flag("") is None and parse_resume_flag("runs/x/checkpoint-4") == "runs/x/checkpoint-4"
     assert make_args(tmp_path, resume_from_checkpoint="true").resume_from_checkpoint is True
     with pytest.raises(FileNotFoundError, match="--resume_from_checkpoint 'nowhere' is not a directory"):
-        make_args(tmp_path, resume_from_checkpoint="nowhere")
+        make_args(tmp_path, resume_from_checkpoint="nowhere").check_files()  # the CLI's pre-flight
     with pytest.raises(FileNotFoundError, match="no complete checkpoint in output_dir"):
         resolve_resume_checkpoint("true", tmp_path / "out")
 
@@ -230,7 +231,7 @@ def test_resume_true_takes_the_last_complete_checkpoint_and_says_what_it_skipped
     with pytest.raises(ValueError, match="checkpoint-6' is incomplete"):
         resolve_resume_checkpoint(str(partial[0]), tmp_path)
     with pytest.raises(ValueError, match="is incomplete"):
-        make_args(tmp_path, resume_from_checkpoint=str(partial[0]))
+        make_args(tmp_path, resume_from_checkpoint=str(partial[0])).check_files()
 
 
 def _text_trainer(tmp_path, **kw) -> DFlashTrainer:
@@ -241,12 +242,7 @@ def _text_trainer(tmp_path, **kw) -> DFlashTrainer:
         save_strategy="steps",
         save_steps=1,
     )
-    return DFlashTrainer(
-        args=make_args(tmp_path, **(base | kw)),
-        target=model,
-        train_dataset=ListDataset(random_rows(4, 250, seed=1)),
-        data_collator=lambda items: text_batch(items, tok.pad_token_id),
-    )
+    return make_trainer(tmp_path, model, tok, random_rows(4, 250, seed=1), **(base | kw))
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint_despite_rotation(tmp_path, monkeypatch):
