@@ -2,7 +2,8 @@
 
 - :func:`check_launch`: `torchrun --nproc_per_node N` on a machine without an accelerator runs DDP on CPU over
   gloo (instead of N independent trainings); `accelerate launch --cpu --num_processes N` (which starts ONE
-  process) is refused with the command that starts N.
+  process) is refused with the command that starts N; an FSDP accelerate config without a GPU (which would
+  train DDP) is refused.
 - :func:`configure_cpu_threads`: intra-op threads per process from the cores this process may use, the number
   of processes on this machine and the machine's load (`OMP_NUM_THREADS` overrides), so several processes or
   a busy machine do not oversubscribe the cores.
@@ -51,6 +52,14 @@ def check_launch(args) -> None:
     --num_processes N` (accelerate's simple launcher exports `MASTER_ADDR` but starts one process) is an
     error naming the commands that start N CPU processes."""
     world = _env_int("WORLD_SIZE", 1)
+    if _truthy("ACCELERATE_USE_FSDP") and (args.use_cpu or not has_accelerator()):
+        raise ValueError(
+            f"launched with an FSDP accelerate config (FSDP_VERSION={os.environ.get('FSDP_VERSION', '1')}, e.g. "
+            "examples/accelerate/fsdp2.yaml) but without a GPU: FSDP shards over GPUs, and on the CPU the run would "
+            "train with DDP instead. Launch on GPUs, or say DDP: `accelerate launch --config_file "
+            "examples/accelerate/ddp.yaml ...` or `torchrun --nproc_per_node N -m dflash_hf.cli.train ...` (without a "
+            "GPU both train with DDP on CPU over gloo)"
+        )
     if world > 1:
         if not args.use_cpu and not has_accelerator():
             logger.warning("launched with WORLD_SIZE=%d and no GPU: training with DDP on CPU (gloo)", world)

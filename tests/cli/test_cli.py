@@ -388,3 +388,76 @@ def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_l
     assert "--early_stopping_patience: --metric_for_best_model must name a metric" in err and "dev_tau_est" in err
     assert console.run_command("dflash-train", [*argv, "--metric_for_best_model", "test_tau_est"]) == 2
     assert "got 'test_tau_est'" in capsys.readouterr().err
+
+
+def test_yaml_python_tags_are_refused_as_a_user_error_before_torch_loads(tmp_path):
+    """Before: a `!!python/...` tag was a raw yaml ConstructorError traceback."""
+    marker = tmp_path / "ran"
+    config = tmp_path / "c.yaml"
+    config.write_text(f'seed: !!python/object/apply:os.system ["touch {marker}"]\n')
+    code = (
+        "import sys\n"
+        "from dflash_hf.cli.console import run_command\n"
+        f"print('rc', run_command('dflash-train', ['--config', {str(config)!r}]))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = _run(code)
+    assert out.stdout.split() == ["rc", "2", "False"], out.stderr
+    assert f"--config {config} line 1: could not determine a constructor for the tag" in out.stderr
+    assert "not Python objects (`!!python/...` tags): remove the tag" in out.stderr and "Traceback" not in out.stderr
+    assert not marker.exists()
+
+
+def _preflight_argv(tmp_path: Path, target: Path, *extra: str) -> list[str]:
+    (tmp_path / "train.jsonl").write_text("")
+    argv = ["--target_name_or_path", str(target), "--train_data", str(tmp_path / "train.jsonl")]
+    return [*argv, "--mask_token_id", "5", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", *extra]
+
+
+def test_a_target_with_its_own_code_is_refused_unless_trusted(tmp_path, monkeypatch, capsys):
+    """Before: a config with an auto_map was loaded (or crashed) without asking."""
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    from dflash_hf.targets.frozen import load_target
+
+    target = tmp_path / "target"
+    target.mkdir()
+    config = {"model_type": "qwen3", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}
+    (target / "config.json").write_text(json.dumps(config))
+    assert console.run_command("dflash-train", _preflight_argv(tmp_path, target)) == 2
+    err = capsys.readouterr().err
+    assert "its config.json has an auto_map (AutoModelForCausalLM)" in err and "--trust_remote_code true" in err
+    with pytest.raises(ValueError, match="has an auto_map"):
+        load_target(str(target))
+
+
+@pytest.mark.parametrize("where", ["export_dir", "output_dir"])
+def test_a_run_writing_into_the_target_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys, where):
+    """Before: `--export_dir` set to the target's directory wrote the draft over the target, exit 0."""
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    import dflash_hf.targets.frozen
+
+    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    assert console.run_command("dflash-train", _preflight_argv(tmp_path, target, f"--{where}", str(target))) == 2
+    assert f"--{where} {target} is the target's directory or inside it" in capsys.readouterr().err
+    assert [p.name for p in target.iterdir()] == ["config.json"]
+
+
+def test_missing_audio_in_the_validation_set_is_found_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """Before: it was found at the first evaluation, after the training so far."""
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    import dflash_hf.targets.frozen
+    from dflash_hf.testing import tiny
+
+    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0)
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text(json.dumps({"audio_filepath": "missing.wav", "duration": 1.0, "text": "yes"}) + "\n")
+    (tmp_path / "target").mkdir()
+    argv = ["--target_name_or_path", str(tmp_path / "target"), "--train_data", str(manifest)]
+    argv += ["--eval_data", f"dev={dev}", "--mask_token_id", "5", "--output_dir", str(tmp_path / "out")]
+    assert console.run_command("dflash-train", [*argv, "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"({dev} line 1): field 'audio_filepath'" in err and "does not exist" in err

@@ -125,6 +125,7 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
     assert sorted(os.listdir(export)) == [
         "config.json",
         "configuration_dflash.py",
+        "dflash_run.json",
         "model.safetensors",
         "modeling_dflash.py",
         "modeling_dflash_encoder.py",

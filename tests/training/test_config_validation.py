@@ -241,3 +241,20 @@ def test_run_inputs_are_required(tmp_path):
         check_run_inputs(ns(validate_only=True), ns())
     (tmp_path / "t.jsonl").write_text("")
     check_run_inputs(ns(), ns(train_data=[str(tmp_path / "t.jsonl")]))
+
+
+def test_gradient_accumulation_steps_below_one_is_refused(tmp_path):
+    """Before: `--gradient_accumulation_steps 0` trained until a ZeroDivisionError inside the Trainer."""
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1, got 0"):
+        make_args(tmp_path, gradient_accumulation_steps=0)
+
+
+def test_an_fsdp_launch_without_a_gpu_is_refused_instead_of_training_ddp(tmp_path, monkeypatch):
+    """Before: `accelerate launch --config_file examples/accelerate/fsdp2.yaml` on a CPU machine trained DDP."""
+    from dflash_hf.training import launch
+
+    monkeypatch.setattr(launch, "has_accelerator", lambda: False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate exports for an FSDP config
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match=r"FSDP accelerate config .* without a GPU.*would train with DDP instead"):
+        make_args(tmp_path, use_cpu=False)

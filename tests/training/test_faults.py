@@ -14,7 +14,9 @@ The uninterrupted reference is the same `dflash-train` entry point run in the te
 
 Run as `python tests/training/test_faults.py ARGS` it is `dflash-train ARGS` with the kill point of the environment
 variable `DFLASH_TEST_KILL` (`micro:STEP:M`: before micro-batch M after optimizer step STEP; `save:STEP`:
-inside the save of checkpoint-STEP, right after its weights are written). The process dies by SIGKILL.
+inside the save of checkpoint-STEP, right after its weights are written): the process dies by SIGKILL; or, with
+`SIGNAL:STEP:M` (`SIGTERM` or `SIGINT`), the process sends itself that signal before micro-batch M after optimizer
+step STEP, as a scheduler does before preemption.
 """
 
 from __future__ import annotations
@@ -158,6 +160,31 @@ def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_fo
     assert_bitwise_equal(draft_weights(ref_root / "out" / "draft"), draft_weights(out / "draft"))
 
 
+@pytest.mark.slow  # three dflash-train runs: 15-30 s on 2 cores
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_saves_a_checkpoint_at_the_step_boundary_and_the_resumed_run_is_bit_identical(
+    assets, tmp_path, name
+):
+    """Before: SIGTERM killed the run with no checkpoint and no message (SIGINT: a KeyboardInterrupt traceback)."""
+    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    uninterrupted_dflash_train(ref_root)
+    out = run_root / "out"
+
+    stopped = dflash_train(run_root, kill=f"{name}:2:1")  # during gradient accumulation of step 3
+    signum = getattr(signal, name)
+    assert stopped.returncode == 128 + signum, stopped.stderr[-3000:]
+    assert f"received {name}: saving a complete checkpoint at the end of this optimizer step" in stopped.stderr
+    assert f"stopped at optimizer step 3, saved {out / 'checkpoint-3'}" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    assert (out / "checkpoint-3" / "dflash_checkpoint_complete.json").is_file()
+    assert not (out / "draft").exists()  # a stopped run exports nothing
+
+    last = dflash_train(run_root, "--resume_from_checkpoint", "true")
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"resuming from {out / 'checkpoint-3'}" in last.stderr
+    assert_bitwise_equal(draft_weights(ref_root / "out" / "draft"), draft_weights(out / "draft"))
+
+
 def _install_kill(spec: str) -> None:
     """Patch the trainer so that this process SIGKILLs itself at the kill point `spec`."""
     from dflash_hf.training.trainer import DFlashTrainer
@@ -170,13 +197,15 @@ def _install_kill(spec: str) -> None:
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if kind == "micro":
+    if kind == "micro" or kind.startswith("SIG"):
         training_step, seen = DFlashTrainer.training_step, {}
 
         def killing_training_step(self, *args, **kwargs):
             step = self.state.global_step
             if (step, seen.get(step, 0)) == point:
-                die()
+                if kind == "micro":
+                    die()
+                os.kill(os.getpid(), getattr(signal, kind))
             seen[step] = seen.get(step, 0) + 1
             return training_step(self, *args, **kwargs)
 
@@ -191,7 +220,7 @@ def _install_kill(spec: str) -> None:
 
         DFlashTrainer.save_model = killing_save_model
     else:
-        raise ValueError(f"{KILL_ENV}={spec!r}: use micro:STEP:M or save:STEP")
+        raise ValueError(f"{KILL_ENV}={spec!r}: use micro:STEP:M, save:STEP or SIGTERM:STEP:M")
 
 
 if __name__ == "__main__":
@@ -199,4 +228,4 @@ if __name__ == "__main__":
         _install_kill(os.environ[KILL_ENV])
     from dflash_hf.cli.train import main
 
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

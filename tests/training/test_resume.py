@@ -211,9 +211,12 @@ def test_resume_flag_accepts_true_false_strings_and_checks_paths_before_training
 
 
 def _checkpoint(root: Path, step: int, complete: bool) -> Path:
+    from safetensors.torch import save_file
+
     path = root / f"checkpoint-{step}"
     path.mkdir(parents=True)
-    (path / "model.safetensors").write_bytes(b"weights")
+    save_file({"w": torch.zeros(2)}, path / "model.safetensors")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
     if complete:
         (path / COMPLETE_MARKER).write_text("{}")
     return path
