@@ -105,12 +105,12 @@ def target_identity(model) -> dict[str, str]:
     return {"name_or_path": str(getattr(model.config, "_name_or_path", "") or ""), "fingerprint": digest}
 
 
-def run_settings(draft_config, target_model, train_dataset) -> dict[str, Any]:
+def run_settings(draft_config, target: dict[str, str], train_dataset) -> dict[str, Any]:
     """The settings a run's checkpoints are trained with (`COMPARED_SETTINGS`), from the built draft (resolved
-    layer ids and block size), the target and the training data."""
+    layer ids and block size), the target's identity (`target_identity`) and the training data."""
     dflash = draft_config.dflash_config or {}
     return {
-        "target": target_identity(target_model),
+        "target": dict(target),
         "hidden_size": int(draft_config.hidden_size),
         "target_layer_ids": list(dflash.get("target_layer_ids") or []),
         "mask_token_id": dflash.get("mask_token_id"),

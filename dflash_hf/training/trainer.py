@@ -53,6 +53,7 @@ from dflash_hf.training.run_identity import (
     read_record,
     resumed_record,
     run_settings,
+    target_identity,
     write_record,
 )
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
@@ -80,6 +81,7 @@ class DFlashTrainer(Trainer):
         self.processor = processor
         self.data_args = data_args or DFlashDataArguments()
         self.target = prepare_target(target, args)
+        self.target_identity = target_identity(self.target.model)  # before the target is moved or sharded
         model = draft_for_training(model, args, self.target)
         super().__init__(model=model, args=args, **kwargs)
         self.target.model.to(self.args.device)
@@ -188,7 +190,7 @@ class DFlashTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         owner = read_record(args.output_dir)
         checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir, owner and owner["run_id"])
-        settings = run_settings(self.draft_config, self.target.model, self.train_dataset)
+        settings = run_settings(self.draft_config, self.target_identity, self.train_dataset)
         if checkpoint:
             record = read_record(checkpoint)
             if owner and record and record["run_id"] != owner["run_id"]:
@@ -201,6 +203,7 @@ class DFlashTrainer(Trainer):
             self.run_record = resumed_record(record, checkpoint, settings, args.resume_allow_changes, step)
         else:
             self.run_record = new_record(settings)
+        self.accelerator.wait_for_everyone()  # every rank has read the directory's record before it is replaced
         if args.should_save:
             write_record(args.output_dir, self.run_record)
         return checkpoint
