@@ -29,6 +29,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.json_rows import json_rows, manifest_stem
+from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.registry import encode_batch, generate_kwargs, resolve_family
@@ -267,6 +268,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
     check_output(args.manifest, args.output)
     bad = BadSamples(skip=args.skip_bad_samples)
     text_check = UserTextCheck(renderer.tokenizer)
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=bad)  # audio checks of training
     records = []
     for index, origin, record in json_rows(manifest, bad, id_prefix=manifest_stem(manifest)):
         cut_id = str(record.get("id", f"{manifest_stem(manifest)}-{index:08d}"))
@@ -295,6 +297,7 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
                 else:
                     extras = {k: v for k, v in record.items() if k not in ("text", "lang")}
                     cut = _make_cut(cut_id, None, 0.0, 0.0, record.get("text", ""), record.get("lang"), extras)
+                cut = validator.check_audio(cut) if cut is not None else None
                 if cut is not None:
                     cuts.append((cut, record))
             audios = []

@@ -93,14 +93,8 @@ class SampleValidator:
     def __call__(self, cut):
         if not self._check_text(cut):
             return None
-        if self.family.has_audio:
-            cut = self._check_audio(cut)
-            if cut is None:
-                return None
-        check = self.family.sample_problem  # the family's own checks (Whisper: language, one audio window)
-        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
-        if problem:
-            self._report(cut, *problem)
+        cut = self.check_audio(cut)
+        if cut is None:
             return None
         (text_tokens, audio_positions), saved = self._counts_and_text(cut)
         num_tokens = text_tokens + audio_positions
@@ -121,6 +115,21 @@ class SampleValidator:
         cut.custom.pop(RENDERED_TEXT_KEY, None)
         if saved is not None:  # rendered to count it: the collation takes it instead of rendering again
             cut.custom[RENDERED_TEXT_KEY] = saved
+        return cut
+
+    def check_audio(self, cut):
+        """The audio checks and the family's own (Whisper: language, one audio window) without the text and token
+        checks: the cut (clipped to its file where it overran by less than the tolerance), or None when reported.
+        What `dflash-generate-labels` checks (a row's text is its reference there, not the response)."""
+        if self.family.has_audio:
+            cut = self._check_audio(cut)
+            if cut is None:
+                return None
+        check = self.family.sample_problem
+        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
+        if problem:
+            self._report(cut, *problem)
+            return None
         return cut
 
     def _check_text(self, cut) -> bool:
