@@ -392,8 +392,9 @@ class DFlashDataTuningArguments:
     allow_command_audio_sources: bool = field(
         default=False,
         metadata={
-            "help": "Allow lhotse cuts whose audio source is of type 'command': lhotse runs that command in a "
-            "shell to read the audio. Only for cut files you trust (default: refused)."
+            "help": "Allow lhotse cuts whose audio source is of type 'command' (lhotse runs that command in a "
+            "shell to read the audio), and decoder programs (ffmpeg through audioread) for audio files libsndfile "
+            "cannot read. Only for data you trust (default: refused; audio is read in-process)."
         },
     )
     allow_url_audio_sources: bool = field(
