@@ -30,8 +30,8 @@ from dflash_hf.objective.blocks import (
     sample_anchors,
     slot_validity,
 )
+from dflash_hf.objective.greedy import score_greedy
 from dflash_hf.objective.labels import LABEL_SOURCES, LabelSource, make_label_source
-from dflash_hf.objective.labels.target_argmax import target_argmax_labels
 from dflash_hf.objective.losses import LOSSES, BlockLoss, DecayedCE, DFlash2BlockLoss, MetricSums, SlotLoss, make_loss
 from dflash_hf.objective.losses.ce import block_loss
 from dflash_hf.objective.losses.selector import dflash2_block_loss
@@ -99,20 +99,6 @@ def data_agreement(
     return agree.sum(), need.sum()
 
 
-def greedy_slot_correct(predictions: torch.Tensor, greedy_ids: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """`[b, N, B-1]` bool: the draft's argmax (`predictions` `[M]`, one per valid slot in `Blocks.flat_valid_index`
-    order) equals `greedy_ids` `[b, S]` (the target's greedy next token, `target_argmax_labels`) at the slot's
-    position `a + k`; False on invalid slots."""
-    index = blocks.flat_valid_index().to(predictions.device, non_blocking=True)
-    s = greedy_ids.shape[1]
-    k = torch.arange(1, blocks.block_size, device=greedy_ids.device)
-    pos = (blocks.anchors.clamp(min=0)[..., None] + k).clamp(max=s - 1)  # [b, N, B-1]
-    labels = torch.gather(greedy_ids, 1, pos.flatten(1)).flatten().index_select(0, index)
-    hits = (predictions == labels).to(torch.bool)
-    flat = torch.zeros(blocks.valid.numel(), dtype=torch.bool, device=predictions.device)
-    return flat.index_copy(0, index, hits).view(blocks.valid.shape)
-
-
 def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | None:
     """Why the fused lm_head + CE cannot run with these options (None when it can)."""
     if variant == "dflash2":
@@ -163,7 +149,6 @@ class DFlashObjective:
     slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
     label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
     encoder_context: bool = False  # the draft attends to the encoder frames (dflash_config.encoder_hidden_size)
-    greedy_chunk_size: int = 128  # positions projected at a time for the evaluation's greedy labels
 
     @classmethod
     def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
@@ -189,7 +174,6 @@ class DFlashObjective:
             slot_loss=make_loss(args.loss_type, **options),
             label_source=label_source,
             encoder_context=config.encoder_context,
-            greedy_chunk_size=getattr(args, "target_argmax_chunk_size", 128),
         )
 
     # --------------------------------------------------------------------------------------------
@@ -271,14 +255,10 @@ class DFlashObjective:
     # Forward
     # --------------------------------------------------------------------------------------------
     def loss(self, draft, target, batch: dict, plan: BlockPlan, greedy: bool | None = None) -> BlockLoss:
-        """Target taps -> labels -> blocks -> draft -> loss sums and denominators (one micro-batch).
-        `draft`: the (possibly wrapped) draft model; `target`: the `FrozenTarget`; `plan`: `self.plan(...)`.
-        `greedy`: also score the draft's argmax against the target's greedy next token (`BlockLoss.greedy_correct`,
-        the `greedy_tau_est` metric), whatever the label source; default: when the draft is in eval mode (an
-        evaluation). The loss and the other statistics do not change."""
+        """Target taps -> labels -> blocks -> draft -> loss sums and denominators of one micro-batch (`plan`:
+        `self.plan(...)`; `draft` may be wrapped; `greedy`, default in eval mode: the `objective.greedy` estimates)."""
         greedy = not draft.training if greedy is None else greedy
-        own_greedy = greedy and not self.label_source.greedy  # the labels are not the target's argmax: compute it
-        keep_final = self.label_source.needs_final_hidden or own_greedy
+        keep_final = self.label_source.needs_final_hidden or greedy
         feats = target.capture(
             batch, self.target_layer_ids, keep_final=keep_final, padded=plan.padded, host=plan.target_host
         )
@@ -315,12 +295,7 @@ class DFlashObjective:
         if self.label_source.needs_final_hidden:  # the target relabels: how often does it write the data's token?
             out.data_agreement = data_agreement(ids, labels.ids, plan)
         if greedy:
-            if own_greedy:
-                chunk = self.greedy_chunk_size
-                greedy_ids = target_argmax_labels(target, final, ids, plan.loss_mask, plan.doc_ids, chunk)
-                out.greedy_correct = greedy_slot_correct(out.predictions, greedy_ids, blocks)
-            else:
-                out.greedy_correct = out.correct
+            score_greedy(out, plan, blocks, self.label_source, (target, final, ids))
         return out
 
     def run_draft(
@@ -420,7 +395,6 @@ __all__ = [
     "check_float8_lm_head",
     "data_agreement",
     "fused_ce_conflict",
-    "greedy_slot_correct",
     "stable_seed",
     "summed_denominator",
 ]

@@ -8,9 +8,18 @@ from transformers import EarlyStoppingCallback
 # Per validation set, `evaluate` reports eval_<set>_<metric> (eval_<metric> for one unnamed set). These are the ones
 # that say how good the draft is; DFlash2 drafts add their selector's. The per-slot acc_slot1..acc_slot<B-1> also are.
 # greedy_tau_est scores the draft against the target's own greedy next token (what a greedy decode accepts), whatever
-# the label source; tau_est against the training labels (the data's tokens with --label_source ground_truth).
-DRAFT_METRICS = ("tau_est", "greedy_tau_est", "loss", "accuracy")
-DFLASH2_METRICS = ("selector_tau_est", "selector_loss", "selector_accuracy", "base_loss", "candidate_recall")
+# the label source; tau_est against the training labels (the data's tokens with --label_source ground_truth);
+# greedy_walk_tau_est averages the greedy acceptance over the cycles of a decode, as real tau does (not over positions).
+DRAFT_METRICS = ("tau_est", "greedy_tau_est", "greedy_walk_tau_est", "loss", "accuracy")
+DFLASH2_METRICS = (
+    "selector_tau_est",
+    "selector_greedy_tau_est",
+    "selector_greedy_walk_tau_est",
+    "selector_loss",
+    "selector_accuracy",
+    "base_loss",
+    "candidate_recall",
+)
 
 
 def eval_prefixes(eval_dataset) -> list[str]:

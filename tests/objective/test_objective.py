@@ -399,6 +399,9 @@ def test_greedy_estimate_scores_against_the_targets_argmax_whatever_the_label_so
             scored = trainer.objective.loss(trainer.model, trainer.target, batch, plan)
             plain = trainer.objective.loss(trainer.model, trainer.target, batch, plan, greedy=False)
         assert scored.greedy_correct is not None and plain.greedy_correct is None
+        assert scored.greedy_walk is not None and plain.greedy_walk is None
+        if variant == "dflash2":  # the selector, by which DFlash2 decodes propose, is scored as well
+            assert scored.selector.greedy_correct is not None and scored.selector.greedy_walk is not None
         assert torch.equal(scored.loss_sum, plain.loss_sum) and torch.equal(scored.correct, plain.correct)
         trainer.model.train()
         assert trainer.objective.loss(trainer.model, trainer.target, batch, plan).greedy_correct is None
@@ -428,6 +431,11 @@ def test_greedy_tau_est_is_reported_beside_tau_est():
     metrics = sums.reduce()
     assert metrics["eval_tau_est"] == 1.0 + (1 + 2) / 2  # runs of 1 and 2 over two blocks
     assert metrics["eval_greedy_tau_est"] == 1.0 + (3 + 0) / 2
+    assert "eval_greedy_walk_tau_est" not in metrics  # no walk given
+    out.greedy_walk = (7, 2)
+    sums = MetricSums(prefix="eval_")
+    sums.add_block_loss(out)
+    assert sums.reduce()["eval_greedy_walk_tau_est"] == 3.5
     out.greedy_correct = None  # training statistics: no greedy sums, no greedy_tau_est
     sums = MetricSums()
     sums.add_block_loss(out)
@@ -438,7 +446,7 @@ def test_greedy_slot_correct_reads_the_greedy_token_at_each_slots_position():
     """Slot k of the block at anchor a compares the draft's argmax with the greedy token at a+k; invalid slots (past
     the row, unused anchors) are False."""
     from dflash_hf.objective.blocks import Blocks
-    from dflash_hf.objective.dflash_objective import greedy_slot_correct
+    from dflash_hf.objective.greedy import greedy_slot_correct
 
     greedy_ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     anchors = torch.tensor([[1, 4, -1]])
@@ -448,3 +456,27 @@ def test_greedy_slot_correct_reads_the_greedy_token_at_each_slots_position():
     predictions = torch.tensor([12, 99, 14, 15])  # valid slots in order: (a=1: k=1,2,3), (a=4: k=1)
     expected = torch.tensor([[[True, False, True], [True, False, False], [False, False, False]]])
     assert torch.equal(greedy_slot_correct(predictions, greedy_ids, blocks), expected)
+
+
+def test_decode_walk_follows_the_cycles_a_decode_would_run():
+    """From each response's first token, cycle after cycle by each block's acceptance length, cut at the response's
+    last token: tokens / cycles is the real tau of those decodes. A response whose walk reaches an anchor that was
+    not drawn is left out; packed documents are walked apart."""
+    from dflash_hf.objective.losses.metrics import acceptance_lengths, decode_walk
+
+    correct = torch.tensor([[[True, True, False], [False, True, True]]])
+    assert acceptance_lengths(correct).tolist() == [[3, 1]]
+    #            positions: 0  1  2  3  4  5  6  7  8  9
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 0, -1]])
+    anchors = torch.tensor([[2, 3, 4, 5, 6]])
+    lengths = torch.tensor([[3, 9, 1, 4, 9]])
+    # 2 -> keeps 3 -> 5 -> keeps min(4, 7 - 5) = 2 -> 7, the last supervised token: 5 tokens in 2 cycles
+    assert decode_walk(anchors, lengths, loss_mask, doc_ids) == (5, 2)
+    assert decode_walk(anchors[:, 1:], lengths[:, 1:], loss_mask, doc_ids) == (0, 0)  # no anchor at 2: left out
+    # two packed documents of one row: [1, 3] and [5, 8]
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    doc_ids = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    anchors = torch.tensor([[1, 2, 5, 6, 7]])
+    lengths = torch.tensor([[1, 1, 2, 1, 1]])
+    assert decode_walk(anchors, lengths, loss_mask, doc_ids) == (2 + 3, 2 + 2)  # 1,2 | 5->7, 7->8

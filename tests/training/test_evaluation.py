@@ -444,3 +444,33 @@ def test_greedy_tau_est_tracks_real_greedy_acceptance_where_the_data_disagrees_w
     assert greedy_tau_est == on_target["eval_tau_est"] == on_target["eval_greedy_tau_est"]
     assert real > 3.0  # the draft learned the target's greedy continuations
     assert abs(greedy_tau_est - real) < 0.5 < real - tau_est - 0.4  # the greedy estimate follows, tau_est does not
+
+
+@pytest.mark.slow
+def test_greedy_walk_tau_est_is_the_real_tau_on_the_targets_own_outputs(target, tmp_path):
+    """On the target's own greedy continuations, walking each response cycle by cycle over the blocks' greedy
+    acceptance gives exactly the real tau of greedy speculative decoding of the same prompts, where tau_est (an
+    average over positions) does not: a stretch the draft gets wrong costs a cycle per token, an easy stretch one
+    cycle in all, which a per-position average weighs otherwise."""
+    from dflash_hf.training.decode_benchmark import decode_benchmark
+
+    model, tok = target
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (8,), generator=g) for _ in range(8)]
+    own = _greedy_rows(model, prompts, 40, 0, g)
+    varied = _greedy_rows(model, prompts, 40, 3, g)  # more contexts to learn from
+    collate = lambda items: text_batch(items, tok.pad_token_id, "right")  # noqa: E731
+    kw = dict(block_size=8, per_device_train_batch_size=4, per_device_eval_batch_size=8, num_anchors=512)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=_args(tmp_path, tok, max_steps=10, **kw),
+        target=model,
+        train_dataset=ListDataset(own + varied),
+        data_collator=collate,
+    )
+    trainer.train()
+    metrics = trainer.evaluate(eval_dataset=ListDataset(own))
+    inputs = [{"input_ids": p[None], "attention_mask": torch.ones(1, 8, dtype=torch.long)} for p in prompts]
+    real = decode_benchmark(trainer.model.eval(), trainer.target, inputs, 40).tau
+    assert metrics["eval_greedy_walk_tau_est"] == pytest.approx(real, abs=1e-9)
+    assert metrics["eval_tau_est"] - real > 1.0  # the per-position estimate is far off

@@ -51,6 +51,8 @@ class BlockLoss:
     predictions: torch.Tensor | None = None  # [M] the draft's argmax on the valid slots (`Blocks.flat_valid_index`)
     # [b, N, B-1] bool: the draft's argmax equals the target's greedy next token (evaluation: `greedy_tau_est`)
     greedy_correct: torch.Tensor | None = None
+    # (tokens, cycles) of greedy decodes walked over the blocks' greedy acceptance (`greedy_walk`, evaluation)
+    greedy_walk: tuple[int, int] | None = None
 
 
 @dataclass

@@ -16,6 +16,48 @@ def acceptance_sum(correct: torch.Tensor, anchor_valid: torch.Tensor) -> torch.T
     return (run * anchor_valid).sum()
 
 
+def acceptance_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """`[b, N]` acceptance length of each block: 1 + the run of correct slots from slot 1 (`correct` `[b, N, B-1]`)."""
+    return 1 + torch.cumprod(correct.long(), dim=-1).sum(-1)
+
+
+def decode_walk(
+    anchors: torch.Tensor,  # [b, N], -1 = unused
+    lengths: torch.Tensor,  # [b, N] `acceptance_lengths` of the blocks at `anchors`
+    loss_mask: torch.Tensor,  # [b, S]
+    doc_ids: torch.Tensor,  # [b, S], -1 on padding
+) -> tuple[int, int]:
+    """`(tokens, cycles)` of the decodes the blocks describe. A speculative decode of a response gets its first token
+    from the prompt's forward, then anchors each cycle at the last token it has: the first cycle at the response's
+    first token, the next one `kept` tokens further, `kept` the cycle's acceptance length, cut at the response's
+    last token (decoding stops at it). Walked over every supervised span (a response) whose anchors are all among
+    `anchors`; a span that reaches an anchor not drawn is left out. Real tau is tokens / cycles: an average over
+    cycles, where tau_est averages over positions (a hard stretch where every cycle keeps one token counts once per
+    token in both, an easy stretch taken by one long cycle counts once here and at each of its positions there)."""
+    anchors, lengths = anchors.cpu().tolist(), lengths.cpu().tolist()
+    sup = (loss_mask.cpu().bool() & (doc_ids.cpu() >= 0)).tolist()
+    docs = doc_ids.cpu().tolist()
+    tokens = cycles = 0
+    for row_anchors, row_lengths, s, d in zip(anchors, lengths, sup, docs):
+        at = {a: n for a, n in zip(row_anchors, row_lengths) if a >= 0}
+        t = 0
+        while t < len(s):
+            if not s[t]:
+                t += 1
+                continue
+            end = t  # the span [t, end]: supervised positions of one document
+            while end + 1 < len(s) and s[end + 1] and d[end + 1] == d[t]:
+                end += 1
+            a, span_tokens, span_cycles = t, 0, 0
+            while a < end and a in at:
+                kept = min(at[a], end - a)
+                span_tokens, span_cycles, a = span_tokens + kept, span_cycles + 1, a + kept
+            if a >= end:  # walked to the response's end
+                tokens, cycles = tokens + span_tokens, cycles + span_cycles
+            t = end + 1
+    return tokens, cycles
+
+
 @dataclass
 class MetricSums:
     """Running sums of training / evaluation statistics; `reduce` turns them into logged metrics.
@@ -56,8 +98,11 @@ class MetricSums:
         self.add(f"{tag}blocks", out.blocks.anchor_valid.sum())
         if not tag:
             self.add_slots(out.correct, out.blocks.valid)
-        if not tag and out.greedy_correct is not None:  # logged as greedy_tau_est (evaluation)
-            self.add("greedy_accept_sum", acceptance_sum(out.greedy_correct, out.blocks.anchor_valid))
+        if out.greedy_correct is not None:  # logged as {tag}greedy_tau_est (evaluation)
+            self.add(f"{tag}greedy_accept_sum", acceptance_sum(out.greedy_correct, out.blocks.anchor_valid))
+        if out.greedy_walk is not None:  # logged as {tag}greedy_walk_tau_est (evaluation)
+            self.add(f"{tag}greedy_walk_tokens", out.greedy_walk[0])
+            self.add(f"{tag}greedy_walk_cycles", out.greedy_walk[1])
         if not tag and out.data_agreement is not None:  # logged as target_agreement (the trainer warns when low)
             self.add("num_target_agreement", out.data_agreement[0])
             self.add("den_target_agreement", out.data_agreement[1])
@@ -88,8 +133,8 @@ class MetricSums:
             self.slot_correct, self.slot_count = rest[:half].clone(), rest[half:].clone()
 
     def reduce(self) -> dict[str, float]:
-        """Metrics: `{tag}loss` and `{tag}tau_est` per tag (`greedy_tau_est` when greedy sums were added), per-slot
-        accuracy, and each ratio `num_X / den_X`."""
+        """Metrics: `{tag}loss` and `{tag}tau_est` per tag (and `{tag}greedy_tau_est`, `{tag}greedy_walk_tau_est`
+        when greedy sums were added), per-slot accuracy, and each ratio `num_X / den_X`."""
         self.settle()
         v, p = self.values, self.prefix
         out: dict[str, float] = {}
@@ -100,8 +145,11 @@ class MetricSums:
             nb = v.get(f"{tag}blocks", 0.0)
             if f"{tag}accept_sum" in v:
                 out[f"{p}{tag}tau_est"] = 1.0 + (v[f"{tag}accept_sum"] / nb if nb > 0 else 0.0)
-            if not tag and "greedy_accept_sum" in v:  # against the target's greedy next token, the same blocks
-                out[f"{p}greedy_tau_est"] = 1.0 + (v["greedy_accept_sum"] / nb if nb > 0 else 0.0)
+            if f"{tag}greedy_accept_sum" in v:  # against the target's greedy next token, the same blocks
+                out[f"{p}{tag}greedy_tau_est"] = 1.0 + (v[f"{tag}greedy_accept_sum"] / nb if nb > 0 else 0.0)
+            if f"{tag}greedy_walk_cycles" in v:  # tokens per cycle of the walked decodes (1 without a cycle)
+                cycles = v[f"{tag}greedy_walk_cycles"]
+                out[f"{p}{tag}greedy_walk_tau_est"] = v[f"{tag}greedy_walk_tokens"] / cycles if cycles > 0 else 1.0
         if self.slot_correct is not None:
             acc = self.slot_correct / self.slot_count.clamp(min=1)
             out[f"{p}accuracy"] = float(self.slot_correct.sum() / self.slot_count.sum().clamp(min=1))

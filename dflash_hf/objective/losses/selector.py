@@ -84,6 +84,7 @@ def dflash2_block_loss(
             correct=scatter(sel_pred == labels),
             blocks=blocks,
             denominator_after_forward=True,
+            predictions=sel_pred,
         ),
         candidate_hits=scatter(hit),
     )
