@@ -65,7 +65,7 @@ class Case:
     make: Callable[[Path, Assets], Path]
     bad: bool = True
     commands: tuple[str, ...] = ("train", "gen", "eval")
-    args: dict[str, list[str]] = field(default_factory=dict)
+    args: dict[str, list[str] | Callable[[Path, Path], list[str]]] = field(default_factory=dict)  # or (run, data)
     rows: int | None = None  # usable rows in the file (default: the good rows, plus the case row when not bad)
     usable_by: tuple[str, ...] = ()  # commands for which a bad row is a valid one (gen: the transcript is a reference)
 
@@ -241,11 +241,12 @@ def cases() -> list[Case]:
         "text", "context holds <|im_end|><|im_start|>system", _text_row("yes", context="a <|im_end|><|im_start|>system")
     )
     add("text", "lone surrogate in transcript", _text_row("bad \ud800 text"))
-    add("text", "lone surrogate in another key", _text_row("fine", speaker="\udfff"))
+    # a key only copied to the labels file: training and dflash-eval never read it
+    add("text", "lone surrogate in another key", _text_row("fine", speaker="\udfff"), usable_by=("train", "eval"))
     add("text", "empty transcript", _text_row(""), **reference)
     add("text", "whitespace-only transcript", _text_row(" \n\t "), **reference)
     add("text", "transcript is a number", _text_row(5))
-    add("text", "transcript longer than max_tokens", _text_row("word " * 400), **reference)
+    add("text", "transcript longer than max_tokens", _text_row("word " * 400), usable_by=("gen", "eval"))
     add("text", "emoji, RTL, combining marks", _text_row("héllo 👋🏽 مرحبا e\u0301"), bad=False)
     add("text", "NUL and control characters", _text_row("a\x00b\x07c"), bad=False)
     add("text", "CRLF and tabs", _text_row("line1\r\nline2\tend"), bad=False)
@@ -268,7 +269,8 @@ def cases() -> list[Case]:
     add("shape", "unknown extra keys", _with_row(lambda d, a: {**a.good[0], "speaker": "s1", "x": [1]}), bad=False)
     add("shape", "duplicate ids", _with_row(lambda d, a: {**a.good[0], "id": "dup"}), bad=False)
     add("shape", "empty manifest", lambda d, a: _empty(d), rows=0, commands=("train", "gen"))
-    add("shape", "lhotse cuts file", _cuts(), bad=False, rows=2)
+    add("shape", "lhotse cuts file", _cuts(), bad=False, rows=2, commands=("train", "eval"))
+    add("shape", "lhotse cuts file as a NeMo manifest", _cuts(), commands=("gen",))
     add(
         "shape",
         "lhotse cut with a command source",
@@ -312,6 +314,18 @@ def cases() -> list[Case]:
         commands=("train", "eval"),
     )
 
+    # where dflash-generate-labels writes (the inputs must stay as they are)
+    def output(name, make, to):
+        add("output", name, make, commands=("gen",), args={"gen": lambda run, data: ["--output", str(to(run, data))]})
+
+    output("--output is the manifest", lambda d, a: _manifest(d, a.good), lambda run, data: data)
+    output("--output is the manifest, spelled another way", lambda d, a: _manifest(d, a.good),
+           lambda run, data: run / ".." / run.name / data.name)  # fmt: skip
+    output("--output is a hard link to the manifest", _linked, lambda run, data: run / "link.json")
+    output("--output is a directory", lambda d, a: _manifest(d, a.good), lambda run, data: run)
+    output("--output in a missing directory", lambda d, a: _manifest(d, a.good), lambda run, data: run / "no" / "x")
+    output("--output is another manifest (not labels)", _foreign, lambda run, data: run / "foreign.json")
+
     # data-related settings
     for name, mask in (("<|im_start|>", 261), ("<|audio_pad|>", 258), ("<|im_end|>", 256), ("byte 'e'", 101)):
         add(
@@ -323,6 +337,17 @@ def cases() -> list[Case]:
             args={"train": ["--mask_token_id", str(mask)]},
         )
     return out
+
+
+def _linked(d: Path, a: Assets) -> Path:
+    path = _manifest(d, a.good)
+    os.link(path, d / "link.json")
+    return path
+
+
+def _foreign(d: Path, a: Assets) -> Path:
+    _manifest(d, a.good, "foreign.json")
+    return _manifest(d, a.good)
 
 
 def _bom(d: Path, a: Assets) -> Path:
@@ -422,9 +447,11 @@ def classify(case: Case, command: str, skip: bool, root: Path, a: Assets) -> dic
     data = case.make(run, a)
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     prog, argv = command_args(command, data, run, a, skip)
-    argv += case.args.get(command, [])
+    extra = case.args.get(command, [])
+    argv += extra(run, data) if callable(extra) else extra
     code, output, tb, warnings = run_console(prog, argv)
-    last = (output.strip().splitlines() or [""])[-1][:300]
+    lines = output.strip().splitlines() or [""]
+    last = next((line for line in lines if ": error: " in line), lines[-1])[:300]
     markers = sorted(p.name for p in root.rglob(f"{MARKER}*"))
     changed = [p.name for p, b in before.items() if not p.exists() or p.read_bytes() != b]
     bad = case.bad_for(command)
@@ -495,7 +522,11 @@ def run_cases(selected: list[Case], commands: tuple[str, ...], root: Path, progr
         for command in (c for c in case.commands if c in commands):
             for skip in (False, True) if command != "eval" else (False,):
                 case_root = root / "cases" / f"{i:03d}"
-                result = classify(case, command, skip, case_root, assets)
+                try:
+                    result = classify(case, command, skip, case_root, assets)
+                except Exception as e:  # noqa: BLE001 - the harness's own failure (writing the case): said, not hidden
+                    result = {"category": case.category, "case": case.name, "command": command, "outcome": "raw crash",
+                              "expected": False, "detail": f"harness: {type(e).__name__}: {e}"}  # fmt: skip
                 results.append(result)
                 if progress:
                     flag = "" if result["expected"] else "  <-- unexpected"

@@ -28,7 +28,7 @@ from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
-from dflash_hf.data.json_rows import json_rows, manifest_stem
+from dflash_hf.data.json_rows import detect_kind, json_rows, manifest_stem
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
@@ -95,6 +95,7 @@ class GenerateLabelsArguments:
                 f"field 'manifest': {self.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
             )
         check_output(self.manifest, self.output)
+        check_manifest(self.manifest)
         if not 0 <= self.shard_index < self.num_shards:
             raise ValueError(
                 f"field 'shard_index' must be in [0, num_shards={self.num_shards}), got "
@@ -141,6 +142,19 @@ def check_output(manifest: str, output: str) -> None:
         raise IsADirectoryError(f"field 'output': {output!r} is a directory; give a file path for the new manifest")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"field 'output': the directory of {output!r} does not exist; create it first")
+
+
+def check_manifest(manifest: str) -> None:
+    """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line)."""
+    try:
+        kind = detect_kind(manifest)
+    except ValueError as e:
+        raise ValueError(f"field 'manifest': {e}") from None
+    if kind != "nemo":
+        raise ValueError(
+            f"field 'manifest': {manifest!r} is a lhotse cuts file; dflash-generate-labels reads NeMo manifests "
+            "(JSON lines with audio_filepath, duration, text): write the cuts as one"
+        )
 
 
 def partial_path(output: Path) -> Path:

@@ -68,7 +68,7 @@ def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
 
 
 def test_parser_fields(tmp_path):
-    (tmp_path / "a.json").write_text("")
+    (tmp_path / "a.json").write_text('{"audio_filepath": "x.wav", "text": ""}\n')
     argv = ["--model", str(tmp_path), "--manifest", str(tmp_path / "a.json"), "--output", "b"]
     (args,) = make_parser().parse_args_into_dataclasses(argv)
     assert args.reference_key == "reference_text" and args.batch_size == 8 and args.dtype == "float32"
@@ -319,3 +319,17 @@ def test_control_tokens_and_lone_surrogates_in_a_row(small, tmp_path):
     out = tmp_path / "out.json"
     assert _gen(model_dir, data, out, "--skip_bad_samples", "true") == 0
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["m-00000002"]
+
+
+def test_an_empty_manifest_or_a_cuts_file_is_refused_before_the_target_loads(small, tmp_path):
+    model_dir, manifest = small
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="field 'manifest': .*has no JSON object line"):
+        _gen(model_dir, empty, tmp_path / "out.json")
+    cuts = tmp_path / "cuts.jsonl"
+    open_source(manifest).to_file(cuts)
+    with pytest.raises(
+        ValueError, match="field 'manifest': .* is a lhotse cuts file; dflash-generate-labels reads NeMo"
+    ):
+        _gen(model_dir, cuts, tmp_path / "out.json")
