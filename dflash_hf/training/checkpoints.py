@@ -103,7 +103,13 @@ def last_complete_checkpoint(
 
 # Files the Trainer loads on resume (training_args.bin is not loaded: it is a pickle of the arguments).
 _TORCH_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_*.pth", "pytorch_model.bin")
-_JSON_FILES = ("trainer_state.json", COMPLETE_MARKER, "dflash_data_state_rank*.json", RUN_RECORD)
+_JSON_FILES = (
+    "trainer_state.json",
+    COMPLETE_MARKER,
+    "dflash_data_state_rank*.json",
+    "dflash_trainable.json",
+    RUN_RECORD,
+)
 
 
 def checkpoint_problem(checkpoint: str | Path) -> str | None:
@@ -137,7 +143,8 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
                 )
             except Exception as err:
                 return f"{path.name} cannot be read ({type(err).__name__}: {err}; truncated or damaged)"
-    if not weights and not (root / "pytorch_model.bin").is_file():
+    sharded = any(p.is_dir() for p in root.iterdir())  # DeepSpeed / FSDP sharded states live in subdirectories
+    if not weights and not list(root.glob("pytorch_model*.bin")) and not sharded:
         return "it holds no model weights (model.safetensors)"
     for pattern in _JSON_FILES:
         for path in sorted(root.glob(pattern)):

@@ -64,6 +64,8 @@ class FiniteStepGuard:
         loss, self._loss = self._loss, None
         if grad_norm is None:
             return
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2 may return the norm as a DTensor (every rank gets here)
+            grad_norm = grad_norm.full_tensor()
         if not isinstance(grad_norm, torch.Tensor) or grad_norm.device.type != "cuda":
             norm = float(grad_norm)
             self._check(float(loss) if loss is not None else 0.0, norm, step, applied=False)

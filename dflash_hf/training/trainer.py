@@ -168,8 +168,9 @@ class DFlashTrainer(Trainer):
         self.finite_guard.settle()
         if self.stop_signals.signum is not None:
             saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            saved = str(saved) if saved.is_dir() else None
-            raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, saved)
+            if not saved.is_dir():  # the signal came after the last step (e.g. during the final evaluation)
+                self._save_checkpoint(self.model, trial=None)
+            raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, str(saved))
         return result
 
     def _start_run(self, resume_from_checkpoint) -> str | None:
@@ -182,7 +183,7 @@ class DFlashTrainer(Trainer):
             args.resolved_export_dir,
             resuming=resuming,
             overwrite=args.overwrite_output_dir,
-            target=args.target_name_or_path,
+            target=args.target_name_or_path or self.target_identity["name_or_path"],
         )
         self.accelerator.wait_for_everyone()
         if args.should_save and previous:
