@@ -27,7 +27,7 @@ from transformers import HfArgumentParser
 
 from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
 from dflash_hf.cli.train import load_processor
-from dflash_hf.data import ConversationConfig
+from dflash_hf.data import ConversationConfig, DataSource
 from dflash_hf.export.drafts import load_draft_strict
 from dflash_hf.generation.static_draft import graph_mode
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
@@ -116,6 +116,13 @@ class EvalArguments(DecodeStepArguments):
             "export. An empty string decodes without one."
         },
     )
+    allow_command_audio_sources: bool = field(
+        default=False,
+        metadata={
+            "help": "Let programs read audio: lhotse cuts of type 'command', and decoders (ffmpeg through audioread) "
+            "for files libsndfile cannot read. Only for data you trust (default: such a row is an error)."
+        },
+    )
     allow_mismatch: bool = field(
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
@@ -161,8 +168,25 @@ def count_records(path: str) -> int:
 
 
 def text_prompts(path: str, tokenizer) -> Iterator[dict]:
-    """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line."""
+    """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line (tokenized as the user wrote them: a
+    control token's text in a prompt is that token; a lone surrogate is an error naming the line)."""
+    from dflash_hf.data.user_text import SURROGATE_FIX, surrogate_problem
+
+    def strings(value, where):
+        if isinstance(value, str):
+            yield where, value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                yield from strings(v, f"{where}.{k}" if where else k)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from strings(v, f"{where}[{i}]")
+
     for origin, record in _records(path):
+        for where, text in strings(record, ""):
+            problem = surrogate_problem(text)
+            if problem:
+                raise ValueError(f"--data {origin}: field {where!r} {problem}; {SURROGATE_FIX}")
         if "messages" in record:
             text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
             enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
@@ -246,9 +270,8 @@ def load_prompts(args: EvalArguments, processor, config, recorded: dict | None =
         return text_prompts(args.data, get_tokenizer(processor))
     keys = {k: recorded[k] for k in ("context_key", "system_prompt_key")} if recorded else {}
     conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt, **keys)
-    rows, collate = speech_rows_and_collator(
-        args.data, processor, config, family=args.family, conversation=conversation
-    )
+    source = DataSource(path=args.data, allow_command_audio_sources=args.allow_command_audio_sources)
+    rows, collate = speech_rows_and_collator(source, processor, config, family=args.family, conversation=conversation)
     return iter_prompts(rows, collate)
 
 

@@ -19,6 +19,20 @@ _MARKER = re.compile(r"^(<[^<>\s]+>|\[[^\[\]\s]+\])$")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+SURROGATE_FIX = "write the text as valid UTF-8 (escape characters beyond U+FFFF as surrogate pairs, or not at all)"
+
+
+def surrogate_problem(text: str) -> str | None:
+    """Where `text` holds a lone UTF-16 surrogate, or None."""
+    found = _SURROGATE.search(text)
+    if found is None:
+        return None
+    return (
+        f"holds a lone UTF-16 surrogate {found.group()!r} at character {found.start()}, which is not text (a JSON "
+        "'\\ud800'-style escape without its pair)"
+    )
+
+
 def control_tokens(tokenizer) -> list[str]:
     """The strings ``tokenizer`` turns into a control token id wherever they appear (see the module docstring)."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -40,14 +54,9 @@ class UserTextCheck:
         self._pattern = re.compile("|".join(map(re.escape, tokens))) if tokens else None
 
     def problem(self, field: str, text: str) -> tuple[str, str, str] | None:
-        surrogate = _SURROGATE.search(text)
+        surrogate = surrogate_problem(text)
         if surrogate:
-            return (
-                field,
-                f"holds a lone UTF-16 surrogate {surrogate.group()!r} at character {surrogate.start()}, which is "
-                "not text (a JSON '\\\\ud800'-style escape without its pair)",
-                "write the text as valid UTF-8 (escape characters beyond U+FFFF as surrogate pairs, or not at all)",
-            )
+            return field, surrogate, SURROGATE_FIX
         if self._pattern is None or not any(c in text for c in self._first_chars):
             return None
         found = self._pattern.search(text)

@@ -133,3 +133,14 @@ def test_mask_token_id_a_sample_uses_is_refused_naming_the_sample(tmp_path, asr_
         build_train_dataloader(path, processor, model.config, max_tokens=400, mask_token_id=mask)
     free = processor.tokenizer.convert_tokens_to_ids("<|dflash_mask|>")
     assert build_train_dataloader(path, processor, model.config, max_tokens=400, mask_token_id=free) is not None
+
+
+def test_dflash_eval_text_prompt_with_a_lone_surrogate_names_the_line_and_field(tmp_path):
+    from dflash_hf.cli.eval import text_prompts
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "fine"}\n{"messages": [{"role": "user", "content": "a \\udc00"}]}\n')
+    prompts = text_prompts(str(data), tiny.build_tokenizer())
+    assert next(prompts)["input_ids"].shape[0] == 1
+    with pytest.raises(ValueError, match=r"line 2: field 'messages\[0\].content' holds a lone UTF-16 surrogate"):
+        next(prompts)
