@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
@@ -262,7 +263,8 @@ def _settings_of_config(checkpoint: str | Path, current: Mapping[str, Any]) -> d
 
 # --- Run directories: what a run may write over ---------------------------------------------------------------
 _CHECKPOINT_PREFIX = "checkpoint-"
-_RUN_FILES = {RUN_RECORD, "validation_metrics.json", "runs"}  # besides checkpoints and the export
+_CHECKPOINT_NAME = re.compile(rf"^{_CHECKPOINT_PREFIX}\d+$")  # the Trainer's checkpoint-N
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 
 
 def is_draft_export(directory: Path) -> bool:
@@ -300,12 +302,13 @@ def owner_of(output_dir: str | Path) -> str | None:
     return record["run_id"] if record else None
 
 
-def foreign_contents(output_dir: Path, export_dir: Path) -> list[str]:
-    """Entries of `output_dir` that no dflash-train run writes (so not ours to write beside or over)."""
+def model_files(output_dir: Path) -> list[str]:
+    """Files that make `output_dir` a model's directory (a config.json or weights at its top level): a run writes
+    its checkpoints and record beside whatever else is there, but never into another model's directory."""
     return [
         p.name
         for p in _visible(output_dir)
-        if not (p.name in _RUN_FILES or p.name.startswith(_CHECKPOINT_PREFIX) or p.resolve() == export_dir)
+        if p.is_file() and (p.name == "config.json" or p.suffix in _MODEL_FILE_SUFFIXES)
     ]
 
 
@@ -327,11 +330,11 @@ def check_run_directories(
     check_not_in_target(export_dir, "export_dir", target)
     if out.exists() and not out.is_dir():
         raise RunDirectoryError(f"--output_dir {output_dir} is a file; give a directory")
-    foreign = foreign_contents(out, export.resolve()) if out.is_dir() else []
+    foreign = model_files(out) if out.is_dir() else []
     if foreign:
         raise RunDirectoryError(
-            f"--output_dir {output_dir} holds files that no dflash-train run writes ({', '.join(foreign[:5])}"
-            f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new directory"
+            f"--output_dir {output_dir} is a model's directory ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}); a run must not write into it: choose an empty or new directory"
         )
     export_files = _visible(export)
     if export.exists() and not export.is_dir():
@@ -342,7 +345,7 @@ def check_run_directories(
             f"({', '.join(p.name for p in export_files[:5])}); choose an empty or new directory"
         )
     owner = owner_of(out) if out.is_dir() else None
-    previous = [p for p in _visible(out) if p.name.startswith(_CHECKPOINT_PREFIX) and p.is_dir()]
+    previous = [p for p in _visible(out) if _CHECKPOINT_NAME.match(p.name) and p.is_dir()]
     if export_files:
         previous.append(export)
     export_record = read_record(export) if export_files else None

@@ -148,7 +148,9 @@ def test_a_non_finite_step_stops_before_the_optimizer_takes_it(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
 
 
-@pytest.mark.parametrize("case", ["export_is_target", "export_in_target", "output_is_target", "export_holds_files"])
+@pytest.mark.parametrize(
+    "case", ["export_is_target", "export_in_target", "output_is_target", "export_holds_files", "output_is_a_model"]
+)
 def test_directories_a_run_must_not_write_over_are_refused(tmp_path, case):
     target = tmp_path / "target"
     target.mkdir()
@@ -160,9 +162,14 @@ def test_directories_a_run_must_not_write_over_are_refused(tmp_path, case):
         export = target / "draft"
     elif case == "output_is_target":
         output = target
+    elif case == "output_is_a_model":
+        output = tmp_path / "other_model"
+        output.mkdir()
+        (output / "model.safetensors").write_bytes(b"")
     else:
         export = tmp_path / "data"
         export.mkdir()
         (export / "train.jsonl").write_text("")
-    with pytest.raises(RunDirectoryError, match="target's directory or inside it|not a draft export"):
+    refusals = "target's directory or inside it|not a draft export|a model's directory"
+    with pytest.raises(RunDirectoryError, match=refusals):
         check_run_directories(str(output), str(export), resuming=False, overwrite=True, target=str(target))
