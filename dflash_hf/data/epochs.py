@@ -48,6 +48,7 @@ class ResumableEpochs:
         """The rest of the current epoch, counting batches as they are handed out. One batch of lookahead: the
         epoch's end is known when its last batch is handed out."""
         self._epoch_done, self._restored = False, False
+        self._handed_out, self._from_start = 0, self.batches_consumed == 0  # batches this pass yields; a whole epoch
         batches = self._epoch_batches()
         batch = next(batches, _END)
         while batch is not _END:
@@ -55,6 +56,7 @@ class ResumableEpochs:
             self.batches_consumed += 1
             self._epoch_done = following is _END
             if batch is not EMPTY_BATCH:
+                self._handed_out += 1
                 yield batch
             batch = following
         self._epoch_done = True
@@ -66,11 +68,11 @@ class ResumableEpochs:
         return self._hand_out()
 
     def epochs(self) -> Iterator:
-        """Endless: the rest of the current epoch, then every next epoch. An epoch without a single batch is an
-        error (the data would never yield one)."""
+        """Endless: the rest of the current epoch, then every next epoch. An epoch without a single batch (or whose
+        batches all lost every sample to skips when read) is an error: the data would never yield one."""
         while True:
             yield from self._hand_out()
-            if self.batches_consumed == 0:
+            if self.batches_consumed == 0 or (self._from_start and self._handed_out == 0):
                 raise ValueError(
                     f"epoch {self.epoch} of the training data gave no batch on this rank (all samples skipped, or "
                     "fewer batches than ranks); add data or lower the number of ranks"

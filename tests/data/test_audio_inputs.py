@@ -186,3 +186,13 @@ def test_hf_dataset_audio_is_read_without_programs(tmp_path, no_programs):
     cuts = list(open_source(DataSource(hf_dataset=ds)))
     assert [load_cut_audio(c, 16000).shape for c in cuts] == [(1600,)] * len(names)
     assert _markers(tmp_path) == []
+
+
+def test_data_whose_every_sample_turns_out_bad_when_read_is_an_error_not_an_endless_loop(tmp_path, asr_target):
+    model, processor = asr_target
+    nan = np.full(16000, np.nan)
+    path = _nemo(tmp_path, [_wav(tmp_path, f"n{i}.wav", nan) for i in range(2)])
+    loader = build_train_dataloader(path, processor, model.config, max_tokens=400, skip_bad_samples=True)
+    with pytest.raises(ValueError, match="epoch 0 of the training data gave no batch .*all samples skipped"):
+        next(loader.epochs())
+    assert loader.bad_samples.num_skipped == 2
