@@ -41,3 +41,32 @@ def test_a_non_finite_step_on_a_gpu_is_caught_before_the_next_step_and_never_sav
         trainer.train()
     assert trainer.state.global_step == 3  # stopped at step 4's check, before its optimizer step and save
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_the_finite_check_of_a_step_never_waits_for_the_device():
+    """The guard's per-step work (stack, copy to pinned memory, event; the previous step's verdict read) makes no
+    synchronizing call: CUDA's sync debug mode raises on any."""
+    from dflash_hf.training.step_guards import FiniteStepGuard
+
+    guard = FiniteStepGuard()
+    weights = torch.randn(4096, device="cuda", requires_grad=True)
+    for step in range(1, 4):  # warm up the pinned-memory cache
+        loss = (weights * weights).sum()
+        loss.backward()
+        guard.add_loss(loss.detach())
+        guard.observe(torch.linalg.vector_norm(weights.grad), step)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(4, 8):
+            loss = (weights * weights).sum()
+            loss.backward()
+            guard.add_loss(loss.detach())
+            guard.observe(torch.linalg.vector_norm(weights.grad), step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    guard.settle()
+    weights.grad.fill_(float("inf"))
+    guard.observe(torch.linalg.vector_norm(weights.grad), 8)
+    with pytest.raises(NonFiniteStepError, match="non-finite gradient norm at optimizer step 8"):
+        guard.settle()
