@@ -103,8 +103,11 @@ class FiniteStepGuard:
             f"non-finite {what} at optimizer step {step} (loss {loss}, gradient norm {norm}): training stopped and "
             f"{effect}. Likely causes: a sample with non-finite or extreme audio values or labels (check the data, or "
             "--skip_bad_samples true), or a learning rate too high. "
-            + (f"The last complete checkpoint is {where}; " if where else "No checkpoint was saved yet; ")
-            + "fix the cause, then resume (--resume_from_checkpoint true) or start again"
+            + (
+                f"The last complete checkpoint is {where}: fix the cause, then resume (--resume_from_checkpoint true)"
+                if where
+                else "No checkpoint was saved yet: fix the cause and start again"
+            )
         )
 
 
