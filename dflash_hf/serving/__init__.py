@@ -1,0 +1,9 @@
+"""Serving DFlash drafts in inference engines (optional: `pip install dflash_hf[vllm]`).
+
+- :mod:`dflash_hf.serving.vllm_plugin`: the `vllm.general_plugins` entry point. It registers, under the
+  architecture names of the audio LLMs vLLM serves without its hidden-state interface (Qwen2-Audio, Voxtral, ...),
+  variants that implement it (:mod:`dflash_hf.serving.vllm_models`), so vLLM serves their DFlash drafts.
+
+Importing `dflash_hf` never imports vLLM: the plugin imports it when vLLM loads the plugin, the variants when vLLM
+builds one.
+"""
