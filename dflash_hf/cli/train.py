@@ -38,14 +38,15 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DFlashTrainingArguments, DFlashDataArguments))
 
 
-def load_processor(path: str):
+def load_processor(path: str, trust_remote_code: bool = False):
     """The target's processor (audio targets) or tokenizer (text targets), from its directory."""
     from transformers import AutoProcessor, AutoTokenizer
 
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
     try:
-        return AutoProcessor.from_pretrained(path)
+        return AutoProcessor.from_pretrained(path, **kwargs)
     except (OSError, ValueError, TypeError):
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def _is_hub_id(name: str) -> bool:
@@ -118,20 +119,29 @@ def check_run_inputs(args, data_args) -> None:
     check_run_dirs(args)
 
 
+# The target directory's files whose `auto_map` names code shipped with it (model, processor, tokenizer).
+REMOTE_CODE_CONFIGS = ("config.json", "processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
 def check_remote_code(target: str, trusted: bool) -> None:
-    """A target directory whose config.json has an `auto_map` ships its own modeling code, which loading it would
-    run in this process: refused unless `--trust_remote_code true`."""
-    config = Path(target).expanduser() / "config.json"
-    try:
-        auto_map = json.loads(config.read_text()).get("auto_map") if config.is_file() else None
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as err:
-        raise ValueError(f"--target_name_or_path {target}: {config} is not a readable JSON config ({err})") from err
-    if auto_map and not trusted:
-        raise ValueError(
-            f"--target_name_or_path {target}: its config.json has an auto_map ({', '.join(sorted(auto_map))}), "
-            "modeling code of its own that loading it would run; pass --trust_remote_code true only if you trust "
-            "that directory's code, else use a target that transformers implements"
-        )
+    """A target directory whose config.json (or processor / tokenizer config) has an `auto_map` ships its own code,
+    which loading it would run in this process: refused unless `--trust_remote_code true`."""
+    for name in REMOTE_CODE_CONFIGS:
+        config = Path(target).expanduser() / name
+        if not config.is_file():
+            continue
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"--target_name_or_path {target}: {config} is not readable JSON ({err})") from err
+        auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+        if auto_map and not trusted:
+            names = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else str(auto_map)
+            raise ValueError(
+                f"--target_name_or_path {target}: its {name} has an auto_map ({names}), code of its own that "
+                "loading it would run; pass --trust_remote_code true only if you trust that directory's code, else "
+                "use a target that transformers implements"
+            )
 
 
 def check_run_dirs(args) -> None:
@@ -189,7 +199,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         ),
         args.target_family,
     )
-    processor = load_processor(args.target_name_or_path)
+    processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)
         candidates = mask_token_candidates(

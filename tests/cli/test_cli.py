@@ -261,7 +261,7 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
     monkeypatch.setattr(dflash_hf.training.trainer, "DFlashTrainer", FakeTrainer)
     monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: None)
     monkeypatch.setattr(dflash_hf.targets.frozen, "FrozenTarget", lambda *a, **k: None)
-    monkeypatch.setattr(cli_train, "load_processor", lambda path: None)
+    monkeypatch.setattr(cli_train, "load_processor", lambda path, trust_remote_code=False: None)
     monkeypatch.setattr(cli_train, "check_data_rows", lambda data_args: None)  # the faked run reads no data
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     args = make_args(
@@ -428,6 +428,10 @@ def test_a_target_with_its_own_code_is_refused_unless_trusted(tmp_path, monkeypa
     assert "its config.json has an auto_map (AutoModelForCausalLM)" in err and "--trust_remote_code true" in err
     with pytest.raises(ValueError, match="has an auto_map"):
         load_target(str(target))
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (target / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["tok.T", None]}}))
+    assert console.run_command("dflash-train", _preflight_argv(tmp_path, target)) == 2
+    assert "its tokenizer_config.json has an auto_map (AutoTokenizer)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["export_dir", "output_dir"])
