@@ -336,6 +336,8 @@ def cases() -> list[Case]:
             commands=("train",),
             args={"train": ["--mask_token_id", str(mask)]},
         )
+    add("setting", "--mask_token_id 122 (byte 'z', in one transcript)", _text_row("a lazy row"), rows=2,
+        commands=("train",), args={"train": ["--mask_token_id", "122"]})  # fmt: skip
     return out
 
 
