@@ -96,12 +96,14 @@ def target_identity(model) -> dict[str, str]:
     names, samples = [], []
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            names.append(f"{name}:{tuple(param.shape)}")
+            if param.device.type == "meta" or hasattr(param, "full_tensor"):
+                continue  # offloaded or already sharded: no values here that every rank sees alike
             flat = param.detach().reshape(-1)
             count = min(64, flat.numel())
-            index = torch.linspace(0, flat.numel() - 1, count, device=flat.device).long()
-            names.append(f"{name}:{tuple(param.shape)}")
-            samples.append(flat[index].to(torch.bfloat16))
-    values = torch.cat(samples).cpu().view(torch.int16).numpy().tobytes() if samples else b""
+            index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)  # exact in int64
+            samples.append(flat[index].to(torch.bfloat16).cpu())  # the parameters may sit on several devices
+    values = torch.cat(samples).view(torch.int16).numpy().tobytes() if samples else b""
     digest = hashlib.sha256("\n".join(names).encode() + values).hexdigest()[:16]
     return {"name_or_path": str(getattr(model.config, "_name_or_path", "") or ""), "fingerprint": digest}
 
