@@ -194,6 +194,8 @@ def _same(name: str, before: Any, after: Any) -> bool:
         return True  # not recorded (an older checkpoint, data without an identity): nothing to compare
     if name == "target":
         return before.get("fingerprint") == after.get("fingerprint")
+    if name == "train_data" and isinstance(before, list) and isinstance(after, list):  # moved files are the same data
+        return [d.get("sha256") or d.get("path") for d in before] == [d.get("sha256") or d.get("path") for d in after]
     return before == after
 
 

@@ -173,3 +173,18 @@ def test_directories_a_run_must_not_write_over_are_refused(tmp_path, case):
     refusals = "target's directory or inside it|not a draft export|a model's directory"
     with pytest.raises(RunDirectoryError, match=refusals):
         check_run_directories(str(output), str(export), resuming=False, overwrite=True, target=str(target))
+
+
+def test_training_data_is_compared_by_content_not_by_where_it_lies(tmp_path):
+    from dflash_hf.training.run_identity import data_identity, setting_differences
+
+    first = tmp_path / "a" / "train.jsonl"
+    first.parent.mkdir()
+    first.write_text('{"text": "one"}\n')
+    recorded = {"train_data": data_identity([str(first)])}
+    moved = tmp_path / "b" / "train.jsonl"
+    moved.parent.mkdir()
+    shutil.copy(first, moved)
+    assert setting_differences(recorded, {"train_data": data_identity([str(moved)])}) == []
+    first.write_text('{"text": "two"}\n')  # edited in place
+    assert setting_differences(recorded, {"train_data": data_identity([str(first)])}) == ["train_data"]
