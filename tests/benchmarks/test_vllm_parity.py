@@ -1,0 +1,160 @@
+"""`benchmarks/vllm_parity.py`: its arguments and requests are checked before any engine starts, each vLLM run is
+configured as the export says (`num_speculative_tokens` = block size - 1), the dflash_hf side decodes the same
+requests, and the comparison counts what it claims. The vLLM runs themselves need vLLM and a GPU (not here: they are
+replaced by recorded results)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from dflash_hf.errors import DFlashUserError
+from dflash_hf.export.drafts import export_draft
+from dflash_hf.testing import tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import vllm_parity  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny text target directory, a random DFlash export of block 4 for it, and three requests."""
+    root = tmp_path_factory.mktemp("parity")
+    target = tiny.save_tiny_target(root / "target", kind="text", hidden_size=32, num_layers=4, num_heads=2)
+    model = tiny.build_text_target(hidden_size=32, num_layers=4, num_heads=2)
+    tok = tiny.build_tokenizer()
+    config = DFlashConfig.from_target_config(
+        model.config, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), num_hidden_layers=1, block_size=4
+    )
+    torch.manual_seed(0)
+    draft = export_draft(DFlashDraftModel(config), root / "draft")
+    prompts = root / "prompts.jsonl"
+    rows = [{"prompt": "yes no up"}, {"messages": [{"role": "user", "content": "left right"}]}, {"text": "on off"}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return target, draft, prompts
+
+
+def _argv(setup, *extra: str) -> list[str]:
+    target, draft, prompts = setup
+    return ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
+
+
+def test_help_needs_no_vllm(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        vllm_parity.main(["--help"])
+    assert exit_info.value.code == 0
+    assert "vllm" not in sys.modules
+    text = capsys.readouterr().out
+    assert "--concurrency" in text and "--max_new_tokens" in text and "--target" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--precision", "fp16"], "--precision must be one of"),
+        (["--concurrency", "1", "0"], "--concurrency takes positive"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+        (["--num_prompts", "-1"], "--num_prompts must be >= 0"),
+        (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization must be in"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_flag(setup, extra, match):
+    with pytest.raises(DFlashUserError, match=match):
+        vllm_parity.main(_argv(setup, *extra))
+
+
+def test_a_draft_that_is_not_an_export_is_refused(setup, tmp_path):
+    target, _, prompts = setup
+    with pytest.raises(DFlashUserError, match="has no config.json"):
+        vllm_parity.main(["--target", str(target), "--draft", str(tmp_path), "--prompts", str(prompts)])
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        ("not json", r"prompts.jsonl:2 is not JSON"),
+        ('["a"]', r"prompts.jsonl:2 holds a JSON list"),
+        ('{"prompt": "a", "text": "b"}', r"needs exactly one of \['messages', 'prompt', 'text'\]"),
+        ('{"messages": []}', "non-empty list of chat messages"),
+        ('{"prompt": "a", "audio": "missing.wav"}', "audio file missing.wav does not exist"),
+    ],
+)
+def test_bad_request_rows_name_their_line(tmp_path, line, match):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(DFlashUserError, match=match):
+        vllm_parity.read_requests(path)
+
+
+def test_requests_render_as_the_chat_template_does(setup):
+    tok = tiny.build_tokenizer()
+    rows = vllm_parity.read_requests(setup[2])
+    assert len(vllm_parity.read_requests(setup[2], limit=2)) == 2
+    expected = tok.apply_chat_template([{"role": "user", "content": "yes no up"}], add_generation_prompt=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert vllm_parity.render(rows[0], tok) == list(expected)
+    assert vllm_parity.render(rows[2], tok) == tok("on off", add_special_tokens=False)["input_ids"]
+    assert vllm_parity.vllm_prompts(rows, str(setup[0]))[0] == {"prompt_token_ids": list(expected)}
+
+
+def _recorded(requests: list[dict], seconds: float, drafts: int = 0, accepted: int = 0) -> dict:
+    tokens = sum(len(r["token_ids"]) for r in requests)
+    counters = {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted_tokens": accepted}
+    return {"seconds": seconds, "output_tokens": tokens, "requests": requests, "spec_counters": counters}
+
+
+@pytest.mark.slow  # decodes three requests with the tiny target on the CPU
+def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_path, monkeypatch):
+    ours = vllm_parity.run_dflash_hf(vllm_parity.make_parser().parse_args_into_dataclasses(_argv(setup))[0])
+    assert len(ours) == 3 and all(1 <= n <= 4 for r in ours for n in r["acceptance_lengths"])
+    configs = []
+
+    def recorded_worker(cmd):  # what the worker process would write, from the dflash_hf decode
+        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
+        configs.append(config)
+        requests = [
+            {"token_ids": r["token_ids"], "acceptance_lengths": r["acceptance_lengths"] if config["draft"] else None}
+            for r in ours
+        ]
+        if config["draft"]:  # one request decodes differently with the draft, one cycle accepts differently
+            requests[1] = {"token_ids": [*requests[1]["token_ids"], 7], "acceptance_lengths": [1]}
+        cycles = sum(len(r["acceptance_lengths"] or []) for r in requests)
+        accepted = sum(n - 1 for r in requests for n in r["acceptance_lengths"] or [])
+        result = _recorded(requests, 1.0 if config["draft"] else 2.0, cycles, accepted)
+        Path(config["result"]).write_text(json.dumps(result))
+        return 0
+
+    monkeypatch.setattr(vllm_parity, "launch", recorded_worker)
+    out = tmp_path / "parity.json"
+    results = vllm_parity.main(_argv(setup, "--concurrency", "1", "8", "--out", str(out), "--precision", "fp32"))
+    assert json.loads(out.read_text())["parity"] == results["parity"]
+    assert [(c["draft"] is not None, c["concurrency"]) for c in configs] == [
+        (False, 1),
+        (True, 1),
+        (False, 8),
+        (True, 8),
+    ]
+    drafted = [c for c in configs if c["draft"]]
+    assert all(c["num_speculative_tokens"] == 3 and c["draft"] == str(setup[1]) for c in drafted)
+    assert all(c["dtype"] == "float32" and c["enforce_eager"] for c in configs)
+    parity = results["parity"]
+    assert parity["requests"] == 3 and parity["mismatched_requests"] == [1]
+    assert parity["outputs_equal_to_vllm_greedy"] == 2 and parity["dflash_hf_outputs_equal_to_vllm_greedy"] == 3
+    assert parity["identical_acceptance_sequences"] == 2
+    lengths = [n for i, r in enumerate(ours) for n in r["acceptance_lengths"] if i != 1] + [1]
+    assert parity["tau_vllm"] == pytest.approx(sum(lengths) / len(lengths)) == parity["tau_vllm_counters"]
+    assert [row["speedup"] for row in results["throughput"]] == pytest.approx([2.0, 2.0], rel=0.1)
+    assert results["num_speculative_tokens"] == 3 and results["architecture"] == "DFlashDraftModel"
+
+
+def test_comparison_strips_one_final_end_token():
+    alone = _recorded([{"token_ids": [5, 6, 2], "acceptance_lengths": None}], 1.0)
+    drafted = _recorded([{"token_ids": [5, 6], "acceptance_lengths": [2, 1]}], 1.0, drafts=2, accepted=1)
+    parity = vllm_parity.compare(alone, drafted, None, eos={2})
+    assert parity["outputs_equal_to_vllm_greedy"] == 1 and parity["tau_vllm"] == 1.5 == parity["tau_vllm_counters"]
+    assert vllm_parity.compare(alone, drafted, None, eos=set())["mismatched_requests"] == [0]
