@@ -224,7 +224,7 @@ def non_finite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
 
 def _list_names(names: list[str], shown: int = 8) -> str:
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return f"{len(names)} tensors: {', '.join(names[:shown])}{more}"
+    return f"{len(names)} tensor{'s' if len(names) > 1 else ''}: {', '.join(names[:shown])}{more}"
 
 
 def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlashConfig:

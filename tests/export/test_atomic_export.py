@@ -177,7 +177,7 @@ def test_loading_an_export_with_non_finite_weights_says_so(tmp_path):
     state = load_file(str(out / "model.safetensors"))
     state["norm.weight"][0] = float("nan")
     save_file(state, str(out / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"non-finite weights \(NaN or inf\) in 1 tensors: norm.weight"):
+    with pytest.raises(ValueError, match=r"non-finite weights \(NaN or inf\) in 1 tensor: norm.weight"):
         load_draft_strict(out)
 
 
