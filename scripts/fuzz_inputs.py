@@ -451,10 +451,15 @@ def classify(case: Case, command: str, skip: bool, root: Path, a: Assets) -> dic
     prog, argv = command_args(command, data, run, a, skip)
     extra = case.args.get(command, [])
     argv += extra(run, data) if callable(extra) else extra
-    code, output, tb, warnings = run_console(prog, argv)
+    cwd = os.getcwd()
+    os.chdir(run)  # a command run from a file name creates its marker here (relative to the working directory)
+    try:
+        code, output, tb, warnings = run_console(prog, argv)
+    finally:
+        os.chdir(cwd)
     lines = output.strip().splitlines() or [""]
     last = next((line for line in lines if ": error: " in line), lines[-1])[:300]
-    markers = sorted(p.name for p in root.rglob(f"{MARKER}*"))
+    markers = sorted(p.name for p in run.rglob(f"{MARKER}*"))
     changed = [p.name for p, b in before.items() if not p.exists() or p.read_bytes() != b]
     bad = case.bad_for(command)
     expected_rows = case.rows if case.rows is not None else len(a.good) + (0 if bad else 1)
