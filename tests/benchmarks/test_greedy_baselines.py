@@ -7,12 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from dflash_hf.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import greedy_baselines  # noqa: E402
 
 
+@pytest.mark.slow  # four decodes of three clips each: ~4 s on 2 cores
 def test_static_cache_greedy_equals_plain_greedy_and_is_reported(tmp_path):
     from test_cli_eval import _save_draft  # (tests/benchmarks/conftest.py puts its folder on sys.path)
     from test_families import save_qwen2_audio

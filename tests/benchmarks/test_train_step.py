@@ -74,6 +74,7 @@ def test_config_spec_parsing(bench):
             bench.parse_config(bad)
 
 
+@pytest.mark.slow  # three tiny speech targets through the full step: ~8 s on 2 cores
 def test_tiny_speech_rows_run_the_real_target_families(bench):
     """The CPU-sized versions of the whisper-base and packed Qwen3-ASR rows: the encoder runs in the full step,
     every packed micro-batch of the cycle is timed, and the speech rates are reported."""

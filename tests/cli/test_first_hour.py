@@ -95,6 +95,7 @@ def test_mask_token_candidates_of_a_text_target_best_first():
 # ------------------------------------------------------------------------------------------------
 # Validate-only repeats the training run's evaluation
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_validate_only_takes_block_size_and_anchors_from_the_export(speech, tmp_path, capsys):
     target, train, dev = speech
     common = [

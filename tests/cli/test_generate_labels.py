@@ -24,6 +24,7 @@ def _greedy_one(model, processor, line, root, max_new_tokens):
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
     kw = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
     model_dir = tiny.save_tiny_target(tmp_path / "target", "qwen3_asr", **kw)
@@ -123,6 +124,7 @@ def test_single_placeholder_row_labels_equal_the_processor_rows(tmp_path):
     assert texts["qwen2_audio_single_placeholder"] == texts["qwen2_audio"]
 
 
+@pytest.mark.slow  # 8 s on 2 busy cores
 def test_prefetching_the_next_batch_changes_nothing_written(tmp_path):
     """With the next batch read and encoded in a background thread the output is the same file, and a bad sample in
     a later batch still stops the run after the batches before it were written (to the output's .partial file)."""

@@ -114,6 +114,7 @@ def test_batches_follow_token_budget_padding_side_and_target_forward(asr_target,
     assert (sup == processor.tokenizer.eos_token_id).sum() == len(b["input_ids"])  # one closing token per row
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_deterministic_seed_and_rank_sharding(asr_target, corpus):
     model, processor = asr_target
 

@@ -61,6 +61,7 @@ def _text_draft(ft, cls, block):
 @pytest.mark.compat
 @pytest.mark.parametrize("cls", [DFlashDraftModel, DFlash2DraftModel])
 @pytest.mark.parametrize("prompt_len", [5, 19])  # within one block, and over two blocks of context
+@pytest.mark.slow  # 22 s on 2 busy cores
 def test_text_target_static_step_proposes_what_the_eager_loop_proposes(cls, prompt_len):
     model, tok = tiny_text_target(seed=3)
     ft = FrozenTarget(tiny.sharpen(model, seed=3))
@@ -74,6 +75,7 @@ def whisper():
     return tiny_whisper()
 
 
+@pytest.mark.slow  # 13 s on 2 busy cores
 def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path):
     model, processor = whisper
     args = make_args(
@@ -93,6 +95,7 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
     assert set(draft.state_dict()) == set(build_draft(args, FrozenTarget(model)).state_dict())
 
 
+@pytest.mark.slow  # 214 s on 2 busy cores
 def test_dflash2_decodes_up_to_whispers_last_position(whisper, tmp_path):
     """Near Whisper's 448 positions the last blocks are cut to what is left: the draft still runs whole blocks
     (DFlash2's convolutions take nothing else), eager and fixed-shape alike, and the output is Whisper's own."""
@@ -128,6 +131,7 @@ def test_capacity_covers_the_last_block_and_bounds_the_buffer():
     assert graph_capacity(16384, 8) is None
 
 
+@pytest.mark.slow  # 119 s on 2 busy cores
 def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
 
     monkeypatch.setattr(static_draft, "MAX_STEPS_PER_DRAFT", 2)
@@ -140,6 +144,7 @@ def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
     assert [key[3] for key in static_steps(draft)] == [128, 512]  # 256 was the least recently used
 
 
+@pytest.mark.slow  # 8 s on 2 busy cores
 def test_a_step_keeps_neither_draft_nor_target_alive_and_follows_moved_weights():
     model, tok = tiny_text_target(seed=3)
     ft = FrozenTarget(model)

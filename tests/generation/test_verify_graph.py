@@ -26,6 +26,7 @@ def whisper():
     return tiny_whisper()
 
 
+@pytest.mark.slow  # 22 s on 2 busy cores
 def test_fixed_shape_verify_decodes_as_the_growing_cache(whisper):
     model, processor = whisper
     static_verify.clear_static_verify_steps(model)
@@ -245,6 +246,7 @@ def _decoder_only_cases():
 
 
 @pytest.mark.parametrize("case", [0, 1])
+@pytest.mark.slow  # 19 s on 2 busy cores
 def test_fixed_shape_verify_of_decoder_only_targets_decodes_as_the_growing_cache(case):
     name, model, inputs = list(_decoder_only_cases())[case]
     ft = FrozenTarget(model)

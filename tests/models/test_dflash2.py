@@ -443,6 +443,7 @@ def test_conversion_script_bootstraps_identity_dflash2(tmp_path):
 # Speculative decoding
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.compat
+@pytest.mark.slow  # 8 s on 2 busy cores
 def test_greedy_selector_walk_is_lossless():
     model, tok = tiny_text_target(seed=1)
     tiny.sharpen(model, seed=1)
@@ -470,6 +471,7 @@ def chi_square_p_value(counts: Counter, expected: dict) -> tuple[float, int]:
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 43 s on 2 busy cores
 def test_sampled_selector_walk_keeps_the_target_distribution():
     """One draft/verify cycle at T > 0, many times: the two tokens emitted after the anchor t1 (accepted
     draft tokens, residual resample or bonus) must follow the target's p(t2 | t1) p(t3 | t1, t2).

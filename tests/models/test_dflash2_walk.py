@@ -87,6 +87,7 @@ def compare(draft, lm_head, dtype, cases: int, seed: int) -> tuple[int, int, int
 
 
 @pytest.mark.parametrize("rank,top_k", [(16, 6), (256, 16), (4, 1)])
+@pytest.mark.slow  # 25 s on 2 busy cores
 def test_greedy_walk_equals_sequential_walk_float64(rank, top_k):
     """float64 selector: batched and per-vector matmuls differ at most in the last float64 place, and the scores
     are float32 (as `forward` returns them), so a flip needs two candidates within ~1e-16 of each other: none
@@ -98,6 +99,7 @@ def test_greedy_walk_equals_sequential_walk_float64(rank, top_k):
         assert moved > total // 2, (moved, total)
 
 
+@pytest.mark.slow  # 20 s on 2 busy cores
 def test_greedy_walk_equals_sequential_walk_float32_and_bf16():
     """float32 and bf16 selectors: the batched matmuls may round differently from the per-vector ones at the last
     place, which could flip a choice between candidates scored within a few ulps. None does in these cases

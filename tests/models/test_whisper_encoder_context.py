@@ -95,6 +95,7 @@ def test_draft_reads_the_encoder_frames_and_cached_keys_give_the_same_hidden(whi
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 42 s on 2 busy cores
 def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp_path):
     from dflash_hf.cli import train as cli_train
 
@@ -195,6 +196,7 @@ def _two_utterances(model, processor, side: str):
     return {"input_ids": ids, "attention_mask": mask, "input_features": feats, "loss_mask": loss}
 
 
+@pytest.mark.slow  # 189 s on 2 busy cores
 def test_encoder_context_loss_is_invariant_to_padding_side_and_overfits_to_full_blocks(whisper, tmp_path):
     from utils import ListDataset
 

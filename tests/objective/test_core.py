@@ -217,6 +217,7 @@ def _one_sgd_step(tmp_path, model, tok, rows, batch_size, accum):
     return {k: before[k] - v.detach() for k, v in trainer.model.named_parameters()}, trainer
 
 
+@pytest.mark.slow  # 6 s on 2 busy cores
 def test_loss_invariant_to_micro_batch_split(tmp_path):
     """One optimizer step on a global batch of 4 equals 2x2 and 4x1 gradient accumulation."""
     model, tok = tiny_text_target()
@@ -274,6 +275,7 @@ def test_overfit_one_sequence_then_accept_full_blocks(tmp_path, variant):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_greedy_speculative_decoding_is_lossless_text():
     model, tok = tiny_text_target(seed=1)
     sharpen(model, seed=1)

@@ -164,6 +164,7 @@ def test_target_distribution_is_chunked(text_target_4x64, chunk):
     "variant,loss_type,label_source",
     [("dflash", "dpace", "target_argmax"), ("dflash2", "dpace", "target_distribution")],
 )
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x64, variant, loss_type, label_source):
     """Trainer.train with gradient accumulation: finite logged losses, the weights move; DFlash2 adds the selector."""
     trainer = _trainer(
@@ -191,6 +192,7 @@ def test_trainer_trains_with_each_loss_and_label_source(tmp_path, text_target_4x
     assert any(not torch.equal(before[k], p) for k, p in trainer.model.named_parameters())
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_objective_without_a_trainer_equals_compute_loss(tmp_path, text_target_4x64):
     """A standalone DFlashObjective (FrozenTarget, draft, arguments) gives the trainer's compute_loss exactly; in
     Trainer.train every micro-batch is planned once, in get_batch_samples, and that plan reaches compute_loss."""
@@ -236,6 +238,7 @@ def _own_rows(model, rows, corrupt_every: int):
 
 
 @pytest.mark.parametrize("label_source", ["target_argmax", "target_distribution", "ground_truth"])
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_the_data(
     tmp_path, text_target_4x64, label_source
 ):

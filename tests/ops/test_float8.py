@@ -137,6 +137,7 @@ def test_training_arguments_refuse_fp8_where_it_cannot_run(tmp_path, monkeypatch
         args._check_float8()  # an FP8 GPU in bf16: accepted
 
 
+@pytest.mark.slow  # 8 s on 2 busy cores
 def test_compiled_float8_linear_equals_eager_as_the_row_count_changes():
     """`torch_compile_layers: [draft]` compiles the converted layers (`nn.Module.compile`): the autograd function and
     `_scaled_mm` trace in one graph, also once the token count turns dynamic, with eager's numbers."""

@@ -2,6 +2,7 @@
 `target_argmax` labels equal the eager target's, and one dynamic-shape graph serves every layer, batch shape and tap
 choice (the tap hooks stay outside the compiled region). Runs on CPU (inductor needs a C compiler, present in CI)."""
 
+import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
@@ -33,6 +34,7 @@ def _features_and_labels(target: FrozenTarget, batch: dict, layer_ids: list[int]
     return feats, labels
 
 
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_compiled_target_layers_give_the_eager_taps_and_labels_without_recompiling():
     model = tiny.build_text_target(num_layers=3)
     eager, compiled = FrozenTarget(model), FrozenTarget(model)

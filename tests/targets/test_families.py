@@ -317,6 +317,7 @@ def test_resolve_family_errors_and_text():
 
 @pytest.mark.compat
 @pytest.mark.parametrize("name", ["qwen3_asr", "qwen2_audio_single_placeholder"])
+@pytest.mark.slow  # 12 s on 2 busy cores
 def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_path):
     """Model-side expansion (NeMo SALM layout): the trainer plans blocks on the expanded decoder streams
     (taps and loss mask line up), trains, and speculative decoding stays lossless with decoder positions."""
@@ -423,6 +424,7 @@ def test_batches_are_the_same_with_the_fast_whisper_extractor(name, manifest, mo
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.slow  # 16 s on 2 busy cores
 def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name, manifest):
     """`verify_cuda_graph=True` (on the CPU: the fixed-shape verify without a graph) decodes each audio LLM family
     exactly as the growing cache does: the prompt's audio positions (model-side expansion included) prefilled, then
@@ -455,6 +457,7 @@ def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.slow  # 4 s on 2 busy cores
 def test_qwen3_asr_audio_windows_found_on_the_host(manifest, layout, monkeypatch):
     """The plan computes Qwen3-ASR's encoder windows on the host (`host_facts`) and the target builds the decoder's
     embeddings itself: taps and final states bit-identical to the model's own forward, the encoder's window splits

@@ -67,6 +67,7 @@ def _audio(seed: int, seconds: float) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32)
 
 
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_the_start_token_is_context_and_the_transcript_and_end_token_are_supervised(moonshine, tmp_path):
     model, processor = moonshine
     target = FrozenTarget(model)
@@ -121,6 +122,7 @@ def test_the_start_token_is_context_and_the_transcript_and_end_token_are_supervi
         torch.testing.assert_close(target.capture(alone, [1, 3]).taps[0], taps[i, :n], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_loss_is_invariant_to_padding_side(moonshine, tmp_path):
     from utils import make_args
 
@@ -154,6 +156,7 @@ def test_loss_is_invariant_to_padding_side(moonshine, tmp_path):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 40 s on 2 busy cores
 def test_speculative_greedy_equals_moonshine_generate_and_custom_generate(moonshine):
     model, processor = moonshine
     target = FrozenTarget(model)
@@ -172,6 +175,7 @@ def test_speculative_greedy_equals_moonshine_generate_and_custom_generate(moonsh
         speculative_generate(draft, model, 4, input_ids=torch.tensor([[1]]))
 
 
+@pytest.mark.slow  # 10 s on 2 busy cores
 def test_dflash_train_eval_and_generate_labels_on_a_moonshine_target(tmp_path):
     from dflash_hf.cli import eval as cli_eval
     from dflash_hf.cli import generate_labels

@@ -56,6 +56,7 @@ def _rows(rows: int, seed: int, lengths=None):
 
 
 @pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+@pytest.mark.slow  # 12 s on 2 busy cores
 def test_replays_read_only_their_fixed_inputs(graphs, case):
     model, batches = graph_case(case)
     ft = FrozenTarget(model)
@@ -78,6 +79,7 @@ def test_the_key_holds_what_the_target_reads(graphs, text):
     assert len(Counted.made) == 1 and graphs.replays == 1
 
 
+@pytest.mark.slow  # 16 s on 2 busy cores
 def test_each_signature_is_captured_once_and_at_most_max_graphs_are_kept(graphs, text, monkeypatch):
     monkeypatch.setattr(forward_graph, "MAX_GRAPHS", 2)
     model, tok = text

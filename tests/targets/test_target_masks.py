@@ -78,6 +78,7 @@ def test_packed_row_of_one_document_goes_without_mask_or_host_read():
     assert not target.unmasked_causal(two, None)  # two documents: the prebuilt packed mask
 
 
+@pytest.mark.slow  # 12 s on 2 busy cores
 def test_whisper_prebuilt_decoder_mask(tmp_path):
     model, processor = tiny.build_whisper_target(hidden_size=32, num_heads=2, seed=2)
     manifest = tiny.synthesize_speech(tmp_path / "speech", 6, seed=0)

@@ -102,6 +102,7 @@ def test_waves_batches_give_the_whole_windows_taps_and_a_custom_extractor_keeps_
     assert "input_features_compact" in batch and "input_audio_waves" not in batch
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_taps_are_decoder_layer_outputs_before_the_final_layer_norm(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
@@ -167,6 +168,7 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 60 s on 2 busy cores
 def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper):
     model, processor = whisper
     target = FrozenTarget(model)
@@ -216,6 +218,7 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
     assert torch.equal(out.sequences, ref) and torch.equal(out.sequences[:, :4], prompt)
 
 
+@pytest.mark.slow  # 242 s on 2 busy cores
 def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
     """`target_greedy` takes Whisper's plain `generate` (no cache copy to the CPU) and gives the dict call's
     sequences: the prompt back in front, the end token back where a row ended, rows of a batch padded alike."""
@@ -400,6 +403,7 @@ def test_manifest_context_is_whispers_previous_text_prompt(whisper, tmp_path):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # 6 s on 2 busy cores
 def test_dflash_train_on_a_whisper_target_from_a_manifest(tmp_path):
     from dflash_hf.cli import train as cli_train
 
@@ -504,6 +508,7 @@ def test_dflash_eval_and_generate_labels_on_a_whisper_target(tmp_path):
         assert line["text"] == processor.tokenizer.decode(ids[0], skip_special_tokens=True).strip()
 
 
+@pytest.mark.slow  # 30 s on 2 busy cores
 def test_overfit_one_utterance_then_accept_full_blocks(tmp_path):
     """The classic-bug gate on the decoder stream: a draft overfit on one utterance's greedy transcript accepts
     whole blocks when decoding it (a tap, position, label or prompt offset would leave acceptance near 1)."""

@@ -52,6 +52,7 @@ def _data(tok):
     return ListDataset(rows), evals, collate
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_validate_only_equals_evaluation_inside_training(target, tmp_path, capsys):
     model, tok = target
     train, evals, collate = _data(tok)
@@ -111,6 +112,7 @@ def test_prompt_inputs_cut_before_first_supervised_token(target):
         prompt_inputs(batch)
 
 
+@pytest.mark.slow  # 9 s on 2 busy cores
 def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     """One short run: real tau every 2 steps, report_to=tensorboard; then plot_training on both sources."""
     model, tok = target
@@ -186,6 +188,7 @@ def test_progress_bar_postfix_is_concise(capsys):
     cb.training_bar.close()
 
 
+@pytest.mark.slow  # 6 s on 2 busy cores
 def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     """The real-tau callback renders speech prompts with the trainer's target family (here the model-side single
     placeholder row, whose config also matches the processor-expanding qwen2_audio row) and the data arguments'
@@ -228,6 +231,7 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     assert 1.0 <= real.measure()["eval_tau"] <= BLOCK
 
 
+@pytest.mark.slow  # 8 s on 2 busy cores
 def test_early_stopping_stops_on_the_metric_and_exports_the_best_checkpoint(target, tmp_path):
     model, tok = target
     train, evals, collate = _data(tok)
@@ -302,6 +306,7 @@ def test_early_stopping_settings_are_checked_with_the_arguments(tmp_path):
             make_args(tmp_path, mask_token_id=5, **bad)
 
 
+@pytest.mark.slow  # 7 s on 2 busy cores
 def test_a_resumed_run_stops_early_at_the_step_the_uninterrupted_one_did(target, tmp_path):
     model, tok = target
     train, evals, collate = _data(tok)

@@ -35,6 +35,7 @@ def _trainer(root, model, tok, **kw) -> DFlashTrainer:
     return make_trainer(root, model, tok, random_rows(8, 250, seed=2), **(base | kw))
 
 
+@pytest.mark.slow  # 6 s on 2 busy cores
 def test_the_draft_trains_with_fp8_linears_and_saves_the_same_checkpoint(tmp_path):
     model, tok = tiny_text_target()
     fp8 = _trainer(tmp_path / "fp8", model, tok)

@@ -91,6 +91,7 @@ def asr(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["padded", "workers", "packed", "skipped"])
+@pytest.mark.slow  # 21 s on 2 busy cores
 def test_speech_resume_past_the_first_epoch_is_exact(tmp_path, asr, case):
     """Before the fix the Trainer took max_steps as one epoch and skipped batches of the wrong epoch."""
     kw = {
@@ -147,6 +148,7 @@ def test_epoch_save_strategy_saves_at_each_data_epoch_end(tmp_path, asr):
 
 
 @pytest.mark.parametrize("iterable", [False, True], ids=["map_style", "iterable"])
+@pytest.mark.slow  # 11 s on 2 busy cores
 def test_hf_dataset_resume_past_the_first_epoch_is_exact(tmp_path, iterable):
     """The iterable dataset has no length: before the fix it failed as the lhotse loader did."""
     from datasets import Dataset

@@ -45,6 +45,7 @@ def test_mask_token_in_the_data_and_bad_taps_are_refused(tmp_path):
         make_args(tmp_path, mask_token_id=mask_id, bf16=True)
 
 
+@pytest.mark.slow  # 10 s on 2 busy cores
 def test_bf16_precision_sets_target_and_draft_dtypes(tmp_path):
     model, tok = tiny_text_target()
     trainer = _trainer(tmp_path, random_rows(4, 250), model, tok, precision="bf16", max_steps=2)
@@ -60,6 +61,7 @@ def test_bf16_precision_sets_target_and_draft_dtypes(tmp_path):
     assert torch.equal(out.sequences, ref)
 
 
+@pytest.mark.slow  # 5 s on 2 busy cores
 def test_checkpoints_hold_only_the_draft_and_resume_is_exact(tmp_path):
     rows = random_rows(8, 250, seed=2)
     model, tok = tiny_text_target()
@@ -183,6 +185,7 @@ def test_target_loading_is_strict_unless_partial_init_is_asked_for(tmp_path):
     assert model.model.layers[1].mlp.down_proj.weight.shape == (32, 64)
 
 
+@pytest.mark.slow  # 10 s on 2 busy cores
 def test_speech_training_resumes_mid_epoch_exactly(tmp_path):
     """lhotse loader + Trainer checkpoint: resuming at step 3 of 6 sees the same later batches and anchors."""
     from dflash_hf.training.training_args import DFlashDataArguments
