@@ -44,7 +44,9 @@ the ones prefetched by workers); accelerate's ``skip_first_batches`` also works 
 deterministic. ``loader.bad_samples.num_skipped`` / ``.summary()`` report skipped samples, one per source row (log
 it at the end). Sources are scanned line by line when opened, so malformed rows fail (or are counted) before
 training; lhotse audio sources of type ``command`` / ``url`` need ``DataSource(allow_command_audio_sources=True)``
-/ ``allow_url_audio_sources=True`` (docs/DATA.md).
+/ ``allow_url_audio_sources=True`` (docs/DATA.md). Audio is read in the process (libsndfile); a file only a decoder
+program could read needs ``allow_command_audio_sources`` too (``audio_files.py``). Non-finite or absurd samples, and a
+control token's text in a row's text, are bad samples (``audio_files.py``, ``user_text.py``).
 """
 
 from dflash_hf.data.bad_samples import BadSampleError, BadSamples
