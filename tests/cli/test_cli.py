@@ -111,7 +111,7 @@ def test_decoding_switches_are_one_options_object_shared_by_eval(tmp_path):
 
 
 def test_every_dflash_option_has_help():
-    for group in argument_groups.HELP_GROUPS:
+    for group in argument_groups.HELP_GROUPS + argument_groups.LATE_HELP_GROUPS:
         for f in dataclasses.fields(group):
             assert f.metadata.get("help"), f"{group.__name__}.{f.name} has no help"
 
