@@ -205,3 +205,38 @@ def test_check_draft_export_accepts_both_architecture_names(tmp_path):
     torch.manual_seed(0)
     out = export_draft(DFlashDraftModel(_context_config("dflash")), tmp_path / "ctx")
     assert check_draft_export(out).architecture == "DFlashEncoderContextDraftModel"
+
+
+def test_with_vllm_an_export_reads_as_it_was_trained(mrope_asr, tmp_path):
+    """vLLM's own readers on an export of the speech target's draft: non-causal, the mask id, the taps + 1, and a
+    full-head 1-D rotary equal to the draft's (the target's fields would make it a half-head multimodal rotary)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install dflash_hf[vllm])")
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.transformers_utils.config import get_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    draft = _asr_draft(tmp_path, mrope_asr[0])
+    config = get_config(str(export_draft(draft, tmp_path / "draft")), trust_remote_code=False)
+    assert dflash_has_any_non_causal(config) and config.is_causal is False
+    assert get_parallel_drafting_token_id(config) == draft.config.mask_token_id
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=config))
+    assert get_eagle3_aux_layers_from_config(spec) == tuple(i + 1 for i in draft.config.target_layer_ids)
+    head_dim, positions = config.head_dim, torch.arange(64)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        rope = get_rope(head_dim, max_position=64, is_neox_style=True, rope_parameters=config.rope_parameters)
+        target_rope = get_rope(
+            head_dim,
+            max_position=64,
+            is_neox_style=True,
+            rope_parameters=mrope_asr[0].config.text_config.rope_parameters,
+        )
+    assert type(rope).__name__ == "RotaryEmbedding" and rope.rotary_dim == head_dim
+    assert target_rope.rotary_dim < head_dim  # what copying the target's fields would have served
+    cos, sin = draft.rotary_emb(positions[None], torch.float32)
+    half = head_dim // 2
+    assert torch.allclose(rope.cos_sin_cache, torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1), atol=1e-6)
