@@ -181,6 +181,15 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
             pass
 
 
+def check_resume_path(resume) -> None:
+    """A checkpoint given by path is read as resume will read it (`checkpoints.checkpoint_problem`: truncated files,
+    pickled code) before the target loads; `true` picks among the checkpoints when training starts."""
+    if isinstance(resume, (str, Path)):
+        from dflash_hf.training.checkpoints import check_checkpoint_readable
+
+        check_checkpoint_readable(resume)
+
+
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
     from dflash_hf.targets.families.registry import get_tokenizer
@@ -193,6 +202,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     args.check_files()
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
     check_data_rows(data_args)
+    check_resume_path(args.resume_from_checkpoint)
     target = FrozenTarget(
         load_target(
             args.target_name_or_path, args.precision, args.target_strict_load, trust_remote_code=args.trust_remote_code

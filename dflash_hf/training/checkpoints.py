@@ -155,6 +155,16 @@ def checkpoint_problem(checkpoint: str | Path) -> str | None:
     return None
 
 
+def check_checkpoint_readable(path: str | Path) -> None:
+    """A checkpoint given by path must be readable as resume reads it (`checkpoint_problem`)."""
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(
+            f"--resume_from_checkpoint {str(path)!r} is damaged: {problem}; resume from an earlier checkpoint (or "
+            "pass true for the last readable one in output_dir)"
+        )
+
+
 def resolve_resume_checkpoint(
     value: str | bool | None, output_dir: str | Path, run_id: str | None = None
 ) -> str | None:
@@ -166,12 +176,7 @@ def resolve_resume_checkpoint(
         return None
     if value is not True:
         check_checkpoint_dir(value)
-        problem = checkpoint_problem(value)
-        if problem:
-            raise ValueError(
-                f"--resume_from_checkpoint {str(value)!r} is damaged: {problem}; resume from an earlier checkpoint "
-                "(or pass true for the last readable one in output_dir)"
-            )
+        check_checkpoint_readable(value)
         logger.warning("resume: resuming from %s", value)
         return str(value)
     damaged: dict[Path, str] = {}

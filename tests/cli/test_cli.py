@@ -465,3 +465,40 @@ def test_missing_audio_in_the_validation_set_is_found_before_the_target_loads(tm
     assert console.run_command("dflash-train", [*argv, "--use_cpu", "true"]) == 2
     err = capsys.readouterr().err
     assert f"({dev} line 1): field 'audio_filepath'" in err and "does not exist" in err
+
+
+def test_a_damaged_checkpoint_given_by_path_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    """Before: a pickle planted in a checkpoint was a raw UnpicklingError traceback once training started."""
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    from safetensors.torch import save_file
+
+    import dflash_hf.targets.frozen
+    from dflash_hf.testing import tiny
+    from dflash_hf.training.checkpoints import COMPLETE_MARKER
+
+    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, checkpoint / "model.safetensors")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    (checkpoint / COMPLETE_MARKER).write_text("{}")
+    planted = tmp_path / "planted"
+    torch.save({"state": _Planted(str(planted))}, checkpoint / "optimizer.pt")
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0)
+    (tmp_path / "target").mkdir()
+    argv = ["--target_name_or_path", str(tmp_path / "target"), "--train_data", str(manifest), "--mask_token_id", "5"]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--resume_from_checkpoint", str(checkpoint)]
+    assert console.run_command("dflash-train", argv) == 2
+    err = capsys.readouterr().err
+    assert f"--resume_from_checkpoint '{checkpoint}' is damaged: optimizer.pt holds pickled objects" in err
+    assert not planted.exists()
+
+
+class _Planted:
+    """Unpickling it would create a directory (what a planted pickle could do)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
