@@ -407,7 +407,13 @@ def write_atomically(export_dir: str | Path, write: Callable[[Path], None]) -> P
     that is complete or absent at every instant. An older export there (`check_replaceable`) is kept until the new
     one is complete, then removed. A failed `write` leaves the older export as it was. Stale staging directories
     of dead processes are removed first. Returns `export_dir`."""
-    export_dir = Path(export_dir)
+    given = Path(export_dir)
+    export_dir = Path(os.path.abspath(given))
+    if export_dir.exists() and os.path.samefile(export_dir, os.getcwd()):
+        raise ValueError(
+            f"export_dir={str(given)!r} is the current directory; an export replaces its whole directory: give a "
+            "subdirectory (e.g. ./draft)"
+        )
     check_replaceable(export_dir)
     export_dir.parent.mkdir(parents=True, exist_ok=True)
     for kind in STAGING_KINDS:
@@ -432,7 +438,7 @@ def write_atomically(export_dir: str | Path, write: Callable[[Path], None]) -> P
     for old in [previous, *_staging_siblings(export_dir, "previous")]:
         if old is not None and (old == previous or not _pid_alive(old)):
             shutil.rmtree(old, ignore_errors=True)
-    return export_dir
+    return given
 
 
 def check_exportable(draft: nn.Module, vocab_size: int | None = None, tokenizer=None) -> None:

@@ -185,3 +185,12 @@ def test_staging_siblings_match_only_this_exports_name(tmp_path):
     (tmp_path / ".draft[1].partial-1-ab").mkdir()
     (tmp_path / ".draft1.partial-1-ab").mkdir()
     assert [p.name for p in drafts._staging_siblings(tmp_path / "draft[1]", "partial")] == [".draft[1].partial-1-ab"]
+
+
+def test_export_into_the_current_directory_is_refused(tmp_path, monkeypatch):
+    export_draft(_draft(0), tmp_path / "draft")
+    monkeypatch.chdir(tmp_path / "draft")
+    for given in (".", str(tmp_path / "draft")):
+        with pytest.raises(ValueError, match="is the current directory"):
+            export_draft(_draft(1), given)
+    assert load_draft_strict(tmp_path / "draft").config.block_size == 8
