@@ -184,9 +184,9 @@ def check_data_rows(data_args: DFlashDataArguments) -> None:
 def check_resume_path(resume) -> None:
     """A checkpoint given by path is read as resume will read it (`checkpoints.checkpoint_problem`: truncated files,
     pickled code) before the target loads; `true` picks among the checkpoints when training starts."""
-    if isinstance(resume, (str, Path)):
-        from dflash_hf.training.checkpoints import check_checkpoint_readable
+    from dflash_hf.training.checkpoints import check_checkpoint_readable, resume_path
 
+    if resume_path(resume) is not None:
         check_checkpoint_readable(resume)
 
 

@@ -78,7 +78,8 @@ TRAINER_OVERRIDES = {
     "resume_from_checkpoint": (
         None,
         "Resume training from this complete checkpoint-N directory, or true: from the last complete checkpoint in "
-        "output_dir (incomplete ones, from interrupted saves, are skipped).",
+        "output_dir (incomplete ones, from interrupted saves, are skipped), or auto: as true when there is one, else "
+        "start the run (a job script that is requeued after preemption).",
     ),
 }
 

@@ -32,16 +32,27 @@ _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _FULL_DISK_WORDS = ("unexpected pos", "no space left on device", "storagefull", "os error 28", "quota exceeded")
 
 
+RESUME_AUTO = "auto"  # resume when the run in output_dir has a complete checkpoint, else start it (requeued jobs)
+
+
 def parse_resume_flag(value: str | bool | None) -> str | bool | None:
     """`resume_from_checkpoint` as given on the command line or in YAML: the strings true/false (any case)
-    become booleans, an empty string None; a path stays a path."""
+    become booleans, an empty string None, auto `RESUME_AUTO`; a path stays a path."""
     if isinstance(value, str):
         word = value.strip().lower()
         if word in ("true", "false"):
             return word == "true"
+        if word == RESUME_AUTO:
+            return RESUME_AUTO
         if not word:
             return None
     return value
+
+
+def resume_path(value: str | bool | None) -> str | Path | None:
+    """The checkpoint directory `resume_from_checkpoint` names (None for true / false / auto / unset)."""
+    value = parse_resume_flag(value)
+    return value if isinstance(value, (str, Path)) and value != RESUME_AUTO else None
 
 
 def is_complete(checkpoint: str | Path) -> bool:
@@ -169,11 +180,17 @@ def resolve_resume_checkpoint(
     value: str | bool | None, output_dir: str | Path, run_id: str | None = None
 ) -> str | None:
     """The checkpoint directory to resume from: `true` = the last complete, readable one of run `run_id` (the run
-    owning `output_dir`; None: any) in `output_dir`, logged with the incomplete or damaged ones it passed over; a
-    path = that checkpoint (refused if incomplete or damaged); false/None = none."""
+    owning `output_dir`; None: any) in `output_dir`, logged with the incomplete or damaged ones it passed over;
+    `auto` = the same when there is a complete one, else none (a new run); a path = that checkpoint (refused if
+    incomplete or damaged); false/None = none."""
     value = parse_resume_flag(value)
     if value is None or value is False:
         return None
+    if value == RESUME_AUTO:
+        if last_complete_checkpoint(output_dir, run_id)[0] is None:
+            logger.warning("resume: auto: no complete checkpoint in %s, starting the run", output_dir)
+            return None
+        value = True
     if value is not True:
         check_checkpoint_dir(value)
         check_checkpoint_readable(value)

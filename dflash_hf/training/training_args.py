@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from transformers import TrainingArguments
 
@@ -38,7 +37,7 @@ from dflash_hf.training.argument_groups import (
     DFlashTuningArguments,
     deprecated_options,
 )
-from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag
+from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag, resume_path
 from dflash_hf.training.launch import check_launch
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
@@ -185,7 +184,7 @@ class DFlashTrainingArguments(
         must be complete, and block_size / num_anchors left unset come from that export (its block size and, with
         validate_only, the training run's anchors recorded in its dflash_config, so a validation repeats the run's
         evaluation). Idempotent."""
-        if isinstance(self.resume_from_checkpoint, (str, Path)):
+        if resume_path(self.resume_from_checkpoint) is not None:
             check_checkpoint_dir(self.resume_from_checkpoint)
         if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
             check_draft_export(self.init_from_pretrained)

@@ -188,3 +188,17 @@ def test_training_data_is_compared_by_content_not_by_where_it_lies(tmp_path):
     assert setting_differences(recorded, {"train_data": data_identity([str(moved)])}) == []
     first.write_text('{"text": "two"}\n')  # edited in place
     assert setting_differences(recorded, {"train_data": data_identity([str(first)])}) == ["train_data"]
+
+
+def test_resume_auto_starts_the_run_then_resumes_it(tmp_path, text_target, caplog):
+    """What a job script requeued after preemption passes every time: the first launch starts the run."""
+    first = _trainer(tmp_path, text_target, max_steps=2)
+    with caplog.at_level(logging.WARNING, logger="dflash_hf"):
+        first.train(resume_from_checkpoint="auto")
+    assert "resume: auto: no complete checkpoint" in caplog.text and first.state.global_step == 2
+    run_id = _record(tmp_path / "out")["run_id"]
+    again = _trainer(tmp_path, text_target, max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="dflash_hf"):
+        again.train(resume_from_checkpoint="auto")
+    assert f"resuming from {tmp_path / 'out' / 'checkpoint-2'}" in caplog.text
+    assert _record(tmp_path / "out" / "checkpoint-4")["run_id"] == run_id
