@@ -96,6 +96,7 @@ def test_fp8_operands_are_checked_before_the_matmul():
         _run(hidden, weight, labels, weights, 16, fp8=True)
 
 
+@pytest.mark.slow  # 9 s on 2 busy cores (torch.compile)
 def test_the_compiled_ce_kernel_writes_the_eager_e4m3_rows():
     """On a GPU the CE kernel runs compiled (`fused_ce._ce_grad`); its FP8 branch traces in one graph, also once the
     row count turns dynamic, and writes eager's e4m3 rows (CE and scales equal up to float32 rounding)."""

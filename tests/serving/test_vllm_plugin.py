@@ -31,6 +31,7 @@ def test_the_entry_point_and_the_extra_are_declared():
     assert any(req.replace(" ", "").startswith("vllm>=0.33") for req in project["optional-dependencies"]["vllm"])
 
 
+@pytest.mark.slow  # 6 s on 2 busy cores (a fresh interpreter)
 def test_importing_dflash_hf_and_the_plugin_never_imports_vllm(tmp_path):
     poisoned = tmp_path / "vllm"
     poisoned.mkdir()
