@@ -16,7 +16,9 @@ the loss and every trained weight into NaN. :func:`audio_value_problem` says why
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -73,6 +75,28 @@ class ExternalDecoderRefused(ValueError):
 
 def refusal_problem(what: str, why: str) -> str:
     return f"{what}: libsndfile cannot decode it ({why}); the other decoders run a program on it, refused by default"
+
+
+def audio_path_problem(path: Path) -> str | None:
+    """Why ``path`` is not an audio file one can open (None if it is a file)."""
+    return audio_file_stat(path)[1]
+
+
+def audio_file_stat(path: Path) -> tuple[os.stat_result | None, str | None]:
+    """``(stat, None)`` of a regular file, or ``(None, why it is not an audio file one can open)``: one ``stat``."""
+    try:
+        info = os.stat(path)
+    except ValueError:  # a path the OS cannot take (a NUL byte), as pathlib's is_file answers False
+        return None, f"audio file {str(path)!r} does not exist"
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):  # pathlib's ignored errors
+            raise
+        return None, f"audio file {str(path)!r} does not exist"
+    if stat.S_ISDIR(info.st_mode):
+        return None, f"audio path {str(path)!r} is a directory, not an audio file"
+    if not stat.S_ISREG(info.st_mode):
+        return None, f"audio file {str(path)!r} does not exist"
+    return info, None
 
 
 def _describe(path_or_fd) -> str:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from lhotse import CutSet
 
+from dflash_hf.data.audio_files import audio_path_problem
 from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
 from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
-from dflash_hf.data.sources import _make_cut, audio_path_problem
+from dflash_hf.data.sources import _make_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
 from dflash_hf.targets.families.registry import TargetFamily, audio_token_id

@@ -17,10 +17,7 @@ JSON-lines rows are scanned by ``json_rows.py``; the lhotse cuts reader is ``lho
 
 from __future__ import annotations
 
-import errno
 import io
-import os
-import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,8 @@ from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
 from dflash_hf.data.audio_files import (
     REFUSAL_FIX,
     ExternalDecoderRefused,
+    audio_file_stat,
+    audio_path_problem,
     mark_programs,
     recording_from_bytes,
     recording_from_file,
@@ -105,28 +104,6 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
     if "id" in record and _nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
     return True
-
-
-def audio_path_problem(path: Path) -> str | None:
-    """Why ``path`` is not an audio file one can open (None if it is a file)."""
-    return audio_file_stat(path)[1]
-
-
-def audio_file_stat(path: Path) -> tuple[os.stat_result | None, str | None]:
-    """``(stat, None)`` of a regular file, or ``(None, why it is not an audio file one can open)``: one ``stat``."""
-    try:
-        info = os.stat(path)
-    except ValueError:  # a path the OS cannot take (a NUL byte), as pathlib's is_file answers False
-        return None, f"audio file {str(path)!r} does not exist"
-    except OSError as e:
-        if e.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):  # pathlib's ignored errors
-            raise
-        return None, f"audio file {str(path)!r} does not exist"
-    if stat.S_ISDIR(info.st_mode):
-        return None, f"audio path {str(path)!r} is a directory, not an audio file"
-    if not stat.S_ISREG(info.st_mode):
-        return None, f"audio file {str(path)!r} does not exist"
-    return info, None
 
 
 def nemo_line_to_cut(
