@@ -153,7 +153,7 @@ def test_loud_but_plausible_float_audio_is_kept(tmp_path):
     assert np.allclose(load_cut_audio(cut, 16000), MAX_ABS_SAMPLE / 2)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])  # a worker process: 5 s on 2 cores
 def test_bad_audio_is_skipped_and_counted_by_the_loader(tmp_path, asr_target, workers):
     """Found when the collator reads it (in a worker process or not): the row leaves its batch, the loader counts
     it, a batch left empty is not handed out; strict mode raises naming the row."""
