@@ -38,7 +38,8 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Files a draft export may hold besides its weights; anything else is noted and ignored on load.
 REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
-EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json")
+RUN_RECORD_FILE = "dflash_run.json"  # the training run an export is of (written by the trainer)
+EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json", RUN_RECORD_FILE)
 # safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")

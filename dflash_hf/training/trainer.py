@@ -8,7 +8,6 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,11 +16,10 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
 from dflash_hf.data.epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
-from dflash_hf.export.drafts import export_draft
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
 from dflash_hf.objective.losses import MetricSums
-from dflash_hf.training.adaptation import check_resume_selection, plain_draft, save_selection
+from dflash_hf.training.adaptation import check_resume_selection, save_selection
 from dflash_hf.training.assembly import (
     compile_draft_layers,
     draft_for_training,
@@ -35,27 +33,14 @@ from dflash_hf.training.checkpoints import (
     complete_only_save,
     load_data_state,
     mark_complete,
-    parse_resume_flag,
-    reporting_full_disk,
-    resolve_resume_checkpoint,
     save_data_state,
 )
-from dflash_hf.training.decode_benchmark import record_conversation
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
+from dflash_hf.training.draft_export import export_trained_draft
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
-from dflash_hf.training.run_identity import (
-    RunDirectoryError,
-    check_run_directories,
-    clear_previous_run,
-    export_record,
-    new_record,
-    read_record,
-    resumed_record,
-    run_settings,
-    target_identity,
-    write_record,
-)
+from dflash_hf.training.run_identity import target_identity, write_record
+from dflash_hf.training.run_start import start_run
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
@@ -155,7 +140,7 @@ class DFlashTrainer(Trainer):
         ones are passed over and logged. The run's directories are checked first (`run_identity`), and a resume
         refuses settings that differ from its checkpoint's. SIGTERM / SIGINT save a checkpoint at the next step
         boundary and raise `TrainingInterrupted`."""
-        checkpoint = self._start_run(resume_from_checkpoint)
+        checkpoint, self.run_record = start_run(self, resume_from_checkpoint)
         if checkpoint:
             check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
         self._resume_checkpoint = checkpoint
@@ -172,42 +157,6 @@ class DFlashTrainer(Trainer):
                 self._save_checkpoint(self.model, trial=None)
             raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, str(saved))
         return result
-
-    def _start_run(self, resume_from_checkpoint) -> str | None:
-        """Check the run's directories, pick the checkpoint to resume from and set `run_record`: the resumed run's
-        (settings compared, allowed changes recorded) or a new run's; written in `output_dir` (`run_identity`)."""
-        args = self.args
-        resuming = parse_resume_flag(resume_from_checkpoint) not in (None, False)
-        previous = check_run_directories(
-            args.output_dir,
-            args.resolved_export_dir,
-            resuming=resuming,
-            overwrite=args.overwrite_output_dir,
-            target=args.target_name_or_path or self.target_identity["name_or_path"],
-        )
-        self.accelerator.wait_for_everyone()
-        if args.should_save and previous:
-            clear_previous_run(previous, args.output_dir)
-        self.accelerator.wait_for_everyone()
-        owner = read_record(args.output_dir)
-        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir, owner and owner["run_id"])
-        settings = run_settings(self.draft_config, self.target_identity, self.train_dataset)
-        if checkpoint:
-            record = read_record(checkpoint)
-            if owner and record and record["run_id"] != owner["run_id"]:
-                raise RunDirectoryError(
-                    f"--resume_from_checkpoint {checkpoint} is of run {record['run_id']}, but --output_dir "
-                    f"{args.output_dir} belongs to run {owner['run_id']}; resume into the checkpoint's own "
-                    "output_dir or a new one, or pass --overwrite_output_dir true to replace the run there"
-                )
-            step = json.loads((Path(checkpoint) / "trainer_state.json").read_text()).get("global_step", 0)
-            self.run_record = resumed_record(record, checkpoint, settings, args.resume_allow_changes, step)
-        else:
-            self.run_record = new_record(settings)
-        self.accelerator.wait_for_everyone()  # every rank has read the directory's record before it is replaced
-        if args.should_save:
-            write_record(args.output_dir, self.run_record)
-        return checkpoint
 
     def _streams_epochs(self) -> bool:
         """Whether the training data has no length, so it is trained on as an `EpochStream`."""
@@ -253,21 +202,7 @@ class DFlashTrainer(Trainer):
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
-        export_dir = export_dir or self.args.resolved_export_dir
-        self.finite_guard.settle()
-        # FSDP shards the parameters: gather a full state dict first (a collective: every rank takes part)
-        state_dict = self.accelerator.get_state_dict(self.model) if self.is_fsdp_enabled else None
-        if self.args.should_save:
-            self.draft_config.dflash_config["num_anchors"] = self.args.num_anchors  # validate_only reuses it
-            if is_speech_source(self.train_dataset):  # conversations rendered from cuts: dflash-eval renders alike
-                conversation, family = self.data_args.conversation(), self.target.family.name
-                record_conversation(self.draft_config.dflash_config, conversation, family)
-            with reporting_full_disk(export_dir), no_hf_progress_bars():
-                export_draft(plain_draft(self.accelerator.unwrap_model(self.model), state_dict), export_dir)
-            if self.run_record is not None:  # beside the export: the run it is of, and any allowed changes
-                write_record(export_dir, export_record(self.run_record), global_step=self.state.global_step)
-        self.accelerator.wait_for_everyone()
-        return export_dir
+        return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
 
     def final_eval_metrics(self) -> dict[str, float]:
         """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
