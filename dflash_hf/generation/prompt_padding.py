@@ -108,3 +108,9 @@ def refuse_padding(attention_mask: torch.Tensor | None, what: str) -> None:
             f"{what} takes an unpadded prompt, but its attention_mask masks {padded} position(s); pass the prompt "
             "without padding (tokenizer or processor with padding=False, or drop the masked positions)"
         )
+
+
+def check_one_prompt(ids: torch.Tensor) -> None:
+    """Speculative decoding takes a batch of one prompt."""
+    if ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one prompt at a time; got batch {ids.shape[0]}")

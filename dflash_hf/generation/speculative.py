@@ -17,21 +17,21 @@ output are the model's own; the encoder runs once per utterance and the cross-at
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
-from dflash_hf.generation.prompt_padding import PromptPadding, prompt_padding, refuse_padding
+from dflash_hf.generation.decode_state import (  # noqa: F401 (SpeculativeOutput stays importable from here)
+    SpeculativeOutput,
+    _Positions,
+    _Verifier,
+    crop_cache,
+)
+from dflash_hf.generation.model_side import model_side_greedy, model_side_what  # noqa: F401 (importable from here)
+from dflash_hf.generation.prompt_padding import check_one_prompt, prompt_padding, refuse_padding
 from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
-from dflash_hf.generation.target_cache import (
-    cache_keyword,
-    check_block_cached,
-    check_prompt_cached,
-    generate_state_free,
-)
+from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
 from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
     _accept,
@@ -46,73 +46,6 @@ from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and
     with_cached_masks,
 )
 from dflash_hf.targets.frozen import FrozenTarget
-
-
-@dataclass
-class SpeculativeOutput:
-    sequences: torch.LongTensor  # [1, prompt + new]
-    acceptance_lengths: list[int] = field(default_factory=list)  # accepted draft tokens + 1 per cycle
-    num_target_forwards: int = 0
-    draft_step: str = "eager"  # how the draft ran: "cuda graph", "fixed-shape, no graph" or "eager"
-    verify_step: str = "eager"  # how the target verified: the same three (`verify_cuda_graph`)
-
-    @property
-    def tau(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions (a negative argument means "remove" in every transformers 5.x). An
-    encoder-decoder cache crops its self-attention part only: the cross-attention cache stays."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-@dataclass
-class _Verifier:
-    """How the target runs one decoding forward: its ids keyword (`input_ids`, or `decoder_input_ids` for an
-    encoder-decoder target), keywords kept for every forward (the encoder output), and its KV cache."""
-
-    target: FrozenTarget
-    layer_ids: list[int]
-    ids_key: str
-    cache: object
-    step_kwargs: dict = field(default_factory=dict)
-    forwards: int = 0
-    draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
-    verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
-    padding: PromptPadding | None = None  # a padded prompt's mask and positions, kept for every verify
-
-    def __post_init__(self):
-        self.cache_key = cache_keyword(self.target.model)  # `past_key_values`, or `cache` from transformers 5.24
-
-    def __call__(self, **kwargs):
-        self.forwards += 1
-        out, feats = self.target.tapped_forward(
-            self.layer_ids, **{self.cache_key: self.cache}, use_cache=True, **self.step_kwargs, **kwargs
-        )
-        return out.logits[0], feats.taps
-
-    def step(self, ids: torch.Tensor, start: int):
-        """The verify of `ids` at cache rows `start ..` (a padded prompt's mask and positions included)."""
-        if self.padding is None:
-            return self(**{self.ids_key: ids})
-        return self(**{self.ids_key: ids}, **self.padding.verify_kwargs(start, start + ids.shape[1]))
-
-
-class _Positions:
-    """Decoder positions `[1, n]` as slices of one `arange`, made once and grown by doubling (no new tensor per
-    cycle)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.all = torch.arange(0, device=device)[None]
-
-    def span(self, start: int, stop: int) -> torch.Tensor:
-        if stop > self.all.shape[1]:
-            self.all = torch.arange(max(stop, 2 * self.all.shape[1]), device=self.device)[None]
-        return self.all[:, start:stop]
 
 
 def _decode(
@@ -259,11 +192,6 @@ def _decode(
     return seq, accepted
 
 
-def _check_one_prompt(ids: torch.Tensor) -> None:
-    if ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding takes one prompt at a time; got batch {ids.shape[0]}")
-
-
 @torch.no_grad()
 def speculative_generate(
     draft,
@@ -298,8 +226,8 @@ def speculative_generate(
     # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
-    _check_one_prompt(input_ids)
-    refuse_padding(target_inputs.get("attention_mask"), _model_side_what(ft))
+    check_one_prompt(input_ids)
+    refuse_padding(target_inputs.get("attention_mask"), model_side_what(ft))
     eos = _eos_ids(ft)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
     verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
@@ -327,40 +255,6 @@ def speculative_generate(
     )
 
 
-@torch.no_grad()
-def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.LongTensor:
-    """Plain greedy decoding of a model-side single-placeholder target (legacy Qwen2-Audio / SALM layout), the
-    baseline its speculative decoding must equal: transformers' `generate` drops the 2D mask the audio merge needs
-    (an error, or another sequence, depending on the version), so this is the target's own forward with a KV cache,
-    one token a step, ending at an end token of its configs or after `max_new_tokens`. Token-equal to one full
-    forward per token (tested). Returns prompt ids + new tokens `[1, L + n]`."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
-    input_ids = target_inputs["input_ids"]
-    _check_one_prompt(input_ids)
-    refuse_padding(target_inputs.get("attention_mask"), _model_side_what(ft))
-    eos = _eos_ids(ft)
-    cache = DynamicCache()
-    key = cache_keyword(ft.model)  # `past_key_values`, or `cache` from transformers 5.24
-    prefill = {**ft.cast_features(target_inputs), key: cache, "use_cache": True}
-    if ft.keeps_last_logits_only:
-        prefill["logits_to_keep"] = 1
-    logits = ft.model(**prefill).logits
-    new: list[int] = []
-    while True:
-        token = logits[0, -1].argmax(-1)
-        new.append(int(token))
-        if new[-1] in eos or len(new) >= max_new_tokens:
-            break
-        logits = ft.model(input_ids=token.view(1, 1), **{key: cache}, use_cache=True).logits
-    return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
-
-
-def _model_side_what(ft: FrozenTarget) -> str:
-    return f"decoding a {ft.family.name} target (its model expands the audio placeholder itself)"
-
-
 def _through_generate(
     draft,
     ft: FrozenTarget,
@@ -377,7 +271,7 @@ def _through_generate(
     if key not in target_inputs:
         kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
-    _check_one_prompt(target_inputs[key])
+    check_one_prompt(target_inputs[key])
     decode = DFlashCustomGenerate(
         draft, generator=generator, draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph
     )
@@ -429,7 +323,7 @@ class DFlashCustomGenerate:
         streamer=None,
         **model_kwargs,
     ):
-        _check_one_prompt(input_ids)
+        check_one_prompt(input_ids)
         if streamer is not None:
             raise ValueError("DFlashCustomGenerate does not stream; call generate without streamer")
         if self._target is None or self._target.model is not model:

@@ -75,14 +75,10 @@ class FixedSelfCache(DynamicCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are explicit: position ids, `write_index` and the mask
 
-    def keep_mask(
-        self, query_positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's (and the row is
-        `valid`: not a padded prompt position), else the lowest value of `dtype`."""
-        keep = self.columns[None, :] <= query_positions[:, None]
-        if valid is not None:
-            keep = keep & valid[None, :]
+    def keep_mask(self, query_positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor) -> torch.Tensor:
+        """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's and the row is
+        `valid` (not a padded prompt position), else the lowest value of `dtype`."""
+        keep = (self.columns[None, :] <= query_positions[:, None]) & valid[None, :]
         return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
 
 

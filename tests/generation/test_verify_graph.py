@@ -233,8 +233,10 @@ def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
     cache.write_index = torch.tensor([2, 3])
     keys, values = cache.update(torch.ones(1, 1, 2, 2), 2 * torch.ones(1, 1, 2, 2), 0)
     assert keys[0, 0, :, 0].tolist() == [0, 0, 1, 1, 0, 0] and values[0, 0, 2, 1] == 2
-    mask = cache.keep_mask(torch.tensor([2, 3]), torch.float32)[0, 0]
+    mask = cache.keep_mask(torch.tensor([2, 3]), torch.float32, torch.ones(6, dtype=torch.bool))[0, 0]
     assert (mask[0, :3] == 0).all() and (mask[0, 3:] < -1e30).all() and (mask[1, :4] == 0).all()
+    padded = cache.keep_mask(torch.tensor([2, 3]), torch.float32, torch.tensor([0, 1, 1, 1, 1, 1]).bool())[0, 0]
+    assert (padded[:, 0] < -1e30).all() and (padded[0, 1:3] == 0).all() and (padded[1, 1:4] == 0).all()
 
 
 def _decoder_only_cases():
