@@ -239,7 +239,8 @@ def test_dflash_train_eval_and_generate_labels_on_a_moonshine_target(tmp_path):
         == 0
     )
     res = json.loads(out.read_text())
-    assert res["prompts"] == 2 and res["outputs_identical"] and res["family"] == "moonshine" and res["greedy_tokens"] > 0
+    assert res["prompts"] == 2 and res["outputs_identical"] and res["greedy_tokens"] > 0
+    assert res["family"] == "moonshine"  # the family the export records
 
     labels = tmp_path / "labels.jsonl"
     assert (
