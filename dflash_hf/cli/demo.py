@@ -222,11 +222,18 @@ def next_step_command(summary: dict) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     # One thread (OMP_NUM_THREADS overrides): the tiny models' ops are too small to split; a second thread
     # took 1.8x the CPU time for the same wall time on 2 cores, and oversubscribed them under load.
     configure_cpu_threads(max_threads=DEMO_THREADS)
-    run(argv)
+    from dflash_hf.training.step_guards import TrainingInterrupted
+
+    try:
+        run(argv)
+    except TrainingInterrupted as stop:  # SIGTERM / SIGINT while training: as dflash-train, one line, 128 + signal
+        print(f"dflash-demo: {stop}", file=sys.stderr)
+        return stop.exit_code
+    return 0
 
 
 if __name__ == "__main__":

@@ -502,3 +502,18 @@ class _Planted:
 
     def __reduce__(self):
         return (os.mkdir, (self.path,))
+
+
+def test_a_stop_signal_during_the_demo_is_one_line_and_exit_128_plus_signal(monkeypatch, capsys):
+    import signal
+
+    from dflash_hf.cli import demo
+    from dflash_hf.training.step_guards import TrainingInterrupted
+
+    def stopped(argv):
+        raise TrainingInterrupted(signal.SIGTERM, 3, "runs/demo/checkpoint-3")
+
+    monkeypatch.setattr(demo, "run", stopped)
+    assert console.run_command("dflash-demo", []) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-demo: received SIGTERM: stopped at optimizer step 3") and "Traceback" not in err
