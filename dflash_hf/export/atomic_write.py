@@ -52,6 +52,15 @@ def _pid_alive(path: Path) -> bool:
     return True
 
 
+def is_draft_export(directory: Path) -> bool:
+    """A directory whose config.json is a DFlash draft's (its `dflash_config`)."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("dflash_config"), dict)
+
+
 def check_replaceable(export_dir: Path) -> None:
     """`export_dir` may be written: absent, empty, or an earlier draft export (a DFlash draft's `config.json`, or none,
     beside plain files that are not a run's training state). Anything else (a target's or another model's directory,
@@ -62,14 +71,8 @@ def check_replaceable(export_dir: Path) -> None:
         raise NotADirectoryError(f"export_dir={str(export_dir)!r} is a file; give a directory for the draft export")
     paths = sorted(export_dir.iterdir())
     reason = None
-    config_file = export_dir / "config.json"
-    if config_file.exists():
-        try:
-            raw = json.loads(config_file.read_text())
-        except (OSError, ValueError):
-            raw = None
-        if not (isinstance(raw, dict) and isinstance(raw.get("dflash_config"), dict)):
-            reason = "its config.json is not a DFlash draft's"
+    if (export_dir / "config.json").exists() and not is_draft_export(export_dir):
+        reason = "its config.json is not a DFlash draft's"
     if reason is None:
         others = [p.name for p in paths if not p.is_file() or RUN_STATE_FILE.fullmatch(p.name)]
         if others:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_hf.errors import DFlashUserError
+from dflash_hf.export.atomic_write import is_draft_export
 
 logger = logging.getLogger("dflash_hf")
 
@@ -269,15 +270,6 @@ def _settings_of_config(checkpoint: str | Path, current: Mapping[str, Any]) -> d
 _CHECKPOINT_PREFIX = "checkpoint-"
 _CHECKPOINT_NAME = re.compile(rf"^{_CHECKPOINT_PREFIX}\d+$")  # the Trainer's checkpoint-N
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
-
-
-def is_draft_export(directory: Path) -> bool:
-    """A directory whose config.json is a DFlash draft's (its `dflash_config`)."""
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(config, dict) and isinstance(config.get("dflash_config"), dict)
 
 
 def _inside(path: Path, parent: Path) -> bool:
