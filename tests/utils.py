@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -252,6 +253,20 @@ def assert_lossless_greedy(draft, model, num_prompts: int, max_new_tokens: int) 
         out = speculative_generate(draft, model, max_new_tokens, input_ids=prompt, attention_mask=am)
         assert torch.equal(out.sequences, ref), seed
         assert all(1 <= a <= block for a in out.acceptance_lengths)
+
+
+def chi_square_p_value(counts: Counter, expected: dict) -> tuple[float, int]:
+    """Pearson chi-square p-value (cells with expected count < 5 pooled) and the degrees of freedom."""
+    chi2, dof, pool_e, pool_o = 0.0, -1, 0.0, 0
+    for cell, e in expected.items():
+        o = counts.get(cell, 0)
+        if e < 5:
+            pool_e, pool_o = pool_e + e, pool_o + o
+            continue
+        chi2, dof = chi2 + (o - e) ** 2 / e, dof + 1
+    if pool_e > 0:
+        chi2, dof = chi2 + (pool_o - pool_e) ** 2 / pool_e, dof + 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2))), dof
 
 
 def mixed_padding_batch(tok, padding_side: str) -> dict:

@@ -32,6 +32,7 @@ from dflash_hf.generation.prompt_padding import check_one_prompt, prompt_padding
 from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
+from dflash_hf.generation.tree_decode import TreeDecode, check_tree_budget
 from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
     _accept,
@@ -63,6 +64,7 @@ def _decode(
     max_length: int | None = None,
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
+    tree_budget: int | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
@@ -72,7 +74,8 @@ def _decode(
     bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
     (`dflash_hf.generation.static_draft`). `verify_cuda_graph`: the target's verify as a fixed-shape forward, the
     same three
-    ways (`dflash_hf.generation.static_verify`). Returns the sequence and acceptance lengths."""
+    ways (`dflash_hf.generation.static_verify`). `tree_budget`: verify a token tree of that many nodes a cycle
+    (`dflash_hf.generation.tree_decode`) instead of the chain (None). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
     bsz, mask_id = cfg.block_size, cfg.mask_token_id
@@ -91,6 +94,9 @@ def _decode(
             )
         draft_kwargs = {"encoder_hidden_states": encoder_outputs[0], "encoder_cache": {}}  # keys/values kept
 
+    tree = None  # tree verification (refused here, before the prompt's forward, where the target cannot take it)
+    if tree_budget is not None:
+        tree = TreeDecode(draft, ft, tree_budget, sample=sample, draft_temperature=draft_temperature)
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}
     if verify_cuda_graph:
@@ -129,6 +135,7 @@ def _decode(
         max_length=max_length,
         expansion=expansion,
         padding=padding,
+        **({} if tree is None else {"nodes": tree.nodes + 1, "kind": tree.step_kind}),
     )
     if fixed_verify is not None:
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
@@ -143,6 +150,7 @@ def _decode(
         max_positions=max_positions,
         max_length=max_length,
         expansion=expansion,
+        head=None if tree is None else tree.head,
     )
     if static is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
         verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
@@ -155,11 +163,11 @@ def _decode(
         width = bsz if max_positions is None else min(bsz, max_positions - a)
         anchor_ids = seq[:, -1:]
         if static is not None:  # a whole block always (its slots past `width` are not verified)
-            proposal, q = static.propose(ft, pending, pending_start, anchor_ids)[: width - 1], None
+            drafted = static.propose(ft, pending, pending_start, anchor_ids)
         else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
             block_ids = torch.cat([anchor_ids, masks], dim=1)
             pos = positions.span(pending_start, a_draft + bsz)  # the pending features' positions, then the block's
-            hidden = draft(
+            drafted = draft(
                 position_ids=pos,
                 noise_embedding=ft.embed_tokens(block_ids).to(draft_dtype),
                 target_hidden=pending.to(draft_dtype),
@@ -168,27 +176,38 @@ def _decode(
                 **draft_kwargs,
             )[0]
             crop_cache(dcache, a_draft)  # keep the context, drop the block
-            proposal, q = propose_block(
-                draft, hidden.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample else 0.0, generator
+        if tree is not None:
+            nodes, q = tree.tree(draft, drafted, anchor, generator)
+            out, scores, pending = tree.cycle(
+                verifier, fixed_verify, processors, seq, a, width - 1, nodes, q, generator
             )
-            proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
-        verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
-        if fixed_verify is None:
-            logits, feats = verifier.step(verify_ids, a)
-            check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
-        else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
-            logits, feats = fixed_verify.verify(ft, verify_ids, a)
-            verifier.forwards += 1
-        scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
-        k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
-        if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
-            crop_cache(verifier.cache, a + k + 1)
+            k, new, new_ids = out.k, out.new, out.new_ids
+        else:
+            if static is not None:
+                proposal, q = drafted[: width - 1], None
+            else:
+                proposal, q = propose_block(
+                    draft, drafted.to(ft.dtype), ft.lm_head, anchor, draft_temperature if sample else 0.0, generator
+                )
+                proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
+            verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
+            if fixed_verify is None:
+                logits, feats = verifier.step(verify_ids, a)
+                check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
+            else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
+                logits, feats = fixed_verify.verify(ft, verify_ids, a)
+                verifier.forwards += 1
+            scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
+            k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
+            if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
+                crop_cache(verifier.cache, a + k + 1)
+            pending = feats[:, : k + 1]
         grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
         stop = first_stop(grown, length, scores, new_ids)  # the first stop token anywhere among the accepted ones
         stopped, kept = stop is not None, k + 1 if stop is None else stop + 1
         seq = grown[:, : length + kept]
         accepted.append(kept)
-        anchor, pending, pending_start = new_ids[kept - 1], feats[:, : k + 1], a_draft
+        anchor, pending_start = new_ids[kept - 1], a_draft
     return seq, accepted
 
 
@@ -201,6 +220,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
+    tree_budget: int | None = None,
     **target_inputs,
 ) -> SpeculativeOutput:
     """Decode one prompt with draft proposals verified by the target.
@@ -213,15 +233,26 @@ def speculative_generate(
     the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.static_draft`);
     the output
     is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
-    three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding)."""
+    three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding).
+    `tree_budget`: None verifies the draft's chain (its top token at each slot); an int verifies a token tree of that
+    many nodes a cycle in one target forward (`dflash_hf.generation.tree_decode`; lossless as the chain)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_tree_budget(tree_budget)
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     if ft.family.expansion != "model":
         # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
         # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
         return _through_generate(
-            draft, ft, max_new_tokens, temperature, generator, target_inputs, draft_cuda_graph, verify_cuda_graph
+            draft,
+            ft,
+            max_new_tokens,
+            temperature,
+            generator,
+            target_inputs,
+            draft_cuda_graph,
+            verify_cuda_graph,
+            tree_budget,
         )
     # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
@@ -245,6 +276,7 @@ def speculative_generate(
         max_length=input_ids.shape[1] + max_new_tokens,
         draft_cuda_graph=draft_cuda_graph,
         verify_cuda_graph=verify_cuda_graph,
+        tree_budget=tree_budget,
     )
     return SpeculativeOutput(
         sequences=seq,
@@ -264,6 +296,7 @@ def _through_generate(
     target_inputs,
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
+    tree_budget: int | None = None,
 ):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
@@ -273,7 +306,11 @@ def _through_generate(
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
     check_one_prompt(target_inputs[key])
     decode = DFlashCustomGenerate(
-        draft, generator=generator, draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph
+        draft,
+        generator=generator,
+        draft_cuda_graph=draft_cuda_graph,
+        verify_cuda_graph=verify_cuda_graph,
+        tree_budget=tree_budget,
     )
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     with max_new_tokens_given():
@@ -294,7 +331,7 @@ class DFlashCustomGenerate:
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
     distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
     and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
-    `draft_cuda_graph`, `verify_cuda_graph`: as for :func:`speculative_generate`."""
+    `draft_cuda_graph`, `verify_cuda_graph`, `tree_budget`: as for :func:`speculative_generate`."""
 
     def __init__(
         self,
@@ -302,8 +339,10 @@ class DFlashCustomGenerate:
         generator: torch.Generator | None = None,
         draft_cuda_graph: bool | None = None,
         verify_cuda_graph: bool | None = None,
+        tree_budget: int | None = None,
     ):
-        self.draft = draft
+        check_tree_budget(tree_budget)
+        self.draft, self.tree_budget = draft, tree_budget
         self.generator = generator
         self.draft_cuda_graph, self.verify_cuda_graph = draft_cuda_graph, verify_cuda_graph
         self._target: FrozenTarget | None = None
@@ -375,6 +414,7 @@ class DFlashCustomGenerate:
             max_length=getattr(generation_config, "max_length", None),
             draft_cuda_graph=self.draft_cuda_graph,
             verify_cuda_graph=self.verify_cuda_graph,
+            tree_budget=self.tree_budget,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
         self.draft_step, self.verify_step = verifier.draft_step, verifier.verify_step
@@ -389,8 +429,13 @@ def dflash_custom_generate(
     generator: torch.Generator | None = None,
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
+    tree_budget: int | None = None,
 ) -> DFlashCustomGenerate:
     """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
     return DFlashCustomGenerate(
-        draft, generator=generator, draft_cuda_graph=draft_cuda_graph, verify_cuda_graph=verify_cuda_graph
+        draft,
+        generator=generator,
+        draft_cuda_graph=draft_cuda_graph,
+        verify_cuda_graph=verify_cuda_graph,
+        tree_budget=tree_budget,
     )

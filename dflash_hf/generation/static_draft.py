@@ -87,7 +87,8 @@ class StaticDraftStep:
     frame shape); call :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts)
     and :meth:`propose` once per cycle."""
 
-    def __init__(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool):
+    def __init__(self, draft, target, capacity: int, frames_shape: tuple[int, ...] | None, graph: bool, head=None):
+        self.head = head or greedy_head  # what the step returns from the draft's hidden block
         # Plain tensors even when made under inference mode (later decodes outside it update them in place).
         with torch.inference_mode(False), torch.no_grad():
             self._build(draft, target, capacity, frames_shape, graph)
@@ -150,8 +151,9 @@ class StaticDraftStep:
         start_pos: torch.Tensor | int,
         anchor_pos: torch.Tensor | int,
     ) -> torch.Tensor:
-        """The greedy proposal `[B-1]` against the `FrozenTarget` `ft` of `pending` `[1, n, ...]` (the context rows
-        at `start_pos` onwards, written through `cache`, whose `rows` are n), for the block at `anchor_pos`."""
+        """The greedy proposal `[B-1]` (or what the step's `head` makes of the block) against the `FrozenTarget` `ft`
+        of `pending` `[1, n, ...]` (the context rows at `start_pos` onwards, written through `cache`, whose `rows` are
+        n), for the block at `anchor_pos`."""
         draft = self._draft()
         cache.write_index = start_pos + cache.rows  # [n]: where the context rows go
         positions = torch.cat([cache.write_index, anchor_pos + self.block_rows])[None]  # [1, n+B]
@@ -169,8 +171,7 @@ class StaticDraftStep:
                 else {"encoder_hidden_states": self.frames, "encoder_cache": self.encoder_cache}
             ),
         )[0]  # [B, H]
-        proposal, _ = propose_block(draft, hidden.to(ft.dtype), ft.lm_head, self.block_ids[0, 0], 0.0, None)
-        return proposal
+        return self.head(draft, hidden.to(ft.dtype), ft.lm_head, self.block_ids[0, 0])
 
     def _capture(self, ft) -> None:
         # Warm-up on a side stream (allocator and library handles), then capture, on the target's GPU (not
@@ -217,6 +218,11 @@ class StaticDraftStep:
         return self._step(ft, self.cache.with_rows(n), pending.to(self.dtype), start, start + n)
 
 
+def greedy_head(draft, hidden: torch.Tensor, lm_head: torch.nn.Module, anchor: torch.Tensor) -> torch.Tensor:
+    """The default step head: the draft's greedy proposal `[B-1]` (`propose_block`)."""
+    return propose_block(draft, hidden, lm_head, anchor, 0.0, None)[0]
+
+
 GRAPH_MODES = {"auto": None, "on": True, "off": False}
 
 
@@ -232,12 +238,14 @@ def fixed_draft_step(
     max_positions: int | None,
     max_length: int | None,
     expansion: int,
+    head=None,
 ) -> StaticDraftStep | None:
     """The decode's :class:`StaticDraftStep`, or None for the eager draft forward. `setting`: True = always (refused
     for sampling, an unbounded decode, more than `MAX_GRAPH_POSITIONS` positions or weights on several devices; on
     the CPU without a graph), None = on a GPU where it can run (a step that fails to build or capture falls back to
     the eager forward with a warning, for this draft from then on until `clear_static_steps`; out of memory: for
-    this decode only), False = never. `device`: the decode's."""
+    this decode only), False = never. `device`: the decode's. `head`: what the step returns from the draft's block
+    (None: the greedy proposal; `tree.TreeHead`: a token tree), hashable."""
     dev, setting = device, None if setting is None else bool(setting)
     if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
         return None
@@ -268,7 +276,7 @@ def fixed_draft_step(
         _FAILED,
         draft,
         clear_static_steps,
-        lambda: static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda"),
+        lambda: static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda", head=head),
         "the draft's fixed-shape step",
         "the eager draft forward",
         "draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt",
@@ -292,26 +300,26 @@ def graph_capacity(limit: int, block_size: int) -> int | None:
 
 
 def static_draft_step(
-    draft, target, capacity: int, encoder_frames: torch.Tensor | None, graph: bool
+    draft, target, capacity: int, encoder_frames: torch.Tensor | None, graph: bool, head=None
 ) -> StaticDraftStep:
-    """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape and mode, made once and kept on
-    the draft (a capture costs a few draft forwards); `start` is called on it for these `encoder_frames`."""
+    """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape, mode and head, made once and kept
+    on the draft (a capture costs a few draft forwards); `start` is called on it for these `encoder_frames`."""
     store = _STEPS.setdefault(draft, {})
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
-    key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph)
+    key = (id(target.model), target.device, next(draft.parameters()).dtype, capacity, frames_shape, graph, head)
     step = reused_step(
         store,
         key,
         MAX_STEPS_PER_DRAFT,
         lambda s: s.serves(draft, target),
-        lambda: StaticDraftStep(draft, target, capacity, frames_shape, graph),
+        lambda: StaticDraftStep(draft, target, capacity, frames_shape, graph, head),
     )
     step.start(encoder_frames)
     return step
 
 
 def static_steps(draft) -> dict:
-    """The steps made for `draft` so far (keyed by target, device, dtype, capacity, frame shape and mode)."""
+    """The steps made for `draft` so far (keyed by target, device, dtype, capacity, frame shape, mode and head)."""
     return _STEPS.get(draft, {})
 
 

@@ -133,19 +133,23 @@ class StaticVerifyStep:
         """Whether this step still fits `ft`: the same model, every weight where it was when the step was made."""
         return self._model() is ft.model and self.addresses == weight_addresses(ft.model)
 
+    def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fixed forward's cache rows written, decoder positions (before a padded prompt's offset) and additive
+        mask: the block's rows at its positions, each attending to the rows at or before it."""
+        return self.pos, self.pos, self.self_cache.keep_mask(self.pos, self.dtype, self.valid)
+
     def _forward(self, ft) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify over the fixed inputs (what the graph captures): logits `[B, V]` and taps `[1, B, T*H]`."""
-        self.self_cache.write_index = self.pos
-        mask = self.self_cache.keep_mask(self.pos, self.dtype, self.valid)
+        self.self_cache.write_index, positions, mask = self._inputs()
         if self.encoder_decoder:
             kwargs = dict(
                 encoder_outputs=(self.encoder_hidden,),
                 decoder_input_ids=self.ids,
-                decoder_position_ids=self.pos[None],
+                decoder_position_ids=positions[None],
                 decoder_attention_mask=mask,
             )
         else:
-            kwargs = dict(input_ids=self.ids, position_ids=(self.pos + self.offset)[None], attention_mask=mask)
+            kwargs = dict(input_ids=self.ids, position_ids=(positions + self.offset)[None], attention_mask=mask)
         out, feats = ft.tapped_forward(self.layer_ids, **{self.cache_key: self.cache}, use_cache=True, **kwargs)
         return out.logits[0], feats.taps
 
@@ -225,18 +229,20 @@ def static_verify_step(
     graph: bool,
     budget: int | None = None,
     padding=None,
+    kind: type[StaticVerifyStep] = StaticVerifyStep,
 ) -> StaticVerifyStep:
     """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
     and kept beside the target model (a capture costs a few forwards), started for this prompt. `budget`: bytes the
     model's kept steps may hold together, the new one included (the least recently used are dropped to fit).
-    `padding`: a padded prompt's `prompt_padding.PromptPadding` (None: unpadded)."""
+    `padding`: a padded prompt's `prompt_padding.PromptPadding` (None: unpadded). `kind`: the step's class (a
+    subclass verifies a token tree of `block` nodes: `tree_verify.StaticTreeVerifyStep`)."""
     encoder = step_kwargs.get("encoder_outputs")
     encoder_hidden = None if encoder is None else encoder[0]
     store = _STEPS.setdefault(ft.model, {})
     for stale in [k for k in store if k[0] != ft.device]:  # the model moved: those buffers and graphs serve no one
         del store[stale]
     frames = None if encoder_hidden is None else tuple(encoder_hidden.shape)
-    key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph)
+    key = (ft.device, ft.dtype, tuple(layer_ids), block, rows, frames, graph, kind)
     if budget is not None and key not in store:
         need = buffer_bytes(prefill_cache, rows)
         drop_least_recent(store, lambda s: need + kept_bytes(s) > budget)
@@ -245,14 +251,15 @@ def static_verify_step(
         key,
         MAX_STEPS_PER_TARGET,
         lambda s: s.serves(ft),
-        lambda: StaticVerifyStep(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph),
+        lambda: kind(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph),
     )
     step.start(prefill_cache, encoder_hidden, padding)
     return step
 
 
 def static_verify_steps(model) -> dict:
-    """The verify steps made for the target `model` so far (keyed by device, dtype, taps, block, rows, frames, mode)."""
+    """The verify steps made for the target `model` so far (keyed by device, dtype, taps, block, rows, frames, mode,
+    class)."""
     return _STEPS.get(model, {})
 
 
@@ -316,10 +323,12 @@ def fixed_verify_rows(
     max_positions: int | None,
     max_length: int | None,
     expansion: int,
+    nodes: int | None = None,
 ) -> int | None:
     """Rows of the fixed-shape verify this decode uses, or None for the growing cache. `setting`: True = always
     (refused before the prefill by :func:`check_verify_step` where it cannot run), None = on a GPU where it can run
-    and its buffers hold at most `MAX_GRAPH_POSITIONS` rows, False = never."""
+    and its buffers hold at most `MAX_GRAPH_POSITIONS` rows, False = never. `nodes`: rows a verify writes when they
+    are not the block's (a token tree's nodes, at rows past its anchor whatever their positions)."""
     setting = None if setting is None else bool(setting)
     if setting is False or (setting is None and ft.device.type != "cuda"):
         return None
@@ -332,6 +341,8 @@ def fixed_verify_rows(
     ):
         return None
     rows = verify_rows(max_positions, max_length, expansion, block)
+    if nodes is not None:
+        rows = max(rows, verify_rows(None, max_length, expansion, nodes))
     return rows if setting or rows <= MAX_GRAPH_POSITIONS else None
 
 
@@ -348,13 +359,16 @@ def fixed_verify_step(
     max_length: int | None,
     expansion: int,
     padding=None,
+    nodes: int | None = None,
+    kind: type[StaticVerifyStep] = StaticVerifyStep,
 ) -> StaticVerifyStep | None:
     """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
     (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the steps kept for a model hold at most
     `AUTO_MAX_BUFFER_BYTES` of key/value buffers together, and a step that fails to build or capture falls back to
     the growing cache with a warning (for this model from then on, until `clear_static_verify_steps`; out of memory:
     for this decode only); asked for with True, the error is raised. `padding`: a padded prompt's
-    `prompt_padding.PromptPadding` (its mask and positions hold in every verify)."""
+    `prompt_padding.PromptPadding` (its mask and positions hold in every verify). `nodes`, `kind`: a token tree's
+    verify (`tree_verify.StaticTreeVerifyStep` over `nodes` rows a cycle)."""
     rows = fixed_verify_rows(
         setting,
         ft,
@@ -364,6 +378,7 @@ def fixed_verify_step(
         max_positions=max_positions,
         max_length=max_length,
         expansion=expansion,
+        nodes=nodes,
     )
     if rows is None or (
         setting is None and (ft.model in _FAILED or buffer_bytes(prefill_cache, rows) > AUTO_MAX_BUFFER_BYTES)
@@ -376,7 +391,16 @@ def fixed_verify_step(
         ft.model,
         clear_static_verify_steps,
         lambda: static_verify_step(
-            ft, layer_ids, block, rows, prefill_cache, step_kwargs, ft.device.type == "cuda", budget, padding
+            ft,
+            layer_ids,
+            nodes or block,
+            rows,
+            prefill_cache,
+            step_kwargs,
+            ft.device.type == "cuda",
+            budget,
+            padding,
+            kind,
         ),
         f"the fixed-shape verify of {type(ft.model).__name__}",
         "the growing cache",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from utils import REPO_ROOT, assert_lossless_greedy, make_trainer, text_batch, tiny_text_target
+from utils import REPO_ROOT, assert_lossless_greedy, chi_square_p_value, make_trainer, text_batch, tiny_text_target
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments
 from dflash_hf.export.hub import load_draft_strict
@@ -454,20 +454,6 @@ def test_greedy_selector_walk_is_lossless():
     ).eval()
     randomize(draft, seed=8, scale=0.3, only=("successor_codebook", "mlp_conv"))
     assert_lossless_greedy(draft, model, num_prompts=2, max_new_tokens=16)
-
-
-def chi_square_p_value(counts: Counter, expected: dict) -> tuple[float, int]:
-    """Pearson chi-square p-value (cells with expected count < 5 pooled) and the degrees of freedom."""
-    chi2, dof, pool_e, pool_o = 0.0, -1, 0.0, 0
-    for cell, e in expected.items():
-        o = counts.get(cell, 0)
-        if e < 5:
-            pool_e, pool_o = pool_e + e, pool_o + o
-            continue
-        chi2, dof = chi2 + (o - e) ** 2 / e, dof + 1
-    if pool_e > 0:
-        chi2, dof = chi2 + (pool_o - pool_e) ** 2 / pool_e, dof + 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(chi2 / 2))), dof
 
 
 @pytest.mark.compat

@@ -1,0 +1,134 @@
+"""What the target's scores over a verified token tree decide (DESIGN section 9): its logits processors applied to
+every node's row, the accepted root path and the token after it.
+
+- Greedy (:func:`accept_greedy`): from the root, follow the child whose token is the target's argmax; the path's
+  tokens are the target's argmax at the root and at each accepted node, the last one the bonus token. Computed on the
+  device for every node at once (a node is accepted when it and each of its ancestors equal the argmax of their
+  parent) and read back to the host once.
+- Sampling (:func:`accept_sampled`): recursive rejection over siblings (SpecInfer's multi-candidate rule, its
+  without-replacement form as in Recursive Speculative Decoding): at a node whose children were drawn without
+  replacement from `q`, child `i` is accepted with probability `min(1, p_i(x_i) / q_i(x_i))`; on rejection
+  `p_{i+1} = norm(max(p_i - q_i, 0))` and `q_{i+1}` is `q_i` without `x_i`; when every child is rejected (or at a
+  leaf) the next token is drawn from what is left of `p`. Each step is a speculative sampling step of `p_i` from a
+  draw of `q_i`, so the emitted token follows the target's `p`, as long as the tree's shape was fixed before its
+  tokens were drawn (:meth:`SlotScores.sample`, :meth:`SelectorScores.sample`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList
+
+from dflash_hf.generation.tree import DraftTree
+from dflash_hf.generation.verify_rules import BEGIN_INDEX_PROCESSORS, ROW_WISE_PROCESSORS
+
+
+@dataclass
+class Accepted:
+    """One cycle's outcome: `k` accepted draft tokens; `nodes` `[k+1]` the path's nodes (the root first) on the
+    device and `path` on the host; `new` `[k+1]` the new tokens (accepted ones, then the bonus or resampled one) on
+    the device and `new_ids` on the host."""
+
+    k: int
+    nodes: torch.Tensor
+    path: list[int]
+    new: torch.Tensor
+    new_ids: list[int]
+
+
+def tree_processed(
+    processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor, tree: DraftTree
+) -> torch.Tensor:
+    """Scores `[N+1, V]` for the tree's logits (row n follows `prefix` `[1, L]` then node n's path): the target's
+    processors in their order, each row seeing the ids before it, as `generate` applies them (float32). Row-wise
+    processors run on every row at once; a begin-index one (Whisper's begin-suppressed tokens, which reads only the
+    length of the ids) on the rows at its depth; any other runs row by row on each node's ids (read back once)."""
+    scores = logits.float()
+    ids: list[torch.Tensor] = []
+    for proc in processors:
+        if type(proc) in ROW_WISE_PROCESSORS:
+            scores = proc(prefix, scores)
+        elif type(proc) in BEGIN_INDEX_PROCESSORS:
+            depth = proc.begin_index - prefix.shape[1]
+            if 0 <= depth <= int(scores.shape[0]):
+                length = prefix.new_zeros(1, depth)  # the processor reads the ids' length only
+                masked = proc(torch.cat([prefix, length], dim=1), scores)
+                scores = torch.where((tree.depth == depth)[:, None], masked, scores)
+        else:
+            if not ids:
+                ids.extend(node_ids(prefix, tree))
+            scores = torch.cat([proc(ids[n], scores[n : n + 1]) for n in range(scores.shape[0])])
+    return scores
+
+
+def node_ids(prefix: torch.Tensor, tree: DraftTree) -> list[torch.Tensor]:
+    """Each node's ids `[1, L + depth]`: `prefix` then its path's tokens (the tree read back once)."""
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    paths: list[list[int]] = [[]]
+    for parent, token in zip(parents, tokens):
+        paths.append(paths[parent] + [token])
+    return [torch.cat([prefix, prefix.new_tensor([path])], dim=1) for path in paths]
+
+
+def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Accepted:
+    """The longest root path whose every node is the target's argmax after its parent, nodes deeper than
+    `max_depth` excluded (past the decoder's positions), with one read of the device."""
+    target = scores.argmax(-1)  # [N+1]
+    agree = (tree.tokens == target[tree.parents]) & (tree.depth[1:] <= max_depth)
+    agree = torch.cat([agree.new_ones(1), agree])
+    accepted = ~(tree.ancestors & ~agree[None, :]).any(-1)  # [N+1]: the root and one node per accepted depth
+    levels = torch.arange(1, int(tree.depth.shape[0]), device=scores.device)[:, None]  # at most N depths
+    at = accepted[None, 1:] & (tree.depth[None, 1:] == levels)  # [N, N]: the accepted node of each depth
+    nodes = torch.cat([levels.new_zeros(1), at.long().argmax(-1) + 1])  # the root, then by depth (past k: unused)
+    new = target[nodes]
+    host = torch.cat([accepted[1:].sum().view(1), nodes, new]).tolist()
+    k, width = host[0], nodes.shape[0]
+    path, new_ids = host[1 : 2 + k], host[1 + width : 2 + width + k]
+    return Accepted(k=k, nodes=nodes[: k + 1], path=path, new=new[: k + 1], new_ids=new_ids)
+
+
+def accept_sampled(
+    tree: DraftTree,
+    tokens: torch.Tensor,
+    q: torch.Tensor,
+    scores: torch.Tensor,
+    max_depth: int,
+    generator: torch.Generator | None,
+) -> Accepted:
+    """Recursive rejection over siblings (module docstring). `tokens` `[N]` the nodes' drawn tokens, `q` `[N+1, V]`
+    the distribution each node's children were drawn from, `scores` `[N+1, V]` the target's processed scores
+    (temperature included)."""
+    p_all = torch.softmax(scores.float(), dim=-1)
+    parents, depth, drawn = tree.parents.tolist(), tree.depth.tolist(), tokens.tolist()
+    children: list[list[int]] = [[] for _ in depth]
+    for n, parent in enumerate(parents, start=1):
+        if depth[n] <= max_depth:
+            children[parent].append(n)  # in rank order: the order of their draws
+    node, path, new_ids = 0, [0], []
+    while True:
+        p, q_node, nxt = p_all[node], q[node].float(), None
+        for child in children[node]:
+            x = drawn[child - 1]
+            ratio = p[x] / q_node[x].clamp(min=1e-20)
+            if bool(torch.rand((), generator=generator, device=p.device) < ratio.clamp(max=1.0)):
+                nxt = child
+                break
+            residual = (p - q_node).clamp(min=0)
+            p = residual / residual.sum() if bool(residual.sum() > 0) else p
+            q_node = q_node.index_fill(0, torch.tensor([x], device=q_node.device), 0.0)
+            q_node = q_node / q_node.sum() if bool(q_node.sum() > 0) else q_node
+        if nxt is None:
+            new_ids.append(int(torch.multinomial(p, 1, generator=generator)))
+            break
+        node = nxt
+        path.append(node)
+        new_ids.append(drawn[node - 1])
+    nodes = torch.tensor(path, device=scores.device)
+    return Accepted(
+        k=len(path) - 1, nodes=nodes, path=path, new=torch.tensor(new_ids, device=scores.device), new_ids=new_ids
+    )
+
+
+__all__ = ["Accepted", "accept_greedy", "accept_sampled", "node_ids", "tree_processed"]
