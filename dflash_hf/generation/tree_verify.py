@@ -130,7 +130,8 @@ class StaticTreeVerifyStep(StaticVerifyStep):
         return self.out
 
     def key_values(self) -> list[torch.Tensor]:
-        return self.self_cache.keys + self.self_cache.values
+        """The fixed buffers as :func:`cache_tensors` lists a cache's: keys and values of each layer in turn."""
+        return [t for pair in zip(self.self_cache.keys, self.self_cache.values) for t in pair]
 
 
 __all__ = [
