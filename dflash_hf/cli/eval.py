@@ -127,12 +127,25 @@ class EvalArguments(DecodeStepArguments):
         default=False,
         metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
     )
+    tree_budget: list[int] = field(
+        default_factory=list,
+        metadata={
+            "help": "Also decode every prompt with tree verification of these node budgets (e.g. 8 16 32 64), "
+            "beside the chain on the same prompts in the same run: tau, tokens/s, target forwards and output "
+            "identity of each, under 'tree' in the JSON (dflash_hf.generation.tree_decode)."
+        },
+    )
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_samples < 0:
             raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
+        bad_budgets = [b for b in self.tree_budget if b < 1]
+        if bad_budgets or len(set(self.tree_budget)) != len(self.tree_budget):
+            raise ValueError(
+                f"--tree_budget takes distinct node budgets >= 1 (e.g. 8 16 32 64), got {list(self.tree_budget)}"
+            )
         resolve_dtype(self.precision)
         super().__post_init__()
 
@@ -306,6 +319,7 @@ def evaluate(args: EvalArguments) -> dict:
         args.max_new_tokens,
         progress=True,
         total=total,
+        tree_budgets=args.tree_budget,
         **args.speculative_kwargs(),
     )
     if stats.prompts == 0:
@@ -338,6 +352,13 @@ def results_table(results: dict) -> str:
         f"outputs identical: {'yes' if results['outputs_identical'] else 'NO'}",
         "slot k accepted (k = 1..block_size-1): " + " ".join(f"{a:.3f}" for a in results["per_slot_acceptance"]),
     ]
+    for budget, tree in results.get("tree", {}).items():  # tree verification beside the chain (`--tree_budget`)
+        speed = tree["spec_tokens_per_s"] / results["spec_tokens_per_s"]
+        rows.append(
+            f"tree {budget:>4}: tau {tree['tau']:.3f} ({tree['tau'] / results['tau']:.2f}x the chain's), "
+            f"{tree['spec_tokens_per_s']:.1f} tokens/s ({speed:.2f}x), target forwards {tree['target_forwards']} "
+            f"(chain {results['target_forwards']}), outputs identical: {'yes' if tree['outputs_identical'] else 'NO'}"
+        )
     return "\n".join(rows)
 
 
@@ -354,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"speculative output differs from target greedy on prompts {results['mismatched_prompts']}: greedy "
             "speculative decoding must be lossless (pass --allow_mismatch true to accept bf16 noise)"
+        )
+        return 1
+    trees = {
+        b: tree["mismatched_prompts"] for b, tree in results.get("tree", {}).items() if not tree["outputs_identical"]
+    }
+    if trees and not args.allow_mismatch:
+        print(
+            f"tree-verified output differs from target greedy (prompts per tree budget: {trees}): tree decoding "
+            "must be lossless too (pass --allow_mismatch true to accept bf16 noise)"
         )
         return 1
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +146,8 @@ class DecodeStats:
     compared: bool = False
     draft_steps: dict[str, int] = field(default_factory=dict)  # prompts per way the draft's step ran
     verify_steps: dict[str, int] = field(default_factory=dict)  # and the target's verify
+    target_forwards: int = 0  # the target's forwards of the speculative decodes (prompts' included)
+    trees: dict[int, DecodeStats] = field(default_factory=dict)  # tree verification per budget, on the same prompts
 
     @property
     def tau(self) -> float:
@@ -168,6 +170,7 @@ class DecodeStats:
             "spec_tokens_per_s": self.spec_tokens / max(self.spec_seconds, 1e-9),
             "draft_steps": dict(self.draft_steps),
             "verify_steps": dict(self.verify_steps),
+            "target_forwards": self.target_forwards,
         }
         if self.compared:
             greedy_tps = self.greedy_tokens / max(self.greedy_seconds, 1e-9)
@@ -178,6 +181,8 @@ class DecodeStats:
                 outputs_identical=not self.mismatches,
                 mismatched_prompts=list(self.mismatches),
             )
+        if self.trees:  # each budget's figures; its speedup against the same greedy decodes
+            out["tree"] = {str(budget): tree.as_dict() for budget, tree in self.trees.items()}
         return out
 
 
@@ -260,51 +265,67 @@ def decode_benchmark(
     total: int | None = None,
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
+    tree_budgets: Sequence[int] = (),
 ) -> DecodeStats:
     """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
     outputs must be token-identical (a mismatch is recorded, not raised). `warmup` decodes the first prompt
     once untimed (kernel and allocator start-up, and the CUDA graph captures). `draft_cuda_graph`,
-    `verify_cuda_graph`: as for `speculative_generate`."""
+    `verify_cuda_graph`: as for `speculative_generate`. `tree_budgets`: each prompt is also decoded with tree
+    verification of each budget (`speculative_generate(tree_budget=...)`), right after the chain, compared with the
+    same greedy decode; their figures are the returned stats' `trees`."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
+    runs = {None: stats, **{budget: DecodeStats(compared=compare_greedy) for budget in tree_budgets}}
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
         n_prompt = inputs["input_ids"].shape[1]
         inputs = generate_inputs(ft, inputs)
 
-        def decode(inputs=inputs):
+        def decode(budget=None, inputs=inputs):
             return speculative_generate(
                 draft,
                 ft,
                 max_new_tokens,
                 draft_cuda_graph=draft_cuda_graph,
                 verify_cuda_graph=verify_cuda_graph,
+                tree_budget=budget,
                 **inputs,
             )
 
         if warmup and i == 0:
-            decode()
+            for budget in runs:
+                decode(budget)
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
-        start = synced_clock(device)
-        spec = decode()
-        stats.spec_seconds += synced_clock(device) - start
-        spec_new = spec.sequences[0, n_prompt:].tolist()
-        stats.spec_tokens += len(spec_new)
-        stats.acceptance_lengths += spec.acceptance_lengths
-        stats.draft_steps[spec.draft_step] = stats.draft_steps.get(spec.draft_step, 0) + 1
-        stats.verify_steps[spec.verify_step] = stats.verify_steps.get(spec.verify_step, 0) + 1
-        stats.prompts += 1
+        outputs = {budget: _timed_decode(run, decode, budget, n_prompt, device) for budget, run in runs.items()}
         if compare_greedy:
             start = synced_clock(device)
             greedy = target_greedy_new_tokens(ft, inputs, max_new_tokens)
-            stats.greedy_seconds += synced_clock(device) - start
+            seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
-            stats.greedy_tokens += len(greedy_new)
-            if greedy_new != spec_new:
-                stats.mismatches.append(i)
+            for budget, run in runs.items():
+                run.greedy_seconds += seconds
+                run.greedy_tokens += len(greedy_new)
+                if greedy_new != outputs[budget]:
+                    run.mismatches.append(i)
+    stats.trees = {budget: run for budget, run in runs.items() if budget is not None}
     return stats
+
+
+def _timed_decode(stats: DecodeStats, decode, budget: int | None, n_prompt: int, device: torch.device) -> list[int]:
+    """One timed speculative decode (`decode(budget)`) recorded in `stats`; its new tokens."""
+    start = synced_clock(device)
+    spec = decode(budget)
+    stats.spec_seconds += synced_clock(device) - start
+    spec_new = spec.sequences[0, n_prompt:].tolist()
+    stats.spec_tokens += len(spec_new)
+    stats.acceptance_lengths += spec.acceptance_lengths
+    stats.target_forwards += spec.num_target_forwards
+    stats.draft_steps[spec.draft_step] = stats.draft_steps.get(spec.draft_step, 0) + 1
+    stats.verify_steps[spec.verify_step] = stats.verify_steps.get(spec.verify_step, 0) + 1
+    stats.prompts += 1
+    return spec_new
 
 
 __all__ = [

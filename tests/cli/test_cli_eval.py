@@ -324,3 +324,27 @@ def test_a_malformed_conversation_record_is_named(tmp_path):
     bad = dict.fromkeys(("prompt", "system_prompt", "context_key", "system_prompt_key", "family"), None) | {"prompt": 3}
     with pytest.raises(ValueError, match=r"fields \['prompt'\] must be strings or null"):
         recorded_conversation({"conversation": bad})
+
+
+def test_tree_budgets_are_evaluated_beside_the_chain(text_setup, capsys):
+    """`--tree_budget 3 8`: every prompt also decodes with trees of 3 (block_size - 1: the chain) and 8 nodes, each
+    compared with the same greedy decode; their figures sit under `tree` in the JSON and in the table."""
+    root, target, draft, prompts = text_setup
+    out_json = root / "tree.json"
+    argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--max_new_tokens", "10"]
+    assert cli_eval.main([*argv, "--output_json", str(out_json), "--tree_budget", "3", "8"]) == 0
+    res = json.loads(out_json.read_text())
+    assert res["tree_budget"] == [3, 8] and sorted(res["tree"]) == ["3", "8"]
+    for budget, tree in res["tree"].items():
+        assert tree["prompts"] == 3 and tree["outputs_identical"] and tree["greedy_tokens"] == res["greedy_tokens"]
+        assert tree["spec_tokens"] == res["spec_tokens"] and tree["target_forwards"] >= 3, budget
+    chain = res["tree"]["3"]  # a tree of block_size - 1 nodes is the chain
+    assert (chain["cycles"], chain["tau"], chain["target_forwards"]) == (
+        res["cycles"],
+        res["tau"],
+        res["target_forwards"],
+    )
+    table = capsys.readouterr().out
+    assert "tree    3: tau" in table and "tree    8: tau" in table and "outputs identical: NO" not in table
+    with pytest.raises(ValueError, match="--tree_budget takes distinct node budgets >= 1"):
+        cli_eval.main([*argv, "--tree_budget", "0"])
