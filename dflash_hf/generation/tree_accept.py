@@ -90,18 +90,13 @@ def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Acce
 
 
 def accept_sampled(
-    tree: DraftTree,
-    tokens: torch.Tensor,
-    q: torch.Tensor,
-    scores: torch.Tensor,
-    max_depth: int,
-    generator: torch.Generator | None,
+    tree: DraftTree, q: torch.Tensor, scores: torch.Tensor, max_depth: int, generator: torch.Generator | None
 ) -> Accepted:
-    """Recursive rejection over siblings (module docstring). `tokens` `[N]` the nodes' drawn tokens, `q` `[N+1, V]`
-    the distribution each node's children were drawn from, `scores` `[N+1, V]` the target's processed scores
-    (temperature included)."""
+    """Recursive rejection over siblings (module docstring). `tree`: its nodes' tokens drawn from `q` `[N+1, V]`, the
+    distribution each node's children were drawn from (`SlotScores.sample`, `SelectorScores.sample`); `scores`
+    `[N+1, V]` the target's processed scores (temperature included)."""
     p_all = torch.softmax(scores.float(), dim=-1)
-    parents, depth, drawn = tree.parents.tolist(), tree.depth.tolist(), tokens.tolist()
+    parents, depth, drawn = tree.parents.tolist(), tree.depth.tolist(), tree.tokens.tolist()
     children: list[list[int]] = [[] for _ in depth]
     for n, parent in enumerate(parents, start=1):
         if depth[n] <= max_depth:

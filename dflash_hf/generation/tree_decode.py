@@ -84,7 +84,7 @@ class TreeDecode:
             verifier.forwards += 1
         scores = tree_processed(processors, seq, logits, tree)
         if self.sample:
-            accepted = accept_sampled(tree, tree.tokens, q, scores, max_depth, generator)
+            accepted = accept_sampled(tree, q, scores, max_depth, generator)
         else:
             accepted = accept_greedy(tree, scores, max_depth)
         if accepted.path[1:] != list(range(1, accepted.k + 1)):  # off the chain: gather the path's rows

@@ -95,12 +95,15 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 class StaticTreeVerifyStep(StaticVerifyStep):
     """The fixed-shape verify of a token tree of `block` nodes (the root included; `static_verify`'s step for its
     buffers, prompt rows and CUDA graph): the nodes' ids, depths and ancestors and the root's row are copied into
-    fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `root + depth`."""
+    fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `first + depth` (`first`
+    the root's position: its row, but for the capture, which writes the last rows at the first positions, within
+    Whisper's learned ones)."""
 
     def _build(self, ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph) -> None:
         self.depth = torch.zeros(block, dtype=torch.long, device=ft.device)
         self.tree = torch.eye(block, dtype=torch.bool, device=ft.device)
         self.root = torch.zeros((), dtype=torch.long, device=ft.device)
+        self.first = torch.zeros((), dtype=torch.long, device=ft.device)
         super()._build(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,10 +113,11 @@ class StaticTreeVerifyStep(StaticVerifyStep):
         tree = self.tree.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
         keep = ((columns < self.root) & self.valid)[None, :] | tree
         mask = torch.where(keep, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[None, None]
-        return self.root + self.base, self.root + self.depth, mask
+        return self.root + self.base, self.first + self.depth, mask
 
     def _capture(self, ft, at: int) -> None:
         self.root.fill_(at)
+        self.first.fill_(0)
         super()._capture(ft, at)
 
     def verify_tree(self, ft, ids: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor, a: int):
@@ -123,6 +127,7 @@ class StaticTreeVerifyStep(StaticVerifyStep):
         self.depth.copy_(depth)
         self.tree.copy_(ancestors)
         self.root.fill_(a)
+        self.first.fill_(a)
         if self.graph is None:
             return self._forward(ft)
         with torch.cuda.device(ft.device):

@@ -187,3 +187,25 @@ def test_the_fixed_shape_verify_of_a_tree_is_refused_where_the_chain_is():
         )
     fake = SimpleNamespace(model_type="moonshine")
     assert fake.model_type == "moonshine"  # Moonshine: tests/generation/test_tree_decoding.py (eager only)
+
+
+def test_the_capture_of_a_tree_verify_stays_within_whispers_positions(monkeypatch):
+    """A CUDA graph is captured at the buffers' last rows (written again before any query reaches them); a tree step's
+    rows run past Whisper's 448 positions, so its capture forward must take positions from 0 (here the capture is
+    the plain forward, as on the CPU there is no graph)."""
+    from dflash_hf.generation import static_verify
+
+    monkeypatch.setattr(static_verify, "capture_graph", lambda device, step, pool=None: (None, step()))
+    c = _WhisperCase()
+    tree = _tree(c.ft.vocab_size, seed=5)
+    rows = static_verify.verify_rows(None, 448, 0, tree.nodes + 1)
+    assert rows > 448
+    with torch.no_grad():
+        step = static_verify_step(
+            c.ft, TAPS, tree.nodes + 1, rows, c.verifier.cache, c.step_kwargs, True, kind=StaticTreeVerifyStep
+        )
+        ids = torch.cat([torch.tensor([[11]]), tree.tokens[None]], dim=1)
+        fixed, _ = step.verify_tree(c.ft, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
+        eager, _ = verify_tree(c.verifier, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
+    torch.testing.assert_close(fixed, eager, atol=2e-5, rtol=1e-4)
+    clear_static_verify_steps(c.model)
