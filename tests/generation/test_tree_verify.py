@@ -17,6 +17,7 @@ from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
 from dflash_hf.generation.decode_state import _Verifier, crop_cache
 from dflash_hf.generation.prompt_padding import generate_positions, prompt_padding
 from dflash_hf.generation.static_verify import clear_static_verify_steps, static_verify_step
+from dflash_hf.generation.target_cache import cache_keyword
 from dflash_hf.generation.tree import SlotScores, build_tree, tree_nodes
 from dflash_hf.generation.tree_verify import StaticTreeVerifyStep, cache_tensors, keep_path, verify_tree
 from dflash_hf.targets.frozen import FrozenTarget
@@ -69,7 +70,11 @@ class _TextCase:
         mask = torch.cat([self.mask, torch.ones(1, len(tokens), dtype=torch.long)], dim=1)
         cache = DynamicCache()
         out, feats = self.ft.tapped_forward(
-            TAPS, input_ids=ids, attention_mask=mask, position_ids=generate_positions(mask), past_key_values=cache
+            TAPS,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=generate_positions(mask),
+            **{cache_keyword(self.model): cache},
         )
         return out.logits[0], feats.taps, cache
 
@@ -93,7 +98,11 @@ class _WhisperCase:
         ids = torch.cat([self.prompt, torch.tensor([tokens])], dim=1)
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         out, feats = self.ft.tapped_forward(
-            TAPS, encoder_outputs=self.encoder, decoder_input_ids=ids, past_key_values=cache, use_cache=True
+            TAPS,
+            encoder_outputs=self.encoder,
+            decoder_input_ids=ids,
+            use_cache=True,
+            **{cache_keyword(self.model): cache},
         )
         return out.logits[0], feats.taps, cache
 
