@@ -145,6 +145,7 @@ CASES = {
     "text, right-padded": (_text_case, "right", True),
     "qwen3_asr": (_asr_case, None, True),
     "qwen3_asr, left-padded": (_asr_case, "left", True),
+    "qwen3_asr, right-padded": (_asr_case, "right", True),
     "model-side placeholder": (_model_side_case, None, True),
     "whisper": (_whisper_case, None, True),
     "moonshine": (_moonshine_case, None, False),  # the fixed-shape verify is Whisper's and decoder-only targets'
