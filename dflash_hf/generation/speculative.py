@@ -5,7 +5,8 @@ One cycle: the draft proposes `B-1` tokens for the block `[x_a, M, ..., M]` at p
 verifies the block in one forward, the longest agreeing prefix plus the target's bonus token is
 appended, and the features of the verified positions join the draft context. Decoding stops at the first
 stop token anywhere among a cycle's accepted tokens; the cycle's acceptance length counts only the tokens up
-to and including it.
+to and including it. With `tree_budget`, a cycle verifies a token tree of that many nodes from the same draft
+forward instead of the chain (`dflash_hf.generation.tree_decode`).
 
 The target's scores go through its logits processors before any decision (Whisper's suppressed and
 begin-suppressed tokens, and the temperature when sampling), so greedy decoding is exactly the target's

@@ -53,7 +53,11 @@ def tree_mask(context: torch.Tensor | None, ancestors: torch.Tensor, rows: int, 
     all if None) and to its `ancestors` `[N+1, N+1]` row."""
     n = ancestors.shape[0]
     keep_context = ancestors.new_ones(n, rows) if context is None else context[:rows].bool()[None, :].expand(n, rows)
-    keep = torch.cat([keep_context, ancestors], dim=1)
+    return _additive(torch.cat([keep_context, ancestors], dim=1), dtype)
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`keep` `[q, k]` as an additive mask `[1, 1, q, k]`: 0 where kept, else the lowest value of `dtype`."""
     return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
 
 
@@ -112,8 +116,7 @@ class StaticTreeVerifyStep(StaticVerifyStep):
         inside = (relative >= 0) & (relative < n)
         tree = self.tree.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
         keep = ((columns < self.root) & self.valid)[None, :] | tree
-        mask = torch.where(keep, 0.0, torch.finfo(self.dtype).min).to(self.dtype)[None, None]
-        return self.root + self.base, self.first + self.depth, mask
+        return self.root + self.base, self.first + self.depth, _additive(keep, self.dtype)
 
     def _capture(self, ft, at: int) -> None:
         self.root.fill_(at)
