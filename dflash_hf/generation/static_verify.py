@@ -53,17 +53,18 @@ AUTO_MAX_BUFFER_BYTES = 1 << 30
 
 
 class FixedSelfCache(DynamicCache):
-    """Self-attention keys/values in fixed buffers `[1, heads, positions, head_dim]` per decoder layer, written at
-    `write_index` (a fixed tensor updated in place): a cache's `update` without growth. A `DynamicCache` only so that
-    `EncoderDecoderCache` takes it; its own layers stay empty."""
+    """Self-attention keys/values in fixed buffers `[1, heads, positions, head_dim]` per decoder layer (views of one
+    `storage` tensor `[2, layers, 1, heads, positions, head_dim]`), written at `write_index` (a fixed tensor updated
+    in place): a cache's `update` without growth. A `DynamicCache` only so that `EncoderDecoderCache` takes it; its
+    own layers stay empty."""
 
     def __init__(
         self, num_layers: int, heads: int, head_dim: int, positions: int, dtype: torch.dtype, device: torch.device
     ):
         super().__init__()
-        shape = (1, heads, positions, head_dim)  # zeros: masked rows must be finite (0 * inf would be NaN)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (2, num_layers, 1, heads, positions, head_dim)  # zeros: masked rows must be finite (0 * inf: NaN)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)  # one tensor: rows move in one operator
+        self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
         self.columns = torch.arange(positions, device=device)
         self.write_index = self.columns[:0]
 

@@ -81,12 +81,12 @@ def verify_tree(verifier, ids: torch.Tensor, depth: torch.Tensor, ancestors: tor
 
 def keep_path(tensors: list[torch.Tensor], a: int, nodes: torch.Tensor) -> None:
     """Copy the rows of the path's nodes (`nodes` `[k+1]`, the root first, at rows `a + node`) to rows `a+1 .. a+k`
-    of every key/value tensor `[1, heads, rows, head_dim]`."""
+    of every key/value tensor `[..., rows, head_dim]`."""
     k = nodes.shape[0] - 1
     if k:
         rows = nodes[1:] + a
         for t in tensors:
-            t[:, :, a + 1 : a + 1 + k] = t.index_select(2, rows)
+            t[..., a + 1 : a + 1 + k, :] = t.index_select(-2, rows)
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
@@ -138,8 +138,8 @@ class StaticTreeVerifyStep(StaticVerifyStep):
         return self.out
 
     def key_values(self) -> list[torch.Tensor]:
-        """The fixed buffers as :func:`cache_tensors` lists a cache's: keys and values of each layer in turn."""
-        return [t for pair in zip(self.self_cache.keys, self.self_cache.values) for t in pair]
+        """The fixed buffers: one tensor `[2, layers, 1, heads, rows, head_dim]` (a path's rows move in one copy)."""
+        return [self.self_cache.storage]
 
 
 __all__ = [

@@ -141,7 +141,8 @@ def test_each_node_sees_its_path_and_the_kept_cache_is_the_committed_sequence(ca
         keep_path(step.key_values() if fixed else cache_tensors(c.verifier.cache), a, nodes)
         if not fixed:
             crop_cache(c.verifier.cache, a + k + 1)
-        kept = step.key_values() if fixed else cache_tensors(c.verifier.cache)
+        layers = zip(step.self_cache.keys, step.self_cache.values) if fixed else None
+        kept = [t for pair in layers for t in pair] if fixed else cache_tensors(c.verifier.cache)
         _, _, fresh = c.plain([tokens[n] for n in nodes.tolist()])
         for ours, theirs in zip(kept, cache_tensors(fresh)):
             if fixed:
