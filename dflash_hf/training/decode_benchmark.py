@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
@@ -271,52 +272,66 @@ def decode_benchmark(
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
     outputs must be token-identical (a mismatch is recorded, not raised). `warmup` decodes the first prompt
     once untimed (kernel and allocator start-up, and the CUDA graph captures). `draft_cuda_graph`,
-    `verify_cuda_graph`: as for `speculative_generate`. `tree_budgets`: each prompt is also decoded with tree
-    verification of each budget (`speculative_generate(tree_budget=...)`), right after the chain, compared with the
-    same greedy decode; their figures are the returned stats' `trees`."""
+    `verify_cuda_graph`: as for `speculative_generate`. `tree_budgets`: after the chain's pass, one pass over the same
+    prompts per budget with tree verification (`speculative_generate(tree_budget=...)`; its own untimed warm-up: each
+    budget captures its own fixed-shape steps), compared with the chain pass's greedy decodes; their figures are the
+    returned stats' `trees`."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
-    runs = {None: stats, **{budget: DecodeStats(compared=compare_greedy) for budget in tree_budgets}}
+    kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts and greedy decodes
+
+    def decode(inputs, budget=None):
+        return speculative_generate(
+            draft,
+            ft,
+            max_new_tokens,
+            draft_cuda_graph=draft_cuda_graph,
+            verify_cuda_graph=verify_cuda_graph,
+            tree_budget=budget,
+            **inputs,
+        )
+
     for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
         n_prompt = inputs["input_ids"].shape[1]
         inputs = generate_inputs(ft, inputs)
-
-        def decode(budget=None, inputs=inputs):
-            return speculative_generate(
-                draft,
-                ft,
-                max_new_tokens,
-                draft_cuda_graph=draft_cuda_graph,
-                verify_cuda_graph=verify_cuda_graph,
-                tree_budget=budget,
-                **inputs,
-            )
-
         if warmup and i == 0:
-            for budget in runs:
-                decode(budget)
+            decode(inputs)
             if compare_greedy:
                 target_greedy(ft, inputs, max_new_tokens)
-        outputs = {budget: _timed_decode(run, decode, budget, n_prompt, device) for budget, run in runs.items()}
+        spec_new = _timed_decode(stats, partial(decode, inputs), n_prompt, device)
+        greedy_new, seconds = None, 0.0
         if compare_greedy:
             start = synced_clock(device)
             greedy = target_greedy_new_tokens(ft, inputs, max_new_tokens)
             seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
-            for budget, run in runs.items():
-                run.greedy_seconds += seconds
-                run.greedy_tokens += len(greedy_new)
-                if greedy_new != outputs[budget]:
-                    run.mismatches.append(i)
-    stats.trees = {budget: run for budget, run in runs.items() if budget is not None}
+            _compared(stats, i, spec_new, greedy_new, seconds)
+        if tree_budgets:
+            kept.append((inputs, n_prompt, greedy_new, seconds))
+    for budget in tree_budgets:
+        run = stats.trees[budget] = DecodeStats(compared=compare_greedy)
+        for i, (inputs, n_prompt, greedy_new, seconds) in enumerate(kept):
+            if warmup and i == 0:
+                decode(inputs, budget)
+            spec_new = _timed_decode(run, partial(decode, inputs, budget), n_prompt, device)
+            if greedy_new is not None:
+                _compared(run, i, spec_new, greedy_new, seconds)
     return stats
 
 
-def _timed_decode(stats: DecodeStats, decode, budget: int | None, n_prompt: int, device: torch.device) -> list[int]:
-    """One timed speculative decode (`decode(budget)`) recorded in `stats`; its new tokens."""
+def _compared(stats: DecodeStats, i: int, spec_new: list[int], greedy_new: list[int], seconds: float) -> None:
+    """Record prompt `i`'s greedy decode (`seconds` long) in `stats`, and a mismatch of its speculative one."""
+    stats.greedy_seconds += seconds
+    stats.greedy_tokens += len(greedy_new)
+    if greedy_new != spec_new:
+        stats.mismatches.append(i)
+
+
+def _timed_decode(stats: DecodeStats, decode, n_prompt: int, device: torch.device) -> list[int]:
+    """One timed speculative decode (`decode()`) recorded in `stats`; its new tokens."""
     start = synced_clock(device)
-    spec = decode(budget)
+    spec = decode()
     stats.spec_seconds += synced_clock(device) - start
     spec_new = spec.sequences[0, n_prompt:].tolist()
     stats.spec_tokens += len(spec_new)

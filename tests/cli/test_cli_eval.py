@@ -327,8 +327,8 @@ def test_a_malformed_conversation_record_is_named(tmp_path):
 
 
 def test_tree_budgets_are_evaluated_beside_the_chain(text_setup, capsys):
-    """`--tree_budget 3 8`: every prompt also decodes with trees of 3 (block_size - 1: the chain) and 8 nodes, each
-    compared with the same greedy decode; their figures sit under `tree` in the JSON and in the table."""
+    """`--tree_budget 3 8`: the prompts also decode with trees of 3 (block_size - 1: the chain) and 8 nodes, a pass
+    each, compared with the chain pass's greedy decodes; their figures sit under `tree` in the JSON and in the table."""
     root, target, draft, prompts = text_setup
     out_json = root / "tree.json"
     argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--max_new_tokens", "10"]
