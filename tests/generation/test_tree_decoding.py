@@ -1,7 +1,7 @@
 """Tree decoding (`speculative_generate(..., tree_budget=n)`, `custom_generate`) is lossless for every target family
 we decode: greedy output equals the target's own greedy decoding (text LLM, padded left and right; Qwen3-ASR with
-processor-expanded audio, padded; the model-side single-placeholder layout; Whisper and Moonshine through
-`custom_generate`), over the growing cache and the fixed-shape verify, the eager draft and its fixed-shape step. A
+processor-expanded audio, padded; the other speech LLM rows; the model-side single-placeholder layout; Whisper and
+Moonshine through `custom_generate`), over the growing cache and the fixed-shape verify, the eager draft and its fixed-shape step. A
 tree of `block_size - 1` nodes decodes as the chain, and a larger one accepts at least what the chain accepts from
 each draft forward."""
 
@@ -256,3 +256,22 @@ def test_tree_sampling_applies_the_target_processors():
         new = out.sequences[0, 4:].tolist()
         assert 0 < len(new) <= 12 and not set(new) & set(banned), (new, banned)
         assert all(1 <= a <= BLOCK for a in out.acceptance_lengths)
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio", "voxtral", "audioflamingo3", "glmasr"])
+def test_the_other_speech_families_take_the_tree_mask(family):
+    """The speech LLM rows with other language models (Qwen2, Llama) take the tree's 4-D mask and positions too."""
+    with loaded_script(REPO_ROOT / "tests" / "targets" / "test_families.py") as families:
+        tok = tiny.build_tokenizer()
+        torch.manual_seed(0)
+        model, processor = families.BUILDERS[family](tok)
+    tiny.sharpen(model.eval().get_decoder(), seed=1)
+    text = "<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>Transcribe.<|im_end|>\n<|im_start|>assistant\n"
+    audio = (0.1 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32)
+    inputs = encode_batch(FAMILIES[family], processor, model.config, [text], [audio])
+    ref = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    ft = FrozenTarget(model, family)
+    for fixed in (False, True):
+        oracle = oracle_draft(_text_draft(ft), ref, inputs["input_ids"].shape[1], ft.vocab_size)
+        out = speculative_generate(oracle, model, NEW, tree_budget=10, verify_cuda_graph=fixed, **inputs)
+        assert torch.equal(out.sequences, ref) and max(out.acceptance_lengths) == BLOCK, (family, fixed)
