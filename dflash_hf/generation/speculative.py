@@ -34,6 +34,7 @@ from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
 from dflash_hf.generation.tree_decode import TreeDecode, check_tree_budget
+from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
     _accept,
@@ -241,6 +242,8 @@ def speculative_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_tree_budget(tree_budget)
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    if tree_budget is not None:  # before `generate` prepares anything (Whisper's encoder pass)
+        check_tree_target(ft)
     if ft.family.expansion != "model":
         # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
         # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
