@@ -6,12 +6,10 @@ refused before decoding."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
-from utils import tiny_text_target, tiny_whisper, whisper_draft, whisper_features
+from utils import REPO_ROOT, loaded_script, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
 from dflash_hf.generation.decode_state import _Verifier, crop_cache
@@ -195,8 +193,12 @@ def test_the_fixed_shape_verify_of_a_tree_is_refused_where_the_chain_is():
         speculative_generate(
             whisper_draft(model), model, 8, 1.0, verify_cuda_graph=True, tree_budget=8, input_features=feats
         )
-    fake = SimpleNamespace(model_type="moonshine")
-    assert fake.model_type == "moonshine"  # Moonshine: tests/generation/test_tree_decoding.py (eager only)
+    with loaded_script(REPO_ROOT / "tests" / "targets" / "test_moonshine.py") as moonshine:
+        model, processor = moonshine.build_moonshine()
+        draft = moonshine._draft(FrozenTarget(model), processor)
+        values = torch.from_numpy(moonshine._audio(0, 0.5))[None]
+    with pytest.raises(ValueError, match="verify_cuda_graph=True: .* an encoder-decoder target other than Whisper"):
+        speculative_generate(draft, model, 8, verify_cuda_graph=True, tree_budget=8, input_values=values)
 
 
 def test_the_capture_of_a_tree_verify_stays_within_whispers_positions(monkeypatch):
