@@ -1,9 +1,9 @@
 """Tree decoding (`speculative_generate(..., tree_budget=n)`, `custom_generate`) is lossless for every target family
 we decode: greedy output equals the target's own greedy decoding (text LLM, padded left and right; Qwen3-ASR with
 processor-expanded audio, padded; the other speech LLM rows; the model-side single-placeholder layout; Whisper and
-Moonshine through `custom_generate`), over the growing cache and the fixed-shape verify, the eager draft and its fixed-shape step. A
-tree of `block_size - 1` nodes decodes as the chain, and a larger one accepts at least what the chain accepts from
-each draft forward."""
+Moonshine through `custom_generate`), over the growing cache and the fixed-shape verify, the eager draft and its
+fixed-shape step. A tree of `block_size - 1` nodes decodes as the chain, and a larger one accepts at least what the
+chain accepts from each draft forward."""
 
 from __future__ import annotations
 
