@@ -45,6 +45,33 @@ def seconds_problem(value: Any, *, positive: bool) -> str | None:
     return None
 
 
+DEFAULT_MAX_CHARS_PER_SECOND = 50.0
+"""Characters of a response per second of its audio above which a row is a bad sample: read speech reaches about 15
+to 20 (English, spaces included; fewer in scripts with one character a syllable), so 50 leaves a wide margin; a
+higher rate means a wrong duration or a transcript of other audio. `--max_chars_per_second` sets it (0: off)."""
+MIN_RATE_SECONDS = 0.5  # shorter audio counts as this long (a word or two on a very short clip stays plausible)
+RATE_FIX = (
+    "check the row's duration (and offset) against its audio and its text against what is said, or raise "
+    "--max_chars_per_second (0 turns the check off) for responses that are not transcripts"
+)
+
+
+def text_rate_problem(text, duration, max_chars_per_second: float | None) -> str | None:
+    """Why `text` is implausibly long for `duration` seconds of audio (None when it is not, when either is not a
+    usable value, or when the check is off)."""
+    if not max_chars_per_second or not isinstance(text, str) or isinstance(duration, bool):
+        return None
+    if not isinstance(duration, (int, float)) or not math.isfinite(duration) or duration <= 0:
+        return None
+    chars = len(text.strip())
+    if chars <= max_chars_per_second * max(duration, MIN_RATE_SECONDS):
+        return None
+    return (
+        f"has {chars} characters for {duration:g} s of audio ({chars / duration:.0f} per second, more than "
+        f"--max_chars_per_second {max_chars_per_second:g}; speech reaches about 20)"
+    )
+
+
 def _is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"

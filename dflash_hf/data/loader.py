@@ -158,6 +158,7 @@ def build_train_dataloader(
     device_features: bool = False,
     pin_memory: bool = False,
     mask_token_id: int | None = None,
+    max_chars_per_second: float | None = None,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
@@ -167,7 +168,8 @@ def build_train_dataloader(
     computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
     second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
     memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device).
-    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it."""
+    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it.
+    ``max_chars_per_second``: a sample whose text is longer than this many characters per second of audio is bad."""
     if packing and max_batch_size is not None:
         raise ValueError(
             "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"
@@ -196,6 +198,7 @@ def build_train_dataloader(
         resample_audio=resample_audio,
         duration_tolerance=duration_tolerance,
         mask_token_id=mask_token_id,
+        max_chars_per_second=max_chars_per_second,
     )
     cuts = validated_cutset(cuts, validator)
     collator = PaddedCollator(

@@ -37,6 +37,7 @@ from dflash_hf.training.checkpoints import (
 )
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.draft_export import export_trained_draft
+from dflash_hf.training.env_faults import StepFaults
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_identity import target_identity, write_record
@@ -83,6 +84,8 @@ class DFlashTrainer(Trainer):
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
         add_dflash_callbacks(self, args)
+        self.step_faults = StepFaults(self)  # full disk, killed loader worker, GPU out of memory (env_faults)
+        self.add_callback(self.step_faults.callback)
         self._resume_checkpoint: str | None = None  # set by train()
         self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
@@ -148,6 +151,7 @@ class DFlashTrainer(Trainer):
         with (
             trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip,
             self.stop_signals.installed(),
+            self.step_faults.handled(),
         ):
             result = super().train(checkpoint, *args, **kwargs)
         self.finite_guard.settle()
@@ -202,7 +206,8 @@ class DFlashTrainer(Trainer):
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
-        return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
+        with self.step_faults.handled():
+            return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
 
     def final_eval_metrics(self) -> dict[str, float]:
         """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
@@ -227,6 +232,7 @@ class DFlashTrainer(Trainer):
         return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self.step_faults.step_started()
         batch_samples = self.host_times.fetch(epoch_iterator, num_batches)
         self._step_plans = [
             (b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in enumerate(batch_samples)
@@ -242,7 +248,8 @@ class DFlashTrainer(Trainer):
         `_prepare_inputs` copies the batch before `compute_loss` sees it)."""
         self._micro_plan = next((plan for batch, plan in self._step_plans if batch is inputs), None)
         try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            run = super().training_step  # GPU out of memory: skipped (--skip_oom_batches) or a clear stop
+            loss = self.step_faults.micro_batch(run, model, inputs, num_items_in_batch, self._micro_plan)
         finally:
             self._micro_plan = None
         self.finite_guard.add_loss(loss)
@@ -251,6 +258,7 @@ class DFlashTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         """The Trainer's gradient norm of the step about to be taken, checked by `finite_guard` (a non-finite loss
         or norm stops training before the optimizer takes the step; on a GPU one step later, see `step_guards`)."""
+        self.step_faults.update_started()
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self.finite_guard.observe(grad_norm, self.state.global_step + 1)
         return grad_norm
@@ -296,6 +304,7 @@ class DFlashTrainer(Trainer):
             metrics = self._report(sums)
             logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
             logs.update(self.host_times.entries())
+            logs.update(self.step_faults.log_entries())
             self.train_sums = MetricSums()
         super().log(logs, start_time)
 
