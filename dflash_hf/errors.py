@@ -53,7 +53,9 @@ class EnvironmentFault(Exception):
             where = f"The last complete checkpoint is {self.checkpoint} (the steps after it are lost)"
             how = "resume from it"
         command = self.resume_command or (
-            "the same command with --resume_from_checkpoint true" if self.checkpoint else "the same command"
+            "the same command with --resume_from_checkpoint true (Python: train(resume_from_checkpoint=True))"
+            if self.checkpoint
+            else "the same command"
         )
         return f"{self.what}. {where}; {how}: {command}"
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
 from dflash_hf.cli.options import help_parser
-from dflash_hf.errors import DFlashUserError
+from dflash_hf.errors import DFlashUserError, EnvironmentFault
 from dflash_hf.training.argument_groups import check_data_paths
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -239,13 +241,17 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     metrics = dict(result.metrics)
     metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it
     if data_args.eval_data:
-        metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
+        with trainer.step_faults.handled():  # a fault in the final evaluation ends as one in training does
+            metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
     export_dir = trainer.export_draft()
     loader = getattr(trainer, "speech_train_loader", None)
     if loader is not None:
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
+    metrics.update(trainer.step_faults.log_entries())  # --skip_oom_batches: the steps skipped, listed once
+    if trainer.step_faults.summary():
+        logger.warning(trainer.step_faults.summary())
     if trainer.is_world_process_zero():
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))
@@ -287,7 +293,29 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a complete checkpoint is saved; exit 128 + signal
         print(f"dflash-train: {stop}", file=sys.stderr)
         return stop.exit_code
+    except EnvironmentFault as fault:  # full disk, killed loader worker, GPU out of memory: exit 75 (console)
+        fault.resume_command = resume_command(argv, resume=fault.checkpoint is not None)
+        raise
     return 0
+
+
+def resume_command(argv: list[str], resume: bool = True) -> str:
+    """The command line that resumes this run: `dflash-train ARGV --resume_from_checkpoint true` (any resume option
+    of `argv` replaced; `resume=False`: the command as given, to start again). Under a launcher (torchrun,
+    accelerate) the same launcher takes these arguments."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = True
+        elif not arg.startswith("--resume_from_checkpoint="):
+            args.append(arg)
+    if not resume:
+        args = list(argv)
+    line = shlex.join(["dflash-train", *args] + (["--resume_from_checkpoint", "true"] if resume else []))
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    return f"`{line}`" + (" (through the same launcher as this run)" if launched else "")
 
 
 if __name__ == "__main__":

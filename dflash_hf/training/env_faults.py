@@ -143,7 +143,18 @@ class StepFaults:
         )
 
     def log_entries(self) -> dict[str, int]:
+        """`skipped_oom_batches` (with `--skip_oom_batches`): the steps skipped so far in this run."""
         return {SKIPPED_KEY: len(self.skipped)} if self.limit else {}
+
+    def annotate(self, logs: dict, sums) -> None:
+        """A training log entry gets `log_entries`; one whose window trained no micro-batch (every step skipped)
+        has no loss or gradient norm to report (the Trainer's would be the skipped steps' zeros)."""
+        if not self.limit or "loss" not in logs:
+            return
+        logs.update(self.log_entries())
+        if not sums.values:
+            logs.pop("loss", None)
+            logs.pop("grad_norm", None)
 
     def summary(self) -> str | None:
         """One line listing the skipped steps (None when none was)."""
@@ -172,6 +183,8 @@ class StepFaults:
                 fault.add_note("".join(traceback.format_exception(err)))
         finally:
             self._release_worker_signals(replay=False)
+        if fault is None:  # no fault
+            return
         # here the failed step's frames (and the broken loader) are released
         self._save_or_name_checkpoint(fault)
         raise fault
@@ -298,7 +311,8 @@ def oom_message(faults: StepFaults, error: str) -> str:
     """What ran out of GPU memory (the micro-batch's shape), the options that lower it, and `--skip_oom_batches`."""
     trainer = faults.trainer
     step = trainer.state.global_step + (faults.phase != BOUNDARY)
-    first = error.strip().split(". ")[0].splitlines()[0] if error.strip() else "torch.OutOfMemoryError"
+    # torch's first two sentences: "CUDA out of memory. Tried to allocate 2.00 GiB"
+    first = ". ".join(error.strip().splitlines()[0].split(". ")[:2]) if error.strip() else "torch.OutOfMemoryError"
     if faults.phase == STEP and faults.oom_shape:
         where = f"in optimizer step {step}, {faults.oom_shape}"
     elif faults.phase == UPDATE:

@@ -298,13 +298,13 @@ class DFlashTrainer(Trainer):
         return sums
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.step_faults.annotate(logs, self.train_sums)  # --skip_oom_batches: the skipped steps counted
         if "loss" in logs and self.train_sums.values:
             sums = self.train_sums
             sums.settle()
             metrics = self._report(sums)
             logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
             logs.update(self.host_times.entries())
-            logs.update(self.step_faults.log_entries())
             self.train_sums = MetricSums()
         super().log(logs, start_time)
 

@@ -100,6 +100,7 @@ class DFlashTrainingArguments(
             )
         self._apply_deprecated_options()
         check_ranges(self, TRAINER_RANGES | DFLASH_RANGES)  # every numeric option's range (numeric_options.py)
+        self._check_skip_oom_batches()
         check_launch(self)  # before the devices are set up
         super().__post_init__()
         self._default_unrecorded()
@@ -116,7 +117,6 @@ class DFlashTrainingArguments(
         if self.target_layer_ids is not None:
             check_target_layer_ids(self.target_layer_ids)
             check_distinct_taps(self.target_layer_ids)
-        self._check_skip_oom_batches()
         self._check_attention_backend()
         self._check_hub()
         self._check_packing()
