@@ -44,6 +44,8 @@ logger = logging.getLogger("dflash_hf")
 STEP, UPDATE, BOUNDARY = "step", "update", "boundary"
 SKIPPED_KEY = "skipped_oom_batches"  # run record entry (every checkpoint) and log / metrics name
 _WORKER_DIED = "DataLoader worker (pid"  # PyTorch's words for a worker process that died or was killed
+_LOADER_FILE = "torch/utils/data/dataloader.py".replace("/", __import__("os").sep)
+_LOADER_RECEIVE = ("_try_get_data", "_get_data", "_next_data")  # where the main process receives a batch
 
 
 class StepFaults:
@@ -196,9 +198,10 @@ class StepFaults:
                 f"no space left on device ({type(err).__name__}: {err}); free space there or set output_dir on a "
                 "larger disk"
             )
-        if isinstance(err, RuntimeError) and _WORKER_DIED in str(err):
+        died = worker_death(err)
+        if died:
             return EnvironmentFault(
-                f"a data-loader worker died ({str(err).strip().splitlines()[0]}). Most often the kernel's "
+                f"a data-loader worker died ({died}). Most often the kernel's "
                 "out-of-memory killer stopped it (check `dmesg`): the workers hold decoded audio and features in host "
                 f"memory. Lower --dataloader_num_workers (now {args.dataloader_num_workers}) or the batch's token "
                 "budget, or give the job more host memory (or shared memory, /dev/shm, for a bus error)"
@@ -260,6 +263,20 @@ def _worker_signals_ignored() -> Iterator[None]:
         yield
     finally:
         signal.signal(sigchld, previous)
+
+
+def worker_death(err: BaseException) -> str | None:
+    """How PyTorch said that a loader worker died, or None. It says so itself (`DataLoader worker (pid N) is killed by
+    signal: Killed`, `... exited unexpectedly`), or the main process loses the connection to the dead worker while
+    it receives a batch the worker had sent (tensors are passed through the worker's file-descriptor server)."""
+    text = str(err).strip()
+    if isinstance(err, RuntimeError) and _WORKER_DIED in text:
+        return text.splitlines()[0]
+    if isinstance(err, (ConnectionError, EOFError)):
+        frames = traceback.extract_tb(err.__traceback__)
+        if any(f.filename.endswith(_LOADER_FILE) and f.name in _LOADER_RECEIVE for f in frames):
+            return f"{type(err).__name__} while receiving a batch from a worker: {text or 'connection lost'}"
+    return None
 
 
 def release_device_memory() -> None:

@@ -57,8 +57,9 @@ def asr(tmp_path_factory):
 
 
 def test_out_of_memory_mid_step_saves_the_step_boundary_and_the_resume_is_bit_exact(tmp_path, asr, monkeypatch):
-    """Out of memory in micro-batch 2 of step 3: the checkpoint at step 2 holds the data position of the step's start
-    (micro-batch 1 of step 3 handed out again on resume), so the resumed run ends bit for bit as an uninterrupted one."""
+    """Out of memory in micro-batch 2 of step 3: the checkpoint at step 2 holds the data position of the step's
+    start (micro-batch 1 of step 3 handed out again on resume): the resumed run ends bit for bit as an uninterrupted
+    one."""
     straight = speech_trainer(tmp_path, "a", asr)
     straight.train()
 
@@ -130,10 +131,10 @@ def test_skip_oom_batches_skips_the_step_without_an_update_and_counts_it(tmp_pat
 def test_out_of_memory_beyond_skip_oom_batches_stops_with_the_message(tmp_path, monkeypatch):
     out_of_memory_at(monkeypatch, 1, 3)
     trainer = _text_trainer(tmp_path, skip_oom_batches=1)
-    with pytest.raises(EnvironmentFault, match=r"1 steps were skipped already, as many as --skip_oom_batches 1") as info:
+    with pytest.raises(EnvironmentFault, match=r"1 steps were skipped already, as many as --skip_oom_batches 1") as e:
         trainer.train()
-    assert "--per_device_train_batch_size (now 2)" in str(info.value)
-    assert info.value.saved and info.value.checkpoint.endswith("checkpoint-2")  # the boundary before step 3
+    assert "--per_device_train_batch_size (now 2)" in str(e.value)
+    assert e.value.saved and e.value.checkpoint.endswith("checkpoint-2")  # the boundary before step 3
 
 
 def test_skip_oom_batches_needs_one_process(tmp_path, monkeypatch):
@@ -177,5 +178,5 @@ def test_full_disk_in_dflash_train_is_one_line_exit_75_with_the_resume_command(t
     message = next(line for line in err.splitlines() if line.startswith("dflash-train: stopped: "))
     assert f"no space left on device while writing {out / 'checkpoint-2'}" in message
     assert f"The last complete checkpoint is {out / 'checkpoint-1'} (the steps after it are lost)" in message
-    assert message.endswith(f"--disable_tqdm true --resume_from_checkpoint true`")
+    assert message.endswith("--disable_tqdm true --resume_from_checkpoint true`")
     assert last_complete_checkpoint(out)[0] == out / "checkpoint-1"
