@@ -168,19 +168,11 @@ def check_run_dirs(args) -> None:
 
 
 def check_data_rows(data_args: DFlashDataArguments) -> None:
-    """Strict mode: read every train and eval source once, without audio (`data.open_source`), so a malformed row
-    or a refused command/url audio source is an error before the target loads. With --skip_bad_samples true the
-    trainer's own reading counts the bad rows (and refuses such sources), still before the first step."""
-    if data_args.skip_bad_samples:
-        return
-    from dflash_hf.data import BadSamples, open_source
+    """The data pre-flight on rank 0 (`training.row_preflight`): every row of every train and eval source once,
+    without audio, before the target loads (in parallel for a large file)."""
+    from dflash_hf.training.row_preflight import check_data_rows as check_every_row
 
-    sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
-    for source in sources:
-        open_source(source, BadSamples(skip=False))
-    for source in (data_args.eval_sources() or {}).values():  # validation sets are small: open every audio file
-        for _ in open_source(source, BadSamples(skip=False)):
-            pass
+    check_every_row(data_args)
 
 
 def check_resume_path(resume) -> None:
@@ -198,12 +190,14 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     from dflash_hf.targets.frozen import FrozenTarget, load_target
     from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
     from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
+    from dflash_hf.training.row_preflight import share_data_rows
     from dflash_hf.training.trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
     args.check_files()
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
-    check_data_rows(data_args)
+    if args.process_index == 0:  # the other ranks load their target meanwhile, then reuse rank 0's checks
+        check_data_rows(data_args)
     check_resume_path(args.resume_from_checkpoint)
     target = FrozenTarget(
         load_target(
@@ -212,6 +206,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         args.target_family,
     )
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
+    share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)
         candidates = mask_token_candidates(
@@ -241,17 +236,13 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     metrics = dict(result.metrics)
     metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it
     if data_args.eval_data:
-        with trainer.step_faults.handled():  # a fault in the final evaluation ends as one in training does
-            metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
+        metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
     export_dir = trainer.export_draft()
     loader = getattr(trainer, "speech_train_loader", None)
     if loader is not None:
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
-    metrics.update(trainer.step_faults.log_entries())  # --skip_oom_batches: the steps skipped, listed once
-    if trainer.step_faults.summary():
-        logger.warning(trainer.step_faults.summary())
     if trainer.is_world_process_zero():
         print(f"draft exported to {export_dir}")
         print(json.dumps(metrics, indent=2, sort_keys=True))

@@ -94,19 +94,32 @@ def manifest_stem(path: Path) -> str:
     return Path(name).stem
 
 
-def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -> Iterator[tuple[int, str, dict]]:
+Span = tuple[int, int, int]
+"""Part of a plain file: ``(start byte, end byte, index of the line at start)``; start and end lie on line starts."""
+
+
+def json_rows(
+    path: str | Path, bad: BadSamples, id_prefix: str | None = None, span: Span | None = None
+) -> Iterator[tuple[int, str, dict]]:
     """``(line index, origin, record)`` for every non-blank line of a JSON-lines file (plain or gzipped) that
     holds a JSON object; ``origin`` is ``"<path> line <N>"`` (1-based). Lines that are not UTF-8, not JSON or
-    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given)."""
-    index = -1
+    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given).
+    ``span``: only the lines of that part of a plain file (``row_scan`` reads a large file in parts)."""
+    start, end, index = span if span is not None else (0, None, 0)
+    index -= 1
     with _open_binary(path) as f:
         try:
-            for index, raw in enumerate(f):
-                origin = f"{path} line {index + 1}"
-                cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
-                record = _parse_line(raw, index, bad, cut_id, origin)
+            if start:
+                f.seek(start)
+            for raw in f:
+                index += 1
+                record = _parse_line(raw, index, bad, id_prefix, path)
                 if record is not None:
-                    yield index, origin, record
+                    yield index, f"{path} line {index + 1}", record
+                if end is not None:
+                    start += len(raw)
+                    if start >= end:
+                        break
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise ValueError(
                 f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
@@ -114,34 +127,28 @@ def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -
             ) from e
 
 
-def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, origin: str) -> dict | None:
-    """The JSON object on one line; None for a blank line or one reported to ``bad``."""
+def _parse_line(raw: bytes, index: int, bad: BadSamples, id_prefix: str | None, path) -> dict | None:
+    """The JSON object on one line; None for a blank line or one reported to ``bad`` (by cut id
+    ``<id_prefix>-<index>`` and origin ``<path> line <index + 1>``, made only then: most lines are good)."""
+
+    def report(problem: str, fix: str) -> None:
+        cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
+        bad.report(cut_id, "<line>", problem, fix, origin=f"{path} line {index + 1}")
+
     try:
         line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
     except UnicodeDecodeError as e:
-        bad.report(
-            cut_id,
-            "<line>",
-            f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})",
-            "re-save the file as UTF-8",
-            origin=origin,
-        )
+        report(f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})", "re-save the file as UTF-8")
         return None
     if not line.strip():
         return None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        bad.report(cut_id, "<line>", f"not valid JSON ({e})", "fix or remove the line", origin=origin)
+        report(f"not valid JSON ({e})", "fix or remove the line")
         return None
     if not isinstance(record, dict):
-        bad.report(
-            cut_id,
-            "<line>",
-            f"is {describe_value(record)}, not a JSON object",
-            "write one JSON object per line",
-            origin=origin,
-        )
+        report(f"is {describe_value(record)}, not a JSON object", "write one JSON object per line")
         return None
     return record
 

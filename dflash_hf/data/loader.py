@@ -17,6 +17,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import SKIPPED_KEY, PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.epochs import EMPTY_BATCH, ResumableEpochs, replay_error
+from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.data.sources import DataSource, mix_sources
@@ -158,7 +159,7 @@ def build_train_dataloader(
     device_features: bool = False,
     pin_memory: bool = False,
     mask_token_id: int | None = None,
-    max_chars_per_second: float | None = None,
+    max_chars_per_second: float | None = DEFAULT_MAX_CHARS_PER_SECOND,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
@@ -169,7 +170,8 @@ def build_train_dataloader(
     second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
     memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device).
     ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it.
-    ``max_chars_per_second``: a sample whose text is longer than this many characters per second of audio is bad."""
+    ``max_chars_per_second``: a sample whose text has more characters per second of audio is bad (None or 0: off;
+    a ``DataSource``'s own applies to its rows when they are read, this one to every sample when it is validated)."""
     if packing and max_batch_size is not None:
         raise ValueError(
             "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"

@@ -40,6 +40,7 @@ from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
 from dflash_hf.data.json_rows import (
     DEFAULT_MAX_CHARS_PER_SECOND,
     RATE_FIX,
+    Span,
     describe_value,
     detect_kind,
     json_rows,
@@ -233,17 +234,19 @@ class NemoManifest:
         *,
         allow_programs: bool = False,
         max_chars_per_second: float | None = None,
+        span: Span | None = None,
     ):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
         self.allow_programs = allow_programs
         self.max_chars_per_second = max_chars_per_second
+        self.span = span  # only that part of the file (`row_scan`)
         self._recordings: dict = {}  # audio headers read in an earlier epoch (lhotse Recordings)
 
     def _records(self) -> Iterator[tuple[str, str, dict]]:
         """``(cut id, origin, record)`` of the lines whose keys and types are right."""
         prefix = manifest_stem(self.path)
-        for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix):
+        for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix, span=self.span):
             cut_id = _nemo_cut_id(record, f"{prefix}-{index:08d}")
             if check_nemo_record(record, cut_id, self.bad, origin, self.max_chars_per_second):
                 yield cut_id, origin, record
@@ -354,8 +357,9 @@ class HFDatasetCuts:
 
 
 def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) -> CutSet:
-    """A lazy CutSet for one source. A manifest or cuts file is first read through once without audio access
-    (``check()``), so a malformed line is an error, or a counted skip, before training starts."""
+    """A lazy CutSet for one source. Every row of a manifest or cuts file is first checked once without audio access
+    (``row_scan.check_rows``: remembered in this process, in parallel for a large file), so a malformed line is an
+    error, or a counted skip, before training starts."""
     if not isinstance(source, DataSource):
         source = DataSource(path=str(source))
     bad = bad if bad is not None else BadSamples(skip=False)
@@ -377,28 +381,37 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
                 allow_programs=source.allow_command_audio_sources,
             )
         )
+    from dflash_hf.data.row_scan import check_rows
+
+    reader = file_reader(source, bad)
+    check_rows(source, bad)
+    return CutSet(reader)
+
+
+def file_reader(source: DataSource, bad: BadSamples, span: Span | None = None) -> NemoManifest | LhotseCuts:
+    """The reader of a manifest or cuts file (``source.kind``, or detected from its first line); ``span``: only
+    that part of the file."""
     if source.path is None:
         raise ValueError("DataSource needs path= or hf_dataset=")
     kind = source.kind or detect_kind(source.path)
     if kind == "nemo":
-        reader = NemoManifest(
+        return NemoManifest(
             source.path,
             bad,
             allow_programs=source.allow_command_audio_sources,
             max_chars_per_second=source.max_chars_per_second,
+            span=span,
         )
-    elif kind == "lhotse":
-        reader = LhotseCuts(
+    if kind == "lhotse":
+        return LhotseCuts(
             source.path,
             bad,
             allow_command_audio_sources=source.allow_command_audio_sources,
             allow_url_audio_sources=source.allow_url_audio_sources,
             max_chars_per_second=source.max_chars_per_second,
+            span=span,
         )
-    else:
-        raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
-    reader.check()
-    return CutSet(reader)
+    raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
 
 
 def mix_sources(sources: Sequence[DataSource | str | Path], *, seed: int = 0, bad: BadSamples | None = None) -> CutSet:

@@ -158,6 +158,12 @@ class StepFaults:
             logs.pop("loss", None)
             logs.pop("grad_norm", None)
 
+    def report(self, metrics: dict) -> None:
+        """At the end of training: `skipped_oom_batches` in `metrics` (with `--skip_oom_batches`), the list logged."""
+        metrics.update(self.log_entries())
+        if self.summary():
+            logger.warning(self.summary())
+
     def summary(self) -> str | None:
         """One line listing the skipped steps (None when none was)."""
         if not self.skipped:

@@ -155,6 +155,7 @@ class DFlashTrainer(Trainer):
         ):
             result = super().train(checkpoint, *args, **kwargs)
         self.finite_guard.settle()
+        self.step_faults.report(result.metrics)  # --skip_oom_batches: the steps skipped, counted and listed
         if self.stop_signals.signum is not None:
             saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             if not saved.is_dir():  # the signal came after the last step (e.g. during the final evaluation)
@@ -216,7 +217,8 @@ class DFlashTrainer(Trainer):
         step = self.state.global_step
         best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
         done = logged_eval_metrics(self.state.log_history, step)
-        return done if done and not best_loaded else self.evaluate()
+        with self.step_faults.handled():  # a fault in this evaluation ends as one in training does
+            return done if done and not best_loaded else self.evaluate()
 
     # --- The objective: plans before the step, the loss of each micro-batch with its plan
     @property
