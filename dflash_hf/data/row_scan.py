@@ -19,11 +19,15 @@ import dataclasses
 import itertools
 import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dflash_hf.data.bad_samples import SKIP_HINT, BadSampleError, BadSamples, bad_sample_message, sample_label
 from dflash_hf.data.json_rows import Span, detect_kind
-from dflash_hf.data.sources import DataSource, file_reader
+
+Source = Any  # a `sources.DataSource` (not imported: `sources.open_source` calls this module)
+ReaderFactory = Callable  # `sources.file_reader(source, bad, span)`: the reader of a file source, or of part of it
 
 PARALLEL_MIN_BYTES = 32 << 20  # about 250k NeMo rows: below, one process reads the file in a second or two
 PART_BYTES = 16 << 20  # the smallest part a worker reads
@@ -42,7 +46,7 @@ class RecordedRows(BadSamples):
         self.skipped.setdefault(sample_label(cut_id, origin), message)
 
 
-def scan_key(source: DataSource) -> ScanKey | None:
+def scan_key(source: Source) -> ScanKey | None:
     """What a scan of `source` depends on: the file (resolved path, size, modification time) and the reading
     policy. None for sources that are not files (HF datasets) and for a file that cannot be read (its reader says)."""
     if source.hf_dataset is not None or source.path is None:
@@ -57,16 +61,22 @@ def scan_key(source: DataSource) -> ScanKey | None:
 
 
 def check_rows(
-    source: DataSource, bad: BadSamples | None = None, *, skip: bool | None = None, workers: int | None = None
+    source: Source,
+    reader: ReaderFactory,
+    bad: BadSamples | None = None,
+    *,
+    skip: bool | None = None,
+    workers: int | None = None,
 ) -> dict[str, str]:
-    """Check every row of `source` once in this process (remembered: see the module); returns its bad rows. `bad`:
-    strict, the first bad row raises; skipping, they are counted there. Without `bad`, `skip` says which (and nothing
-    is counted: a pre-flight). `workers`: processes for a large file (default: the usable CPU cores)."""
+    """Check every row of `source` once in this process (remembered: see the module), read by `reader`'s readers;
+    returns its bad rows. `bad`: strict, the first bad row raises; skipping, they are counted there. Without `bad`,
+    `skip` says which (and nothing is counted: a pre-flight). `workers`: processes for a large file (default: the
+    usable CPU cores)."""
     skip = bad.skip if bad is not None else bool(skip)
     key = scan_key(source)
     skipped = _SCANS.get(key) if key is not None else None
     if skipped is None:
-        skipped = scan_rows(source, skip=skip, workers=workers)
+        skipped = scan_rows(source, reader, skip=skip, workers=workers)
         if key is not None:
             _SCANS[key] = skipped
     if skipped and not skip:  # remembered from a scan that skipped them
@@ -76,21 +86,19 @@ def check_rows(
     return skipped
 
 
-def scan_rows(source: DataSource, *, skip: bool, workers: int | None = None) -> dict[str, str]:
+def scan_rows(source: Source, reader: ReaderFactory, *, skip: bool, workers: int | None = None) -> dict[str, str]:
     """Read every row of `source` as its reader does (no audio) and return the bad ones (label -> message, in file
     order); strict (`skip` False): the first raises `BadSampleError`. A large plain file is read in parallel parts."""
     source = dataclasses.replace(source, kind=source.kind or detect_kind(source.path))
     workers = workers or usable_cores()
     parts = file_parts(source.path, workers)
     if len(parts) < 2:
-        recorded = RecordedRows(skip=skip)
-        file_reader(source, recorded).check()
-        return recorded.skipped
+        return _scan_part((reader, source, None, skip))
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     with context.Pool(min(workers, len(parts))) as pool:  # leaving the block ends the workers, whatever happened
         counts = pool.map(_count_lines, [(source.path, start, end) for start, end in parts])
         firsts = itertools.accumulate([0, *counts[:-1]])
-        tasks = [(source, (start, end, first), skip) for (start, end), first in zip(parts, firsts)]
+        tasks = [(reader, source, (start, end, first), skip) for (start, end), first in zip(parts, firsts)]
         skipped: dict[str, str] = {}
         for found in pool.imap(_scan_part, tasks):  # in file order: strict, the first bad row of the file raises
             skipped.update(found)
@@ -135,10 +143,10 @@ def _count_lines(task: tuple[str, int, int]) -> int:
     return lines
 
 
-def _scan_part(task: tuple[DataSource, Span, bool]) -> dict[str, str]:
-    source, span, skip = task
+def _scan_part(task: tuple[ReaderFactory, Source, Span | None, bool]) -> dict[str, str]:
+    reader, source, span, skip = task
     recorded = RecordedRows(skip=skip)
-    file_reader(source, recorded, span).check()
+    reader(source, recorded, span).check()
     return recorded.skipped
 
 

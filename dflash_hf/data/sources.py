@@ -49,6 +49,7 @@ from dflash_hf.data.json_rows import (
     text_rate_problem,
 )
 from dflash_hf.data.lhotse_cuts import LhotseCuts
+from dflash_hf.data.row_scan import check_rows
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
 MAX_REMEMBERED_HEADERS = 1 << 17  # audio headers a manifest keeps across epochs (about 1 KB each: 130 MB at most)
@@ -381,10 +382,8 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
                 allow_programs=source.allow_command_audio_sources,
             )
         )
-    from dflash_hf.data.row_scan import check_rows
-
     reader = file_reader(source, bad)
-    check_rows(source, bad)
+    check_rows(source, file_reader, bad)
     return CutSet(reader)
 
 

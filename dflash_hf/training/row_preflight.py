@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dflash_hf.data import BadSamples, open_source
 from dflash_hf.data.row_scan import check_rows, remember_scans, remembered_scans
+from dflash_hf.data.sources import file_reader
 
 
 def check_data_rows(data_args) -> None:
@@ -20,7 +21,7 @@ def check_data_rows(data_args) -> None:
     opened too."""
     evals = list((data_args.eval_sources() or {}).values())
     for source in (data_args.train_sources() or []) + evals:
-        check_rows(source, skip=data_args.skip_bad_samples)
+        check_rows(source, file_reader, skip=data_args.skip_bad_samples)
     if not data_args.skip_bad_samples:
         for source in evals:
             for _ in open_source(source, BadSamples(skip=False)):
