@@ -180,3 +180,20 @@ def test_full_disk_in_dflash_train_is_one_line_exit_75_with_the_resume_command(t
     assert f"The last complete checkpoint is {out / 'checkpoint-1'} (the steps after it are lost)" in message
     assert message.endswith("--disable_tqdm true --resume_from_checkpoint true`")
     assert last_complete_checkpoint(out)[0] == out / "checkpoint-1"
+
+
+def test_full_disk_while_exporting_names_the_export_directory_and_the_last_checkpoint(tmp_path, monkeypatch):
+    import dflash_hf.training.draft_export as draft_export
+    from dflash_hf.training.checkpoints import DiskFullError
+
+    trainer = _text_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(draft_export, "export_draft", full)
+    with pytest.raises(DiskFullError, match=r"while writing .*draft .*set export_dir on a larger disk") as e:
+        trainer.export_draft()
+    assert e.value.errno == errno.ENOSPC and e.value.checkpoint == str(tmp_path / "out" / "checkpoint-2")
+    assert "The unfinished export is never used. The last complete checkpoint is" in str(e.value)
