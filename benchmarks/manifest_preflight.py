@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip_bad_samples", action="store_true", help="train with --skip_bad_samples true")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size (the table takes the fastest)")
     parser.add_argument("--out", help="write the results JSON here")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result), flush=True)
         rows.append(result)
     results = {
-        "command": [Path(sys.executable).name, *sys.argv],
+        "command": ["python", "benchmarks/manifest_preflight.py", *argv],
         "date": datetime.date.today().isoformat(),
         "commit": commit(),
         "machine": machine(),

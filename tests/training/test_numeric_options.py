@@ -91,3 +91,11 @@ def test_dflash_train_answers_a_nan_max_grad_norm_in_one_line_with_status_2(tmp_
     err = capsys.readouterr().err
     assert "dflash-train: error: max_grad_norm must be >= 0 and finite (0: no clipping), got nan" in err
     assert "Traceback" not in err
+
+
+def test_the_text_rate_default_mirrors_the_data_layer():
+    from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
+    from dflash_hf.training import argument_groups
+
+    assert argument_groups.DEFAULT_MAX_CHARS_PER_SECOND == DEFAULT_MAX_CHARS_PER_SECOND
+    assert DFlashDataArguments().max_chars_per_second == DEFAULT_MAX_CHARS_PER_SECOND
