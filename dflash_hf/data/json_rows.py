@@ -107,15 +107,16 @@ def json_rows(
     ``span``: only the lines of that part of a plain file (``row_scan`` reads a large file in parts)."""
     start, end, index = span if span is not None else (0, None, 0)
     index -= 1
+    where = f"{path} line "
     with _open_binary(path) as f:
         try:
             if start:
                 f.seek(start)
             for raw in f:
                 index += 1
-                record = _parse_line(raw, index, bad, id_prefix, path)
+                record = _parse_line(raw, index, bad, id_prefix, where)
                 if record is not None:
-                    yield index, f"{path} line {index + 1}", record
+                    yield index, where + str(index + 1), record
                 if end is not None:
                     start += len(raw)
                     if start >= end:
@@ -127,30 +128,30 @@ def json_rows(
             ) from e
 
 
-def _parse_line(raw: bytes, index: int, bad: BadSamples, id_prefix: str | None, path) -> dict | None:
-    """The JSON object on one line; None for a blank line or one reported to ``bad`` (by cut id
-    ``<id_prefix>-<index>`` and origin ``<path> line <index + 1>``, made only then: most lines are good)."""
-
-    def report(problem: str, fix: str) -> None:
-        cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
-        bad.report(cut_id, "<line>", problem, fix, origin=f"{path} line {index + 1}")
-
+def _parse_line(raw: bytes, index: int, bad: BadSamples, id_prefix: str | None, where: str) -> dict | None:
+    """The JSON object on one line; None for a blank line or one reported to ``bad`` (`_report_line`)."""
     try:
         line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
     except UnicodeDecodeError as e:
-        report(f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})", "re-save the file as UTF-8")
-        return None
+        problem = f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+        return _report_line(bad, id_prefix, where, index, problem, "re-save the file as UTF-8")
     if not line.strip():
         return None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        report(f"not valid JSON ({e})", "fix or remove the line")
-        return None
+        return _report_line(bad, id_prefix, where, index, f"not valid JSON ({e})", "fix or remove the line")
     if not isinstance(record, dict):
-        report(f"is {describe_value(record)}, not a JSON object", "write one JSON object per line")
-        return None
+        problem = f"is {describe_value(record)}, not a JSON object"
+        return _report_line(bad, id_prefix, where, index, problem, "write one JSON object per line")
     return record
+
+
+def _report_line(bad: BadSamples, id_prefix: str | None, where: str, index: int, problem: str, fix: str) -> None:
+    """Report line `index` to `bad` as cut ``<id_prefix>-<index>`` of origin ``<where><index + 1>`` (made only for a
+    bad line: most are good)."""
+    cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
+    bad.report(cut_id, "<line>", problem, fix, origin=f"{where}{index + 1}")
 
 
 class _IgnoredRows(BadSamples):
