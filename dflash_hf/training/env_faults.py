@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 import signal
 import threading
 import traceback
@@ -44,7 +45,7 @@ logger = logging.getLogger("dflash_hf")
 STEP, UPDATE, BOUNDARY = "step", "update", "boundary"
 SKIPPED_KEY = "skipped_oom_batches"  # run record entry (every checkpoint) and log / metrics name
 _WORKER_DIED = "DataLoader worker (pid"  # PyTorch's words for a worker process that died or was killed
-_LOADER_FILE = "torch/utils/data/dataloader.py".replace("/", __import__("os").sep)
+_LOADER_FILE = os.path.join("torch", "utils", "data", "dataloader.py")
 _LOADER_RECEIVE = ("_try_get_data", "_get_data", "_next_data")  # where the main process receives a batch
 
 
@@ -176,26 +177,27 @@ class StepFaults:
     def handled(self) -> Iterator[None]:
         """Around training (and the export): an environment fault becomes an `EnvironmentFault` naming the last
         complete checkpoint, after a checkpoint is saved at the step boundary where the state allows it."""
-        fault = None
         try:
             yield
         except EnvironmentFault as err:
+            self._release_worker_signals(replay=False)
             if err.checkpoint is None:
                 err.checkpoint = self._last_checkpoint()
             raise
         except Exception as err:  # noqa: BLE001 - what is not an environment fault is raised as it is
-            fault = self._fault(err)
-            if fault is None:
-                raise
-            if debug_enabled():
-                fault.add_note("".join(traceback.format_exception(err)))
+            self._release_worker_signals(replay=False)
+            with _worker_signals_ignored():  # a dead worker's signal must not raise again while this is handled
+                fault = self._fault(err)
+                if fault is None:
+                    raise
+                if debug_enabled():
+                    fault.add_note("".join(traceback.format_exception(err)))
+                traceback.clear_frames(err.__traceback__)  # the failed step's tensors and broken loader go now
+                release_device_memory()
+                self._save_or_name_checkpoint(fault)
+            raise fault from None
         finally:
             self._release_worker_signals(replay=False)
-        if fault is None:  # no fault
-            return
-        # here the failed step's frames (and the broken loader) are released
-        self._save_or_name_checkpoint(fault)
-        raise fault
 
     def _fault(self, err: Exception) -> EnvironmentFault | None:
         args = self.trainer.args
@@ -213,7 +215,6 @@ class StepFaults:
                 "budget, or give the job more host memory (or shared memory, /dev/shm, for a bus error)"
             )
         if isinstance(err, torch.OutOfMemoryError):
-            release_device_memory()
             return EnvironmentFault(oom_message(self, str(err)))
         return None
 
@@ -229,11 +230,10 @@ class StepFaults:
             fault.checkpoint = self._last_checkpoint()
             return
         try:
-            with _worker_signals_ignored():
-                if self.phase == STEP and self._position is not None:
-                    trainer.train_position.load_state_dict(self._position)  # the batches of the step, again
-                trainer.model.zero_grad(set_to_none=True)
-                trainer._save_checkpoint(trainer.model, trial=None)
+            if self.phase == STEP and self._position is not None:
+                trainer.train_position.load_state_dict(self._position)  # the batches of the step, again
+            trainer.model.zero_grad(set_to_none=True)
+            trainer._save_checkpoint(trainer.model, trial=None)
         except Exception as err:  # noqa: BLE001 - the fault is reported either way; this failure is logged
             logger.warning("no checkpoint saved at step %d after the fault (%s: %s)", step, type(err).__name__, err)
             fault.checkpoint = self._last_checkpoint()
@@ -259,7 +259,8 @@ class _StepEnd(TrainerCallback):
 
 @contextmanager
 def _worker_signals_ignored() -> Iterator[None]:
-    """SIGCHLD left to its default while a checkpoint is saved after a fault (other workers may exit meanwhile)."""
+    """SIGCHLD left to its default while a fault is handled (PyTorch's handler would raise again for the dead worker,
+    or for other workers exiting while the checkpoint is saved)."""
     sigchld = getattr(signal, "SIGCHLD", None)
     if sigchld is None or threading.current_thread() is not threading.main_thread():
         yield
@@ -279,8 +280,8 @@ def worker_death(err: BaseException) -> str | None:
     if isinstance(err, RuntimeError) and _WORKER_DIED in text:
         return text.splitlines()[0]
     if isinstance(err, (ConnectionError, EOFError)):
-        frames = traceback.extract_tb(err.__traceback__)
-        if any(f.filename.endswith(_LOADER_FILE) and f.name in _LOADER_RECEIVE for f in frames):
+        codes = [frame.f_code for frame, _ in traceback.walk_tb(err.__traceback__)]  # no source file read
+        if any(c.co_filename.endswith(_LOADER_FILE) and c.co_name in _LOADER_RECEIVE for c in codes):
             return f"{type(err).__name__} while receiving a batch from a worker: {text or 'connection lost'}"
     return None
 
