@@ -197,3 +197,35 @@ def test_full_disk_while_exporting_names_the_export_directory_and_the_last_check
         trainer.export_draft()
     assert e.value.errno == errno.ENOSPC and e.value.checkpoint == str(tmp_path / "out" / "checkpoint-2")
     assert "The unfinished export is never used. The last complete checkpoint is" in str(e.value)
+
+
+def test_a_fault_is_one_line_and_status_75_and_its_traceback_only_with_dflash_debug(monkeypatch, capsys):
+    from dflash_hf.errors import DEBUG_ENV, run_console
+
+    def stopped(argv):
+        fault = EnvironmentFault("a data-loader worker died (injected)", checkpoint="runs/x/checkpoint-7", saved=True)
+        fault.resume_command = "`dflash-train --output_dir runs/x --resume_from_checkpoint true`"
+        raise fault
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert run_console(stopped, [], prog="dflash-train") == 75
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == (
+        "dflash-train: stopped: a data-loader worker died (injected). A complete checkpoint was saved where the run "
+        "stopped: runs/x/checkpoint-7; resume from it: `dflash-train --output_dir runs/x --resume_from_checkpoint true`"
+    )
+    assert "Traceback" not in err
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(EnvironmentFault):
+        run_console(stopped, [], prog="dflash-train")
+
+
+def test_the_resume_command_replaces_a_resume_option_given(monkeypatch):
+    from dflash_hf.cli.train import resume_command
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["--config", "a b.yaml", "--resume_from_checkpoint", "runs/x/checkpoint-3", "--resume_from_checkpoint=auto"]
+    assert resume_command(argv) == "`dflash-train --config 'a b.yaml' --resume_from_checkpoint true`"
+    assert resume_command(["--max_steps", "9"], resume=False) == "`dflash-train --max_steps 9`"  # nothing saved yet
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_command([]).endswith("` (through the same launcher as this run)")
