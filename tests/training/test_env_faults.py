@@ -229,3 +229,19 @@ def test_the_resume_command_replaces_a_resume_option_given(monkeypatch):
     assert resume_command(["--max_steps", "9"], resume=False) == "`dflash-train --max_steps 9`"  # nothing saved yet
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert resume_command([]).endswith("` (through the same launcher as this run)")
+
+
+def test_a_skipped_step_under_gradient_accumulation_drops_the_whole_step(tmp_path, monkeypatch):
+    """Out of memory in micro-batch 1 of step 2 (of 2): its gradients are dropped, micro-batch 2 is not run, the
+    optimizer does not update; step 3 trains normally."""
+    seen = out_of_memory_at(monkeypatch, 3)
+    trainer = _text_trainer(
+        tmp_path, skip_oom_batches=1, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=3
+    )
+    weights = _Weights(trainer)
+    trainer.train()
+    assert len(seen) == 5  # 6 micro-batches: the second of step 2 never reached the loss
+    assert_bitwise_equal(weights.by_step[1], weights.by_step[2])
+    assert not torch.equal(weights.by_step[2]["fc.weight"], weights.by_step[3]["fc.weight"])
+    state = trainer.optimizer.state[next(p for p in trainer.model.parameters() if p.requires_grad)]
+    assert int(state["step"]) == 2 and trainer.step_faults.skipped[0]["micro_batch"].startswith("micro-batch 1 of 2")
