@@ -2,8 +2,12 @@
 
 A *user error* is a setting, file or sample the user has to change; its message names it and the fix.
 The console scripts (`dflash-train`, `dflash-eval`, `dflash-generate-labels`, `dflash-demo`) print such an
-error as one line and exit with status 2, as argparse does; anything else is a bug and keeps its traceback.
-`DFLASH_DEBUG=1` shows the traceback of user errors too (`--debug` is taken: it is a `TrainingArguments` field).
+error as one line and exit with status 2, as argparse does. An *environment fault* (:class:`EnvironmentFault`: a
+full disk, a data-loader worker killed, GPU out of memory) stopped a run that was right: one line saying what
+happened, the last complete checkpoint and the command that resumes, and exit status 75
+(`ENVIRONMENT_FAULT_EXIT_CODE`, sysexits' EX_TEMPFAIL: try again). Anything else is a bug and keeps its traceback.
+`DFLASH_DEBUG=1` shows the traceback of user errors and faults too (`--debug` is taken: it is a `TrainingArguments`
+field).
 
 Light module: no torch, no transformers.
 """
@@ -17,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 DEBUG_ENV = "DFLASH_DEBUG"
 USER_ERROR_EXIT_CODE = 2
+ENVIRONMENT_FAULT_EXIT_CODE = 75  # EX_TEMPFAIL: the environment stopped a correct run; resume it (docs/RELIABILITY.md)
 
 
 class DFlashUserError(ValueError):
@@ -25,6 +30,34 @@ class DFlashUserError(ValueError):
 
 class ConfigFileError(DFlashUserError):
     """A `--config` YAML file that cannot be used: not found, malformed, wrong value types, unknown keys."""
+
+
+class EnvironmentFault(Exception):
+    """The run's environment stopped it: not a setting to change, not a bug. `what` says what happened and what to
+    do about it; `checkpoint` is the last complete checkpoint (`saved`: written just now, at the step where the run
+    stopped; None: none yet); `resume_command` is the command that resumes (set by the console script, which knows
+    its command line)."""
+
+    def __init__(self, what: str, *, checkpoint: str | None = None, saved: bool = False):
+        super().__init__(what)
+        self.what, self.checkpoint, self.saved = what, checkpoint, saved
+        self.resume_command: str | None = None
+
+    def __str__(self) -> str:
+        if self.checkpoint is None:
+            where, how = "No complete checkpoint was saved yet", "start the run again"
+        elif self.saved:
+            where = f"A complete checkpoint was saved where the run stopped: {self.checkpoint}"
+            how = "resume from it"
+        else:
+            where = f"The last complete checkpoint is {self.checkpoint} (the steps after it are lost)"
+            how = "resume from it"
+        command = self.resume_command or (
+            "the same command with --resume_from_checkpoint true (Python: train(resume_from_checkpoint=True))"
+            if self.checkpoint
+            else "the same command"
+        )
+        return f"{self.what}. {where}; {how}: {command}"
 
 
 # Every exception family the console scripts report as a user error. ValueError covers DFlashUserError,
@@ -67,12 +100,18 @@ def run_console(
     prog: str | None = None,
     option_names: Callable[[], Iterable[str]] | None = None,
 ) -> int:
-    """Run a console script's `main(argv)`; a user error becomes one line on stderr and exit status 2.
+    """Run a console script's `main(argv)`; a user error becomes one line on stderr and exit status 2, an
+    environment fault one line and exit status 75.
     `option_names` (called only on an error) lists the script's options, for `cli_message`."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = prog or os.path.basename(sys.argv[0]) or "dflash"
     try:
         return main(argv) or 0
+    except EnvironmentFault as err:
+        if debug_enabled():
+            raise
+        print(f"{prog}: stopped: {err}\n(set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return ENVIRONMENT_FAULT_EXIT_CODE
     except USER_ERRORS as err:
         if debug_enabled():
             raise
@@ -82,4 +121,13 @@ def run_console(
         return USER_ERROR_EXIT_CODE
 
 
-__all__ = ["ConfigFileError", "DFlashUserError", "USER_ERRORS", "cli_message", "debug_enabled", "run_console"]
+__all__ = [
+    "ENVIRONMENT_FAULT_EXIT_CODE",
+    "ConfigFileError",
+    "DFlashUserError",
+    "EnvironmentFault",
+    "USER_ERRORS",
+    "cli_message",
+    "debug_enabled",
+    "run_console",
+]

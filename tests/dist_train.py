@@ -7,12 +7,14 @@ through `train_case` for the single-process reference. A case is `name:per_devic
 with one row per rank one rank has no valid anchor in every step); `auto` leaves `use_cpu` unset (a plain
 torchrun launch on a machine without CUDA). Case `fsdp_target` (distributed only) checks the FSDP2-sharded
 frozen target against an unsharded copy, `fsdp_encoder_draft` an FSDP2-sharded encoder-context draft, `budget` the
-`max_train_minutes` verdict of ranks that disagree (rank 0 over its budget from the first step, rank 1 never).
+`max_train_minutes` verdict of ranks that disagree (rank 0 over its budget from the first step, rank 1 never),
+`row_preflight` the data pre-flight once per process group.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -169,6 +171,33 @@ def check_time_budget_agreement(out_dir: str, steps: int = 4) -> None:
     torch.save({"stopped": stopped, "save": control.should_save}, Path(out_dir) / f"budget_rank{rank}.pt")
 
 
+def check_rows_read_once(out_dir: str) -> None:
+    """The data pre-flight of `dflash-train` (`training.row_preflight`): rank 0 reads a manifest's rows (one of them
+    bad), rank 1 reads none and reuses rank 0's result when its loader opens the manifest; both count the bad row."""
+    from dflash_hf.data import BadSamples, open_source, row_scan
+    from dflash_hf.training.row_preflight import check_data_rows, share_data_rows
+    from dflash_hf.training.training_args import DFlashDataArguments
+
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    manifest = Path(out_dir) / "preflight.jsonl"
+    if rank == 0:
+        rows = [{"audio_filepath": f"a{i}.wav", "duration": 1.0, "text": f"row {i}"} for i in range(6)]
+        rows[3]["duration"] = -1.0
+        manifest.write_text("".join(f"{json.dumps(r)}\n" for r in rows))
+    torch.distributed.barrier()
+    scans, real = [], row_scan.scan_rows
+    row_scan.scan_rows = lambda *a, **k: scans.append(rank) or real(*a, **k)
+    data_args = DFlashDataArguments(train_data=[str(manifest)], skip_bad_samples=True)
+    if rank == 0:  # as `dflash-train` does before the target loads
+        check_data_rows(data_args)
+    share_data_rows(world, rank)  # after the target loaded
+    bad = BadSamples(skip=True)
+    open_source(data_args.train_sources()[0], bad)  # the trainer's loader
+    torch.save({"scans": len(scans), "skipped": bad.num_skipped}, Path(out_dir) / f"preflight_rank{rank}.pt")
+
+
 def main(argv: list[str]) -> None:
     out_dir, cases = argv[0], argv[1:]
     for case in cases:
@@ -180,6 +209,9 @@ def main(argv: list[str]) -> None:
             continue
         if case == "budget":
             check_time_budget_agreement(out_dir)
+            continue
+        if case == "row_preflight":
+            check_rows_read_once(out_dir)
             continue
         name, batch, accum, rows, *device = case.split(":")
         train_case(out_dir, name, int(batch), int(accum), rows, use_cpu=device != ["auto"])

@@ -39,6 +39,7 @@ from dflash_hf.training.decode_benchmark import (
     recorded_conversation,
     speech_rows_and_collator,
 )
+from dflash_hf.training.draft_target import check_draft_target
 from dflash_hf.training.launch import configure_cpu_threads
 
 logger = logging.getLogger("dflash_hf")
@@ -133,6 +134,14 @@ class EvalArguments(DecodeStepArguments):
             "help": "Also decode every prompt with tree verification of these node budgets (e.g. 8 16 32 64), "
             "beside the chain on the same prompts in the same run: tau, tokens/s, target forwards and output "
             "identity of each, under 'tree' in the JSON (dflash_hf.generation.tree_decode)."
+        },
+    )
+    allow_target_mismatch: bool = field(
+        default=False,
+        metadata={
+            "help": "Evaluate a draft against a target other than the one it was trained for (another vocabulary, "
+            "or weights other than those its export's run record names); refused without it. The differences are "
+            "recorded in the results (target_check)."
         },
     )
 
@@ -312,6 +321,9 @@ def evaluate(args: EvalArguments) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
     cfg = draft.config
+    target_check = check_draft_target(  # before any decoding: a draft of another target is refused
+        args.draft, cfg, target, allow_mismatch=args.allow_target_mismatch, target_name=args.target
+    )
     stats = decode_benchmark(
         draft,
         target,
@@ -332,6 +344,7 @@ def evaluate(args: EvalArguments) -> dict:
         "draft_step": _ways(stats.draft_steps),
         "verify_step": _ways(stats.verify_steps),
         "conversation_recorded": cfg.dflash_config.get(CONVERSATION_KEY),  # prompt / system_prompt / family: as used
+        "target_check": target_check,
         **asdict(args),
     }
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
 from dflash_hf.cli.options import help_parser
-from dflash_hf.errors import DFlashUserError
+from dflash_hf.errors import DFlashUserError, EnvironmentFault
 from dflash_hf.training.argument_groups import check_data_paths
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -166,19 +168,11 @@ def check_run_dirs(args) -> None:
 
 
 def check_data_rows(data_args: DFlashDataArguments) -> None:
-    """Strict mode: read every train and eval source once, without audio (`data.open_source`), so a malformed row
-    or a refused command/url audio source is an error before the target loads. With --skip_bad_samples true the
-    trainer's own reading counts the bad rows (and refuses such sources), still before the first step."""
-    if data_args.skip_bad_samples:
-        return
-    from dflash_hf.data import BadSamples, open_source
+    """The data pre-flight on rank 0 (`training.row_preflight`): every row of every train and eval source once,
+    without audio, before the target loads (in parallel for a large file)."""
+    from dflash_hf.training.row_preflight import check_data_rows as check_every_row
 
-    sources = (data_args.train_sources() or []) + list((data_args.eval_sources() or {}).values())
-    for source in sources:
-        open_source(source, BadSamples(skip=False))
-    for source in (data_args.eval_sources() or {}).values():  # validation sets are small: open every audio file
-        for _ in open_source(source, BadSamples(skip=False)):
-            pass
+    check_every_row(data_args)
 
 
 def check_resume_path(resume) -> None:
@@ -196,12 +190,14 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     from dflash_hf.targets.frozen import FrozenTarget, load_target
     from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
     from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
+    from dflash_hf.training.row_preflight import share_data_rows
     from dflash_hf.training.trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
     args.check_files()
     check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
-    check_data_rows(data_args)
+    if args.process_index == 0:  # the other ranks load their target meanwhile, then reuse rank 0's checks
+        check_data_rows(data_args)
     check_resume_path(args.resume_from_checkpoint)
     target = FrozenTarget(
         load_target(
@@ -210,6 +206,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         args.target_family,
     )
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
+    share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)
         candidates = mask_token_candidates(
@@ -287,7 +284,29 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a complete checkpoint is saved; exit 128 + signal
         print(f"dflash-train: {stop}", file=sys.stderr)
         return stop.exit_code
+    except EnvironmentFault as fault:  # full disk, killed loader worker, GPU out of memory: exit 75 (console)
+        fault.resume_command = resume_command(argv, resume=fault.checkpoint is not None)
+        raise
     return 0
+
+
+def resume_command(argv: list[str], resume: bool = True) -> str:
+    """The command line that resumes this run: `dflash-train ARGV --resume_from_checkpoint true` (any resume option
+    of `argv` replaced; `resume=False`: the command as given, to start again). Under a launcher (torchrun,
+    accelerate) the same launcher takes these arguments."""
+    args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume_from_checkpoint":
+            skip = True
+        elif not arg.startswith("--resume_from_checkpoint="):
+            args.append(arg)
+    if not resume:
+        args = list(argv)
+    line = shlex.join(["dflash-train", *args] + (["--resume_from_checkpoint", "true"] if resume else []))
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    return f"`{line}`" + (" (through the same launcher as this run)" if launched else "")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,33 @@ def seconds_problem(value: Any, *, positive: bool) -> str | None:
     return None
 
 
+DEFAULT_MAX_CHARS_PER_SECOND = 50.0
+"""Characters of a response per second of its audio above which a row is a bad sample: read speech reaches about 15
+to 20 (English, spaces included; fewer in scripts with one character a syllable), so 50 leaves a wide margin; a
+higher rate means a wrong duration or a transcript of other audio. `--max_chars_per_second` sets it (0: off)."""
+MIN_RATE_SECONDS = 0.5  # shorter audio counts as this long (a word or two on a very short clip stays plausible)
+RATE_FIX = (
+    "check the row's duration (and offset) against its audio and its text against what is said, or raise "
+    "--max_chars_per_second (0 turns the check off) for responses that are not transcripts"
+)
+
+
+def text_rate_problem(text, duration, max_chars_per_second: float | None) -> str | None:
+    """Why `text` is implausibly long for `duration` seconds of audio (None when it is not, when either is not a
+    usable value, or when the check is off)."""
+    if not max_chars_per_second or not isinstance(text, str) or isinstance(duration, bool):
+        return None
+    if not isinstance(duration, (int, float)) or not math.isfinite(duration) or duration <= 0:
+        return None
+    chars = len(text.strip())
+    if chars <= max_chars_per_second * max(duration, MIN_RATE_SECONDS):
+        return None
+    return (
+        f"has {chars} characters for {duration:g} s of audio ({chars / duration:.0f} per second, more than "
+        f"--max_chars_per_second {max_chars_per_second:g}; speech reaches about 20)"
+    )
+
+
 def _is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
@@ -67,19 +94,33 @@ def manifest_stem(path: Path) -> str:
     return Path(name).stem
 
 
-def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -> Iterator[tuple[int, str, dict]]:
+Span = tuple[int, int, int]
+"""Part of a plain file: ``(start byte, end byte, index of the line at start)``; start and end lie on line starts."""
+
+
+def json_rows(
+    path: str | Path, bad: BadSamples, id_prefix: str | None = None, span: Span | None = None
+) -> Iterator[tuple[int, str, dict]]:
     """``(line index, origin, record)`` for every non-blank line of a JSON-lines file (plain or gzipped) that
     holds a JSON object; ``origin`` is ``"<path> line <N>"`` (1-based). Lines that are not UTF-8, not JSON or
-    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given)."""
-    index = -1
+    not an object go to ``bad`` as field ``'<line>'`` (named by cut id ``<id_prefix>-<index>`` when given).
+    ``span``: only the lines of that part of a plain file (``row_scan`` reads a large file in parts)."""
+    start, end, index = span if span is not None else (0, None, 0)
+    index -= 1
+    where = f"{path} line "
     with _open_binary(path) as f:
         try:
-            for index, raw in enumerate(f):
-                origin = f"{path} line {index + 1}"
-                cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
-                record = _parse_line(raw, index, bad, cut_id, origin)
+            if start:
+                f.seek(start)
+            for raw in f:
+                index += 1
+                record = _parse_line(raw, index, bad, id_prefix, where)
                 if record is not None:
-                    yield index, origin, record
+                    yield index, where + str(index + 1), record
+                if end is not None:
+                    start += len(raw)
+                    if start >= end:
+                        break
         except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
             raise ValueError(
                 f"data source {str(path)!r} cannot be read after line {index + 1} ({type(e).__name__}: "
@@ -87,36 +128,30 @@ def json_rows(path: str | Path, bad: BadSamples, id_prefix: str | None = None) -
             ) from e
 
 
-def _parse_line(raw: bytes, index: int, bad: BadSamples, cut_id: str | None, origin: str) -> dict | None:
-    """The JSON object on one line; None for a blank line or one reported to ``bad``."""
+def _parse_line(raw: bytes, index: int, bad: BadSamples, id_prefix: str | None, where: str) -> dict | None:
+    """The JSON object on one line; None for a blank line or one reported to ``bad`` (`_report_line`)."""
     try:
         line = raw.decode("utf-8-sig" if index == 0 else "utf-8")  # a byte-order mark may open the file
     except UnicodeDecodeError as e:
-        bad.report(
-            cut_id,
-            "<line>",
-            f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})",
-            "re-save the file as UTF-8",
-            origin=origin,
-        )
-        return None
+        problem = f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
+        return _report_line(bad, id_prefix, where, index, problem, "re-save the file as UTF-8")
     if not line.strip():
         return None
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        bad.report(cut_id, "<line>", f"not valid JSON ({e})", "fix or remove the line", origin=origin)
-        return None
+        return _report_line(bad, id_prefix, where, index, f"not valid JSON ({e})", "fix or remove the line")
     if not isinstance(record, dict):
-        bad.report(
-            cut_id,
-            "<line>",
-            f"is {describe_value(record)}, not a JSON object",
-            "write one JSON object per line",
-            origin=origin,
-        )
-        return None
+        problem = f"is {describe_value(record)}, not a JSON object"
+        return _report_line(bad, id_prefix, where, index, problem, "write one JSON object per line")
     return record
+
+
+def _report_line(bad: BadSamples, id_prefix: str | None, where: str, index: int, problem: str, fix: str) -> None:
+    """Report line `index` to `bad` as cut ``<id_prefix>-<index>`` of origin ``<where><index + 1>`` (made only for a
+    bad line: most are good)."""
+    cut_id = f"{id_prefix}-{index:08d}" if id_prefix is not None else None
+    bad.report(cut_id, "<line>", problem, fix, origin=f"{where}{index + 1}")
 
 
 class _IgnoredRows(BadSamples):

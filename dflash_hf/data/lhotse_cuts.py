@@ -11,7 +11,7 @@ from lhotse import MonoCut
 
 from dflash_hf.data.audio_files import OPT_IN_FLAG, mark_programs
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
-from dflash_hf.data.json_rows import describe_value, json_rows, seconds_problem
+from dflash_hf.data.json_rows import RATE_FIX, Span, describe_value, json_rows, seconds_problem, text_rate_problem
 
 GATED_SOURCE_TYPES = {
     "command": ("allow_command_audio_sources", "lhotse would run this shell command to read the audio"),
@@ -32,8 +32,12 @@ class LhotseCuts:
         *,
         allow_command_audio_sources: bool = False,
         allow_url_audio_sources: bool = False,
+        max_chars_per_second: float | None = None,
+        span: Span | None = None,
     ):
         self.path = Path(path)
+        self.max_chars_per_second = max_chars_per_second
+        self.span = span  # only that part of the file (`row_scan`)
         self.bad = bad if bad is not None else BadSamples(skip=False)
         self.allowed = {
             "allow_command_audio_sources": allow_command_audio_sources,
@@ -72,7 +76,12 @@ class LhotseCuts:
                     cut.id, key, problem, f"write '{key}' as seconds ({'> 0' if positive else '>= 0'})", origin=origin
                 )
                 return None
-        self._check_sources(cut, origin)
+        self._check_sources(cut, origin)  # a refusal (security) comes before any skip below
+        text = cut.supervisions[0].text if timed and cut.supervisions else None
+        problem = text_rate_problem(text, cut.duration, self.max_chars_per_second)
+        if problem:
+            report(cut.id, "text", problem, RATE_FIX, origin=origin)
+            return None
         cut.custom = mark_programs({**(cut.custom or {}), ORIGIN_KEY: origin}, self.allowed[OPT_IN_FLAG])
         return cut
 
@@ -93,7 +102,7 @@ class LhotseCuts:
                 )
 
     def _cuts(self) -> Iterator[MonoCut]:
-        for _, origin, record in json_rows(self.path, self.bad):
+        for _, origin, record in json_rows(self.path, self.bad, span=self.span):
             cut = self._cut(record, origin)
             if cut is not None:
                 yield cut

@@ -17,6 +17,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import SKIPPED_KEY, PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.epochs import EMPTY_BATCH, ResumableEpochs, replay_error
+from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.data.sources import DataSource, mix_sources
@@ -158,6 +159,7 @@ def build_train_dataloader(
     device_features: bool = False,
     pin_memory: bool = False,
     mask_token_id: int | None = None,
+    max_chars_per_second: float | None = DEFAULT_MAX_CHARS_PER_SECOND,
 ) -> CutDataLoader:
     """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
     batches of one row holding documents whose token counts sum to at most ``max_tokens``
@@ -167,7 +169,9 @@ def build_train_dataloader(
     computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
     second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
     memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device).
-    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it."""
+    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it.
+    ``max_chars_per_second``: a sample whose text has more characters per second of audio is bad (None or 0: off;
+    a ``DataSource``'s own applies to its rows when they are read, this one to every sample when it is validated)."""
     if packing and max_batch_size is not None:
         raise ValueError(
             "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"
@@ -196,6 +200,7 @@ def build_train_dataloader(
         resample_audio=resample_audio,
         duration_tolerance=duration_tolerance,
         mask_token_id=mask_token_id,
+        max_chars_per_second=max_chars_per_second,
     )
     cuts = validated_cutset(cuts, validator)
     collator = PaddedCollator(

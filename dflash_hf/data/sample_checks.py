@@ -14,6 +14,7 @@ from lhotse import CutSet
 from dflash_hf.data.audio_files import audio_path_problem
 from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
 from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
+from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
 from dflash_hf.data.sources import _make_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
@@ -33,7 +34,9 @@ class SampleValidator:
     or a lone surrogate (``user_text.py``); audio present, a non-empty
     file, mono; offset/duration finite and inside the file (``duration_tolerance`` seconds of slack, for rounded
     manifest durations: the cut is clipped to the file); sampling rate equal to the family's (or resampled when
-    ``resample_audio``); token count within ``max_tokens``. Each failure goes to ``bad`` (error, or counted
+    ``resample_audio``); token count within ``max_tokens``; a response text no longer than
+    ``max_chars_per_second`` characters per second of audio (``json_rows.text_rate_problem``; None: not checked).
+    Each failure goes to ``bad`` (error, or counted
     skip), named by the cut id and its source row. ``mask_token_id`` (the draft's): an id the chat template, the
     processor or the target config use is refused when the validator is made, and one a sample's tokens hold when
     that sample is counted (a setting to change, not a bad sample: ``ValueError`` naming the sample)."""
@@ -49,8 +52,10 @@ class SampleValidator:
         resample_audio: bool = True,
         duration_tolerance: float = 0.05,
         mask_token_id: int | None = None,
+        max_chars_per_second: float | None = None,
     ):
         self.renderer, self.family, self.target_config = renderer, family, target_config
+        self.max_chars_per_second = max_chars_per_second
         self.mask_token_id = mask_token_id
         self.max_tokens, self.bad = max_tokens, bad
         self.resample_audio, self.duration_tolerance = resample_audio, duration_tolerance
@@ -111,6 +116,11 @@ class SampleValidator:
         if self.max_tokens is not None and num_tokens > self.max_tokens:
             self._report_too_long(cut, text_tokens, audio_positions)
             return None
+        if self.family.has_audio:  # after the budget: a text too long for both is named by its token count
+            problem = text_rate_problem(cut.supervisions[0].text, cut.duration, self.max_chars_per_second)
+            if problem:
+                self._report(cut, "text", problem, RATE_FIX)
+                return None
         cut.custom = dict(cut.custom or {})
         cut.custom[NUM_TOKENS_KEY] = num_tokens
         cut.custom.pop(RENDERED_TEXT_KEY, None)

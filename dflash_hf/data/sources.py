@@ -37,8 +37,19 @@ from dflash_hf.data.audio_files import (
     recording_from_file,
 )
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
-from dflash_hf.data.json_rows import describe_value, detect_kind, json_rows, manifest_stem, seconds_problem
+from dflash_hf.data.json_rows import (
+    DEFAULT_MAX_CHARS_PER_SECOND,
+    RATE_FIX,
+    Span,
+    describe_value,
+    detect_kind,
+    json_rows,
+    manifest_stem,
+    seconds_problem,
+    text_rate_problem,
+)
 from dflash_hf.data.lhotse_cuts import LhotseCuts
+from dflash_hf.data.row_scan import check_rows
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
 MAX_REMEMBERED_HEADERS = 1 << 17  # audio headers a manifest keeps across epochs (about 1 KB each: 130 MB at most)
@@ -51,7 +62,8 @@ class DataSource:
     ``weight`` is the relative sampling weight when several sources are mixed. lhotse cuts whose audio comes
     from a shell command or a URL are refused unless ``allow_command_audio_sources`` /
     ``allow_url_audio_sources`` is True; the first also lets decoder programs (ffmpeg through audioread) read audio
-    files libsndfile cannot (``audio_files.py``)."""
+    files libsndfile cannot (``audio_files.py``). A row whose text has more than ``max_chars_per_second`` characters
+    per second of its audio is a bad sample (``json_rows.text_rate_problem``; None or 0: not checked)."""
 
     path: str | None = None
     weight: float = 1.0
@@ -63,6 +75,7 @@ class DataSource:
     id_column: str | None = None
     allow_command_audio_sources: bool = False
     allow_url_audio_sources: bool = False
+    max_chars_per_second: float | None = DEFAULT_MAX_CHARS_PER_SECOND
 
 
 def _nemo_cut_id(record: dict, default_id: str) -> str:
@@ -70,8 +83,11 @@ def _nemo_cut_id(record: dict, default_id: str) -> str:
     return str(cut_id) if isinstance(cut_id, (str, int)) and not isinstance(cut_id, bool) else default_id
 
 
-def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | None = None) -> bool:
-    """Keys and value types of one NeMo manifest line (no file access); a problem goes to ``bad``."""
+def check_nemo_record(
+    record: dict, cut_id: str, bad: BadSamples, origin: str | None = None, max_chars_per_second: float | None = None
+) -> bool:
+    """Keys and value types of one NeMo manifest line (no file access), and a text implausibly long for the line's
+    duration (``max_chars_per_second``); a problem goes to ``bad``."""
 
     def fail(key: str, problem: str, fix: str) -> bool:
         bad.report(cut_id, key, problem, fix, origin=origin)
@@ -103,7 +119,8 @@ def check_nemo_record(record: dict, cut_id: str, bad: BadSamples, origin: str | 
         return fail("lang", f"is {describe_value(record['lang'])}, not a string", 'write a language code such as "en"')
     if "id" in record and _nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
-    return True
+    problem = text_rate_problem(record["text"], record.get("duration"), max_chars_per_second)
+    return fail("text", problem, RATE_FIX) if problem else True
 
 
 def nemo_line_to_cut(
@@ -211,18 +228,28 @@ class NemoManifest:
     """Lazy, re-iterable NeMo manifest reader (plain or gzipped) yielding MonoCuts (bad lines go to ``bad``).
     ``check()`` reads every line once without touching audio, so malformed lines surface before training."""
 
-    def __init__(self, path: str | Path, bad: BadSamples | None = None, *, allow_programs: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        bad: BadSamples | None = None,
+        *,
+        allow_programs: bool = False,
+        max_chars_per_second: float | None = None,
+        span: Span | None = None,
+    ):
         self.path = Path(path)
         self.bad = bad if bad is not None else BadSamples(skip=False)
         self.allow_programs = allow_programs
+        self.max_chars_per_second = max_chars_per_second
+        self.span = span  # only that part of the file (`row_scan`)
         self._recordings: dict = {}  # audio headers read in an earlier epoch (lhotse Recordings)
 
     def _records(self) -> Iterator[tuple[str, str, dict]]:
         """``(cut id, origin, record)`` of the lines whose keys and types are right."""
         prefix = manifest_stem(self.path)
-        for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix):
+        for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix, span=self.span):
             cut_id = _nemo_cut_id(record, f"{prefix}-{index:08d}")
-            if check_nemo_record(record, cut_id, self.bad, origin):
+            if check_nemo_record(record, cut_id, self.bad, origin, self.max_chars_per_second):
                 yield cut_id, origin, record
 
     def check(self) -> None:
@@ -331,8 +358,9 @@ class HFDatasetCuts:
 
 
 def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) -> CutSet:
-    """A lazy CutSet for one source. A manifest or cuts file is first read through once without audio access
-    (``check()``), so a malformed line is an error, or a counted skip, before training starts."""
+    """A lazy CutSet for one source. Every row of a manifest or cuts file is first checked once without audio access
+    (``row_scan.check_rows``: remembered in this process, in parallel for a large file), so a malformed line is an
+    error, or a counted skip, before training starts."""
     if not isinstance(source, DataSource):
         source = DataSource(path=str(source))
     bad = bad if bad is not None else BadSamples(skip=False)
@@ -354,22 +382,35 @@ def open_source(source: DataSource | str | Path, bad: BadSamples | None = None) 
                 allow_programs=source.allow_command_audio_sources,
             )
         )
+    reader = file_reader(source, bad)
+    check_rows(source, file_reader, bad)
+    return CutSet(reader)
+
+
+def file_reader(source: DataSource, bad: BadSamples, span: Span | None = None) -> NemoManifest | LhotseCuts:
+    """The reader of a manifest or cuts file (``source.kind``, or detected from its first line); ``span``: only
+    that part of the file."""
     if source.path is None:
         raise ValueError("DataSource needs path= or hf_dataset=")
     kind = source.kind or detect_kind(source.path)
     if kind == "nemo":
-        reader = NemoManifest(source.path, bad, allow_programs=source.allow_command_audio_sources)
-    elif kind == "lhotse":
-        reader = LhotseCuts(
+        return NemoManifest(
+            source.path,
+            bad,
+            allow_programs=source.allow_command_audio_sources,
+            max_chars_per_second=source.max_chars_per_second,
+            span=span,
+        )
+    if kind == "lhotse":
+        return LhotseCuts(
             source.path,
             bad,
             allow_command_audio_sources=source.allow_command_audio_sources,
             allow_url_audio_sources=source.allow_url_audio_sources,
+            max_chars_per_second=source.max_chars_per_second,
+            span=span,
         )
-    else:
-        raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
-    reader.check()
-    return CutSet(reader)
+    raise ValueError(f"DataSource.kind must be 'nemo', 'lhotse' or None, got {kind!r}")
 
 
 def mix_sources(sources: Sequence[DataSource | str | Path], *, seed: int = 0, bad: BadSamples | None = None) -> CutSet:

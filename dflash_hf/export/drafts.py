@@ -264,12 +264,15 @@ def check_warm_start(
             f"mask_token_id={mask_token_id} differs from the warm-started draft's {config.mask_token_id}; "
             "drop mask_token_id or use the saved one"
         )
+    if difference := vocab_difference(config, vocab_size):
+        raise ValueError(f"{source} {difference}; warm start from a draft of this target, or train a new draft")
+
+
+def vocab_difference(config: DFlashConfig, vocab_size: int | None) -> str | None:
+    """How the draft's vocabulary differs from the target's embedding rows (warm start, `dflash-eval`), or None."""
     if vocab_size is not None and config.vocab_size != vocab_size:
-        raise ValueError(
-            f"{source} was trained against a target with vocab_size {config.vocab_size}, but this target's "
-            f"embedding has {vocab_size} rows; warm start from a draft of this target (same tokenizer and "
-            "embedding), or train a new draft"
-        )
+        return f"was trained against vocab_size {config.vocab_size}, but this target's embedding has {vocab_size} rows"
+    return None
 
 
 def check_warm_start_sizes(

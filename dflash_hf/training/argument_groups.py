@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_hf.training.numeric_options import DATA_RANGES, check_ranges
+
 if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from dflash_hf.data import ConversationConfig, DataSource
 
@@ -27,6 +29,7 @@ MAX_BLOCK_SIZE = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_ANCHORS = 512
 DEFAULT_NUM_DRAFT_LAYERS = 5
+DEFAULT_MAX_CHARS_PER_SECOND = 50.0  # mirror of dflash_hf.data.sample_checks's (lhotse is imported there)
 # Linear layers of the draft that LoRA may target (the last two exist in DFlash2 drafts only).
 LORA_TARGETS = (
     "q_proj",
@@ -239,6 +242,15 @@ class DFlashRunArguments:
             "None = off."
         },
     )
+    skip_oom_batches: int = field(
+        default=0,
+        metadata={
+            "help": "Skip up to this many optimizer steps whose micro-batch runs out of GPU memory (its gradients "
+            "dropped, no optimizer update; each logged, counted as skipped_oom_batches and recorded in the "
+            "checkpoints); one more stops the run with a message naming the micro-batch and the options that lower "
+            'memory. 0: the first stops it. One process only (docs/RELIABILITY.md, "Environment faults").'
+        },
+    )
     torch_compile_layers: list[str] = field(
         default_factory=list,
         metadata={
@@ -390,6 +402,14 @@ class DFlashDataTuningArguments:
         default=True, metadata={"help": "Resample audio to the processor's rate (False: a mismatch is an error)."}
     )
     num_buckets: int = field(default=10, metadata={"help": "Duration buckets of the dynamic bucketing sampler."})
+    max_chars_per_second: float = field(
+        default=DEFAULT_MAX_CHARS_PER_SECOND,
+        metadata={
+            "help": "A row whose response has more characters per second of its audio than this is a bad sample "
+            "(a wrong duration, or a transcript of other audio; speech reaches about 20). Audio under 0.5 s counts "
+            "as 0.5 s. Raise it for responses that are not transcripts; 0 turns the check off."
+        },
+    )
     allow_command_audio_sources: bool = field(
         default=False,
         metadata={
@@ -448,6 +468,7 @@ class DFlashDataArguments(DFlashDataTuningArguments, DFlashDataSourceArguments):
     _argument_group_name = "DFlash data"
 
     def __post_init__(self):
+        check_ranges(self, DATA_RANGES)
         if self.train_data_weights is not None and len(self.train_data_weights) != len(self.train_data or []):
             raise ValueError(
                 f"train_data_weights has {len(self.train_data_weights)} entries for "
@@ -477,10 +498,11 @@ class DFlashDataArguments(DFlashDataTuningArguments, DFlashDataSourceArguments):
             out[name] = DataSource(path=path, **self._source_policy())
         return out
 
-    def _source_policy(self) -> dict[str, bool]:
+    def _source_policy(self) -> dict[str, bool | float]:
         return {
             "allow_command_audio_sources": self.allow_command_audio_sources,
             "allow_url_audio_sources": self.allow_url_audio_sources,
+            "max_chars_per_second": self.max_chars_per_second,
         }
 
     def conversation(self) -> ConversationConfig:

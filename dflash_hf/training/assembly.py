@@ -74,6 +74,7 @@ def speech_loader(
         device_features=args.device.type == "cuda" and not args.deepspeed,
         pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",  # the copy to the GPU waits for nothing
         mask_token_id=args.mask_token_id,  # refused where the template, the processor or a sample uses it
+        max_chars_per_second=da.max_chars_per_second,
     )
 
 

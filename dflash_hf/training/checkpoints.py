@@ -21,6 +21,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from dflash_hf.errors import EnvironmentFault
 from dflash_hf.training.run_identity import RUN_RECORD
 
 logger = logging.getLogger("dflash_hf")
@@ -258,26 +259,40 @@ def load_data_state(checkpoint: str | Path, rank: int, world_size: int) -> dict:
     return state
 
 
-def _is_full_disk(exc: BaseException) -> bool:
+def is_full_disk(exc: BaseException) -> bool:
+    """Whether `exc` says the disk (or the user's quota) is full, in the errno or in torch's / safetensors' words."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc).lower()
     return any(w in text for w in _FULL_DISK_WORDS)
 
 
+class DiskFullError(OSError, EnvironmentFault):
+    """A full disk (or quota) while writing a checkpoint or the export: an `OSError` with errno ENOSPC and an
+    `EnvironmentFault` (exit status 75 from the console scripts)."""
+
+    def __init__(self, what: str, checkpoint: str | None = None):
+        OSError.__init__(self, errno.ENOSPC, what)
+        self.what, self.checkpoint, self.saved, self.resume_command = what, checkpoint, False, None
+
+    __str__ = EnvironmentFault.__str__
+
+
 @contextmanager
-def reporting_full_disk(directory: str | Path) -> Iterator[None]:
-    """Re-raise a full disk (OSError ENOSPC / EDQUOT, torch's "unexpected pos", safetensors' StorageFull) as
-    `OSError(ENOSPC, "no space left on device while writing <directory>...")`; other errors pass unchanged."""
+def reporting_full_disk(directory: str | Path, what: str = "checkpoint", option: str = "output_dir") -> Iterator[None]:
+    """Re-raise a full disk (OSError ENOSPC / EDQUOT, torch's "unexpected pos", safetensors' StorageFull) as a
+    `DiskFullError` ("no space left on device while writing <directory>..."); other errors pass unchanged."""
     try:
         yield
+    except DiskFullError:
+        raise
     except Exception as exc:
-        if not _is_full_disk(exc):
+        if not is_full_disk(exc):
             raise
-        raise OSError(
-            errno.ENOSPC,
+        raise DiskFullError(
             f"no space left on device while writing {directory} ({type(exc).__name__}: {exc}); free space there "
-            "or set output_dir on a larger disk. The unfinished checkpoint is never used for resume",
+            f"or set {option} on a larger disk. The unfinished {what} is never used"
+            + (" for resume" if what == "checkpoint" else "")
         ) from exc
 
 

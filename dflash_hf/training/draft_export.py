@@ -30,7 +30,7 @@ def export_trained_draft(trainer, export_dir: str) -> str:
 
         draft = plain_draft(trainer.accelerator.unwrap_model(trainer.model), state_dict)
         tokenizer = getattr(trainer.processor, "tokenizer", trainer.processor)
-        with reporting_full_disk(export_dir), no_hf_progress_bars():
+        with reporting_full_disk(export_dir, "export", "export_dir"), no_hf_progress_bars():
             export_draft(
                 draft,
                 export_dir,

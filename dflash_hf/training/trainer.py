@@ -37,6 +37,7 @@ from dflash_hf.training.checkpoints import (
 )
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.draft_export import export_trained_draft
+from dflash_hf.training.env_faults import StepFaults
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_identity import target_identity, write_record
@@ -83,6 +84,8 @@ class DFlashTrainer(Trainer):
         self._step_plans: list[tuple[dict, BlockPlan]] = []  # this optimizer step's micro-batches and their plans
         self._micro_plan: BlockPlan | None = None
         add_dflash_callbacks(self, args)
+        self.step_faults = StepFaults(self)  # full disk, killed loader worker, GPU out of memory (env_faults)
+        self.add_callback(self.step_faults.callback)
         self._resume_checkpoint: str | None = None  # set by train()
         self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
@@ -148,9 +151,11 @@ class DFlashTrainer(Trainer):
         with (
             trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip,
             self.stop_signals.installed(),
+            self.step_faults.handled(),
         ):
             result = super().train(checkpoint, *args, **kwargs)
         self.finite_guard.settle()
+        self.step_faults.report(result.metrics)  # --skip_oom_batches: the steps skipped, counted and listed
         if self.stop_signals.signum is not None:
             saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             if not saved.is_dir():  # the signal came after the last step (e.g. during the final evaluation)
@@ -202,7 +207,8 @@ class DFlashTrainer(Trainer):
 
     def export_draft(self, export_dir: str | None = None) -> str:
         """Write the draft in the checkpoint contract (LoRA merged); default `args.resolved_export_dir`."""
-        return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
+        with self.step_faults.handled():
+            return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
 
     def final_eval_metrics(self) -> dict[str, float]:
         """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
@@ -211,7 +217,8 @@ class DFlashTrainer(Trainer):
         step = self.state.global_step
         best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
         done = logged_eval_metrics(self.state.log_history, step)
-        return done if done and not best_loaded else self.evaluate()
+        with self.step_faults.handled():  # a fault in this evaluation ends as one in training does
+            return done if done and not best_loaded else self.evaluate()
 
     # --- The objective: plans before the step, the loss of each micro-batch with its plan
     @property
@@ -227,6 +234,7 @@ class DFlashTrainer(Trainer):
         return stable_seed(self.args.seed, self.state.global_step, micro_step, self.args.process_index)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self.step_faults.step_started()
         batch_samples = self.host_times.fetch(epoch_iterator, num_batches)
         self._step_plans = [
             (b, self.objective.plan(self.target, b, self._anchor_seed(i))) for i, b in enumerate(batch_samples)
@@ -242,7 +250,8 @@ class DFlashTrainer(Trainer):
         `_prepare_inputs` copies the batch before `compute_loss` sees it)."""
         self._micro_plan = next((plan for batch, plan in self._step_plans if batch is inputs), None)
         try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            run = super().training_step  # GPU out of memory: skipped (--skip_oom_batches) or a clear stop
+            loss = self.step_faults.micro_batch(run, model, inputs, num_items_in_batch, self._micro_plan)
         finally:
             self._micro_plan = None
         self.finite_guard.add_loss(loss)
@@ -251,6 +260,7 @@ class DFlashTrainer(Trainer):
     def _get_grad_norm(self, model, grad_norm=None):
         """The Trainer's gradient norm of the step about to be taken, checked by `finite_guard` (a non-finite loss
         or norm stops training before the optimizer takes the step; on a GPU one step later, see `step_guards`)."""
+        self.step_faults.update_started()
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self.finite_guard.observe(grad_norm, self.state.global_step + 1)
         return grad_norm
@@ -290,6 +300,7 @@ class DFlashTrainer(Trainer):
         return sums
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.step_faults.annotate(logs, self.train_sums)  # --skip_oom_batches: the skipped steps counted
         if "loss" in logs and self.train_sums.values:
             sums = self.train_sums
             sums.settle()

@@ -8,6 +8,7 @@ torch, for `dflash-train --help`); this class combines them with `TrainingArgume
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from dflash_hf.training.argument_groups import (
 )
 from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag, resume_path
 from dflash_hf.training.launch import check_launch
+from dflash_hf.training.numeric_options import DFLASH_RANGES, TRAINER_RANGES, check_ranges
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
 
@@ -97,6 +99,8 @@ class DFlashTrainingArguments(
                 "parameter dtype of both the frozen target and the draft"
             )
         self._apply_deprecated_options()
+        check_ranges(self, TRAINER_RANGES | DFLASH_RANGES)  # every numeric option's range (numeric_options.py)
+        self._check_skip_oom_batches()
         check_launch(self)  # before the devices are set up
         super().__post_init__()
         self._default_unrecorded()
@@ -106,8 +110,6 @@ class DFlashTrainingArguments(
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         self._check_objective()
-        if self.target_argmax_chunk_size <= 0:
-            raise ValueError(f"target_argmax_chunk_size must be > 0, got {self.target_argmax_chunk_size}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
         if self.block_size is not None:  # else the init_from_pretrained export's (`check_files`)
@@ -115,34 +117,6 @@ class DFlashTrainingArguments(
         if self.target_layer_ids is not None:
             check_target_layer_ids(self.target_layer_ids)
             check_distinct_taps(self.target_layer_ids)
-        if self.max_train_minutes is not None and not 0 < self.max_train_minutes < float("inf"):
-            raise ValueError(
-                f"max_train_minutes must be a positive number of minutes (or unset), got {self.max_train_minutes}"
-            )
-        if self.early_stopping_patience is not None and self.early_stopping_patience < 1:
-            raise ValueError(
-                f"early_stopping_patience must be >= 1 evaluation (or unset), got {self.early_stopping_patience}"
-            )
-        if not self.early_stopping_threshold >= 0:
-            raise ValueError(f"early_stopping_threshold must be >= 0, got {self.early_stopping_threshold}")
-        if self.gamma is not None and not self.gamma > 0:
-            raise ValueError(
-                f"gamma must be > 0 (slot weights w_k = exp(-(k-1)/gamma)), got {self.gamma}; leave it unset for "
-                "the recipe default (7/5/4 for block_size 16/10/8)"
-            )
-        lows = (
-            ("gradient_accumulation_steps", 1),
-            ("num_draft_layers", 1),
-            ("num_anchors", 1),
-            ("anchor_pad_multiple", 1),
-            ("ce_chunk_size", 1),
-            ("real_tau_steps", 0),
-            ("real_tau_samples", 1),
-            ("real_tau_max_new_tokens", 1),
-        )
-        for name, low in lows:
-            if getattr(self, name) is not None and getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         self._check_attention_backend()
         self._check_hub()
         self._check_packing()
@@ -194,6 +168,18 @@ class DFlashTrainingArguments(
             check_block_size(self.block_size)
         if self.num_anchors is None:
             self.num_anchors = recorded.get("num_anchors", DEFAULT_NUM_ANCHORS)
+
+    def _check_skip_oom_batches(self) -> None:
+        """Skipping a step that ran out of GPU memory is for one process: under DDP the other ranks would wait for
+        the skipped step's gradients in their all-reduce."""
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if self.skip_oom_batches and (world > 1 or self.deepspeed):
+            raise ValueError(
+                f"skip_oom_batches={self.skip_oom_batches} needs a single process (here "
+                + ("DeepSpeed" if self.deepspeed else f"WORLD_SIZE={world}")
+                + "): a rank that skips a step would leave the others waiting for its gradients. Set "
+                "skip_oom_batches=0 and lower the step's memory instead (--max_tokens, --num_anchors)"
+            )
 
     def _check_hub(self) -> None:
         if not self.push_to_hub:
@@ -272,8 +258,6 @@ class DFlashTrainingArguments(
         if not self.packing and self.packing_max_tokens is not None:
             raise ValueError("packing_max_tokens is set but packing=false; set packing=true or drop packing_max_tokens")
         if self.anchor_budget is not None:
-            if self.anchor_budget < 1:
-                raise ValueError(f"anchor_budget must be >= 1 (or unset for no cap), got {self.anchor_budget}")
             if not self.packing:
                 raise ValueError(
                     "anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
@@ -288,10 +272,6 @@ class DFlashTrainingArguments(
         for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
             if getattr(self, name) not in registry:
                 raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
-        if self.label_top_k < 1:
-            raise ValueError(f"label_top_k must be >= 1, got {self.label_top_k}")
-        if not 0.0 < self.dpace_alpha <= 1.0:
-            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
         if self.use_fused_linear_ce is None:
             self.use_fused_linear_ce = conflict is None
@@ -299,8 +279,6 @@ class DFlashTrainingArguments(
             raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
 
     def _check_dflash2(self) -> None:
-        if self.selector_loss_weight < 0:
-            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         DFlash2Fields.of(self).check()
 
     def _check_adaptation(self) -> None:
@@ -309,8 +287,6 @@ class DFlashTrainingArguments(
                 "projection_only=true trains only fc.weight of a pretrained draft: set init_from_pretrained to "
                 "the draft export to adapt (or set projection_only=false to train a new draft)"
             )
-        if self.lora_r < 0:
-            raise ValueError(f"lora_r must be >= 0 (0 = LoRA off), got {self.lora_r}")
         if self.lora_r > 0:
             if not self.init_from_pretrained:
                 raise ValueError(
@@ -319,10 +295,6 @@ class DFlashTrainingArguments(
                 )
             if self.projection_only:
                 raise ValueError("projection_only and lora_r > 0 are exclusive: pick one adaptation mode")
-            if self.lora_alpha <= 0:
-                raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
-            if not 0.0 <= self.lora_dropout < 1.0:
-                raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
             bad = [m for m in self.lora_target_modules if m not in LORA_TARGETS]
             if bad or not self.lora_target_modules:
                 raise ValueError(

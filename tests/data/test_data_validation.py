@@ -70,6 +70,7 @@ NEMO_ROWS = [
     (_row({**LINE, "id": {"a": 1}}), "id", "JSON object"),
     (_row({**LINE, "audio_filepath": "adir.wav"}), "audio_filepath", "is a directory"),
     (_row({**LINE, "audio_filepath": "empty.wav"}), "audio_filepath", "is empty (0 bytes)"),
+    (_row({**LINE, "text": "word " * 20}), "text", "has 99 characters for 1 s of audio (99 per second, more than"),
 ]
 
 
@@ -102,7 +103,9 @@ def test_malformed_rows_are_refused_before_training_even_past_the_bucket_estimat
 CUT_ROWS = [
     (_row({**LINE, "audio_filepath": "header_only.wav"}), "audio_filepath", "no samples (an empty or header-only"),
     (_row({**LINE, "audio_filepath": "stereo.wav"}), "audio_filepath", "2 channels, targets take mono"),
-    (_row({**LINE, "text": "word " * 400}), "text", "rendered text tokens"),
+    # without a duration (the file's 1 s), so the validator counts the tokens: the budget is named first
+    (_row({"audio_filepath": "g0.wav", "text": "word " * 400}), "text", "rendered text tokens"),
+    (_row({"audio_filepath": "g0.wav", "text": "word " * 20}), "text", "has 99 characters for 1 s of audio"),
     (_row({**LINE, "context": 5}), "context", "is not a string (int 5)"),
     (_row({**LINE, "system_prompt": ["a"]}), "system_prompt", "not a string"),
 ]

@@ -19,8 +19,8 @@ QWEN_CONTROL = ["<|im_end|>", "<|im_start|>assistant", "<|endoftext|>", "<|audio
 
 
 def _manifest(root, texts, extra=None) -> str:
-    sf.write(root / "a.wav", np.full(8000, 0.1, np.float32), 16000)
-    rows = [{"audio_filepath": "a.wav", "duration": 0.5, "text": t, **(extra or {})} for t in texts]
+    sf.write(root / "a.wav", np.full(32000, 0.1, np.float32), 16000)  # 2 s: room for the longest text
+    rows = [{"audio_filepath": "a.wav", "duration": 2.0, "text": t, **(extra or {})} for t in texts]
     (root / "m.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(root / "m.json")
 

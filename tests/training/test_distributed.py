@@ -39,6 +39,7 @@ def ddp_runs(tmp_path_factory):
         "fsdp_target",  # FSDP2-sharded frozen target vs an unsharded copy
         "fsdp_encoder_draft",  # FSDP2-sharded encoder-context draft vs an unsharded copy
         "budget",  # max_train_minutes crossed on rank 0 only
+        "row_preflight",  # the manifest's rows read by rank 0 only
     ]
     run_torchrun(cmd, TIMEOUT_S)
     return {p.stem: torch.load(p) for p in out.glob("*.pt")}
@@ -80,6 +81,11 @@ def test_fsdp2_sharded_encoder_context_draft_matches_the_unsharded_one(ddp_runs)
     for rank in (0, 1):  # failed with "mixed torch.Tensor and DTensor" when the frames' keys were computed outside
         r = ddp_runs[f"fsdp_encoder_draft_rank{rank}"]
         assert r["hidden_max_abs"] < 1e-6 and r["k_grad_max_abs"] < 1e-6, r
+
+
+def test_the_data_pre_flight_reads_the_rows_once_per_process_group(ddp_runs):
+    assert ddp_runs["preflight_rank0"] == {"scans": 1, "skipped": 1}
+    assert ddp_runs["preflight_rank1"] == {"scans": 0, "skipped": 1}  # rank 0's result, counted by rank 1's loader
 
 
 def test_ranks_stop_at_the_same_step_when_one_crosses_its_time_budget(ddp_runs):

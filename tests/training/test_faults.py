@@ -16,7 +16,8 @@ Run as `python tests/training/test_faults.py ARGS` it is `dflash-train ARGS` wit
 variable `DFLASH_TEST_KILL` (`micro:STEP:M`: before micro-batch M after optimizer step STEP; `save:STEP`:
 inside the save of checkpoint-STEP, right after its weights are written): the process dies by SIGKILL; or, with
 `SIGNAL:STEP:M` (`SIGTERM` or `SIGINT`), the process sends itself that signal before micro-batch M after optimizer
-step STEP, as a scheduler does before preemption.
+step STEP, as a scheduler does before preemption; or, with `worker:N:MARKER`, a data-loader worker SIGKILLs itself
+when it collates its N-th batch, once (it creates the file MARKER first), as the kernel's out-of-memory killer does.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _link_assets(assets: Path, root: Path) -> Path:
     return root
 
 
-def uninterrupted_dflash_train(root: Path) -> None:
+def uninterrupted_dflash_train(root: Path, *extra: str) -> None:
     """The reference run: the same `dflash-train` in this process (one process start less), one thread as in
     the subprocesses."""
     from dflash_hf.cli.train import run
@@ -125,7 +126,7 @@ def uninterrupted_dflash_train(root: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run(cli_args(root))
+        run(cli_args(root) + list(extra))
     finally:
         torch.set_num_threads(threads)
 
@@ -185,11 +186,65 @@ def test_a_stop_signal_saves_a_checkpoint_at_the_step_boundary_and_the_resumed_r
     assert_bitwise_equal(draft_weights(ref_root / "out" / "draft"), draft_weights(out / "draft"))
 
 
+@pytest.mark.slow  # three dflash-train runs with a loader worker: 15-25 s on 2 cores
+def test_a_killed_loader_worker_saves_a_checkpoint_at_the_step_boundary_and_the_resume_is_bit_identical(
+    assets, tmp_path
+):
+    """Before: PyTorch's `RuntimeError: DataLoader worker (pid N) is killed by signal: Killed` traceback, exit 1, and
+    every step since the last checkpoint lost. Checkpoints only every 100 steps: the one saved is the fault's."""
+    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    extra = ("--dataloader_num_workers", "1", "--save_steps", "100")
+    uninterrupted_dflash_train(ref_root, *extra)
+    out = run_root / "out"
+
+    stopped = dflash_train(run_root, *extra, kill=f"worker:6:{tmp_path / 'killed'}")  # the first epoch's last batch
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert (tmp_path / "killed").is_file()  # the worker did die
+    assert "Traceback" not in stopped.stderr
+    message = next(line for line in stopped.stderr.splitlines() if line.startswith("dflash-train: stopped: "))
+    # PyTorch's words (a worker "killed by signal" or "exited unexpectedly"), or the connection lost to it
+    assert "stopped: a data-loader worker died (" in message and "--dataloader_num_workers (now 1)" in message
+    saved = sorted(out.glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "dflash_checkpoint_complete.json").is_file()
+    assert f"A complete checkpoint was saved where the run stopped: {saved[0]}; resume from it: `dflash-train " in (
+        message
+    )
+    assert message.endswith("--resume_from_checkpoint true`")
+    assert not (out / "draft").exists()
+
+    last = dflash_train(run_root, *extra, "--resume_from_checkpoint", "true")
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert f"resuming from {saved[0]}" in last.stderr
+    assert_bitwise_equal(draft_weights(ref_root / "out" / "draft"), draft_weights(out / "draft"))
+
+
+def _install_worker_kill(count: int, marker: str) -> None:
+    """A loader worker SIGKILLs itself at its `count`-th collation, once (`marker` records that it happened)."""
+    from torch.utils.data import get_worker_info
+
+    from dflash_hf.data.collator import PaddedCollator
+
+    collate, seen = PaddedCollator.__call__, [0]
+
+    def killing_collate(self, *args, **kwargs):
+        if get_worker_info() is not None:
+            seen[0] += 1
+            if seen[0] == count and not os.path.exists(marker):
+                Path(marker).touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return collate(self, *args, **kwargs)
+
+    PaddedCollator.__call__ = killing_collate
+
+
 def _install_kill(spec: str) -> None:
     """Patch the trainer so that this process SIGKILLs itself at the kill point `spec`."""
     from dflash_hf.training.trainer import DFlashTrainer
 
     kind, *numbers = spec.split(":")
+    if kind == "worker":
+        _install_worker_kill(int(numbers[0]), ":".join(numbers[1:]))
+        return
     point = tuple(int(n) for n in numbers)
 
     def die() -> None:
@@ -226,6 +281,6 @@ def _install_kill(spec: str) -> None:
 if __name__ == "__main__":
     if os.environ.get(KILL_ENV):
         _install_kill(os.environ[KILL_ENV])
-    from dflash_hf.cli.train import main
+    from dflash_hf.cli.console import run_command
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_command("dflash-train", sys.argv[1:]))

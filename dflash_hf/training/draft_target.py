@@ -1,0 +1,52 @@
+"""Whether a draft export was trained for a given target (`dflash-eval`): its vocabulary (the warm start's check,
+`export.drafts.vocab_difference`) and the target's weights fingerprint its run record holds (`dflash_run.json`, written
+beside every export by `dflash-train`: `run_identity.target_identity`). The hidden size and the taps are checked by
+`FrozenTarget.validate`: a draft of another size cannot run against the target at all."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dflash_hf.errors import DFlashUserError
+from dflash_hf.export.drafts import resolve_draft_dir, vocab_difference
+from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.training.run_identity import RUN_RECORD, read_record, target_identity
+
+logger = logging.getLogger("dflash_hf")
+
+
+def draft_target_check(draft: str, config, target: FrozenTarget) -> dict[str, Any]:
+    """`recorded_fingerprint` (the export's run record; None when it has none), `target_fingerprint` (the given
+    target's) and `differences` (each a sentence; empty when the draft was trained for this target)."""
+    differences = []
+    vocabulary = vocab_difference(config, target.vocab_size)
+    if vocabulary:
+        differences.append(f"the draft {vocabulary}")
+    record = read_record(resolve_draft_dir(draft)) or {}
+    recorded = ((record.get("settings") or {}).get("target") or {}).get("fingerprint")
+    given = target_identity(target.model)["fingerprint"]
+    if recorded and recorded != given:
+        differences.append(
+            f"its run record ({RUN_RECORD}) names a target with weights fingerprint {recorded}, the given target's is "
+            f"{given} (another model, or other weights of the same shapes)"
+        )
+    return {"recorded_fingerprint": recorded, "target_fingerprint": given, "differences": differences}
+
+
+def check_draft_target(draft: str, config, target: FrozenTarget, *, allow_mismatch: bool, target_name: str) -> dict:
+    """`draft_target_check`, refused (a user error) when there is a difference, unless `allow_mismatch`: then
+    warned and returned with `allowed: True`, for the results to record."""
+    check = draft_target_check(draft, config, target)
+    if check["differences"] and not allow_mismatch:
+        raise DFlashUserError(
+            f"--draft {draft} was not trained for --target {target_name}: {'; '.join(check['differences'])}. "
+            "Evaluate it against the target it was trained for, or pass --allow_target_mismatch true to compare "
+            "deliberately (the differences are recorded in the results)"
+        )
+    if check["differences"]:
+        logger.warning("--allow_target_mismatch: %s", "; ".join(check["differences"]))
+    return check | {"allowed": bool(check["differences"])}
+
+
+__all__ = ["check_draft_target", "draft_target_check"]
