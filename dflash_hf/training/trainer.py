@@ -37,6 +37,7 @@ from dflash_hf.training.checkpoints import (
 )
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.draft_export import export_trained_draft
+from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_identity import target_identity, write_record
@@ -301,8 +302,9 @@ class DFlashTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source.
-        Anchors are seeded by batch index, so the same draft and data always give the same metrics."""
+        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source, and first its
+        real tau (`eval_real_tau`). Anchors are seeded by batch index, so the same draft and data always give the same
+        metrics."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
             metrics: dict[str, float] = {}
@@ -322,7 +324,8 @@ class DFlashTrainer(Trainer):
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             out = self.objective.loss(model, self.target, batch, plan)
             sums.add_block_loss(out)
-        metrics = eval_set_metrics(self._report(sums, f"{metric_key_prefix}_"), dataloader, metric_key_prefix, start)
+        metrics = with_real_tau(self._report(sums, f"{metric_key_prefix}_"), self, dataset, metric_key_prefix)
+        metrics = eval_set_metrics(metrics, dataloader, metric_key_prefix, start)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
