@@ -250,6 +250,16 @@ class DFlashProgressCallback(ProgressCallback):
             self.training_bar.write(", ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)))
 
 
+class TrainClockCallback(TrainerCallback):
+    """Starts the trainer's `TrainClock` when the training loop begins (after a resumed checkpoint's log is loaded)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.clock.begin(state.log_history)
+
+
 class DataEpochCallback(TrainerCallback):
     """The Trainer sees a loader without a length as one endless epoch (`EpochStream`); this callback logs the
     data epoch as `epoch` (monotonic across resumes) and applies the `epoch` logging / evaluation / save
@@ -282,6 +292,7 @@ def add_dflash_callbacks(trainer, args) -> None:
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
     trainer.add_callback(DataEpochCallback(trainer))
+    trainer.add_callback(TrainClockCallback(trainer.train_clock))
     trainer.add_callback(LabelAgreementCallback())
     trainer.add_callback(LoaderPaceCallback())
     if args.max_train_minutes is not None:
@@ -307,6 +318,7 @@ __all__ = [
     "RealTauCallback",
     "StopSignalCallback",
     "TimeBudgetCallback",
+    "TrainClockCallback",
     "add_dflash_callbacks",
     "use_concise_progress_bar",
 ]

@@ -39,7 +39,7 @@ from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_
 from dflash_hf.training.draft_export import export_trained_draft
 from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
-from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
+from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_identity import target_identity, write_record
 from dflash_hf.training.run_start import start_run
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
@@ -78,6 +78,7 @@ class DFlashTrainer(Trainer):
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
         self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
+        self.train_clock = TrainClock()  # `train_minutes` in every log once the training loop began
         self.stop_signals = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then stop
         self.finite_guard = FiniteStepGuard(check_loss=args.world_size == 1)
         self.run_record: dict | None = None  # run id and settings (run_identity), set by train()
@@ -298,6 +299,7 @@ class DFlashTrainer(Trainer):
             logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
             logs.update(self.host_times.entries())
             self.train_sums = MetricSums()
+        logs.update(self.train_clock.entries())
         super().log(logs, start_time)
 
     @torch.no_grad()

@@ -144,6 +144,8 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     trainer.train()
     taus = [(e["step"], e["eval_tau"]) for e in trainer.state.log_history if "eval_tau" in e]
     assert [s for s, _ in taus] == [2, 4]
+    minutes = [e["train_minutes"] for e in trainer.state.log_history]  # every log: the x of a tau-minutes curve
+    assert minutes == sorted(minutes) and minutes[-1] > 0
     assert all(1.0 <= t <= BLOCK for _, t in taus), taus
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -171,6 +173,15 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
             assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         plot_training.main([str(logdir), "--source", "trainer_state"])
+
+
+def test_train_minutes_go_on_from_the_resumed_checkpoints_log():
+    from dflash_hf.training.reporting import TrainClock
+
+    clock = TrainClock()
+    assert clock.entries() == {}  # before the loop (a validate-only evaluation): no such key
+    clock.begin([{"loss": 1.0, "train_minutes": 2.5}, {"eval_loss": 1.0, "train_minutes": 2.75}, {"loss": 0.9}])
+    assert 2.75 <= clock.entries()["train_minutes"] < 2.8
 
 
 def test_progress_bar_postfix_is_concise(capsys):
