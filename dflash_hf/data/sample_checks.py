@@ -227,7 +227,7 @@ class SampleValidator:
             )
             return None
         if overrun > 0:
-            cut = cut.truncate(duration=rec.duration - cut.start)
+            cut = cut.truncate(duration=rec.duration - cut.start, preserve_id=True)  # the id names its row
         if rec.sampling_rate != self.family.sampling_rate and not self.resample_audio:
             report(
                 "sampling_rate",
