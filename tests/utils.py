@@ -225,6 +225,7 @@ def make_args(tmp_path, **kw) -> DFlashTrainingArguments:
         disable_tqdm=True,
         attention_backend="sdpa",
         seed=0,
+        eval_real_tau=False,  # decoding in every evaluation: on where a test asks for it (CI time)
     )
     base.update(kw)
     return DFlashTrainingArguments(**base)

@@ -165,6 +165,7 @@ def run(argv: list[str] | None = None) -> dict:
     summary = {
         "export_dir": args.resolved_export_dir,
         "block_size": draft.config.block_size,
+        "eval_dev_tau": metrics.get("eval_dev_tau"),
         "eval_dev_loss": metrics.get("eval_dev_loss"),
         "eval_dev_tau_est": metrics.get("eval_dev_tau_est"),
         **{f"decode_{k}": v for k, v in stats.as_dict().items()},
@@ -190,7 +191,7 @@ def summary_text(summary: dict) -> str:
             "",
             "=== dflash_hf demo ===",
             f"draft exported to   {summary['export_dir']} (block size {summary['block_size']})",
-            f"validation          loss {summary['eval_dev_loss']:.3f}   tau_est {summary['eval_dev_tau_est']:.2f}",
+            validation_line(summary),
             f"speculative decode  tau {summary['decode_tau']:.2f} (accepted tokens + 1 per draft/verify cycle, over "
             f"{summary['decode_cycles']} cycles), outputs identical to greedy: "
             f"{summary.get('decode_outputs_identical')}",
@@ -206,6 +207,14 @@ def summary_text(summary: dict) -> str:
             "  " + " \\\n      ".join(next_step_command(summary)),
         ]
     )
+
+
+def validation_line(summary: dict) -> str:
+    """The validation's real tau first (the estimate that predicts decoding), then the teacher-forced figures."""
+    forced = f"loss {summary['eval_dev_loss']:.3f}, teacher-forced tau_est {summary['eval_dev_tau_est']:.2f}"
+    if summary.get("eval_dev_tau") is None:
+        return f"validation          {forced}"
+    return f"validation          tau {summary['eval_dev_tau']:.2f} (real decoding of dev prompts; {forced})"
 
 
 def next_step_command(summary: dict) -> list[str]:

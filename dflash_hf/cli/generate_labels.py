@@ -2,14 +2,18 @@
 whose ``text`` is the target's own response (the original kept under ``reference_key``).
 
 Same audio path / offset / duration / context and every other key; each output line also carries the cut
-``id`` so the run is resumable: rows already in the output are not labelled again. The output is never written in
-place: the lines go to ``<output>.partial`` (kept by an interrupted run, and resumed from), renamed over ``--output``
-once complete; an output that is the input manifest is refused. See docs/GENERATED_LABELS.md.
+``id`` so the run is resumable: rows already in the output are not labelled again. A row whose text does not
+re-encode to the tokens the target wrote keeps them as ``label_ids``, and an output cut by ``--max_new_tokens``
+before the target's end is marked ``truncated`` (``dflash_hf.data.generated``; training takes both into account).
+The output is never written in place: the lines go to ``<output>.partial`` (kept by an interrupted run, and resumed
+from), renamed over ``--output`` once complete; an output that is the input manifest is refused. See
+docs/GENERATED_LABELS.md.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +32,7 @@ from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
+from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
 from dflash_hf.data.json_rows import detect_kind, json_rows, manifest_stem
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
@@ -256,6 +261,61 @@ def _greedy_new_tokens(target: FrozenTarget, encoded: list[dict], args) -> list[
     return rows
 
 
+@dataclass
+class LabelCounts:
+    """What a run wrote: rows, rows cut by `max_new_tokens` (marked `truncated`), rows whose ids are kept as
+    `label_ids` (their text re-encodes to other tokens), rows whose ids could not be kept (named in a warning)."""
+
+    written: int = 0
+    truncated: int = 0
+    label_ids: int = 0
+    ids_not_kept: int = 0
+
+    def summary(self, output: str) -> str:
+        return (
+            f"wrote {self.written} generated labels to {output}: {self.truncated} cut by --max_new_tokens (marked "
+            f"'truncated': trained without an end of turn; raise --max_new_tokens to let them end), {self.label_ids} "
+            "whose text re-encodes to other tokens than the target wrote (its ids kept as 'label_ids', which "
+            "training uses)" + (f", {self.ids_not_kept} whose ids could not be kept" if self.ids_not_kept else "")
+        )
+
+
+def _generated_line(
+    cut, ids: list[int], ends: set[int], renderer: ConversationRenderer, counts: LabelCounts, audio_id: int | None
+) -> dict:
+    """The output fields of one row: `text`, and `truncated` / `label_ids` where they apply (`counts` counts them).
+    `ids`: the target's new tokens (padded with its end token); `renderer`: as training renders the row; `audio_id`:
+    the target's audio placeholder."""
+    tokenizer = renderer.tokenizer
+    end = next((i for i, t in enumerate(ids) if t in ends), None)
+    ids = ids if end is None else ids[:end]
+    line = {"text": decoded_response(tokenizer, ids)}
+    if end is None:
+        line[TRUNCATED_KEY] = True
+        counts.truncated += 1
+    if not line["text"]:
+        return line
+    custom = {**(cut.custom or {}), LABEL_IDS_KEY: ids, TRUNCATED_KEY: end is None}
+    labelled = dataclasses.replace(
+        cut, supervisions=[dataclasses.replace(cut.supervisions[0], text=line["text"])], custom=custom
+    )
+    try:
+        problem = generated_problem(labelled, tokenizer, line["text"], audio_id)
+        if problem:
+            raise ValueError(f"field {problem[0]!r}: {problem[1]}")
+        changed = renderer.render(labelled).text_suffix_ids is not None
+    except ValueError as e:
+        logger.warning(
+            "row %r: the target's own ids cannot be kept beside its text (%s); trained on the text", cut.id, e
+        )
+        counts.ids_not_kept += 1
+        return line
+    if changed:
+        line[LABEL_IDS_KEY] = ids
+        counts.label_ids += 1
+    return line
+
+
 _END = object()  # what `next` returns once the prefetched items are used up
 
 
@@ -270,14 +330,14 @@ def _prefetched(items: Iterator[T]) -> Iterator[T]:
             yield item
 
 
-def generate_labels(args: GenerateLabelsArguments) -> int:
-    """Write the generated-label manifest; returns the number of new lines written."""
+def generate_labels(args: GenerateLabelsArguments) -> LabelCounts:
+    """Write the generated-label manifest; returns what the new lines hold."""
     model, processor, family = _load_target(args)
     target = FrozenTarget(model, family.name)
     renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
-    # decoding here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer that sets its
-    # padding in one thread can fail ("Already borrowed") while another thread uses it, so decode with a copy
-    tokenizer = copy.deepcopy(renderer.tokenizer)
+    # decoding and re-rendering here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer
+    # that sets its padding in one thread can fail ("Already borrowed") while another thread uses it, so use a copy
+    check_renderer = ConversationRenderer(copy.deepcopy(processor), family, renderer.config)
     manifest, output = Path(args.manifest), Path(args.output)
     check_output(args.manifest, args.output)
     bad = BadSamples(skip=args.skip_bad_samples)
@@ -326,37 +386,37 @@ def generate_labels(args: GenerateLabelsArguments) -> int:
             ]
             yield len(chunk), cuts, _encode(family, processor, model.config, texts, audios) if cuts else []
 
+    ends = target.special_ids().get("eos_token_id", set())
+    counts = LabelCounts()
     if not todo and not partial_path(output).exists():
         logger.info("%s is complete: nothing to label", output)
-        return 0
-    written = 0
+        return counts
     partial = _start_partial(output, earlier)
     with open(partial, "a", encoding="utf-8") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
         for size, cuts, encoded in _prefetched(batches()) if args.prefetch else batches():
             if cuts:
                 for (cut, record), ids in zip(cuts, _greedy_new_tokens(target, encoded, args)):
-                    line = dict(record)
+                    line = {k: v for k, v in record.items() if k not in (LABEL_IDS_KEY, TRUNCATED_KEY)}
                     line[args.reference_key] = record.get("text")
-                    line["text"] = tokenizer.decode(ids, skip_special_tokens=True).strip()
+                    line.update(_generated_line(cut, ids.tolist(), ends, check_renderer, counts, validator.audio_id))
                     line["id"] = cut.id
                     if "audio_filepath" in record:
                         line["audio_filepath"] = _relocate(record["audio_filepath"], manifest.parent, output.parent)
                     out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                    written += 1
+                    counts.written += 1
                 out.flush()
             bar.update(size)
         os.fsync(out.fileno())
     os.replace(partial, output)  # complete: the output appears (or is replaced) in one step
     if bad.num_skipped:
         logger.warning(bad.summary())
-    return written
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     (args,) = parse_with_config(make_parser(), argv)
-    written = generate_labels(args)
-    print(f"wrote {written} generated labels to {args.output}")
+    print(generate_labels(args).summary(args.output))
     return 0
 
 

@@ -27,6 +27,7 @@ from dflash_hf.data.bad_samples import (
     sample_label,
 )
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
+from dflash_hf.data.generated import splice_rows
 from dflash_hf.targets.families.registry import TargetFamily, encode_batch
 from dflash_hf.targets.families.whisper_features import is_standard_extractor, with_fast_features
 
@@ -171,6 +172,10 @@ class PaddedCollator:
         self.target_config, self.family = target_config, family
         self.renderer, self.padding_side = renderer, padding_side
 
+    def _pad_id(self) -> int:
+        tokenizer = self.renderer.tokenizer
+        return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if isinstance(i, int)), 0)
+
     def __call__(self, cuts) -> dict:
         cuts = list(cuts)
         cuts, audios, skipped = (
@@ -182,6 +187,7 @@ class PaddedCollator:
         batch = encode_batch(
             self.family, self.processor, self.target_config, [s.text for s in samples], audios, self.padding_side
         )
+        batch = splice_rows(batch, samples, self.padding_side, self._pad_id())  # generated `label_ids`, if any
         batch["loss_mask"] = supervision_mask(batch["input_ids"], batch["attention_mask"], samples)
         if skipped:
             batch[SKIPPED_KEY] = skipped

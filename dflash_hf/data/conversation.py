@@ -9,6 +9,10 @@ encoder-decoder families (Whisper) render the decoder's own prompt with ``family
 Supervision: the assistant response tokens and the assistant turn's closing end-of-turn token. It is
 computed on the rendered *suffix* after the generation prompt (the part of the text that comes after all
 audio), so it does not depend on audio expansion and is reusable by packed (THD) collators.
+
+Generated labels (``generated.py``): a cut marked ``truncated`` is rendered up to the end of its response (no end of
+turn, nothing of it supervised); a cut with ``label_ids`` has those ids in place of its response's tokens in
+``RenderedSample.suffix_ids`` (the text's own tokens kept in ``text_suffix_ids`` for the collator to replace).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import partial
 
+from dflash_hf.data.generated import generated_fields, splice_response
 from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
@@ -38,12 +43,15 @@ class ConversationConfig:
 class RenderedSample:
     """One rendered conversation. ``text`` has the audio placeholder(s) unexpanded, as the chat template
     writes them; ``suffix_ids`` are the tokens after the generation prompt and ``suffix_supervised`` says which
-    of them are labels (response tokens + closing end-of-turn token)."""
+    of them are labels (response tokens + closing end-of-turn token). ``text_suffix_ids``: where the cut's
+    ``label_ids`` replaced the response's tokens, the suffix's tokens as the text tokenizes (the collator finds them at
+    the end of the row and puts ``suffix_ids`` in their place); None otherwise."""
 
     cut_id: str
     text: str
     suffix_ids: list[int]
     suffix_supervised: list[bool]
+    text_suffix_ids: list[int] | None = None
 
 
 def _custom(cut, key):
@@ -78,11 +86,12 @@ def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None
 
 def conversation_key(cut, family: TargetFamily, config: ConversationConfig | None = None) -> tuple[list[dict], bytes]:
     """The cut's conversation (`cut_to_messages`) and 16 bytes that tell samples apart by what decides their rendered
-    text and token counts: the conversation and, for audio, the duration. The validator remembers counts and texts by
-    it, and the collation checks a handed-on text with it."""
+    text and token counts: the conversation, for audio the duration, and the generated-label fields (`label_ids`,
+    `truncated`). The validator remembers counts and texts by it, and the collation checks a handed-on text with it."""
     messages = cut_to_messages(cut, family, config)
     duration = cut.duration if family.has_audio else None
-    return messages, hashlib.blake2b(repr((messages, duration)).encode(), digest_size=16).digest()
+    facts = (messages, duration, *generated_fields(cut))
+    return messages, hashlib.blake2b(repr(facts).encode(), digest_size=16).digest()
 
 
 class ConversationRenderer:
@@ -107,6 +116,20 @@ class ConversationRenderer:
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._apply(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render_conversation(self, messages: list[dict], truncated: bool = False) -> str:
+        """The whole conversation's text; `truncated` (an output cut by a token limit): up to the end of the
+        response, without the end of the turn the template writes after it."""
+        full = self.render_text(messages)
+        if not truncated:
+            return full
+        prompt = self._prompt(messages[:-1], full)
+        response = messages[-1]["content"]
+        response = response if isinstance(response, str) else "".join(i["text"] for i in response)
+        start = full.find(response, len(prompt)) if full.startswith(prompt) else -1
+        if start < 0:
+            return full  # `_locate` names the problem
+        return full[: start + len(response)]
 
     def _prompt(self, turns: list[dict], full: str) -> str:
         """The rendered generation prompt of `turns` (all but the assistant's), remembered by the turns: a speech
@@ -136,20 +159,21 @@ class ConversationRenderer:
             else {"input_ids": [], "offset_mapping": []}
         )
         return [
-            self._supervise(cut, full, span, ids, offsets)
-            for (cut, full, _, span), ids, offsets in zip(located, enc["input_ids"], enc["offset_mapping"])
+            self._supervise(cut, full, suffix, span, ids, offsets)
+            for (cut, full, suffix, span), ids, offsets in zip(located, enc["input_ids"], enc["offset_mapping"])
         ]
 
     def _locate(self, cut) -> tuple:
         """`(cut, full text, assistant suffix, (start, end) of the response in the suffix)`."""
         messages, key = conversation_key(cut, self.family, self.config)
         response = cut.supervisions[0].text
+        truncated = generated_fields(cut)[1]
         saved = _custom(cut, RENDERED_TEXT_KEY)  # (key, text) the validator rendered to count it
         saved = saved[1] if isinstance(saved, tuple) and saved[0] == key else None
-        full = saved if saved is not None else self.render_text(messages)
+        full = saved if saved is not None else self.render_conversation(messages, truncated)
         prompt = self._prompt(messages[:-1], full)
         if full is saved and not full.startswith(prompt):  # rendered at another moment (a template with the date)
-            full = self.render_text(messages)
+            full = self.render_conversation(messages, truncated)
             prompt = self._prompt(messages[:-1], full)
         if not full.startswith(prompt):
             raise ValueError(
@@ -166,12 +190,19 @@ class ConversationRenderer:
             )
         return cut, full, suffix, (start, start + len(response))
 
-    def _supervise(self, cut, full: str, span: tuple[int, int], ids: list[int], offsets) -> RenderedSample:
+    def _supervise(self, cut, full: str, suffix: str, span: tuple[int, int], ids: list[int], offsets) -> RenderedSample:
         start, end = span
         supervised = [s < end and e > start and e > s for s, e in offsets]
         last = max((i for i, flag in enumerate(supervised) if flag), default=-1)
         if last < 0:
             raise ValueError(f"cut {cut.id!r}: no token covers the response {cut.supervisions[0].text!r}")
+        text_ids, label_ids = None, generated_fields(cut)[0]
+        if label_ids is not None:  # the target's own tokens in place of the text's
+            spliced, supervised = splice_response(
+                cut.id, suffix, ids, offsets, supervised, cut.supervisions[0].text, label_ids
+            )
+            text_ids = ids if spliced != ids else None
+            ids, last = spliced, max(i for i, flag in enumerate(supervised) if flag)
         if last + 1 < len(ids) and ids[last + 1] in self._special_ids:
             supervised[last + 1] = True  # the assistant turn's closing end-of-turn token
-        return RenderedSample(cut.id, full, ids, supervised)
+        return RenderedSample(cut.id, full, ids, supervised, text_ids)

@@ -14,6 +14,7 @@ from lhotse import CutSet
 from dflash_hf.data.audio_files import audio_path_problem
 from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
 from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
+from dflash_hf.data.generated import generated_fields, generated_problem
 from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
 from dflash_hf.data.sources import _make_cut
 from dflash_hf.data.user_text import UserTextCheck
@@ -175,7 +176,8 @@ class SampleValidator:
                 )
             if value is not None:
                 texts.append((key, value))
-        return next(filter(None, (self._user_text.problem(key, value) for key, value in texts)), None)
+        found = next(filter(None, (self._user_text.problem(key, value) for key, value in texts)), None)
+        return found or generated_problem(cut, self.renderer.tokenizer, text, self.audio_id)
 
     def _report_too_long(self, cut, text_tokens: int, audio_positions: int) -> None:
         """Blame the part that needs more tokens: the rendered text or the audio (``duration``)."""
@@ -235,7 +237,7 @@ class SampleValidator:
             )
             return None
         if overrun > 0:
-            cut = cut.truncate(duration=rec.duration - cut.start)
+            cut = cut.truncate(duration=rec.duration - cut.start, preserve_id=True)  # the id names its row
         if rec.sampling_rate != self.family.sampling_rate and not self.resample_audio:
             report(
                 "sampling_rate",
@@ -259,7 +261,7 @@ class SampleValidator:
         if counts is not None:
             text = self._texts.get(key)
             return counts, None if text is None else (key, text)
-        counts, text, ids = self._prefetched.get(key) or self._count([messages], [cut.duration], [None])[0]
+        counts, text, ids = self._prefetched.get(key) or self._count([cut], [messages], [None])[0]
         self._check_mask_token_use(cut, ids)
         if len(self._counts) < MAX_REMEMBERED_COUNTS:
             self._counts[key] = counts
@@ -272,16 +274,16 @@ class SampleValidator:
         """Count the samples of `cuts` not counted yet with one tokenizer call (its per-call overhead was most of
         a count), for `token_counts` to find. Only cuts that can be counted are (`_countable`); the checks and their
         reports stay with each cut's validation."""
-        todo: dict[bytes, tuple[list[dict], float, str]] = {}
+        todo: dict[bytes, tuple] = {}
         for cut in filter(self._countable, cuts):
             messages, key = conversation_key(cut, self.family, self.renderer.config)
             if key in self._counts or key in todo:
                 continue
             try:
-                text = self.renderer.render_text(messages)
+                text = self.renderer.render_conversation(messages, generated_fields(cut)[1])
             except Exception:  # noqa: BLE001 - left to the cut's own validation, which raises or reports in order
                 continue
-            todo[key] = (messages, cut.duration, text)
+            todo[key] = (cut, messages, text)
         self._prefetched = dict(zip(todo, self._count(*zip(*todo.values())))) if todo else {}
 
     def _countable(self, cut) -> bool:
@@ -292,15 +294,27 @@ class SampleValidator:
             return False
         return not self.family.has_audio or (math.isfinite(cut.duration) and cut.duration > 0)
 
-    def _count(self, conversations, durations, texts) -> list[tuple[tuple[int, int], str, list[int]]]:
-        """`(token_counts, rendered text, its token ids)` of each conversation (rendered here where its text is
-        None)."""
-        texts = [self.renderer.render_text(m) if t is None else t for m, t in zip(conversations, texts)]
-        ids = self._stream_ids(texts)
-        return [
-            (self._split_count(row_ids, duration), text, row_ids)
-            for row_ids, duration, text in zip(ids, durations, texts)
+    def _count(self, cuts, conversations, texts) -> list[tuple[tuple[int, int], str, list[int]]]:
+        """`(token_counts, rendered text, the token ids of its stream)` of each cut's conversation (rendered here where
+        its text is None). A cut with `label_ids` (`generated.py`) is counted with those ids for its response."""
+        texts = [
+            self.renderer.render_conversation(m, generated_fields(c)[1]) if t is None else t
+            for c, m, t in zip(cuts, conversations, texts)
         ]
+        out = []
+        for cut, row_ids, text in zip(cuts, self._stream_ids(texts), texts):
+            if generated_fields(cut)[0] is not None:
+                row_ids = self._with_label_ids(cut, row_ids)
+            out.append((self._split_count(row_ids, cut.duration), text, row_ids))
+        return out
+
+    def _with_label_ids(self, cut, ids: list[int]) -> list[int]:
+        """The stream `ids` with the response's tokens replaced by the cut's `label_ids`, as the collation does
+        (`RenderedSample.text_suffix_ids`)."""
+        sample = self.renderer.render(cut)
+        if sample.text_suffix_ids is None:
+            return ids
+        return ids[: len(ids) - len(sample.text_suffix_ids)] + sample.suffix_ids
 
     def _stream_ids(self, texts: list[str]) -> list[list[int]]:
         """The token ids of rendered texts as the collation makes them, tokenized together (a fast tokenizer

@@ -23,14 +23,13 @@ from dflash_hf.objective.blocks import (
     build_blocks,
     doc_ids_from,
     flex_block_layout,
-    label_positions,
     leading_padding,
     move_leading_padding,
     row_positions,
     sample_anchors,
     slot_validity,
 )
-from dflash_hf.objective.greedy import score_greedy
+from dflash_hf.objective.greedy import data_agreement, score_greedy
 from dflash_hf.objective.labels import LABEL_SOURCES, LabelSource, make_label_source
 from dflash_hf.objective.losses import LOSSES, BlockLoss, DecayedCE, DFlash2BlockLoss, MetricSums, SlotLoss, make_loss
 from dflash_hf.objective.losses.ce import block_loss
@@ -86,17 +85,6 @@ def summed_denominator(plans) -> torch.Tensor:
     for plan in plans:
         total += plan.denominator.double().cpu()
     return total
-
-
-def data_agreement(
-    input_ids: torch.Tensor, label_ids: torch.Tensor, plan: BlockPlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(agreeing, relabelled)`: of the positions a target label source relabels (`label_positions` of the plan's
-    CPU masks), how many labels equal the data token. Low agreement means the data is not what the target writes
-    (docs/GENERATED_LABELS.md). Counts stay on their devices (no synchronization)."""
-    need = label_positions(plan.loss_mask, plan.doc_ids)
-    agree = (label_ids == input_ids) & need.to(input_ids.device, non_blocking=True)
-    return agree.sum(), need.sum()
 
 
 def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | None:

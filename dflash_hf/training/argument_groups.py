@@ -221,6 +221,14 @@ class DFlashRunArguments:
             "--resume_from_checkpoint true, or choose a new directory)."
         },
     )
+    eval_real_tau: bool = field(
+        default=True,
+        metadata={
+            "help": "In every evaluation also decode the first real_tau_samples prompts of each validation set "
+            "speculatively and report the real acceptance length, eval_<set>_tau (the estimate that predicts "
+            "decoding whatever the set's text is: pick drafts by it, --metric_for_best_model dev_tau)."
+        },
+    )
     real_tau_steps: int = field(
         default=0,
         metadata={"help": "Every N steps decode validation prompts speculatively and log the real tau; 0 = off."},
@@ -327,7 +335,7 @@ class DFlashTuningArguments:
     )
     selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
     selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
-    real_tau_samples: int = field(default=4, metadata={"help": "Validation prompts per set for the real tau."})
+    real_tau_samples: int = field(default=8, metadata={"help": "Validation prompts per set for the real tau."})
     real_tau_max_new_tokens: int = field(default=64, metadata={"help": "Decoded tokens per prompt for the real tau."})
     early_stopping_threshold: float = field(
         default=0.0, metadata={"help": "How much the metric must improve to count as better (early stopping)."}

@@ -10,6 +10,7 @@ from transformers import EarlyStoppingCallback
 # greedy_tau_est scores the draft against the target's own greedy next token (what a greedy decode accepts), whatever
 # the label source; tau_est against the training labels (the data's tokens with --label_source ground_truth);
 # greedy_walk_tau_est averages the greedy acceptance over the cycles of a decode, as real tau does (not over positions).
+# tau is the real acceptance length of speculative decoding of the set's first prompts (--eval_real_tau).
 DRAFT_METRICS = ("tau_est", "greedy_tau_est", "greedy_walk_tau_est", "loss", "accuracy")
 DFLASH2_METRICS = (
     "selector_tau_est",
@@ -32,9 +33,10 @@ def eval_prefixes(eval_dataset) -> list[str]:
     return ["eval_"]
 
 
-def selectable_metrics(variant: str, block_size: int) -> list[str]:
+def selectable_metrics(variant: str, block_size: int, real_tau: bool = False) -> list[str]:
+    """The metrics an evaluation reports per set for this draft (`real_tau`: with `--eval_real_tau`, `tau` first)."""
     slots = [f"acc_slot{k}" for k in range(1, block_size)]
-    return [*DRAFT_METRICS, *(DFLASH2_METRICS if variant == "dflash2" else ()), *slots]
+    return [*(["tau"] if real_tau else []), *DRAFT_METRICS, *(DFLASH2_METRICS if variant == "dflash2" else ()), *slots]
 
 
 def _value(strategy) -> str:
@@ -67,9 +69,9 @@ def check_best_model_args(args, prefixes: list[str], variant: str | None = None,
             f"evaluation (every eval_steps={args.eval_steps}) may have no checkpoint to load: set --save_steps "
             f"{args.eval_steps} or --save_strategy best"
         )
-    metrics = selectable_metrics(variant or args.variant, block_size or args.block_size)
+    metrics = selectable_metrics(variant or args.variant, block_size or args.block_size, args.eval_real_tau)
     choices = [f"{p[len('eval_') :]}{m}" for p in prefixes for m in metrics]
-    example = choices[0] if prefixes == ["eval_"] else f"{prefixes[0][len('eval_') :]}tau_est"
+    example = choices[0] if prefixes == ["eval_"] else f"{prefixes[0][len('eval_') :]}{metrics[0]}"
     metric = args.metric_for_best_model
     full = metric if metric is None or metric.startswith("eval_") else f"eval_{metric}"
     if full is None or full not in {f"eval_{c}" for c in choices}:

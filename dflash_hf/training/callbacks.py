@@ -10,9 +10,8 @@ import torch
 from transformers import DefaultFlowCallback, ProgressCallback, TrainerCallback
 from transformers.utils import logging
 
-from dflash_hf.training.assembly import is_speech_source
 from dflash_hf.training.best_model import add_early_stopping
-from dflash_hf.training.decode_benchmark import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
+from dflash_hf.training.estimates import RealTau
 
 logger = logging.get_logger(__name__)
 
@@ -21,7 +20,7 @@ class RealTauCallback(TrainerCallback):
     """Every `real_tau_steps` optimizer steps, decode `real_tau_samples` prompts of each validation set
     (the part of a row before its first supervised token) with `speculative_generate` and log the real
     acceptance length through `Trainer.log` (so every `report_to` logger gets it): `eval_tau` for a single
-    validation set, `eval_{name}_tau` for named sets, beside `eval_*_tau_est`."""
+    validation set, `eval_{name}_tau` for named sets, beside `eval_*_tau_est` (`estimates.RealTau`)."""
 
     def __init__(self, trainer):
         args = trainer.args
@@ -31,67 +30,21 @@ class RealTauCallback(TrainerCallback):
                 "trainer, or set real_tau_steps=0"
             )
         self.trainer = trainer
-        self._prompts: dict[str, list[dict]] | None = None
+
+    def sets(self) -> list[tuple[str, object]]:
+        """(metric prefix, dataset) of every validation set."""
+        tr = self.trainer
+        if isinstance(tr.eval_dataset, dict):
+            return [(f"eval_{name}_", dataset) for name, dataset in tr.eval_dataset.items()]
+        return [("eval_", tr.eval_dataset)]
 
     def prompts(self) -> dict[str, list[dict]]:
         """Metric prefix -> prompts, collected once with the trainer's collator."""
-        if self._prompts is None:
-            tr = self.trainer
-            sets = tr.eval_dataset.items() if isinstance(tr.eval_dataset, dict) else [(None, tr.eval_dataset)]
-            self._prompts = {}
-            for name, dataset in sets:
-                prompts = prompts_from(*self._rows_and_collator(dataset), tr.args.real_tau_samples)
-                if not prompts:
-                    raise ValueError(
-                        f"validation set {name or 'eval_dataset'!r} has no row with a supervised token, so it "
-                        "has no prompt to decode for the real tau; fix the data or set real_tau_steps=0"
-                    )
-                self._prompts["eval_" if name is None else f"eval_{name}_"] = prompts
-        return self._prompts
-
-    def _rows_and_collator(self, dataset):
-        """The dataset's rows and the collator the trainer batches them with: its `data_collator`, or for speech
-        sources the padded collator of the trainer's target family, conversation and padding side."""
-        tr = self.trainer
-        if not is_speech_source(dataset):
-            return dataset_rows(dataset), tr.data_collator
-        from dflash_hf.data.loader import default_padding_side  # lhotse is imported only for speech data
-
-        return speech_rows_and_collator(
-            dataset,
-            tr.processor,
-            tr.target.model.config,
-            family=tr.target.family,
-            conversation=tr.data_args.conversation(),
-            padding_side=tr.data_args.padding_side or default_padding_side(tr.processor),
-            skip_bad_samples=tr.data_args.skip_bad_samples,
-            resample_audio=tr.data_args.resample_audio,
-        )
+        return {prefix: self.trainer.real_tau.prompts(dataset, prefix[5:-1] or None) for prefix, dataset in self.sets()}
 
     def measure(self) -> dict[str, float]:
         """`{prefix}tau` per validation set (mean accepted tokens + 1 over all draft/verify cycles)."""
-        tr = self.trainer
-        draft = tr.accelerator.unwrap_model(tr.model)
-        was_training = draft.training
-        draft.eval()
-        try:
-            taus = {
-                f"{prefix}tau": decode_benchmark(
-                    # the eager draft forward and growing-cache verify: in training the draft's layers may be
-                    # compiled or sharded, and captured graphs would keep their buffers for the rest of the run
-                    draft,
-                    tr.target,
-                    prompts,
-                    tr.args.real_tau_max_new_tokens,
-                    compare_greedy=False,
-                    warmup=False,
-                    draft_cuda_graph=False,
-                    verify_cuda_graph=False,
-                ).tau
-                for prefix, prompts in self.prompts().items()
-            }
-        finally:
-            draft.train(was_training)
+        taus = {f"{prefix}tau": self.trainer.real_tau(dataset, prefix[5:-1] or None) for prefix, dataset in self.sets()}
         return {k: v for k, v in taus.items() if math.isfinite(v)}  # no cycle ran: nothing to report
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -189,7 +142,8 @@ class StopSignalCallback(TrainerCallback):
 class LabelAgreementCallback(TrainerCallback):
     """Warn once per metric when `target_agreement` (train) or `eval_<name>_target_agreement` is below `threshold`:
     the target's own next token differs from the data's at many of the positions it labels, so the draft trains on
-    sequences the target does not write (docs/GENERATED_LABELS.md says what to do)."""
+    sequences the target does not write, or (a validation set, whatever the label source) every teacher-forced estimate
+    of that set is taken in contexts the target never reaches (docs/GENERATED_LABELS.md says what to do)."""
 
     def __init__(self, threshold: float = 0.9):
         self.threshold = threshold
@@ -202,22 +156,34 @@ class LabelAgreementCallback(TrainerCallback):
             if not name.endswith("target_agreement") or value >= self.threshold or name in self.warned:
                 continue
             self.warned.add(name)
-            consequence = (
-                f"so {name[: -len('target_agreement')]}tau_est is measured on sequences"
-                if name.startswith("eval_")
-                else "so the draft learns from sequences"
-            )
+            prefix = name[: -len("target_agreement")]
+            if name.startswith("eval_"):
+                consequence = (
+                    f"so {prefix}tau_est (and {prefix}greedy_tau_est, {prefix}greedy_walk_tau_est) is measured on "
+                    "sequences the target never writes, and can be far from the real tau, above or below it"
+                )
+                fix = (
+                    f"Pick drafts by {prefix}tau (real speculative decoding of the set's prompts, --eval_real_tau "
+                    "true), and validate on the target's own outputs: run dflash-generate-labels on the validation "
+                    "manifest too (docs/GENERATED_LABELS.md)."
+                )
+            else:
+                consequence = "so the draft learns from sequences the target never writes"
+                fix = (
+                    "Use the target's own outputs instead: dflash-generate-labels, then --label_source ground_truth "
+                    "(docs/GENERATED_LABELS.md)."
+                )
             logger.warning(
                 "%s = %.3f at step %d: the target's greedy next token differs from the data token at %.1f%% of the "
-                "positions it labels, %s the target never writes (references normalized otherwise than the "
-                "target's output: punctuation, casing, numbers; a tokenizer that encodes the text otherwise than "
-                "the target writes it; or a target that does not yet know this data). Use the target's own outputs "
-                "instead: dflash-generate-labels, then --label_source ground_truth (docs/GENERATED_LABELS.md).",
+                "positions it labels (references normalized otherwise than the target's output: punctuation, "
+                "casing, numbers; a tokenizer that encodes the text otherwise than the target writes it; or a target "
+                "that does not yet know this data), %s. %s",
                 name,
                 value,
                 state.global_step,
                 100 * (1 - value),
                 consequence,
+                fix,
             )
 
 
@@ -276,13 +242,22 @@ class DFlashProgressCallback(ProgressCallback):
             {k[len("eval_") :]: f"{v:.3g}" for k, v in logs.items() if k.startswith("eval_") and k.endswith("_tau")}
         )
         self.training_bar.set_postfix(self.postfix, refresh=False)
-        evals = {k: v for k, v in logs.items() if k.startswith("eval_") and k.endswith(("_loss", "_tau_est"))}
-        if evals:
-            self.training_bar.write(
-                f"step {state.global_step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(evals.items()))
-            )
+        evals = {k: v for k, v in logs.items() if k.startswith("eval_") and k.endswith(("_loss", "_tau_est", "_tau"))}
+        if any(k.endswith(("_loss", "_tau_est")) for k in evals):  # an evaluation: its real tau first
+            order = sorted(evals, key=lambda k: (not k.endswith("_tau"), k))
+            self.training_bar.write(f"step {state.global_step}: " + ", ".join(f"{k}={evals[k]:.4g}" for k in order))
         elif "train_runtime" in logs:
             self.training_bar.write(", ".join(f"{k}={v:.4g}" for k, v in logs.items() if isinstance(v, float)))
+
+
+class TrainClockCallback(TrainerCallback):
+    """Starts the trainer's `TrainClock` when the training loop begins (after a resumed checkpoint's log is loaded)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.clock.begin(state.log_history)
 
 
 class DataEpochCallback(TrainerCallback):
@@ -313,9 +288,11 @@ def add_dflash_callbacks(trainer, args) -> None:
     label-agreement and loader-pace warnings, the time budget (`max_train_minutes`), the stop on SIGTERM / SIGINT
     (`trainer.stop_signals`) and early stopping (`early_stopping_patience`)."""
     use_concise_progress_bar(trainer)
+    trainer.real_tau = RealTau(trainer)  # `eval_<set>_tau`: in every evaluation (`eval_real_tau`) and here
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
     trainer.add_callback(DataEpochCallback(trainer))
+    trainer.add_callback(TrainClockCallback(trainer.train_clock))
     trainer.add_callback(LabelAgreementCallback())
     trainer.add_callback(LoaderPaceCallback())
     if args.max_train_minutes is not None:
@@ -341,6 +318,7 @@ __all__ = [
     "RealTauCallback",
     "StopSignalCallback",
     "TimeBudgetCallback",
+    "TrainClockCallback",
     "add_dflash_callbacks",
     "use_concise_progress_bar",
 ]

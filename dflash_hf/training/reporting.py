@@ -57,6 +57,27 @@ class HostTimes:
         return out
 
 
+@dataclass
+class TrainClock:
+    """Wall-clock minutes of training, logged as `train_minutes` in every log of a training run (training windows,
+    evaluations, real tau): from the start of the training loop, evaluation, decoding and checkpoint saving included,
+    added to the last `train_minutes` the resumed checkpoint's log holds. What a tau-versus-minutes curve is drawn
+    over (benchmarks/tau_curve.py); loading the models before the loop is not counted."""
+
+    base: float = 0.0
+    start: float | None = None
+
+    def begin(self, log_history: list[dict]) -> None:
+        self.base = max((e["train_minutes"] for e in log_history if "train_minutes" in e), default=0.0)
+        self.start = time.monotonic()
+
+    def entries(self) -> dict[str, float]:
+        """`{"train_minutes": ...}` once the loop has begun, else nothing (a validate-only evaluation)."""
+        if self.start is None:
+            return {}
+        return {"train_minutes": round(self.base + (time.monotonic() - self.start) / 60, 4)}
+
+
 def train_log_entries(
     metrics: dict[str, float], sums: MetricSums, accumulation: int, world_size: int
 ) -> dict[str, float]:
@@ -93,4 +114,4 @@ def eval_set_metrics(metrics: dict[str, float], dataloader, prefix: str, start: 
     return metrics
 
 
-__all__ = ["eval_set_metrics", "logged_eval_metrics", "train_log_entries"]
+__all__ = ["HostTimes", "TrainClock", "eval_set_metrics", "logged_eval_metrics", "train_log_entries"]

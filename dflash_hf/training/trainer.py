@@ -38,8 +38,9 @@ from dflash_hf.training.checkpoints import (
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.draft_export import export_trained_draft
 from dflash_hf.training.env_faults import StepFaults
+from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
-from dflash_hf.training.reporting import HostTimes, eval_set_metrics, logged_eval_metrics, train_log_entries
+from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_identity import target_identity, write_record
 from dflash_hf.training.run_start import start_run
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
@@ -78,6 +79,7 @@ class DFlashTrainer(Trainer):
         self.objective = DFlashObjective.from_args(args, model.config)
         self.train_sums = MetricSums()
         self.host_times = HostTimes()  # data wait, planning and step wall time, logged beside the loss
+        self.train_clock = TrainClock()  # `train_minutes` in every log once the training loop began
         self.stop_signals = StopSignals()  # SIGTERM / SIGINT: checkpoint at the next step boundary, then stop
         self.finite_guard = FiniteStepGuard(check_loss=args.world_size == 1)
         self.run_record: dict | None = None  # run id and settings (run_identity), set by train()
@@ -308,12 +310,14 @@ class DFlashTrainer(Trainer):
             logs.update(train_log_entries(metrics, sums, self.args.gradient_accumulation_steps, self.args.world_size))
             logs.update(self.host_times.entries())
             self.train_sums = MetricSums()
+        logs.update(self.train_clock.entries())
         super().log(logs, start_time)
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source.
-        Anchors are seeded by batch index, so the same draft and data always give the same metrics."""
+        """Loss, per-slot accuracy and tau_est on each validation set, with the training label source, and first its
+        real tau (`eval_real_tau`). Anchors are seeded by batch index, so the same draft and data always give the same
+        metrics."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, dict):
             metrics: dict[str, float] = {}
@@ -333,7 +337,8 @@ class DFlashTrainer(Trainer):
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
             out = self.objective.loss(model, self.target, batch, plan)
             sums.add_block_loss(out)
-        metrics = eval_set_metrics(self._report(sums, f"{metric_key_prefix}_"), dataloader, metric_key_prefix, start)
+        metrics = with_real_tau(self._report(sums, f"{metric_key_prefix}_"), self, dataset, metric_key_prefix)
+        metrics = eval_set_metrics(metrics, dataloader, metric_key_prefix, start)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

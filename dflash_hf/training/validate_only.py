@@ -28,7 +28,7 @@ def validate(
     `args` is a `DFlashTrainingArguments`; the draft is `draft` or else the export at
     `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
     `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`.
-    Returns `eval_{name}_{loss,tau_est,accuracy,acc_slot{k},runtime}`."""
+    Returns `eval_{name}_{tau,loss,tau_est,accuracy,acc_slot{k},runtime}` (`tau` with `args.eval_real_tau`)."""
     if not eval_datasets:
         raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
     if draft is None and not args.init_from_pretrained:
@@ -58,8 +58,9 @@ def validate(
 
 
 def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = "eval") -> str:
-    """One line per validation set: loss, tau_est, accuracy and the per-slot accuracies."""
-    lines = [f"{'set':<16} {'loss':>9} {'tau_est':>8} {'accuracy':>8}  acc_slot1..k"]
+    """One line per validation set: the real tau (`eval_real_tau`; `-` without it), loss, tau_est, accuracy and the
+    per-slot accuracies."""
+    lines = [f"{'set':<16} {'tau':>6} {'loss':>9} {'tau_est':>8} {'accuracy':>8}  acc_slot1..k"]
     for name in names:
         p = f"{prefix}_{name}_"
         slots, k = [], 1
@@ -67,7 +68,8 @@ def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = 
             slots.append(f"{metrics[f'{p}acc_slot{k}']:.3f}")
             k += 1
         loss, tau_est, acc = (metrics.get(p + k, float("nan")) for k in ("loss", "tau_est", "accuracy"))
-        lines.append(f"{name:<16} {loss:>9.4f} {tau_est:>8.3f} {acc:>8.4f}  {' '.join(slots)}")
+        tau = f"{metrics[p + 'tau']:.3f}" if p + "tau" in metrics else "-"
+        lines.append(f"{name:<16} {tau:>6} {loss:>9.4f} {tau_est:>8.3f} {acc:>8.4f}  {' '.join(slots)}")
     return "\n".join(lines)
 
 

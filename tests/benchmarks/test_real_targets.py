@@ -464,3 +464,60 @@ def test_fetch_takes_a_local_directory_records_its_source_and_refuses_to_replace
     with pytest.raises(SystemExit, match=r"holds qwen2.5-coder from .*my-model; delete that folder"):
         rt.fetch(cache, "qwen2.5-coder", rt.REGISTRY)
     assert rt.main(["--cache_dir", str(cache), "fetch", "qwen2.5-coder", "--source", str(source)]) == 0
+
+
+def test_training_voices_and_augmentation_are_fixed_by_the_clip_and_seed():
+    assert rt.train_voices(["flite"]) == rt.TRAIN_VOICES
+    both = rt.train_voices(["flite", "espeak", "kal"])
+    assert both[:3] == rt.TRAIN_VOICES and len(both) == 3 + len(rt.ESPEAK_VOICES)  # deduplicated, in order
+    with pytest.raises(SystemExit, match="held-out 'slt'"):
+        rt.train_voices(["kal", "slt"])
+    draws = [rt.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+    assert draws == [rt.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+    assert draws != [rt.augment_for(f"kal/s{i}", 1, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+    assert {d.speed for d in draws} == {0.9, 1.0, 1.1}
+    noisy = [d.snr_db for d in draws if d.snr_db is not None]
+    assert 0.2 < len(noisy) / len(draws) < 0.4 and all(10.0 <= snr <= 30.0 for snr in noisy)
+    assert rt.augment_for("kal/s0", 0, (1.0,), 0.0, (10.0, 30.0)).tag == ""  # a plain clip keeps its file name
+
+
+def test_augmentation_changes_speed_and_adds_noise_at_its_snr():
+    t = np.arange(16000) / 16000
+    tone = (0.5 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    fast = rt.Augment(speed=1.25).apply(tone)
+    assert len(fast) == 12800  # 1 s played 1.25 times as fast
+    assert abs(np.argmax(np.abs(np.fft.rfft(fast))) * 16000 / len(fast) - 375) < 2  # and higher
+    noisy = rt.Augment(snr_db=20.0, seed=3).apply(tone)
+    snr = 10 * np.log10(np.mean(tone.astype(np.float64) ** 2) / np.mean((noisy - tone).astype(np.float64) ** 2))
+    assert abs(snr - 20.0) < 0.5 and np.array_equal(noisy, rt.Augment(snr_db=20.0, seed=3).apply(tone))
+    assert rt.Augment(1.1, 20.0).tag == "-s1.1-n20"
+
+
+def test_textgrid_words_read_long_and_short_formats():
+    long_format = """File type = "ooTextFile"\nObject class = "TextGrid"\nitem [1]:\n class = "IntervalTier"
+ name = "phone"\n intervals [1]:\n  text = "b"\nitem [2]:\n class = "IntervalTier"\n name = "word"
+ intervals [1]:\n  text = ""\n intervals [2]:\n  text = "BOBBY"\n intervals [3]:\n  text = "RIPPED"\n"""
+    short_format = (
+        '"ooTextFile"\n"TextGrid"\n0\n1\n<exists>\n2\n"IntervalTier"\n"word"\n0\n1\n2\n0\n0.5\n"mary"\n0.5\n1\n'
+    )
+    short_format += '"rolled"\n"IntervalTier"\n"pitch"\n0\n1\n1\n0\n1\n"120"\n'
+    assert rt.textgrid_words(long_format, "word") == "BOBBY RIPPED"
+    assert rt.textgrid_words(short_format, "word") == "mary rolled"
+    with pytest.raises(RuntimeError, match="no tier 'words'"):
+        rt.textgrid_words(short_format, "words")
+
+
+def test_wer_of_a_generated_manifest_per_kind(tmp_path):
+    rows = [
+        {"id": "a", "text": "Go forward 10 meters.", "reference_text": "go forward ten meters", "kind": "read"},
+        {"id": "b", "text": "Mary rolled the barrel.", "reference_text": "mary rolled the barrel", "kind": "read"},
+        {"id": "c", "text": "with only four games", "reference_text": "uh with only like four games", "kind": "spont"},
+    ]
+    path = tmp_path / "gen.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = rt.generated_wer(path)
+    assert got["read"] == {"clips": 2, "words": 8, "wer": 0.125}
+    assert got["spont"] == {"clips": 1, "words": 6, "wer": round(2 / 6, 4)} and got["all"]["words"] == 14
+    path.write_text(json.dumps({"id": "x", "text": "a"}) + "\n")
+    with pytest.raises(SystemExit, match="no reference_text"):
+        rt.generated_wer(path)

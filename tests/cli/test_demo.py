@@ -52,12 +52,13 @@ def test_demo_config_runs_end_to_end_at_reduced_steps(tmp_path, capsys, monkeypa
     assert summary["decode_outputs_identical"] is True  # speculative output == target greedy output
     assert summary["decode_prompts"] == 2 and summary["decode_cycles"] >= 1
     assert 1.0 <= summary["decode_tau"] <= summary["block_size"] == 8
-    assert summary["eval_dev_tau_est"] >= 1.0
+    assert summary["eval_dev_tau_est"] >= 1.0 and 1.0 <= summary["eval_dev_tau"] <= 8  # the headline: real decoding
     assert json.loads((out / "demo_summary.json").read_text()) == summary
     draft = load_draft_strict(out / "draft")
     assert draft.config.block_size == 8 and draft.config.num_hidden_layers == 2
     printed = capsys.readouterr().out
     assert "=== dflash_hf demo ===" in printed
+    assert f"validation          tau {summary['eval_dev_tau']:.2f} (real decoding of dev prompts" in printed
     for path in ("target_dir", "train_manifest", "dev_manifest"):  # the reusable assets are named
         assert summary[path] in printed and Path(summary[path]).exists()
     assert "slower than greedy" in printed and "docs/QUALITY.md" in printed

@@ -24,6 +24,17 @@ def _greedy_one(model, processor, line, root, max_new_tokens):
     return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
+def _greedy_ids(model, processor, line, max_new_tokens) -> list[int]:
+    """The target's own greedy new ids for one utterance (absolute audio path), unbatched."""
+    audio, sr = sf.read(line["audio_filepath"], dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "audio"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], audio=[audio], sampling_rate=sr)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 @pytest.mark.slow  # 5 s on 2 busy cores
 def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
     kw = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
@@ -335,3 +346,55 @@ def test_an_empty_manifest_or_a_cuts_file_is_refused_before_the_target_loads(sma
         ValueError, match="field 'manifest': .* is a lhotse cuts file; dflash-generate-labels reads NeMo"
     ):
         _gen(model_dir, cuts, tmp_path / "out.json")
+
+
+def test_truncated_outputs_are_marked_and_the_summary_counts_them(small, tmp_path, capsys):
+    """Every output cut by `--max_new_tokens` before the target's end is marked `truncated` (it trains without an end of
+    turn, tests/data/test_generated_fields.py); `label_ids`, where written, are the target's own ids."""
+    model_dir, manifest = small
+    out = tmp_path / "labels.json"
+    assert (
+        main(["--model", str(model_dir), "--manifest", str(manifest), "--output", str(out), "--max_new_tokens", "6"])
+        == 0
+    )
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
+    tok = processor.tokenizer
+    for row, line in zip(rows, _rows(manifest)):
+        raw = _greedy_ids(model, processor, line, 6)
+        ended = tok.eos_token_id in raw
+        assert row.get("truncated", False) == (not ended)
+        written = raw[: raw.index(tok.eos_token_id)] if ended else raw
+        assert row.get("label_ids", written) == written
+    truncated, kept = sum("truncated" in r for r in rows), sum("label_ids" in r for r in rows)
+    assert truncated == 3  # this target's 6 tokens never end
+    summary = capsys.readouterr().out
+    assert f"{truncated} cut by --max_new_tokens" in summary and f"{kept} whose text re-encodes" in summary
+
+
+def test_ids_are_kept_only_where_the_text_re_encodes_to_other_tokens():
+    from dflash_hf.cli.generate_labels import LabelCounts, _generated_line
+    from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+    from dflash_hf.data.sources import _make_cut
+    from dflash_hf.targets.families.registry import resolve_family
+
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    tok = processor.tokenizer
+    renderer = ConversationRenderer(processor, resolve_family(model.config), ConversationConfig())
+    cut = _make_cut("c", None, 0.0, 1.0, "reference", "en", {"speaker": "s"})
+    end, counts = tok.eos_token_id, LabelCounts()
+    ids = tok("yes no", add_special_tokens=False)["input_ids"]
+    spaced = tok(" yes no", add_special_tokens=False)["input_ids"]  # stripped from the text, so lost in it
+    split = ids[:2] + [tok.convert_tokens_to_ids(tiny.IM_START)] + ids[2:]  # a special token the decoding skips
+    audio = tok.convert_tokens_to_ids(tiny.AUDIO_PAD)
+
+    def line(ids):
+        return _generated_line(cut, ids, {end}, renderer, counts, audio)
+
+    assert line(ids + [end, end]) == {"text": "yes no"}
+    assert line(spaced + [end]) == {"text": "yes no", "label_ids": spaced}
+    assert line(split + [end]) == {"text": "yes no", "label_ids": split}
+    assert line(ids) == {"text": "yes no", "truncated": True}
+    assert line([10, 10]) == {"text": "", "truncated": True}
+    assert line(ids[:2] + [audio] + ids[2:] + [end]) == {"text": "yes no"}  # never the audio placeholder
+    assert (counts.truncated, counts.label_ids, counts.ids_not_kept) == (2, 2, 1)

@@ -105,6 +105,17 @@ def test_rounded_duration_within_tolerance_is_clipped(asr_target, good):
     manifest = _write(root, lines, {"audio_filepath": "g0.wav", "duration": 1.02, "text": "x"})
     loader = build_train_dataloader(manifest, processor, model.config, max_tokens=400, max_batch_size=1, shuffle=False)
     assert sum(len(b["input_ids"]) for b in loader) == 4 and loader.bad_samples.num_skipped == 0
+    from dflash_hf.data.bad_samples import BadSamples
+    from dflash_hf.data.conversation import ConversationRenderer
+    from dflash_hf.data.sample_checks import SampleValidator
+    from dflash_hf.targets.families.registry import resolve_family
+
+    family = resolve_family(model.config)
+    validator = SampleValidator(
+        ConversationRenderer(processor, family), family, model.config, max_tokens=None, bad=BadSamples()
+    )
+    clipped = [validator.check_audio(c) for c in open_source(manifest)]
+    assert clipped[0].duration == 1.0 and [c.id for c in clipped] == [c.id for c in open_source(manifest)]  # ids kept
 
 
 def test_sample_rate_mismatch_refused_or_resampled(asr_target, good):

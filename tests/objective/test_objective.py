@@ -243,7 +243,8 @@ def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_
     tmp_path, text_target_4x64, label_source
 ):
     """`target_agreement` = (label == data token) over the positions a target label source relabels, brute force
-    from the target's full logits; ground_truth labels nothing, so there is no such metric."""
+    from the target's full logits; ground_truth labels nothing, so training has no such metric, and its evaluation
+    counts the target's greedy token against the data's at the same positions."""
     from dflash_hf.objective.blocks import label_positions
     from dflash_hf.objective.losses import MetricSums
 
@@ -254,7 +255,8 @@ def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_
     out, _ = _run(trainer, batch)
     if label_source == "ground_truth":
         assert out.data_agreement is None
-        return
+        trainer.model.eval()
+        out, _ = _run(trainer, batch)
     with torch.no_grad():
         greedy = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
     plan = trainer.objective.plan(trainer.target, batch, seed=0)
@@ -263,6 +265,7 @@ def test_data_agreement_counts_the_relabelled_positions_where_the_target_writes_
     agreeing, relabelled = (int(x) for x in out.data_agreement)
     assert relabelled == int(need.sum()) and agreeing == int(agree.sum())
     left, _ = _run(trainer, text_batch(rows, tok.pad_token_id, "left"))
+    assert (left.data_agreement is None) == (label_source == "ground_truth" and trainer.model.training)
     assert [int(x) for x in left.data_agreement] == [agreeing, relabelled]  # padding side changes nothing
     assert 0.4 < agreeing / relabelled < 0.95  # the corrupted tokens and what follows them disagree
     sums = MetricSums()
@@ -290,8 +293,9 @@ def test_low_label_agreement_is_warned_once_per_metric(monkeypatch):
         cb.on_log(None, state, None, logs=logs)
     assert len(warned) == 2 and "target_agreement = 0.710 at step 7" in warned[0] and "29.0%" in warned[0]
     assert "so the draft learns from sequences the target never writes" in warned[0]
-    assert warned[1].startswith("eval_dev_target_agreement") and "dflash-generate-labels" in warned[1]
-    assert "so eval_dev_tau_est is measured on sequences the target never writes" in warned[1]
+    assert warned[1].startswith("eval_dev_target_agreement") and "dflash-generate-labels on the validation" in warned[1]
+    assert "so eval_dev_tau_est (and eval_dev_greedy_tau_est" in warned[1] and "far from the real tau" in warned[1]
+    assert "Pick drafts by eval_dev_tau (real speculative decoding" in warned[1]
 
 
 # ---------------------------------------------------------------------------------------------- registries

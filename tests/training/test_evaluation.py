@@ -144,6 +144,8 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     trainer.train()
     taus = [(e["step"], e["eval_tau"]) for e in trainer.state.log_history if "eval_tau" in e]
     assert [s for s, _ in taus] == [2, 4]
+    minutes = [e["train_minutes"] for e in trainer.state.log_history]  # every log: the x of a tau-minutes curve
+    assert minutes == sorted(minutes) and minutes[-1] > 0
     assert all(1.0 <= t <= BLOCK for _, t in taus), taus
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -173,6 +175,15 @@ def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
         plot_training.main([str(logdir), "--source", "trainer_state"])
 
 
+def test_train_minutes_go_on_from_the_resumed_checkpoints_log():
+    from dflash_hf.training.reporting import TrainClock
+
+    clock = TrainClock()
+    assert clock.entries() == {}  # before the loop (a validate-only evaluation): no such key
+    clock.begin([{"loss": 1.0, "train_minutes": 2.5}, {"eval_loss": 1.0, "train_minutes": 2.75}, {"loss": 0.9}])
+    assert 2.75 <= clock.entries()["train_minutes"] < 2.8
+
+
 def test_progress_bar_postfix_is_concise(capsys):
     cb = DFlashProgressCallback()
     cb.training_bar = tqdm(total=10, file=io.StringIO())
@@ -185,6 +196,8 @@ def test_progress_bar_postfix_is_concise(capsys):
     cb.on_log(None, state, control, logs={"eval_dev_loss": 2.0, "eval_dev_tau_est": 1.5, "eval_dev_acc_slot1": 0.1})
     line = capsys.readouterr().out
     assert "eval_dev_loss=2" in line and "eval_dev_tau_est=1.5" in line and "acc_slot1" not in line
+    cb.on_log(None, state, control, logs={"eval_dev_loss": 2.0, "eval_dev_tau_est": 1.5, "eval_dev_tau": 1.25})
+    assert capsys.readouterr().out.split(": ", 1)[1].startswith("eval_dev_tau=1.25, ")  # the real tau first
     cb.training_bar.close()
 
 
@@ -222,7 +235,7 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
         data_args=DFlashDataArguments(prompt="Transcribe.", padding_side="right"),
     )
     real = next(c for c in trainer.callback_handler.callbacks if isinstance(c, RealTauCallback))
-    _, collate = real._rows_and_collator([str(manifest)])
+    _, collate = trainer.real_tau._rows_and_collator([str(manifest)])
     assert collate.family is trainer.target.family and collate.padding_side == "right"
     placeholder = audio_token_id(trainer.target.family, model.config)
     prompts = real.prompts()["eval_"]
@@ -474,8 +487,43 @@ def test_greedy_walk_tau_est_is_the_real_tau_on_the_targets_own_outputs(target, 
         data_collator=collate,
     )
     trainer.train()
+    trainer.args.eval_real_tau, trainer.args.real_tau_samples, trainer.args.real_tau_max_new_tokens = True, 8, 40
     metrics = trainer.evaluate(eval_dataset=ListDataset(own))
     inputs = [{"input_ids": p[None], "attention_mask": torch.ones(1, 8, dtype=torch.long)} for p in prompts]
     real = decode_benchmark(trainer.model.eval(), trainer.target, inputs, 40).tau
     assert metrics["eval_greedy_walk_tau_est"] == pytest.approx(real, abs=1e-9)
+    assert metrics["eval_tau"] == pytest.approx(real, abs=1e-12) and real > 2.0  # the evaluation's real decoding
     assert metrics["eval_tau_est"] - real > 1.0  # the per-position estimate is far off
+
+
+def test_every_evaluation_reports_the_real_tau_first_and_drafts_can_be_picked_by_it(target, tmp_path):
+    """--eval_real_tau (the default of dflash-train): each evaluation decodes the set's first real_tau_samples prompts
+    speculatively and reports eval_<set>_tau first, the real tau of exactly those prompts; --metric_for_best_model
+    dev_tau picks the checkpoint by it."""
+    from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
+    from dflash_hf.training.decode_benchmark import decode_benchmark
+
+    model, tok = target
+    train, evals, collate = _data(tok)
+    kw = dict(eval_real_tau=True, real_tau_samples=3, real_tau_max_new_tokens=6, max_steps=2, eval_strategy="steps")
+    args = _args(tmp_path / "run", tok, **kw, eval_steps=1, save_strategy="steps", save_steps=1)
+    args.load_best_model_at_end, args.metric_for_best_model = True, "dev_tau"
+    check_best_model_args(args, eval_prefixes(evals))  # a metric the evaluation reports
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(args=args, target=model, train_dataset=train, eval_dataset=evals, data_collator=collate)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "eval_dev_loss" in e]
+    assert [next(iter(e)) for e in logged] == ["eval_dev_tau"] * 2  # first among the set's metrics
+    taus = {e["step"]: e["eval_dev_tau"] for e in logged}
+    assert trainer.state.best_metric == max(taus.values())
+    metrics = trainer.evaluate()
+    prompts = [
+        {"input_ids": torch.tensor([r[0]]), "attention_mask": torch.ones(1, len(r[0]), dtype=torch.long)}
+        for r in evals["dev"].rows[:3]
+    ]
+    real = decode_benchmark(trainer.model.eval(), trainer.target, prompts, 6, compare_greedy=False).tau
+    assert metrics["eval_dev_tau"] == pytest.approx(real, abs=1e-12) and "eval_test_tau" in metrics
+    off = _args(tmp_path / "off", tok, **{**kw, "eval_real_tau": False}, eval_steps=1, save_steps=1)
+    off.load_best_model_at_end, off.metric_for_best_model = True, "dev_tau"
+    with pytest.raises(ValueError, match="must name a metric the validation reports, got 'dev_tau'"):
+        check_best_model_args(off, eval_prefixes(evals))

@@ -1,0 +1,128 @@
+"""`label_ids` and `truncated` of a generated-labels manifest in the training data path (dflash_hf.data.generated)."""
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from dflash_hf.data import BadSampleError, BadSamples, build_train_dataloader
+from dflash_hf.data.collator import PaddedCollator
+from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.sample_checks import SampleValidator
+from dflash_hf.data.sources import open_source
+from dflash_hf.targets.families.registry import resolve_family
+from dflash_hf.testing import tiny
+
+
+def _manifest(tmp_path, rows):
+    audio = (0.1 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32)
+    sf.write(tmp_path / "a.wav", audio, 16000)
+    lines = [{"audio_filepath": "a.wav", "duration": 1.0, "id": f"r{i}", **r} for i, r in enumerate(rows)]
+    path = tmp_path / "m.json"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _parts(asr_target):
+    model, processor = asr_target
+    family = resolve_family(model.config)
+    renderer = ConversationRenderer(processor, family, ConversationConfig())
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
+    return validator, PaddedCollator(processor, model.config, family, renderer, "left")
+
+
+def _rows(path, asr_target):
+    """Each manifest row collated on its own: its real ids, its supervised ids and the sampler's token count."""
+    validator, collate = _parts(asr_target)
+    out = []
+    for cut in open_source(path):
+        cut = validator(cut)
+        batch = collate([cut])
+        real = batch["attention_mask"][0].bool()
+        ids = batch["input_ids"][0][real].tolist()
+        sup = batch["loss_mask"][0][real].tolist()
+        out.append((ids, [i for i, s in zip(ids, sup) if s], validator.count_tokens(cut)))
+    return out
+
+
+def _loader(path, asr_target, **kw):
+    model, processor = asr_target
+    return build_train_dataloader(str(path), processor, model.config, max_tokens=2000, shuffle=False, **kw)
+
+
+def test_label_ids_replace_the_texts_tokens_and_truncated_rows_have_no_end(tmp_path, asr_target):
+    tok = asr_target[1].tokenizer
+    end = tok.convert_tokens_to_ids(tiny.IM_END)
+    text_ids = tok("yes no", add_special_tokens=False)["input_ids"]
+    written = tok(" yes no", add_special_tokens=False)["input_ids"]  # the target wrote a leading space
+    path = _manifest(
+        tmp_path,
+        [
+            {"text": "yes no"},
+            {"text": "yes no", "label_ids": written},
+            {"text": "yes no", "truncated": True},
+            {"text": "yes no", "label_ids": written, "truncated": True},
+            {"text": "yes no", "label_ids": text_ids, "truncated": False},  # the same ids as the text's
+        ],
+    )
+    rows = _rows(path, asr_target)
+    plain_ids, plain_sup, _ = rows[0]
+    assert plain_sup == text_ids + [end]
+    assert rows[1][1] == written + [end]
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert rows[1][0][-len(written) - 1 - len(newline) :] == written + [end] + newline
+    assert rows[1][0][: -len(written) - 1 - len(newline)] == plain_ids[: -len(text_ids) - 1 - len(newline)]
+    assert rows[2][1] == text_ids and rows[2][0][-len(text_ids) :] == text_ids  # no end of turn at all
+    assert rows[3][1] == written and rows[3][0][-len(written) :] == written
+    assert rows[4] == rows[0]
+    audio = asr_target[1].tokenizer.convert_tokens_to_ids(tiny.AUDIO_PAD)
+    n_audio = rows[0][2] - (len(plain_ids) - plain_ids.count(audio))
+    for ids, _, count in rows:  # the sampler's token counts are the collated rows' lengths
+        assert count == len(ids) - ids.count(audio) + n_audio
+
+
+def test_label_ids_in_a_padded_batch_keep_every_row_aligned(tmp_path, asr_target):
+    tok = asr_target[1].tokenizer
+    longer = tok(" yes  no", add_special_tokens=False)["input_ids"]  # decodes to "yes  no"
+    path = _manifest(tmp_path, [{"text": "yes no"}, {"text": "yes  no", "label_ids": longer}])
+    model, processor = asr_target
+    for side in ("left", "right"):
+        loader = build_train_dataloader(
+            str(path), processor, model.config, max_tokens=4000, shuffle=False, padding_side=side
+        )
+        (batch,) = list(loader)
+        real = batch["attention_mask"].bool()
+        rows = [batch["input_ids"][r][real[r]].tolist() for r in range(2)]
+        sup = [batch["input_ids"][r][batch["loss_mask"][r]].tolist() for r in range(2)]
+        assert sorted(sup, key=len)[1][:-1] == longer
+        assert int(real.sum()) == sum(len(r) for r in rows)
+        assert bool(real[:, -1].all()) if side == "left" else bool(real[:, 0].all())
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"text": "yes no!", "label_ids": "IDS"}, "not a non-empty list"),
+        ({"text": "yes no!", "label_ids": []}, "not a non-empty list"),
+        ({"text": "yes no!", "label_ids": [1, True]}, "not a non-empty list"),
+        ({"text": "yes no!", "label_ids": [99999]}, "outside the tokenizer's vocabulary"),
+        ({"text": "yes no!", "label_ids": "END"}, "end token"),
+        ({"text": "yes no!", "label_ids": "AUDIO"}, "audio placeholder"),
+        ({"text": "yes no!", "label_ids": "EDITED"}, "not the row's text"),
+        ({"text": "yes no!", "truncated": "yes"}, "not true or false"),
+    ],
+)
+def test_unusable_generated_fields_are_bad_samples_naming_the_field(tmp_path, asr_target, fields, problem):
+    tok = asr_target[1].tokenizer
+    ids = tok("yes no!", add_special_tokens=False)["input_ids"]
+    if fields.get("label_ids") == "END":
+        fields["label_ids"] = ids + [tok.eos_token_id]
+    elif fields.get("label_ids") == "AUDIO":
+        fields["label_ids"] = ids[:2] + [tok.convert_tokens_to_ids(tiny.AUDIO_PAD)] + ids[2:]
+    elif fields.get("label_ids") == "EDITED":
+        fields["label_ids"] = tok("yes no", add_special_tokens=False)["input_ids"]
+    path = _manifest(tmp_path, [fields])
+    field = "truncated" if "truncated" in fields else "label_ids"
+    with pytest.raises(BadSampleError, match=rf"field '{field}': .*{problem}"):
+        list(_loader(path, asr_target))
