@@ -192,6 +192,7 @@ def check_resume_path(resume) -> None:
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
+    from dflash_hf.targets.families.qwen3_asr import warn_missing_vllm_serving_fields
     from dflash_hf.targets.families.registry import get_tokenizer
     from dflash_hf.targets.frozen import FrozenTarget, load_target
     from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
@@ -209,6 +210,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         ),
         args.target_family,
     )
+    warn_missing_vllm_serving_fields(target.model.config, args.target_name_or_path)
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)
