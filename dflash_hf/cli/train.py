@@ -80,8 +80,11 @@ def card_target_id(target_name_or_path: str) -> str:
 
 def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id: str, metrics: dict) -> str:
     """Upload the exported draft with its generated model card (`hub.push_draft_to_hub`); the commit URL."""
-    from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub
+    from transformers import AutoConfig
 
+    from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub, target_serving_facts
+
+    target_config = AutoConfig.from_pretrained(args.target_name_or_path, trust_remote_code=args.trust_remote_code)
     names = list(data_args.eval_sources() or {})
     tau_est = metrics.get(f"eval_{names[0]}_tau_est") if names else None
     sources = ", ".join(Path(p).name for p in data_args.train_data or [])
@@ -90,6 +93,7 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         data_summary=f"{sources}; {metrics.get('global_step', args.max_steps)} steps, {args.label_source} labels.",
         tau_est=tau_est,
         eval_name=names[0] if tau_est is not None else None,
+        **target_serving_facts(target_config),  # which engine serves the draft: the card says so
     )
     try:
         return push_draft_to_hub(

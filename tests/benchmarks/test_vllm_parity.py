@@ -48,7 +48,9 @@ def _argv(setup, *extra: str) -> list[str]:
     return ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
 
 
-def test_help_needs_no_vllm(capsys):
+def test_help_needs_no_vllm(capsys, monkeypatch):
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:  # imported by earlier tests
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(SystemExit) as exit_info:
         vllm_parity.main(["--help"])
     assert exit_info.value.code == 0
