@@ -15,9 +15,10 @@ tokenizer and chat template: the embedding rows past its 263 tokens are never pr
 (`speech_train/`, `speech_dev/`: tone words, NeMo manifests). `train` runs `dflash-train` on the train set with the
 target's own greedy labels (`label_source=target_argmax`) and the instruction below; `prompts` writes one request per
 held-out clip, the training conversation up to the answer (`messages` with an audio item, `audio` its file), as
-`vllm_parity.py` reads them. A random target's continuations say little about a real one: the rows measure that vLLM
-serves the shape and reads the export as trained, not a realistic acceptance. `--shape tiny` builds a small target of
-the same family (head_dim 64) for a CPU smoke run.
+`vllm_parity.py` reads them (`--manifest`: the clips of any NeMo manifest, e.g. `dflash-demo`'s held-out set or
+another target's evaluation set). A random target's continuations say little about a real one: the rows measure that
+vLLM serves the shape and reads the export as trained, not a realistic acceptance. `--shape tiny` builds a small
+target of the same family (head_dim 64) for a CPU smoke run.
 """
 
 from __future__ import annotations
@@ -185,9 +186,9 @@ def prompt_rows(manifest: Path, base: Path, limit: int) -> list[dict]:
     return rows
 
 
-def prompts(out: Path, limit: int) -> Path:
-    """`speech.jsonl` in `out`: one request per held-out clip."""
-    rows = prompt_rows(out / "speech_dev" / "manifest.jsonl", out, limit)
+def prompts(out: Path, limit: int, manifest: Path | None = None) -> Path:
+    """`speech.jsonl` in `out`: one request per clip of `manifest` (default: the held-out set `build` wrote)."""
+    rows = prompt_rows(manifest or out / "speech_dev" / "manifest.jsonl", out, limit)
     path = out / "speech.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} speech prompts written to {path}")
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p = sub.add_parser("prompts", help="speech.jsonl: one request per held-out clip")
     p.add_argument("--num_prompts", type=int, default=40)
+    p.add_argument("--manifest", type=Path, default=None, help="NeMo manifest; default OUT/speech_dev/manifest.jsonl")
     for s in (b, t, p):
         s.add_argument("--out", type=Path, required=True, help="the folder of the target, speech sets and draft")
     args = parser.parse_args(argv)
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "train":
         train(args.out, args.steps, args.precision)
     else:
-        prompts(args.out, args.num_prompts)
+        prompts(args.out, args.num_prompts, args.manifest)
 
 
 if __name__ == "__main__":

@@ -80,11 +80,11 @@ def card_target_id(target_name_or_path: str) -> str:
 
 def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id: str, metrics: dict) -> str:
     """Upload the exported draft with its generated model card (`hub.push_draft_to_hub`); the commit URL."""
-    from transformers import AutoConfig
+    from transformers import PretrainedConfig
 
     from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub, target_serving_facts
 
-    target_config = AutoConfig.from_pretrained(args.target_name_or_path, trust_remote_code=args.trust_remote_code)
+    target_config, _ = PretrainedConfig.get_config_dict(args.target_name_or_path)  # the target's config.json, as is
     names = list(data_args.eval_sources() or {})
     tau_est = metrics.get(f"eval_{names[0]}_tau_est") if names else None
     sources = ", ".join(Path(p).name for p in data_args.train_data or [])
@@ -214,7 +214,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         ),
         args.target_family,
     )
-    warn_missing_vllm_serving_fields(target.model.config, args.target_name_or_path)
+    warn_missing_vllm_serving_fields(getattr(getattr(target, "model", None), "config", None), args.target_name_or_path)
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     if args.mask_token_id is None and not args.init_from_pretrained:
         tokenizer = get_tokenizer(processor)

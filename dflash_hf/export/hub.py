@@ -100,11 +100,14 @@ _ENCODER_CONTEXT_SERVING = (
 
 
 def target_serving_facts(target_config) -> dict[str, str | None]:
-    """`DraftCardInfo`'s target fields from the target's transformers config."""
-    text = getattr(target_config, "text_config", None)
+    """`DraftCardInfo`'s target fields from the target's config: a transformers config or its `config.json` dict."""
+
+    def field(obj, name):
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
     return {
-        "target_architecture": (getattr(target_config, "architectures", None) or [None])[0],
-        "target_text_model_type": getattr(text, "model_type", None),
+        "target_architecture": (field(target_config, "architectures") or [None])[0],
+        "target_text_model_type": field(field(target_config, "text_config") or {}, "model_type"),
     }
 
 

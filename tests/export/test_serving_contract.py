@@ -228,6 +228,11 @@ def test_target_serving_facts_read_the_targets_config():
         "target_architecture": None,
         "target_text_model_type": None,
     }
+    raw = {"architectures": ["Qwen2AudioForConditionalGeneration"], "text_config": {"model_type": "llama"}}
+    assert target_serving_facts(raw) == {
+        "target_architecture": "Qwen2AudioForConditionalGeneration",
+        "target_text_model_type": "llama",
+    }  # a config.json as it is (what dflash-train's --push_to_hub reads)
 
 
 def test_check_draft_export_accepts_both_architecture_names(tmp_path):

@@ -1,7 +1,7 @@
-"""The vLLM plugin (`dflash_hf[vllm]`): declared as a `vllm.general_plugins` entry point, registers SupportsEagle3
-variants of vLLM's audio LLMs under vLLM's own architecture names, refuses the targets vLLM's classes would build
-wrongly (a text model other than the one the class builds, a transformers-saved Voxtral), and never makes
-`dflash_hf` import vLLM.
+"""The vLLM plugin (of the serving environment, `requirements-serving.txt`): declared as a `vllm.general_plugins`
+entry point, registers SupportsEagle3 variants of vLLM's audio LLMs under vLLM's own architecture names, refuses the
+targets vLLM's classes would build wrongly (a text model other than the one the class builds, a transformers-saved
+Voxtral), and never makes `dflash_hf` import vLLM.
 
 Without vLLM the registration and the variants run against a stand-in of the few vLLM names they use; with vLLM
 importable (CI's `serving` stage) the last tests run them against the real one: its plugin loader, `ModelRegistry`
