@@ -154,13 +154,16 @@ def read_requests(path: str | Path, limit: int = 0) -> list[dict]:
     return rows
 
 
-def render(row: dict, tokenizer) -> str | list[int]:
-    """A request's prompt: its text (`text`, or an audio request's rendered chat), or a text request's token ids."""
+def render(row: dict, tokenizer, processor=None) -> str | list[int]:
+    """A request's prompt: its text (`text`, or an audio request's rendered chat), or a text request's token ids. An
+    audio request renders with the processor's chat template where it has one (what dflash-train renders audio
+    conversations with), else the tokenizer's."""
     if "text" in row:
         return row["text"] if row.get("audio") else tokenizer(row["text"], add_special_tokens=False)["input_ids"]
     messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
     tokenize = not row.get("audio")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+    owner = processor if not tokenize and getattr(processor, "chat_template", None) else tokenizer
+    out = owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
     return list(out["input_ids"] if isinstance(out, Mapping) else out) if tokenize else out
 
 
@@ -191,7 +194,7 @@ def vllm_prompts(rows: list[dict], target: str) -> list[dict]:
     processor, tokenizer = load_processor(target)
     prompts = []
     for row in rows:
-        prompt = render(row, tokenizer)
+        prompt = render(row, tokenizer, processor)
         if row.get("audio"):
             rate = sampling_rate_of(processor)
             prompts.append({"prompt": prompt, "multi_modal_data": {"audio": (load_audio(row["audio"], rate), rate)}})
@@ -318,7 +321,7 @@ def load_reference(args: ParityArguments):
     processor, tokenizer = load_processor(args.target)
     prepared = []
     for row in read_requests(args.prompts, args.num_prompts):
-        prompt = render(row, tokenizer)
+        prompt = render(row, tokenizer, processor)
         if row.get("audio"):
             rate = sampling_rate_of(processor)
             inputs = processor(

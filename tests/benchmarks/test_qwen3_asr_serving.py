@@ -57,8 +57,11 @@ def test_prompts_are_the_training_conversation_and_read_as_requests(qs, built):
     user = rows[0]["messages"][0]
     assert user["role"] == "user" and user["content"] == [{"type": "text", "text": qs.INSTRUCTION}, {"type": "audio"}]
     processor, tokenizer = vllm_parity.load_processor(str(built / "target"))
-    text = vllm_parity.render(rows[0], tokenizer)
+    text = vllm_parity.render(rows[0], tokenizer, processor)
     assert text.endswith("<|im_start|>assistant\n") and "Transcribe the audio.<|audio_start|><|audio_pad|>" in text
+    # where processor and tokenizer differ, the processor's template renders audio requests
+    processor.chat_template = tokenizer.chat_template.replace("<|audio_pad|>", "<|audio_pad|> ")
+    assert "<|audio_pad|> <|audio_end|>" in vllm_parity.render(rows[0], tokenizer, processor)
 
 
 @pytest.mark.slow  # dflash-train on the CPU, two steps
