@@ -355,3 +355,27 @@ def test_with_vllm_its_config_refuses_a_target_its_class_would_build_wrongly(tmp
     assert cls.__name__ == "Qwen2AudioForConditionalGenerationWithHiddenStates"
     with pytest.raises(ValueError, match="dflash_hf: vLLM's Qwen2AudioForConditionalGeneration always builds"):
         ModelConfig(model=str(tmp_path / "llama"), dtype="float32")
+
+
+def test_the_serving_environment_file_pins_what_the_package_and_vllm_require(capsys):
+    """requirements-serving.txt (written and, in CI's serving stage, checked by resolution against the index with
+    scripts/serving_requirements.py): here, offline, that it agrees with pyproject.toml and leaves FlashInfer out."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+    from utils import loaded_script
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    with loaded_script(REPO_ROOT / "scripts" / "serving_requirements.py") as script:
+        lock = script.read_lock()
+        pins = {name: version for name, (version, _) in lock.items()}
+        assert pins["vllm"] == script.SERVING_PINS["vllm"] and pins["torch"] == "2.14.0"
+        assert pins["transformers"] == "5.22.2"  # vLLM 0.34 requires <5.23
+        extra = Requirement(project["optional-dependencies"]["vllm"][0])
+        assert extra.specifier.contains(pins["vllm"]) and "audio" in extra.extras
+        for line in project["dependencies"]:
+            req = Requirement(line)
+            assert req.specifier.contains(pins[script.canonical(req.name)]), line
+        assert "flashinfer-python" not in pins and set(script.UNAVAILABLE) == {"flashinfer-python"}
+        assert {"av", "soundfile", "soxr", "scipy", "torchvision"} <= set(pins)  # vLLM's audio extra; Qwen3-ASR's
+        script.main(["pins", "vllm", "transformers"])
+    assert capsys.readouterr().out.split() == ["vllm==0.34.0", "transformers==5.22.2"]
