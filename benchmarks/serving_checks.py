@@ -121,11 +121,13 @@ def transformers_greedy(target, prepared: list[dict], max_new_tokens: int, eos: 
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_list or None,
         pad_token_id=eos_list[0] if eos_list else None,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     out = []
     with torch.no_grad():
         for inputs in prepared:
-            gen = target.generate(**inputs, generation_config=config, output_logits=True, return_dict_in_generate=True)
+            gen = target.generate(**inputs, generation_config=config)
             new = gen.sequences[0, inputs["input_ids"].shape[1] :].tolist()
             logits_at = {}
             for step, logits in enumerate(gen.logits):

@@ -64,9 +64,23 @@ def test_prompts_are_the_training_conversation_and_read_as_requests(qs, built):
     assert "<|audio_pad|> <|audio_end|>" in vllm_parity.render(rows[0], tokenizer, processor)
 
 
-@pytest.mark.slow  # dflash-train on the CPU, two steps
-def test_train_exports_a_draft_for_the_target(qs, built):
+@pytest.mark.slow  # dflash-train on the CPU, two steps, then decoding
+def test_train_exports_a_draft_that_vllm_parity_decodes_on_the_speech_prompts(qs, built):
     qs.main(["train", "--out", str(built), "--steps", "2", "--precision", "fp32"])
     config = json.loads((built / "draft" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
     assert config["dflash_config"]["mask_token_id"] == 262
+    # the reference side of vllm_parity.py on these prompts: transformers' greedy and dflash_hf's decode agree
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import serving_checks
+    import vllm_parity
+
+    qs.main(["prompts", "--out", str(built), "--num_prompts", "2"])
+    argv = ["--target", str(built / "target"), "--draft", str(built / "draft")]
+    argv += ["--prompts", str(built / "speech.jsonl"), "--precision", "fp32", "--max_new_tokens", "6"]
+    (args,) = vllm_parity.make_parser().parse_args_into_dataclasses(argv)
+    reference = vllm_parity.load_reference(args)
+    greedy = serving_checks.transformers_greedy(reference[0].model, reference[1], 6, vllm_parity.eos_ids(args.target))
+    ours = vllm_parity.run_dflash_hf(args, reference)
+    assert len(greedy) == 2 and [g["token_ids"] for g in greedy] == [o["token_ids"] for o in ours]
+    assert all(len(g["logits_at"]) == len(g["token_ids"]) for g in greedy)
