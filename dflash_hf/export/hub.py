@@ -120,8 +120,8 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
     if arch is None:
         return None, "The target's architecture was not given, so this card names no engine that serves the draft."
     if arch.endswith("ForCausalLM"):
-        measured = MEASURED_SERVING["text"]
-        return "text", f"{measured} serves this draft with its text target (a measured pair: dflash_hf's docs/SERVING.md)."
+        where = "a measured pair: dflash_hf's docs/SERVING.md"
+        return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({where})."
     if arch == QWEN3_ASR:
         return None, (
             "vLLM 0.34 serves Qwen3-ASR targets natively (their config needs the fields\n"
