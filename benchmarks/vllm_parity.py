@@ -413,10 +413,25 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 
 
-def check_target(args: ParityArguments, reference, workdir: Path, eos: set[int]) -> dict:
+def reference_greedy(args: ParityArguments, eos: set[int]) -> list[dict]:
+    """transformers' greedy `generate` of the requests, run before any vLLM engine starts; the model is released
+    after (vLLM takes its share of the GPU's memory)."""
+    import gc
+
+    import torch
+
+    reference = load_reference(args)
+    greedy = transformers_greedy(reference[0].model, reference[1], args.max_new_tokens, eos)
+    del reference
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return greedy
+
+
+def check_target(args: ParityArguments, greedy: list[dict], workdir: Path, eos: set[int]) -> dict:
     """The target alone in vLLM (its top log-probabilities kept) against transformers' greedy `generate`."""
     served = run_vllm(args, None, args.concurrency[0], 0, workdir, logprobs=TOP_LOGPROBS)
-    greedy = transformers_greedy(reference[0].model, reference[1], args.max_new_tokens, eos)
     check = compare_target(served["requests"], greedy, args.tie_margin, lambda t: strip_eos(t, eos))
     check["serving_class"] = served["serving_class"]
     check["transformers_token_ids"] = [g["token_ids"] for g in greedy]
@@ -442,16 +457,16 @@ def run(args: ParityArguments, command: str) -> dict:
         "architecture": (draft_config.get("architectures") or ["?"])[0],
         "num_speculative_tokens": block - 1,
     }
-    reference = None if args.skip_dflash_hf and not args.target_check else load_reference(args)
+    greedy = reference_greedy(args, eos) if args.target_check else None
     with tempfile.TemporaryDirectory() as tmp:
-        target_check = check_target(args, reference, Path(tmp), eos) if args.target_check else None
+        target_check = check_target(args, greedy, Path(tmp), eos) if greedy is not None else None
         if target_check is not None and not target_check["passed"] and args.stop_if_target_differs:
             return {**header, "target_check": target_check, "stopped": "the target alone differs from transformers"}
         runs = {
             c: (run_vllm(args, None, c, 0, Path(tmp)), run_vllm(args, args.draft, c, block - 1, Path(tmp)))
             for c in args.concurrency
         }
-    ours = None if args.skip_dflash_hf else run_dflash_hf(args, reference)
+    ours = None if args.skip_dflash_hf else run_dflash_hf(args)
     alone, drafted = runs[args.concurrency[0]]
     throughput = [
         {
