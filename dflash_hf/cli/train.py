@@ -82,8 +82,11 @@ def card_target_id(target_name_or_path: str) -> str:
 
 def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id: str, metrics: dict) -> str:
     """Upload the exported draft with its generated model card (`hub.push_draft_to_hub`); the commit URL."""
-    from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub
+    from transformers import PretrainedConfig
 
+    from dflash_hf.export.hub import DraftCardInfo, push_draft_to_hub, target_serving_facts
+
+    target_config, _ = PretrainedConfig.get_config_dict(args.target_name_or_path)  # the target's config.json, as is
     names = list(data_args.eval_sources() or {})
     tau_est = metrics.get(f"eval_{names[0]}_tau_est") if names else None
     sources = ", ".join(Path(p).name for p in data_args.train_data or [])
@@ -92,6 +95,7 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         data_summary=f"{sources}; {metrics.get('global_step', args.max_steps)} steps, {args.label_source} labels.",
         tau_est=tau_est,
         eval_name=names[0] if tau_est is not None else None,
+        **target_serving_facts(target_config),  # which engine serves the draft: the card says so
     )
     try:
         return push_draft_to_hub(
@@ -186,6 +190,7 @@ def check_resume_path(resume) -> None:
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
+    from dflash_hf.targets.families.qwen3_asr import warn_missing_vllm_serving_fields
     from dflash_hf.targets.families.registry import get_tokenizer
     from dflash_hf.targets.frozen import FrozenTarget, load_target
     from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
@@ -205,6 +210,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         ),
         args.target_family,
     )
+    warn_missing_vllm_serving_fields(getattr(getattr(target, "model", None), "config", None), args.target_name_or_path)
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
     if args.mask_token_id is None and not args.init_from_pretrained:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from dflash_hf.export.drafts import (
     REMOTE_CODE_FILES,
@@ -28,6 +29,7 @@ from dflash_hf.export.drafts import (
     weight_file_paths,
 )
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
+from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,10 @@ class DraftCardInfo:
         tau: measured acceptance length of speculative decoding (`speculative_generate(...).tau`).
         eval_name: what tau_est / tau were measured on.
         license: license id for the card metadata (the target's license usually applies).
+        target_architecture: the target's `config.architectures[0]`: which engine serves the draft with it
+            (`serving_status`); None: the card names no engine.
+        target_text_model_type: the `model_type` of the target's text model (`text_config`), for the audio LLMs
+            whose vLLM class builds one fixed text model.
     """
 
     target_id: str
@@ -56,6 +62,8 @@ class DraftCardInfo:
     tau: float | None = None
     eval_name: str | None = None
     license: str | None = None
+    target_architecture: str | None = None
+    target_text_model_type: str | None = None
 
     def validate(self, block_size: int) -> None:
         if not self.target_id:
@@ -75,12 +83,14 @@ def _fmt(value: float | None) -> str:
 
 _CONTRACT_SERVING = (
     "The files follow the published DFlash draft contract (`config.json` with `block_size`, `dflash_config` and\n"
-    "`is_causal: false`, `model.safetensors`, remote code), so engines that load DFlash drafts load this one\n"
-    "unchanged. vLLM takes the block from `num_speculative_tokens` (block size - 1; it never reads `block_size`,\n"
-    "and a DFlash2 draft's convolution spans `1 + num_speculative_tokens` slots), SGLang from `block_size`. vLLM\n"
-    "needs a target that hands its hidden states to the draft: text LLMs and Qwen3-ASR natively, Qwen2-Audio and\n"
-    "Voxtral with `pip install dflash_hf[vllm]` (a vLLM plugin). SGLang serves text targets."
+    "`is_causal: false`, `model.safetensors`, remote code). vLLM takes the block from `num_speculative_tokens`\n"
+    "(block size - 1; it never reads `block_size`, and a DFlash2 draft's convolution spans\n"
+    "`1 + num_speculative_tokens` slots)."
 )
+# Target kinds with a measured serving row (docs/SERVING.md): the card prints their command. Others say what is known.
+MEASURED_SERVING = {"text": "vLLM 0.34"}
+QWEN3_ASR = "Qwen3ASRForConditionalGeneration"
+
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
     "(`dflash_config.encoder_hidden_size`, `--draft_encoder_context`). Its architecture name says so, and serving\n"
@@ -89,20 +99,58 @@ _ENCODER_CONTEXT_SERVING = (
 )
 
 
-def serving_commands(config: DFlashConfig, draft: str, target: str, revision: str | None = None) -> dict[str, str]:
-    """The engine commands that serve `target` with the draft `draft` (a Hub id or a local directory), by engine
-    (`"vllm"`, `"sglang"`); none for a draft outside the published contract (no engine serves it)."""
+def target_serving_facts(target_config) -> dict[str, str | None]:
+    """`DraftCardInfo`'s target fields from the target's config: a transformers config or its `config.json` dict."""
+
+    def field(obj, name):
+        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+    return {
+        "target_architecture": (field(target_config, "architectures") or [None])[0],
+        "target_text_model_type": field(field(target_config, "text_config") or {}, "model_type"),
+    }
+
+
+def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | None, str]:
+    """Which target kind of `MEASURED_SERVING` the draft's target is (None: no measured row), and the sentence the
+    card says about serving it."""
+    arch = info.target_architecture
     if not config.in_published_contract:
+        return None, "No serving engine loads this draft (outside the published DFlash contract)."
+    if arch is None:
+        return None, "The target's architecture was not given, so this card names no engine that serves the draft."
+    if arch.endswith("ForCausalLM"):
+        where = "a measured pair: dflash_hf's docs/SERVING.md"
+        return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({where})."
+    if arch == QWEN3_ASR:
+        return None, (
+            "vLLM 0.34 serves Qwen3-ASR targets natively (their config needs the fields\n"
+            "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes); this pair has not been measured\n"
+            "yet, so no command is given here."
+        )
+    if arch in HIDDEN_STATE_VARIANTS:
+        reason = refusal(arch, SimpleNamespace(text_config=SimpleNamespace(model_type=info.target_text_model_type)))
+        if reason is not None:
+            return None, f"vLLM cannot serve this target: {reason}."
+        return None, (
+            f"vLLM 0.34 serves {arch} targets with the dflash_hf plugin (the serving environment of dflash_hf's\n"
+            "README); this pair has not been measured yet, so no command is given here."
+        )
+    return None, f"No serving engine has been measured with {arch} targets: decode with dflash_hf."
+
+
+def serving_commands(
+    config: DFlashConfig, draft: str, target: str, revision: str | None = None, info: DraftCardInfo | None = None
+) -> dict[str, str]:
+    """The engine commands that serve `target` with the draft `draft` (a Hub id or a local directory), by engine
+    (`"vllm"`), for target kinds with a measured row only (`serving_status`); none for a draft outside the published
+    contract (no engine serves it) or an unmeasured pair."""
+    info = info or DraftCardInfo(target_id=target, target_revision=revision)
+    if serving_status(config, info)[0] is None:
         return {}
     revision_flag = f" --revision {revision}" if revision else ""
     spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": config.block_size - 1})
-    return {
-        "vllm": f"vllm serve {target}{revision_flag} \\\n  --speculative-config '{spec}'",
-        "sglang": (
-            f"python -m sglang.launch_server --model-path {target}{revision_flag} \\\n"
-            f"  --speculative-algorithm DFLASH --speculative-draft-model-path {draft}"
-        ),
-    }
+    return {"vllm": f"vllm serve {target}{revision_flag} \\\n  --speculative-config '{spec}'"}
 
 
 def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
@@ -138,12 +186,10 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     measured_on = f" ({info.eval_name})" if info.eval_name else ""
     spec_tokens = config.block_size - 1
     serving = _CONTRACT_SERVING if config.in_published_contract else _ENCODER_CONTEXT_SERVING
-    commands = serving_commands(config, repo_id, info.target_id, info.target_revision)
-    engines = "".join(
-        f"\n\n{title}:\n\n```bash\n{commands[key]}\n```"
-        for key, title in (("vllm", "vLLM"), ("sglang", "SGLang (text targets)"))
-        if key in commands
-    )
+    if config.in_published_contract:
+        serving += "\n\n" + serving_status(config, info)[1]
+    commands = serving_commands(config, repo_id, info.target_id, info.target_revision, info)
+    engines = f"\n\nvLLM:\n\n```bash\n{commands['vllm']}\n```" if "vllm" in commands else ""
     return f"""{header}
 
 # {repo_id.split("/")[-1]}
@@ -271,5 +317,7 @@ __all__ = [
     "DraftCardInfo",
     "build_model_card",
     "serving_commands",
+    "serving_status",
+    "target_serving_facts",
     "push_draft_to_hub",
 ]

@@ -1,4 +1,4 @@
-"""Serving DFlash drafts in inference engines (optional: `pip install dflash_hf[vllm]`).
+"""Serving DFlash drafts in inference engines (the serving environment: README, "Serve the draft").
 
 - :mod:`dflash_hf.serving.vllm_plugin`: the `vllm.general_plugins` entry point. It registers, under the
   architecture names of the audio LLMs vLLM serves without its hidden-state interface (Qwen2-Audio, Voxtral, ...),

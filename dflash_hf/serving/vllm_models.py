@@ -2,7 +2,8 @@
 
 Each variant is vLLM's own class (its weights, processor and forward unchanged) with `SupportsEagle3` added, as
 vLLM's Qwen3-ASR has it: vLLM then asks the language model for the hidden states at the draft's taps
-(`set_aux_hidden_state_layers`), and the language model's forward returns them beside its last hidden state. A
+(`set_aux_hidden_state_layers`), and the language model's forward returns them beside its last hidden state. Its
+constructor first refuses a target that vLLM's class would build wrongly (`vllm_plugin.check_servable`). A
 variant is built the first time its name is looked up in this module (`vllm_plugin.HIDDEN_STATE_VARIANTS`), so a
 vLLM without one of the base architectures still imports this module.
 """
@@ -13,7 +14,7 @@ import importlib
 
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 
-from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS
+from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, check_servable
 
 
 def _decoder(model):
@@ -49,8 +50,14 @@ def _variant(name: str) -> type:
     for arch, (module, variant) in HIDDEN_STATE_VARIANTS.items():
         if variant == name:
             base = getattr(importlib.import_module(module), arch)
+
+            def __init__(self, *, vllm_config, prefix: str = "", _arch=arch, _base=base):
+                check_servable(_arch, vllm_config.model_config.hf_config)
+                _base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+
             doc = f"vLLM's `{arch}` with `SupportsEagle3`, so DFlash drafts serve with it (dflash_hf)."
-            return type(name, (base, HiddenStatesForDFlash), {"__module__": __name__, "__doc__": doc})
+            attrs = {"__module__": __name__, "__doc__": doc, "__init__": __init__}
+            return type(name, (base, HiddenStatesForDFlash), attrs)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

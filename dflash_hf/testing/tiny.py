@@ -12,7 +12,8 @@ special tokens and config helpers so that tests and demo build their targets one
   Qwen-style chat template that renders audio content items as ``<|audio_start|><|audio_pad|><|audio_end|>``
   (the single ``<|audio_pad|>`` is expanded processor-side, exactly as the real Qwen3-ASR processor does).
 - :func:`build_qwen3_asr_target`: a tiny random ``Qwen3ASRForConditionalGeneration`` and its real
-  ``Qwen3ASRProcessor`` (tiny feature extractor: few mel bins, 16 kHz).
+  ``Qwen3ASRProcessor`` (tiny feature extractor: few mel bins, 16 kHz); its config carries the fields vLLM reads
+  beyond transformers' (``targets.families.qwen3_asr.add_vllm_serving_fields``), so a saved one loads in vLLM.
 - :func:`build_text_target`: a tiny random ``Qwen3ForCausalLM``.
 - :func:`build_whisper_target`: a tiny random ``WhisperForConditionalGeneration`` with a real
   ``WhisperProcessor`` (byte-level Whisper tokenizer with Whisper's special-token layout, 4 s feature chunks).
@@ -45,6 +46,8 @@ from transformers import (
     WhisperTokenizer,
 )
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+from dflash_hf.targets.families.qwen3_asr import add_vllm_serving_fields
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -197,6 +200,7 @@ def build_qwen3_asr_target(
         tie_word_embeddings=True,
         initializer_range=0.2,
     )
+    add_vllm_serving_fields(config)  # what vLLM's Qwen3-ASR reads beyond transformers' config: saved, it serves
     torch.manual_seed(seed)
     model = Qwen3ASRForConditionalGeneration(config).to(torch.float32).eval()
     _set_generation_defaults(model, tokenizer)

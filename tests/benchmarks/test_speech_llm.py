@@ -110,6 +110,42 @@ def test_assembled_tower_is_the_whisper_encoder(parts, trained):
             assert torch.equal(tower[name], tensor), name
 
 
+def test_the_llm_decides_whether_vllm_can_serve_the_assembled_target(parts, trained, tmp_path):
+    root, _, tok, _ = parts
+    llama = json.loads((trained[0] / "assembled.json").read_text())
+    assert (
+        llama["text_model_type"] == "llama"
+        and "always builds its text model as Qwen2ForCausalLM" in llama["vllm_serving"]
+    )
+    qcfg = tf.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    tf.Qwen2ForCausalLM(qcfg).save_pretrained(tmp_path / "qwen2")
+    tok.save_pretrained(tmp_path / "qwen2")
+    mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
+    out = sl.assemble(root / "whisper", tmp_path / "qwen2", tmp_path / "assembled", reserved_ids=(mask_id,), **TOKENS)
+    report = json.loads((out / "assembled.json").read_text())
+    assert report["text_model_type"] == "qwen2" and report["llm_preset"] == sl.DEFAULT_LLM
+    assert report["vllm_serving"].startswith("vLLM's Qwen2AudioForConditionalGeneration builds it as transformers does")
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(out)
+    assert model.config.text_config.model_type == "qwen2"
+    assert model.model.language_model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's biases: in the checkpoint
+
+
+def test_llm_presets_name_existing_tokens_and_where_they_come_from():
+    preset = sl.LLM_PRESETS[sl.DEFAULT_LLM]
+    assert sl.DEFAULT_LLM == "qwen2.5-coder-0.5b" and len(preset.packages) == 6 and preset.gguf.endswith(".gguf")
+    assert preset.mask_token_id is None  # the placeholder row fetch-llm finds and stamps
+    assert sl.LLM_PRESETS["smollm2"].audio_tokens == (sl.AUDIO_BOS, sl.AUDIO_TOKEN, sl.AUDIO_EOS)
+
+
 def test_training_lowers_the_loss_and_merges_lora(trained):
     assembled, out, _, _ = trained
     recipe = json.loads((out / "recipe.json").read_text())

@@ -1,7 +1,8 @@
-"""`benchmarks/vllm_parity.py`: its arguments and requests are checked before any engine starts, each vLLM run is
-configured as the export says (`num_speculative_tokens` = block size - 1), the dflash_hf side decodes the same
-requests, and the comparison counts what it claims. The vLLM runs themselves need vLLM and a GPU (not here: they are
-replaced by recorded results)."""
+"""`benchmarks/vllm_parity.py`: its arguments and requests are checked before any engine starts, the target alone is
+checked against transformers' greedy `generate` first (and stops the run when it differs beyond a near tie), each vLLM
+run is configured as the export says (`num_speculative_tokens` = block size - 1), the dflash_hf side decodes the same
+requests, and the comparison counts what it claims; the results record the versions and the class vLLM served. The
+vLLM runs themselves need vLLM and a GPU (not here: they are replaced by recorded results)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from dflash_hf.export.drafts import export_draft
 from dflash_hf.testing import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import serving_checks  # noqa: E402
 import vllm_parity  # noqa: E402
+
+SERVED_BY = {"architecture": "Qwen3ForCausalLM", "class": "vllm.model_executor.models.qwen3.Qwen3ForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,9 @@ def _argv(setup, *extra: str) -> list[str]:
     return ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
 
 
-def test_help_needs_no_vllm(capsys):
+def test_help_needs_no_vllm(capsys, monkeypatch):
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:  # imported by earlier tests
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(SystemExit) as exit_info:
         vllm_parity.main(["--help"])
     assert exit_info.value.code == 0
@@ -61,6 +67,7 @@ def test_help_needs_no_vllm(capsys):
         (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
         (["--num_prompts", "-1"], "--num_prompts must be >= 0"),
         (["--gpu_memory_utilization", "1.5"], "--gpu_memory_utilization must be in"),
+        (["--tie_margin", "-1"], "--tie_margin must be >= 0"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_flag(setup, extra, match):
@@ -105,7 +112,13 @@ def test_requests_render_as_the_chat_template_does(setup):
 def _recorded(requests: list[dict], seconds: float, drafts: int = 0, accepted: int = 0) -> dict:
     tokens = sum(len(r["token_ids"]) for r in requests)
     counters = {"drafts": drafts, "draft_tokens": 3 * drafts, "accepted_tokens": accepted}
-    return {"seconds": seconds, "output_tokens": tokens, "requests": requests, "spec_counters": counters}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "requests": requests,
+        "spec_counters": counters,
+        "serving_class": SERVED_BY,
+    }
 
 
 @pytest.mark.slow  # decodes three requests with the tiny target on the CPU
@@ -117,6 +130,10 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
     def recorded_worker(cmd):  # what the worker process would write, from the dflash_hf decode
         config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
         configs.append(config)
+        if config["logprobs"]:  # the target check: vLLM alone writes transformers' greedy output (lossless decode)
+            requests = [{"token_ids": r["token_ids"], "top_logprobs": None, "acceptance_lengths": None} for r in ours]
+            Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
+            return 0
         requests = [
             {"token_ids": r["token_ids"], "acceptance_lengths": r["acceptance_lengths"] if config["draft"] else None}
             for r in ours
@@ -133,12 +150,17 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
     out = tmp_path / "parity.json"
     results = vllm_parity.main(_argv(setup, "--concurrency", "1", "8", "--out", str(out), "--precision", "fp32"))
     assert json.loads(out.read_text())["parity"] == results["parity"]
-    assert [(c["draft"] is not None, c["concurrency"]) for c in configs] == [
-        (False, 1),
-        (True, 1),
-        (False, 8),
-        (True, 8),
+    assert [(c["draft"] is not None, c["concurrency"], c["logprobs"]) for c in configs] == [
+        (False, 1, serving_checks.TOP_LOGPROBS),  # the target alone, checked first
+        (False, 1, 0),
+        (True, 1, 0),
+        (False, 8, 0),
+        (True, 8, 0),
     ]
+    check = results["target_check"]
+    assert check["passed"] and check["identical"] == check["requests"] == 3 and check["tie_margin"] == 1e-3
+    assert set(results["versions"]) == {"vllm", "torch", "transformers", "dflash_hf"}
+    assert results["serving_class"] == SERVED_BY and "stopped" not in results
     drafted = [c for c in configs if c["draft"]]
     assert all(c["num_speculative_tokens"] == 3 and c["draft"] == str(setup[1]) for c in drafted)
     assert all(c["dtype"] == "float32" and c["enforce_eager"] for c in configs)
@@ -158,3 +180,52 @@ def test_comparison_strips_one_final_end_token():
     parity = vllm_parity.compare(alone, drafted, None, eos={2})
     assert parity["outputs_equal_to_vllm_greedy"] == 1 and parity["tau_vllm"] == 1.5 == parity["tau_vllm_counters"]
     assert vllm_parity.compare(alone, drafted, None, eos=set())["mismatched_requests"] == [0]
+
+
+def _greedy(tokens: list[int], logits: dict[int, dict[int, float]] | None = None) -> dict:
+    return {
+        "token_ids": tokens,
+        "logits_at": {str(k): {str(t): v for t, v in d.items()} for k, d in (logits or {}).items()},
+    }
+
+
+def test_target_check_tells_a_near_tie_from_another_function():
+    vllm_side = [
+        {"token_ids": [5, 6, 7, 2], "top_logprobs": None},
+        {"token_ids": [5, 9, 7], "top_logprobs": [[[5, -0.1]], [[9, -0.70], [6, -0.71]], [[7, -0.2]]]},
+        {"token_ids": [5, 8], "top_logprobs": None},
+        {"token_ids": [4], "top_logprobs": None},
+    ]
+    hf_side = [
+        _greedy([5, 6, 7]),  # the same, one final end token aside
+        _greedy([5, 6, 7], {1: {6: 3.0, 9: 2.9995}}),  # vLLM's token within a near tie: numerics
+        _greedy([5, 6], {1: {6: 3.0, 8: 1.0}}),  # two logits apart: another function
+        _greedy([3], {0: {3: 2.0}}),  # vLLM's token outside transformers' top 8: another function
+    ]
+    check = serving_checks.compare_target(vllm_side, hf_side, 1e-3, lambda t: t[:-1] if t[-1:] == [2] else t)
+    rows = check["per_request"]
+    assert [r["identical"] for r in rows] == [True, False, False, False] and check["identical"] == 1
+    assert rows[1]["first_divergence"] == 1 and rows[1]["numerics"]
+    assert rows[1]["transformers_margin"] == pytest.approx(5e-4) and rows[1]["vllm_margin"] == pytest.approx(0.01)
+    assert rows[2]["transformers_margin"] == 2.0 and not rows[2]["numerics"] and "vllm_margin" not in rows[2]
+    assert rows[3]["transformers_margin"] is None and not rows[3]["numerics"]
+    assert check["divergences_not_numerics"] == [2, 3] and not check["passed"]
+
+
+def test_a_target_that_differs_stops_the_run_before_any_draft(setup, tmp_path, monkeypatch):
+    configs = []
+
+    def differing_target(cmd):
+        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
+        configs.append(config)
+        requests = [{"token_ids": [7, 7, 7], "top_logprobs": None, "acceptance_lengths": None}] * 3
+        Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
+        return 0
+
+    monkeypatch.setattr(vllm_parity, "launch", differing_target)
+    out = tmp_path / "parity.json"
+    with pytest.raises(SystemExit, match="stopped: the target alone differs from transformers"):
+        vllm_parity.main(_argv(setup, "--out", str(out), "--precision", "fp32", "--max_new_tokens", "3"))
+    assert len(configs) == 1 and configs[0]["logprobs"] and configs[0]["draft"] is None  # no draft run started
+    written = json.loads(out.read_text())
+    assert written["target_check"]["divergences_not_numerics"] == [0, 1, 2] and "parity" not in written

@@ -63,6 +63,7 @@ CARD = DraftCardInfo(
     tau=3.875,
     eval_name="synthetic-dev",
     license="apache-2.0",
+    target_architecture="Qwen3ForCausalLM",  # a text target: a measured serving row, so the card has the command
 )
 
 
@@ -88,12 +89,13 @@ def test_dry_run_folder_and_card(export, tmp_path):
         "| 4.250 |",
         "| 3.875 |",
         f'"method": "dflash", "model": "{REPO}", "num_speculative_tokens": 15',
-        f"--speculative-draft-model-path {REPO}",
+        "vLLM 0.34 serves this draft with its text target",
         f'draft = DFlash2DraftModel.from_pretrained("{REPO}")',
         'AutoModelForCausalLM.from_pretrained("org/tiny-asr", revision="abc1234")',
         "speculative_generate(draft, target, max_new_tokens=256, **inputs)",
     ):
         assert expected in card, expected
+    assert "sglang" not in card.lower()  # no engine without a measured row
 
     # serving needs nothing new: the uploaded folder loads as remote code
     remote = AutoModel.from_pretrained(folder, trust_remote_code=True)

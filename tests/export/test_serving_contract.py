@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModel
-from utils import make_args
+from utils import make_args, require_vllm
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel
 from dflash_hf.export.drafts import check_draft_export, export_draft, load_draft_strict
-from dflash_hf.export.hub import DraftCardInfo, build_model_card, serving_commands
+from dflash_hf.export.hub import DraftCardInfo, build_model_card, serving_commands, target_serving_facts
 from dflash_hf.models.configuration_dflash import TARGET_ONLY_ROPE_KEYS
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
@@ -183,22 +183,56 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
     config.dflash_config.pop("outside_published_contract")
     config.architectures = ["DFlash2DraftModel"]
     config.set_block_size(8)
-    commands = serving_commands(config, "me/draft", "Qwen/Qwen3-ASR-1.7B")
+    text = DraftCardInfo(target_id="HuggingFaceTB/SmolLM2-135M-Instruct", target_architecture="LlamaForCausalLM")
+    commands = serving_commands(config, "me/draft", text.target_id, info=text)
+    assert list(commands) == ["vllm"]  # the measured pair only: vLLM with a text target; no SGLang command
     spec = json.loads(commands["vllm"].split("--speculative-config '")[1].rstrip("'"))
     assert spec == {"method": "dflash", "model": "me/draft", "num_speculative_tokens": 7}
-    assert commands["vllm"].startswith("vllm serve Qwen/Qwen3-ASR-1.7B")
-    assert (
-        commands["sglang"].split()
-        == (
-            "python -m sglang.launch_server --model-path Qwen/Qwen3-ASR-1.7B \\ --speculative-algorithm DFLASH "
-            "--speculative-draft-model-path me/draft"
-        ).split()
-    )
-    card = build_model_card(config, "me/draft", DraftCardInfo(target_id="Qwen/Qwen3-ASR-1.7B"))
-    assert commands["vllm"] in card and commands["sglang"] in card
-    assert "block_size" not in commands["vllm"] and "num-draft-tokens" not in card
+    assert commands["vllm"].startswith("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct")
+    card = build_model_card(config, "me/draft", text)
+    assert commands["vllm"] in card and "vLLM 0.34 serves this draft with its text target" in card
+    assert "block_size" not in commands["vllm"] and "num-draft-tokens" not in card and "sglang" not in card.lower()
     check = DFlashConfig.from_dict(json.loads(json.dumps(config.to_dict())))
     assert check.architecture == "DFlash2DraftModel" and check.in_published_contract
+
+
+@pytest.mark.parametrize(
+    ("architecture", "text_type", "says"),
+    [
+        ("Qwen3ASRForConditionalGeneration", "qwen3", "serves Qwen3-ASR targets natively"),
+        ("Qwen2AudioForConditionalGeneration", "qwen2", "with the dflash_hf plugin"),
+        ("Qwen2AudioForConditionalGeneration", "llama", "vLLM cannot serve this target: vLLM's Qwen2Audio"),
+        ("VoxtralForConditionalGeneration", "llama", "loads Mistral-format checkpoints only"),
+        ("WhisperForConditionalGeneration", None, "No serving engine has been measured with Whisper"),
+        (None, None, "The target's architecture was not given"),
+    ],
+)
+def test_model_card_prints_no_command_for_a_pair_without_a_measured_row(architecture, text_type, says):
+    config = _context_config("dflash")
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlashDraftModel"]
+    info = DraftCardInfo(target_id="org/t", target_architecture=architecture, target_text_model_type=text_type)
+    card = build_model_card(config, "me/draft", info)
+    assert says in card and "vllm serve" not in card and "sglang" not in card.lower()
+    assert serving_commands(config, "me/draft", "org/t", info=info) == {}
+
+
+def test_target_serving_facts_read_the_targets_config():
+    model, _ = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    facts = target_serving_facts(model.config)
+    assert facts == {"target_architecture": None, "target_text_model_type": "qwen3"}  # not saved: no architectures
+    model.config.architectures = ["Qwen3ASRForConditionalGeneration"]
+    assert target_serving_facts(model.config)["target_architecture"] == "Qwen3ASRForConditionalGeneration"
+    assert target_serving_facts(tiny.build_text_target(hidden_size=32, num_layers=2, num_heads=2).config) == {
+        "target_architecture": None,
+        "target_text_model_type": None,
+    }
+    raw = {"architectures": ["Qwen2AudioForConditionalGeneration"], "text_config": {"model_type": "llama"}}
+    assert target_serving_facts(raw) == {
+        "target_architecture": "Qwen2AudioForConditionalGeneration",
+        "target_text_model_type": "llama",
+    }  # a config.json as it is (what dflash-train's --push_to_hub reads)
 
 
 def test_check_draft_export_accepts_both_architecture_names(tmp_path):
@@ -210,7 +244,7 @@ def test_check_draft_export_accepts_both_architecture_names(tmp_path):
 def test_with_vllm_an_export_reads_as_it_was_trained(mrope_asr, tmp_path):
     """vLLM's own readers on an export of the speech target's draft: non-causal, the mask id, the taps + 1, and a
     full-head 1-D rotary equal to the draft's (the target's fields would make it a half-head multimodal rotary)."""
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install dflash_hf[vllm])")
+    require_vllm()
     from types import SimpleNamespace
 
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config

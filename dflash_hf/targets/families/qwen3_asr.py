@@ -10,16 +10,78 @@ and the frozen target builds the decoder's `inputs_embeds` as that forward does 
 scattered into the placeholders), with the windows on the host: the splits read nothing from the device. Taps and
 final states are bit-identical to the model's own forward (`tests/targets/test_families.py`); one read is left,
 the encoder's `nonzero` of its valid frames.
+
+Serving: vLLM's Qwen3-ASR (its audio encoder, `Qwen3OmniMoeAudioEncoder`) reads two audio-config fields that
+transformers' `Qwen3ASREncoderConfig` does not define, so a target saved by transformers does not build in vLLM
+(`AttributeError` at model construction). `add_vllm_serving_fields` writes them with values under which vLLM computes
+what transformers computes; `missing_vllm_serving_fields` names those a config lacks (`dflash-train` warns).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 WINDOWS_KEY = "audio_cu_seqlens"  # the encoder's windows, `[num_windows + 1]` int32 on the host
+# What each field means to vLLM 0.33 / 0.34 (`qwen3_omni_moe_thinker.Qwen3OmniMoeAudioEncoder`), and the value written:
+# - conv_chunksize (read with no default): how many 100-frame chunks its convolution stack takes in one call; larger
+#   inputs are split along the chunk axis, which changes memory, not results (each chunk is convolved on its own, as
+#   transformers does). Written: 500, the value of the original Qwen3-ASR checkpoints.
+# - max_source_positions (0.34: default 1500; 0.33: no default): rows of the sinusoidal position table. Rows depend
+#   only on the position, and a chunk uses its first `time_steps` rows (13 for 100 frames). Written: transformers' own
+#   table length, `max_position_embeddings`.
+VLLM_CONV_CHUNKSIZE = 500
+
+
+def vllm_serving_fields(audio_config) -> dict[str, int]:
+    """The audio-config fields vLLM's Qwen3-ASR reads that transformers' config lacks, with the values to write."""
+    return {
+        "conv_chunksize": VLLM_CONV_CHUNKSIZE,
+        "max_source_positions": int(audio_config.max_position_embeddings),
+    }
+
+
+def _audio_config(config):
+    return getattr(config, "audio_config", None) if getattr(config, "model_type", None) == "qwen3_asr" else None
+
+
+def missing_vllm_serving_fields(config) -> list[str]:
+    """The `audio_config` fields vLLM needs that a Qwen3-ASR `config` lacks ([] for other targets)."""
+    audio = _audio_config(config)
+    if audio is None:
+        return []
+    return [name for name in vllm_serving_fields(audio) if getattr(audio, name, None) is None]
+
+
+def add_vllm_serving_fields(config) -> list[str]:
+    """Write the missing vLLM serving fields into a Qwen3-ASR `config` (in place; `save_pretrained` then carries them
+    into config.json). Fields already set are kept. Returns the names written."""
+    audio = _audio_config(config)
+    missing = missing_vllm_serving_fields(config)
+    for name in missing:
+        setattr(audio, name, vllm_serving_fields(audio)[name])
+    return missing
+
+
+def warn_missing_vllm_serving_fields(config, where: str) -> None:
+    """One warning naming the vLLM serving fields a Qwen3-ASR target's config lacks, and how to add them."""
+    missing = missing_vllm_serving_fields(config)
+    if missing:
+        values = vllm_serving_fields(config.audio_config)
+        logger.warning(
+            "target %s: its audio_config lacks %s, which vLLM's Qwen3-ASR reads (it cannot build this target). Drafts "
+            "train as usual; to serve the target in vLLM, add %s to audio_config in its config.json, or "
+            "load it, call dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields(model.config) and "
+            "save_pretrained it again",
+            where,
+            ", ".join(missing),
+            ", ".join(f'"{name}": {values[name]}' for name in missing),
+        )
 
 
 @functools.cache
