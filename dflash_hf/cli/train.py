@@ -243,6 +243,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
     metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it
     if data_args.eval_data:
         metrics.update(trainer.final_eval_metrics())  # not a second evaluation of the last step
+    trainer.save_state()  # <output_dir>/trainer_state.json: the whole log (benchmarks/tau_curve.py draws it)
     export_dir = trainer.export_draft()
     loader = getattr(trainer, "speech_train_loader", None)
     if loader is not None:

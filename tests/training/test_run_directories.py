@@ -42,6 +42,7 @@ def test_a_new_run_refuses_a_directory_holding_another_run_unless_overwrite(tmp_
     first.train()
     first.export_draft()
     out = tmp_path / "out"
+    first.save_state()  # the whole log, as dflash-train saves it at the end
     run_id = _record(out)["run_id"]
     assert _record(out / "checkpoint-4")["run_id"] == _record(out / "draft")["run_id"] == run_id
     with pytest.raises(RunDirectoryError, match=rf"belongs to another run \(run {run_id}: checkpoint-2, checkpoint-4"):
