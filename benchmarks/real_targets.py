@@ -2006,7 +2006,7 @@ def extra_decoding(
 
     from dflash_hf.export.hub import load_draft_strict
     from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-    from dflash_hf.training.decode_benchmark import DecodeStats, _clock, decode_benchmark
+    from dflash_hf.training.decode_benchmark import DecodeStats, decode_benchmark, synced_clock
 
     dev = torch.device(device)
     target = FrozenTarget(load_target(str(target_dir(cache, cfg.target)), precision).to(dev))
@@ -2029,12 +2029,12 @@ def extra_decoding(
             kw = dict(max_new_tokens=cfg.eval_max_new_tokens, do_sample=False)
             if i == 0:
                 target.model.generate(**inputs, prompt_lookup_num_tokens=lookup_tokens, **kw)
-            start = _clock(dev)
+            start = synced_clock(dev)
             lookup = target.model.generate(**inputs, prompt_lookup_num_tokens=lookup_tokens, **kw)[0, n:].tolist()
-            seconds += _clock(dev) - start
-            start = _clock(dev)
+            seconds += synced_clock(dev) - start
+            start = synced_clock(dev)
             greedy = target.model.generate(**inputs, **kw)[0, n:].tolist()
-            greedy_seconds += _clock(dev) - start
+            greedy_seconds += synced_clock(dev) - start
             tokens, greedy_tokens = tokens + len(lookup), greedy_tokens + len(greedy)
             if lookup != greedy:
                 mismatches.append(i)

@@ -189,6 +189,11 @@ def build_train_dataloader(
     else:
         if isinstance(sources, (DataSource, str, Path)):
             sources = [sources]
+        # a path takes this call's rate limit; a DataSource carries its own
+        sources = [
+            s if isinstance(s, DataSource) else DataSource(str(s), max_chars_per_second=max_chars_per_second)
+            for s in sources
+        ]
         cuts = mix_sources(sources, seed=seed, bad=bad)
     renderer = ConversationRenderer(processor, family, conversation)
     validator = SampleValidator(

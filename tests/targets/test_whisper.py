@@ -361,9 +361,11 @@ def test_too_long_transcripts_and_audio_and_unknown_languages_are_bad_samples(wh
     ]
     for i, (extra, message) in enumerate(cases):
         manifest = str(_manifest(tmp_path / str(i), extra))
+        # the characters-per-second check would refuse the long text first: off, so the target's limit is what fires
+        kw = dict(max_tokens=4000, max_chars_per_second=0)
         with pytest.raises(BadSampleError, match=message):
-            build_train_dataloader(manifest, processor, model.config, max_tokens=4000)
-        loader = build_train_dataloader(manifest, processor, model.config, max_tokens=4000, skip_bad_samples=True)
+            build_train_dataloader(manifest, processor, model.config, **kw)
+        loader = build_train_dataloader(manifest, processor, model.config, skip_bad_samples=True, **kw)
         assert sum(b["input_ids"].shape[0] for b in loader) == 5 and loader.bad_samples.num_skipped == 1
 
 
