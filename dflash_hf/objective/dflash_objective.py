@@ -144,9 +144,10 @@ class DFlashObjective:
 
     @classmethod
     def from_settings(cls, settings: ObjectiveSettings, config: DFlashConfig) -> DFlashObjective:
-        """From the objective's settings and the draft's config (the fused CE resolved and checked, the FP8 lm_head
-        and the label source checked against the draft's dimensions)."""
-        settings = replace(settings, use_fused_linear_ce=resolve_fused_ce(settings, config.variant))
+        """From the objective's settings and the draft's config (an unset `use_fused_linear_ce` resolved; the FP8
+        lm_head and the label source checked against the draft's dimensions)."""
+        if settings.use_fused_linear_ce is None:  # (a value given is checked where it is given: the arguments)
+            settings = replace(settings, use_fused_linear_ce=resolve_fused_ce(settings, config.variant))
         check_float8_lm_head(settings, config)
         label_source = make_label_source(settings)
         label_source.check(config.vocab_size)
