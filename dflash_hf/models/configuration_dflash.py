@@ -75,14 +75,18 @@ def draft_rope_parameters(rope: Mapping | None, default_theta: float | None = No
 class DFlashConfig(Qwen3Config):
     """Config of a DFlash (v1) or DFlash2 draft.
 
-    Besides the Qwen3 fields describing the draft decoder, it holds:
+    Besides the Qwen3 fields describing the draft decoder, it declares these typed fields (a dataclass, as
+    transformers' configs; their defaults and checks are `draft_fields`'):
 
     Args:
         block_size (`int`): draft slots per anchor (the anchor token plus `block_size - 1` predictions).
         num_target_layers (`int`): decoder layers of the target the taps index into.
-        dflash_config (`dict`): `block_size`, `mask_token_id`, `target_layer_ids` and, for DFlash2,
-            `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. With the encoder-context
-            opt-in (outside the published contract, see `encoder_hidden_size`) also `encoder_hidden_size`.
+        dflash_config (`dict`): the published contract's entries, as serialized: `block_size`, `mask_token_id`,
+            `target_layer_ids` (`CONTRACT_KEYS`) and, for DFlash2, `conv_kernel_size`, `conv_group_size`,
+            `selector_rank`, `selector_top_k` (`DFlash2Fields`). With the encoder-context opt-in (outside the
+            published contract, see `encoder_hidden_size`) also `encoder_hidden_size`. Read through the typed
+            properties below (`mask_token_id`, `target_layer_ids`, `encoder_hidden_size`, ...). What a training run
+            used (anchors, conversation) is not model config: the export's training record holds it.
         is_causal (`bool`): always False (every slot of a block attends to the whole block); written at the top
             level because serving engines read causality from it before `layer_types`.
         variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel` (or its
