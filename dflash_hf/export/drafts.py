@@ -13,7 +13,6 @@ non-finite weights is never exported, and loading one is an error naming the ten
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from dflash_hf.export.atomic_write import (
     check_replaceable,
     write_atomically,
 )
-from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE
+from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DRAFT_ARCHITECTURES, DFlash2Fields, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
@@ -82,26 +81,11 @@ def resolve_draft_dir(path: str | Path) -> Path:
         ) from err
 
 
-def _read_json(file: Path) -> dict:
-    """A JSON object from `file`; invalid JSON is an error naming the file and line."""
-    try:
-        raw = json.loads(file.read_text())
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{file} is not UTF-8 text ({err}); it is not a DFlash draft export's JSON") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); restore or re-export it"
-        ) from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore or re-export it")
-    return raw
-
-
 def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file)
     for key in QUANT_CONFIG_KEYS:
         if raw.get(key):
             method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
@@ -138,7 +122,7 @@ def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
 def weight_file_paths(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no `weight_map`; the sharded export is incomplete")
         shards = sorted(set(weight_map.values()))

@@ -7,6 +7,7 @@ repeats, kept beside the model config rather than in it.
 
 Exports written before the record had these two entries inside `config.json`'s `dflash_config`; `read_training_record`
 still finds them there, and `LEGACY_KEYS` names them so that loading such an export drops them from the config.
+`read_json_object` reads an export's JSON file (the loader in `drafts` uses it too).
 """
 
 from __future__ import annotations
@@ -65,10 +66,18 @@ def checked_conversation(record) -> dict | None:
     return dict(record)
 
 
-def _read_json(path: Path) -> dict:
-    raw = json.loads(path.read_text())
+def read_json_object(file: Path) -> dict:
+    """A JSON object from `file`; invalid JSON is an error naming the file and line."""
+    try:
+        raw = json.loads(file.read_text())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file} is not UTF-8 text ({err}); it is not a DFlash draft export's JSON") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); restore or re-export it"
+        ) from err
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore or re-export it")
     return raw
 
 
@@ -79,13 +88,13 @@ def read_training_record(directory: str | Path) -> TrainingRecord:
     directory = Path(directory)
     path = directory / TRAINING_RECORD_FILE
     if path.is_file():
-        raw = _read_json(path)
+        raw = read_json_object(path)
         unknown = sorted(set(raw) - set(LEGACY_KEYS))
         if unknown:
             raise ValueError(f"{path} has unknown entries {unknown}; it holds only {list(LEGACY_KEYS)}")
     else:
         config = directory / "config.json"
-        raw = (_read_json(config).get("dflash_config") or {}) if config.is_file() else {}
+        raw = (read_json_object(config).get("dflash_config") or {}) if config.is_file() else {}
     num_anchors = raw.get("num_anchors")
     if num_anchors is not None and (isinstance(num_anchors, bool) or not isinstance(num_anchors, int)):
         raise ValueError(f"the training record of {directory} has num_anchors {num_anchors!r}: it must be an integer")
@@ -99,5 +108,6 @@ __all__ = [
     "TrainingRecord",
     "checked_conversation",
     "conversation_record",
+    "read_json_object",
     "read_training_record",
 ]

@@ -237,18 +237,14 @@ class DFlashTrainingArguments(
             )
 
     def _check_objective(self) -> None:
-        from dflash_hf.objective.dflash_objective import fused_ce_conflict
+        from dflash_hf.objective.dflash_objective import resolve_fused_ce
         from dflash_hf.objective.labels import LABEL_SOURCES
         from dflash_hf.objective.losses import LOSSES
 
         for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
             if getattr(self, name) not in registry:
                 raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
-        conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
-        if self.use_fused_linear_ce is None:
-            self.use_fused_linear_ce = conflict is None
-        if self.use_fused_linear_ce and conflict:
-            raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
+        self.use_fused_linear_ce = resolve_fused_ce(self, self.variant)
 
     def _check_adaptation(self) -> None:
         if self.projection_only and not self.init_from_pretrained:
