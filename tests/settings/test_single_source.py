@@ -139,6 +139,19 @@ def test_anchor_pad_multiple_is_one_value_for_dflash_train_and_the_objective(tmp
     assert make_args(tmp_path).anchor_pad_multiple == ObjectiveSettings().anchor_pad_multiple == 8
 
 
+def test_the_objective_its_label_sources_and_losses_have_no_defaults_of_their_own():
+    """They are built from `ObjectiveSettings` (`DFlashObjective.from_settings`, `make_label_source`, `make_loss`)."""
+    from dflash_hf.objective.dflash_objective import DFlashObjective
+    from dflash_hf.objective.labels import LABEL_SOURCES
+    from dflash_hf.objective.losses import LOSSES
+
+    for cls in (DFlashObjective, *LABEL_SOURCES.values(), *LOSSES.values()):
+        defaulted = [f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING]
+        assert not defaulted, (cls.__name__, defaulted)
+        factories = [f.name for f in dataclasses.fields(cls) if f.default_factory is not dataclasses.MISSING]
+        assert not factories, (cls.__name__, factories)
+
+
 def test_settings_import_no_torch_or_transformers():
     code = "import sys, dflash_hf.settings; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
