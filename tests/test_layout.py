@@ -1,8 +1,9 @@
 """The layout of the package and of its tests.
 
 - The package's folders depend one way: cli -> training -> {generation, objective, data, export} -> targets ->
-  {models, ops}. `errors` (user errors) may be imported from anywhere, `testing` (tiny targets, which takes the
-  serving fields of a target family from `targets`) only from cli;
+  {models, ops}; `settings` (every default and check, light) is read by all of these but models and ops, and reads
+  only the pure-Python `models/draft_fields.py` (remote code). `errors` (user errors) may be imported from anywhere,
+  `testing` (tiny targets, which takes the serving fields of a target family from `targets`) only from cli;
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
   card names what the plugin refuses, by the plugin's own rule).
 - The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
@@ -22,13 +23,26 @@ ALLOWED = {
     "ops": set(),
     "testing": {"targets"},  # the tiny targets carry their family's serving fields
     "serving": set(),  # engine plugins: imported by the engine (an entry point) and by the model card (export)
-    "targets": {"models", "ops", "errors"},
-    "data": {"targets", "models", "ops", "errors"},
-    "objective": {"targets", "models", "ops", "errors"},
-    "generation": {"targets", "models", "ops", "errors"},
-    "export": {"targets", "models", "ops", "errors", "serving"},
-    "training": {"generation", "objective", "data", "export", "targets", "models", "ops", "errors"},
-    "cli": {"training", "generation", "objective", "data", "export", "targets", "models", "ops", "errors", "testing"},
+    "settings": {"models"},  # only models/draft_fields.py (test_settings_read_only_the_pure_python_draft_fields)
+    "targets": {"settings", "models", "ops", "errors"},
+    "data": {"settings", "targets", "models", "ops", "errors"},
+    "objective": {"settings", "targets", "models", "ops", "errors"},
+    "generation": {"settings", "targets", "models", "ops", "errors"},
+    "export": {"settings", "targets", "models", "ops", "errors", "serving"},
+    "training": {"generation", "objective", "data", "export", "settings", "targets", "models", "ops", "errors"},
+    "cli": {
+        "training",
+        "generation",
+        "objective",
+        "data",
+        "export",
+        "settings",
+        "targets",
+        "models",
+        "ops",
+        "errors",
+        "testing",
+    },
 }
 TEST_FOLDERS = {p for p in ALLOWED if (PACKAGE / p).is_dir()} | {"benchmarks", "gpu"}
 
@@ -67,6 +81,19 @@ def test_package_folders_depend_one_way():
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
     for path in sorted((PACKAGE / "models").glob("*.py")):
         assert not _package_imports(path), path.name
+
+
+def test_settings_read_only_the_pure_python_draft_fields():
+    """The settings stay light: of the package they import `models.draft_fields` alone (remote code that imports
+    nothing but the standard library), never the config or the model."""
+    draft_fields = PACKAGE / "models" / "draft_fields.py"
+    stdlib_only = {"__future__", "collections", "dataclasses"}
+    tree = ast.parse(draft_fields.read_text())
+    assert {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} <= stdlib_only
+    for path in sorted((PACKAGE / "settings").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_hf.models"):
+                assert node.module == "dflash_hf.models.draft_fields", f"{path.name} imports {node.module}"
 
 
 def test_test_tree_mirrors_the_package():

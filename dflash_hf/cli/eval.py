@@ -28,17 +28,13 @@ from transformers import HfArgumentParser
 from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
 from dflash_hf.cli.train import load_processor
 from dflash_hf.data import ConversationConfig, DataSource
-from dflash_hf.export.drafts import load_draft_strict
+from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
+from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record
 from dflash_hf.generation.static_draft import graph_mode
+from dflash_hf.settings import DataSettings, ModelSettings
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-from dflash_hf.training.decode_benchmark import (
-    CONVERSATION_KEY,
-    decode_benchmark,
-    iter_prompts,
-    recorded_conversation,
-    speech_rows_and_collator,
-)
+from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator
 from dflash_hf.training.draft_target import check_draft_target
 from dflash_hf.training.launch import configure_cpu_threads
 
@@ -94,7 +90,9 @@ class EvalArguments(DecodeStepArguments):
     output_json: str = field(default="dflash_eval.json", metadata={"help": "Where the results JSON is written."})
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
     num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
-    precision: str = field(default="fp32", metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."})
+    precision: str = field(
+        default=ModelSettings.precision, metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."}
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
     family: str | None = field(
         default=None,
@@ -118,7 +116,7 @@ class EvalArguments(DecodeStepArguments):
         },
     )
     allow_command_audio_sources: bool = field(
-        default=False,
+        default=DataSettings.allow_command_audio_sources,
         metadata={
             "help": "Let programs read audio: lhotse cuts of type 'command', and decoders (ffmpeg through audioread) "
             "for files libsndfile cannot read. Only for data you trust (default: such a row is an error)."
@@ -230,14 +228,13 @@ def _no_text(value: str | None) -> str | None:
     return value or None
 
 
-def apply_recorded_conversation(args: EvalArguments, dflash_config: dict) -> dict | None:
+def apply_recorded_conversation(args: EvalArguments, recorded: dict | None) -> dict | None:
     """Fill `--prompt`, `--system_prompt` and `--family` left out (None) from the conversation recorded in the draft's
-    export, and warn about each given one that differs from it, about a draft that records none (a manifest's prompts
-    are then rendered from the flags alone) and about text prompts (rendered as they are, without the recorded
-    settings). Returns the recorded conversation (None when there is none)."""
-    recorded = recorded_conversation(dflash_config)
+    export (`recorded`: its training record's), and warn about each given one that differs from it, about a draft that
+    records none (a manifest's prompts are then rendered from the flags alone) and about text prompts (rendered as they
+    are, without the recorded settings). Returns the recorded conversation (None when there is none)."""
     text = is_text_prompts(args.data)
-    where = f"{args.draft}/config.json (dflash_config.{CONVERSATION_KEY})"
+    where = f"{args.draft}/{TRAINING_RECORD_FILE}"
     if recorded is None:
         if not text:
             logger.warning(
@@ -304,7 +301,8 @@ def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, to
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = resolve_dtype(args.precision)
     draft = load_draft_strict(args.draft)
-    recorded = apply_recorded_conversation(args, draft.config.dflash_config)  # before the family is resolved
+    recorded = read_training_record(resolve_draft_dir(args.draft)).conversation
+    recorded = apply_recorded_conversation(args, recorded)  # before the family is resolved
     target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
     draft = draft.to(device=device, dtype=dtype).eval()
     cfg = draft.config
@@ -343,7 +341,7 @@ def evaluate(args: EvalArguments) -> dict:
         "device": str(device),
         "draft_step": _ways(stats.draft_steps),
         "verify_step": _ways(stats.verify_steps),
-        "conversation_recorded": cfg.dflash_config.get(CONVERSATION_KEY),  # prompt / system_prompt / family: as used
+        "conversation_recorded": read_training_record(resolve_draft_dir(args.draft)).conversation,  # as used
         "target_check": target_check,
         **asdict(args),
     }

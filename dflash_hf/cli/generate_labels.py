@@ -37,6 +37,7 @@ from dflash_hf.data.json_rows import detect_kind, json_rows, manifest_stem
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
+from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import encode_batch, generate_kwargs, resolve_family
 from dflash_hf.targets.families.whisper_features import with_fast_features
 from dflash_hf.targets.frozen import FrozenTarget
@@ -57,9 +58,9 @@ class GenerateLabelsArguments:
     system_prompt: str | None = field(default=None)
     prompt: str | None = field(default=None, metadata={"help": "default user text (a line's context wins)"})
     reference_key: str = field(default="reference_text", metadata={"help": "where the original text is kept"})
-    skip_bad_samples: bool = field(default=False)
+    skip_bad_samples: bool = field(default=DataSettings.skip_bad_samples)
     allow_command_audio_sources: bool = field(
-        default=False,
+        default=DataSettings.allow_command_audio_sources,
         metadata={
             "help": "let decoder programs (ffmpeg through audioread) read audio files libsndfile cannot; only for "
             "data you trust (default: such a file is a bad sample)"

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_hf.cli.config import add_config_option
-from dflash_hf.training.argument_groups import HELP_GROUPS, LATE_HELP_GROUPS, TRAINER_OVERRIDES
+from dflash_hf.settings import TRAINER_OVERRIDES
+from dflash_hf.training.argument_groups import HELP_GROUPS, LATE_HELP_GROUPS
 
 PROG = "dflash-train"
 DESCRIPTION = (

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
 from dflash_hf.cli.options import help_parser
 from dflash_hf.errors import DFlashUserError, EnvironmentFault
+from dflash_hf.settings import ModelSettings, RunSettings
 from dflash_hf.training.argument_groups import check_data_paths
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -40,7 +41,7 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DFlashTrainingArguments, DFlashDataArguments))
 
 
-def load_processor(path: str, trust_remote_code: bool = False):
+def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remote_code):
     """The target's processor (audio targets) or tokenizer (text targets), from its directory."""
     from transformers import AutoProcessor, AutoTokenizer
 
@@ -121,7 +122,8 @@ def check_run_inputs(args, data_args) -> None:
     elif not data_args.train_data:
         raise ValueError("--train_data is required: NeMo manifests or lhotse cut files (or --validate_only true)")
     check_data_paths(data_args)
-    check_remote_code(args.target_name_or_path, bool(getattr(args, "trust_remote_code", False)))
+    trust = getattr(args, "trust_remote_code", ModelSettings.trust_remote_code)
+    check_remote_code(args.target_name_or_path, bool(trust))
     check_run_dirs(args)
 
 
@@ -166,7 +168,7 @@ def check_run_dirs(args) -> None:
         output_dir,
         export_dir,
         resuming=resuming,
-        overwrite=bool(getattr(args, "overwrite_output_dir", False)),
+        overwrite=bool(getattr(args, "overwrite_output_dir", RunSettings.overwrite_output_dir)),
         target=args.target_name_or_path,
     )
 

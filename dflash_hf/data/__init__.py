@@ -6,23 +6,14 @@ Trainer entry point (call it from ``DFlashTrainer.get_train_dataloader``)::
         sources,                 # DataSource | path | CutSet, or a list of DataSource/paths (mixed by weight)
         processor,               # the target's processor (AutoProcessor) or tokenizer for text targets
         target_config,           # the target's config (picks the family row, audio token id, frame counts)
+        settings=None,           # LoaderSettings (dflash_hf.settings): the token budget, max_batch_size, padding
+                                 # side, shuffle and seed, world_size and rank, buckets, the bad-sample policy,
+                                 # packing, the Whisper feature form, pin_memory, mask_token_id (defaults and help
+                                 # there; None: all defaults)
         *,
-        max_tokens: int,         # padded-batch budget: batch_size * longest (audio positions + text tokens)
         family=None,             # TargetFamily | name | None (resolved from target_config.model_type)
-        max_batch_size=None,     # optional cap on samples per batch
         conversation=None,       # ConversationConfig(system_prompt=None, prompt=None, ...)
-        padding_side=None,       # None: the processor's own padding side
-        shuffle=True, seed=0,    # deterministic under (seed, epoch)
-        world_size=1, rank=0,    # each rank gets its own batches (lhotse sharding), no DistributedSampler
-        num_buckets=10, drop_last=False, num_workers=0,
-        skip_bad_samples=False,  # False: a bad sample raises BadSampleError; True: counted skip + warning
-        resample_audio=True,     # False: a sample-rate mismatch is a bad sample
-        duration_tolerance=0.05, buffer_size=10000, num_cuts_for_bins_estimate=10000,
-        packing=False,           # True: packed (THD) rows of documents summing to <= max_tokens (docs/PACKING.md)
-        compact_features=False,  # True: Whisper features over the frames that hold audio (FrozenTarget expands)
-        device_features=False,   # True: Whisper's padded waves instead (FrozenTarget computes their features)
-        pin_memory=False,        # True: batches in pinned memory (their copy to a GPU does not wait)
-        mask_token_id=None,      # the draft's mask token: refused where the template, processor or a sample uses it
+        **options,               # LoaderSettings fields changed by name, e.g. max_tokens=600, packing=True
     ) -> CutDataLoader
 
 Each batch is the padded (BSHD) batch contract of docs/ARCHITECTURE.md: ``input_ids``, ``attention_mask``,

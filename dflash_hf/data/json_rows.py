@@ -45,10 +45,6 @@ def seconds_problem(value: Any, *, positive: bool) -> str | None:
     return None
 
 
-DEFAULT_MAX_CHARS_PER_SECOND = 50.0
-"""Characters of a response per second of its audio above which a row is a bad sample: read speech reaches about 15
-to 20 (English, spaces included; fewer in scripts with one character a syllable), so 50 leaves a wide margin; a
-higher rate means a wrong duration or a transcript of other audio. `--max_chars_per_second` sets it (0: off)."""
 MIN_RATE_SECONDS = 0.5  # shorter audio counts as this long (a word or two on a very short clip stays plausible)
 RATE_FIX = (
     "check the row's duration (and offset) against its audio and its text against what is said, or raise "

@@ -12,6 +12,7 @@ from lhotse import MonoCut
 from dflash_hf.data.audio_files import OPT_IN_FLAG, mark_programs
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
 from dflash_hf.data.json_rows import RATE_FIX, Span, describe_value, json_rows, seconds_problem, text_rate_problem
+from dflash_hf.settings import DataSettings
 
 GATED_SOURCE_TYPES = {
     "command": ("allow_command_audio_sources", "lhotse would run this shell command to read the audio"),
@@ -30,8 +31,8 @@ class LhotseCuts:
         path: str | Path,
         bad: BadSamples | None = None,
         *,
-        allow_command_audio_sources: bool = False,
-        allow_url_audio_sources: bool = False,
+        allow_command_audio_sources: bool = DataSettings.allow_command_audio_sources,
+        allow_url_audio_sources: bool = DataSettings.allow_url_audio_sources,
         max_chars_per_second: float | None = None,
         span: Span | None = None,
     ):

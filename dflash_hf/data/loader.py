@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -17,10 +17,10 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import SKIPPED_KEY, PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.epochs import EMPTY_BATCH, ResumableEpochs, replay_error
-from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
 from dflash_hf.data.sources import DataSource, mix_sources
+from dflash_hf.settings import LoaderSettings
 from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer, resolve_family
 
 
@@ -136,54 +136,24 @@ def build_train_dataloader(
     sources: Sequence[DataSource | str | Path] | DataSource | str | Path | CutSet,
     processor,
     target_config,
+    settings: LoaderSettings | None = None,
     *,
-    max_tokens: int,
     family: TargetFamily | str | None = None,
-    max_batch_size: int | None = None,
     conversation: ConversationConfig | None = None,
-    padding_side: str | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    world_size: int = 1,
-    rank: int = 0,
-    num_buckets: int = 10,
-    drop_last: bool = False,
-    num_workers: int = 0,
-    skip_bad_samples: bool = False,
-    resample_audio: bool = True,
-    duration_tolerance: float = 0.05,
-    buffer_size: int = 10000,
-    num_cuts_for_bins_estimate: int = 10000,
-    packing: bool = False,
-    compact_features: bool = False,
-    device_features: bool = False,
-    pin_memory: bool = False,
-    mask_token_id: int | None = None,
-    max_chars_per_second: float | None = DEFAULT_MAX_CHARS_PER_SECOND,
+    **options,
 ) -> CutDataLoader:
-    """The training DataLoader (see :mod:`dflash_hf.data` for the contract). ``packing=True``: packed (THD)
-    batches of one row holding documents whose token counts sum to at most ``max_tokens``
-    (:mod:`dflash_hf.data.packing`; ``num_buckets``, ``drop_last`` and ``num_cuts_for_bins_estimate`` unused).
-    ``compact_features``: Whisper batches hold compact features (``PaddedCollator``), which
-    ``FrozenTarget.capture`` expands; ``device_features``: the padded waves, whose features ``FrozenTarget.capture``
-    computes on the target's device, where the extractor is Whisper's standard one (the trainer's loaders set both, the
-    second on a CUDA device); both ``False``: the processor's whole window. ``pin_memory``: batches in pinned host
-    memory, so that their copy to a GPU does not wait for its stream (the trainer's loaders on a CUDA device).
-    ``mask_token_id``: the draft's mask token, refused where the template, the processor or a sample uses it.
-    ``max_chars_per_second``: a sample whose text has more characters per second of audio is bad (None or 0: off;
-    a ``DataSource``'s own applies to its rows when they are read, this one to every sample when it is validated)."""
-    if packing and max_batch_size is not None:
-        raise ValueError(
-            "max_batch_size does not apply to packing=True (a packed row is bounded by max_tokens only); leave it unset"
-        )
+    """The training DataLoader (see :mod:`dflash_hf.data` for the contract), built from one `LoaderSettings` (the
+    token budget, this rank's place, the sampler, what the batches carry; defaults and checks in
+    `dflash_hf.settings.data`); `options` change fields of it by name (`max_tokens=600`, ...). ``packing``: packed
+    (THD) batches of one row holding documents whose token counts sum to at most ``max_tokens``
+    (:mod:`dflash_hf.data.packing`). ``max_chars_per_second``: a sample whose text has more characters per second of
+    audio is bad (None or 0: off; a ``DataSource``'s own applies to its rows when they are read, this one to every
+    sample when it is validated)."""
+    settings = replace(settings or LoaderSettings(), **options)
     if isinstance(family, str) or family is None:
         family = resolve_family(target_config, family)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    padding_side = padding_side or default_padding_side(processor)
-    bad = BadSamples(skip=skip_bad_samples)
+    padding_side = settings.padding_side or default_padding_side(processor)
+    bad = BadSamples(skip=settings.skip_bad_samples)
     if isinstance(sources, CutSet):
         cuts = sources
     else:
@@ -191,21 +161,21 @@ def build_train_dataloader(
             sources = [sources]
         # a path takes this call's rate limit; a DataSource carries its own
         sources = [
-            s if isinstance(s, DataSource) else DataSource(str(s), max_chars_per_second=max_chars_per_second)
+            s if isinstance(s, DataSource) else DataSource(str(s), max_chars_per_second=settings.max_chars_per_second)
             for s in sources
         ]
-        cuts = mix_sources(sources, seed=seed, bad=bad)
+        cuts = mix_sources(sources, seed=settings.seed, bad=bad)
     renderer = ConversationRenderer(processor, family, conversation)
     validator = SampleValidator(
         renderer,
         family,
         target_config,
-        max_tokens=max_tokens,
+        max_tokens=settings.max_tokens,
         bad=bad,
-        resample_audio=resample_audio,
-        duration_tolerance=duration_tolerance,
-        mask_token_id=mask_token_id,
-        max_chars_per_second=max_chars_per_second,
+        resample_audio=settings.resample_audio,
+        duration_tolerance=settings.duration_tolerance,
+        mask_token_id=settings.mask_token_id,
+        max_chars_per_second=settings.max_chars_per_second,
     )
     cuts = validated_cutset(cuts, validator)
     collator = PaddedCollator(
@@ -214,29 +184,27 @@ def build_train_dataloader(
         family,
         renderer,
         padding_side,
-        compact_features=compact_features,
-        device_features=device_features,
+        compact_features=settings.compact_features,
+        device_features=settings.device_features,
         bad=bad,
     )
-    if packing:
+    place = dict(shuffle=settings.shuffle, seed=settings.seed, world_size=settings.world_size, rank=settings.rank)
+    if settings.packing:
         check_family_packable(family)
-        sampler = PackingSampler(
-            cuts, max_tokens, shuffle=shuffle, seed=seed, world_size=world_size, rank=rank, buffer_size=buffer_size
+        sampler = PackingSampler(cuts, settings.max_tokens, buffer_size=settings.buffer_size, **place)
+        collator = PackingCollator(
+            collator, settings.max_tokens, pad_token_id=get_tokenizer(processor).pad_token_id or 0
         )
-        collator = PackingCollator(collator, max_tokens, pad_token_id=get_tokenizer(processor).pad_token_id or 0)
-        return CutDataLoader(
-            ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers, pin_memory=pin_memory
+    else:
+        constraint = TokenBudgetConstraint(max_tokens=settings.max_tokens, max_examples=settings.max_batch_size)
+        sampler = DynamicBucketingSampler(
+            cuts,
+            constraint=constraint,
+            drop_last=settings.drop_last,
+            buffer_size=settings.buffer_size,
+            duration_bins=_bucket_bins(cuts, constraint, settings.num_buckets, settings.num_cuts_for_bins_estimate),
+            **place,
         )
-    constraint = TokenBudgetConstraint(max_tokens=max_tokens, max_examples=max_batch_size)
-    sampler = DynamicBucketingSampler(
-        cuts,
-        constraint=constraint,
-        shuffle=shuffle,
-        drop_last=drop_last,
-        seed=seed,
-        world_size=world_size,
-        rank=rank,
-        buffer_size=buffer_size,
-        duration_bins=_bucket_bins(cuts, constraint, num_buckets, num_cuts_for_bins_estimate),
+    return CutDataLoader(
+        ResumableBatchSampler(sampler), collator, bad, num_workers=settings.num_workers, pin_memory=settings.pin_memory
     )
-    return CutDataLoader(ResumableBatchSampler(sampler), collator, bad, num_workers=num_workers, pin_memory=pin_memory)

@@ -28,6 +28,7 @@ from lhotse.utils import streaming_shuffle
 
 from dflash_hf.data.collator import SKIPPED_KEY
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY
+from dflash_hf.settings import LoaderSettings
 from dflash_hf.targets.families.registry import TargetFamily
 
 logger = logging.getLogger("dflash_hf.data")
@@ -145,11 +146,11 @@ class PackingSampler:
         cuts: Iterable,
         max_tokens: int,
         *,
-        shuffle: bool = True,
-        seed: int = 0,
-        world_size: int = 1,
-        rank: int = 0,
-        buffer_size: int = 10000,
+        shuffle: bool = LoaderSettings.shuffle,
+        seed: int = LoaderSettings.seed,
+        world_size: int = LoaderSettings.world_size,
+        rank: int = LoaderSettings.rank,
+        buffer_size: int = LoaderSettings.buffer_size,
         num_open: int = 8,
     ):
         if max_tokens <= 0:

@@ -18,6 +18,7 @@ from dflash_hf.data.generated import generated_fields, generated_problem
 from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
 from dflash_hf.data.sources import _make_cut
 from dflash_hf.data.user_text import UserTextCheck
+from dflash_hf.settings import LoaderSettings
 from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
 from dflash_hf.targets.families.registry import TargetFamily, audio_token_id
 from dflash_hf.targets.mask_token import mask_token_fix, mask_token_role
@@ -50,8 +51,8 @@ class SampleValidator:
         *,
         max_tokens: int | None,
         bad: BadSamples,
-        resample_audio: bool = True,
-        duration_tolerance: float = 0.05,
+        resample_audio: bool = LoaderSettings.resample_audio,
+        duration_tolerance: float = LoaderSettings.duration_tolerance,
         mask_token_id: int | None = None,
         max_chars_per_second: float | None = None,
     ):

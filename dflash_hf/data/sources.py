@@ -38,7 +38,6 @@ from dflash_hf.data.audio_files import (
 )
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
 from dflash_hf.data.json_rows import (
-    DEFAULT_MAX_CHARS_PER_SECOND,
     RATE_FIX,
     Span,
     describe_value,
@@ -50,6 +49,7 @@ from dflash_hf.data.json_rows import (
 )
 from dflash_hf.data.lhotse_cuts import LhotseCuts
 from dflash_hf.data.row_scan import check_rows
+from dflash_hf.settings import DataSettings
 
 NEMO_KEYS = ("audio_filepath", "duration", "text", "offset", "lang")
 MAX_REMEMBERED_HEADERS = 1 << 17  # audio headers a manifest keeps across epochs (about 1 KB each: 130 MB at most)
@@ -73,9 +73,9 @@ class DataSource:
     text_column: str = "text"
     context_column: str | None = "context"
     id_column: str | None = None
-    allow_command_audio_sources: bool = False
-    allow_url_audio_sources: bool = False
-    max_chars_per_second: float | None = DEFAULT_MAX_CHARS_PER_SECOND
+    allow_command_audio_sources: bool = DataSettings.allow_command_audio_sources
+    allow_url_audio_sources: bool = DataSettings.allow_url_audio_sources
+    max_chars_per_second: float | None = DataSettings.max_chars_per_second
 
 
 def _nemo_cut_id(record: dict, default_id: str) -> str:

@@ -3,7 +3,7 @@
 - :func:`load_draft_strict`: weights-only warm start from a draft export (docs/ARCHITECTURE.md). Every missing,
   unexpected or wrongly shaped tensor is an error naming it; quantized exports are refused.
 - :func:`export_draft`: the checkpoint contract, LoRA merged (serving needs nothing new).
-- :func:`convert_dflash_to_dflash2`: a DFlash2 draft at identity init from a DFlash export.
+- the DFlash -> DFlash2 conversion is :mod:`dflash_hf.export.conversion`'s.
 
 Exports are atomic (:func:`write_atomically`): written into a hidden sibling directory and renamed into place, so a
 process killed while exporting over an older export leaves the older export whole (or, killed between the two
@@ -13,8 +13,6 @@ non-finite weights is never exported, and loading one is an error naming the ten
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +27,7 @@ from dflash_hf.export.atomic_write import (
     check_replaceable,
     write_atomically,
 )
+from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DRAFT_ARCHITECTURES, DFlash2Fields, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 
@@ -37,9 +36,10 @@ logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages ha
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Files a draft export may hold besides its weights; anything else is noted and ignored on load.
-REMOTE_CODE_FILES = ("configuration_dflash.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
+REMOTE_CODE_FILES = ("configuration_dflash.py", "draft_fields.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
 RUN_RECORD_FILE = "dflash_run.json"  # the training run an export is of (written by the trainer)
 EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json", RUN_RECORD_FILE)
+EXPORT_FILES += (TRAINING_RECORD_FILE,)  # what the training run used that evaluation repeats
 # safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
@@ -81,26 +81,11 @@ def resolve_draft_dir(path: str | Path) -> Path:
         ) from err
 
 
-def _read_json(file: Path) -> dict:
-    """A JSON object from `file`; invalid JSON is an error naming the file and line."""
-    try:
-        raw = json.loads(file.read_text())
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{file} is not UTF-8 text ({err}); it is not a DFlash draft export's JSON") from err
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); restore or re-export it"
-        ) from err
-    if not isinstance(raw, dict):
-        raise ValueError(f"{file} holds a JSON {type(raw).__name__}, not an object; restore or re-export it")
-    return raw
-
-
 def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
-    raw = _read_json(config_file)
+    raw = read_json_object(config_file)
     for key in QUANT_CONFIG_KEYS:
         if raw.get(key):
             method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
@@ -124,7 +109,9 @@ def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
             f"{config_file} has neither top-level `block_size` nor `dflash_config.block_size`; "
             "pass block_size explicitly"
         )
-    config = DFlashConfig.from_dict({**raw, "block_size": int(saved_block)})
+    # training metadata older exports kept in dflash_config is their training record's (`read_training_record`)
+    dflash_config = {k: v for k, v in dflash_config.items() if k not in LEGACY_KEYS}
+    config = DFlashConfig.from_dict({**raw, "block_size": int(saved_block), "dflash_config": dflash_config})
     if block_size is not None and block_size != config.block_size:
         logger.info("Warm start: block_size %d (saved) -> %d (weights do not depend on it)", saved_block, block_size)
         config.set_block_size(block_size)
@@ -135,7 +122,7 @@ def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
 def weight_file_paths(directory: Path) -> list[Path]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no `weight_map`; the sharded export is incomplete")
         shards = sorted(set(weight_map.values()))
@@ -400,38 +387,6 @@ def export_draft(
     return write_atomically(export_dir, write)
 
 
-def convert_dflash_to_dflash2(
-    source: str | Path,
-    out_dir: str | Path,
-    *,
-    seed: int = 0,
-    **dflash2_fields: int,
-) -> Path:
-    """Bootstrap a DFlash2 draft from a DFlash export (the DFlash2 init of docs/ARCHITECTURE.md): every DFlash
-    tensor copied unchanged, identity convolutions, zero successor codebook, seeded N(0, 0.02) predecessor
-    codebook. `dflash2_fields`: any of `DFlash2Fields` (`conv_kernel_size`, ...; defaults there). The result
-    computes exactly the source's hidden states and greedy proposals, is written in the source's float dtype,
-    and loads strictly. Returns `out_dir`."""
-    source_model = load_draft_strict(source)
-    config = copy.deepcopy(source_model.config)
-    if config.variant != "dflash":
-        raise ValueError(f"{source} is already a {ARCHITECTURES[config.variant]}; conversion needs a DFlash export")
-    config.architectures = [ARCHITECTURES["dflash2"]]
-    config.dflash_config.update(DFlash2Fields(**dflash2_fields).as_dict())
-    config.validate_dflash()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = draft_class_for(config)(config)
-    missing, unexpected = model.load_state_dict(source_model.state_dict(), strict=False)
-    new_only = ("attention_conv.", "mlp_conv.", "candidate_selector.")
-    foreign = [k for k in missing if not any(part in k for part in new_only)]
-    if unexpected or foreign:
-        raise ValueError(f"{source}: tensors do not map onto DFlash2 (unexpected {unexpected}, unfilled {foreign})")
-    dtype = config.dtype if config.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    model = model.to(dtype)
-    return write_atomically(out_dir, lambda staging: model.save_pretrained(staging, safe_serialization=True))
-
-
 __all__ = [
     "load_draft_strict",
     "check_warm_start",
@@ -444,6 +399,5 @@ __all__ = [
     "non_finite_tensors",
     "resolve_draft_dir",
     "draft_class_for",
-    "convert_dflash_to_dflash2",
     "weight_file_paths",
 ]

@@ -3,7 +3,8 @@
 - :func:`push_draft_to_hub`: upload exactly the serving files plus a generated model card
   (:func:`build_model_card`); `dry_run_dir` writes that folder instead, offline.
 
-Loading, export and conversion live in `dflash_hf.export.drafts`; their names are re-exported here.
+Loading and export live in `dflash_hf.export.drafts`, the conversion in `dflash_hf.export.conversion`; their
+names are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash_hf.export.conversion import convert_dflash_to_dflash2
 from dflash_hf.export.drafts import (
-    REMOTE_CODE_FILES,
     WEIGHTS_INDEX_NAME,
     check_draft_export,
     check_warm_start,
-    convert_dflash_to_dflash2,
     draft_class_for,
     export_draft,
     load_draft_strict,
     resolve_draft_dir,
     weight_file_paths,
 )
+from dflash_hf.export.training_record import TRAINING_RECORD_FILE
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
 from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, refusal
 
@@ -240,18 +241,33 @@ print(out.sequences, sum(out.acceptance_lengths) / len(out.acceptance_lengths))
 """
 
 
+def remote_code_files(export_dir: Path) -> list[Path]:
+    """The remote code AutoModel needs to load the export: the model and config files and the sibling files they
+    import (an export written before a sibling file existed does not need it)."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    needed, todo = set(), ["modeling_dflash.py", "configuration_dflash.py"]
+    while todo:
+        name = todo.pop()
+        if name not in needed and (export_dir / name).is_file():
+            todo += [f"{m}.py" for m in get_relative_imports(export_dir / name)]
+        needed.add(name)
+    return [export_dir / name for name in sorted(needed)]
+
+
 def _stage_upload(export_dir: Path, staging: Path, config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> None:
     """Copy exactly the files serving needs into `staging`, plus the generated README.md."""
     weights = weight_file_paths(export_dir)
     index = [export_dir / WEIGHTS_INDEX_NAME] if (export_dir / WEIGHTS_INDEX_NAME).is_file() else []
-    code = [export_dir / name for name in REMOTE_CODE_FILES]
+    code = remote_code_files(export_dir)
     absent = [p.name for p in code if not p.is_file()]
     if absent or "auto_map" not in json.loads((export_dir / "config.json").read_text()):
         raise FileNotFoundError(
             f"{export_dir} lacks remote code ({absent or 'config.json auto_map'}) that lets AutoModel load the "
             "draft; re-export it with dflash_hf.export.drafts.export_draft (save_pretrained)"
         )
-    files = [export_dir / "config.json", *code, *index, *weights]
+    record = [export_dir / TRAINING_RECORD_FILE] if (export_dir / TRAINING_RECORD_FILE).is_file() else []
+    files = [export_dir / "config.json", *code, *record, *index, *weights]
     skipped = sorted({p.name for p in export_dir.iterdir()} - {p.name for p in files} - {"README.md"})
     if skipped:
         logger.warning("push_draft_to_hub: not uploading %s from %s", skipped, export_dir)
@@ -274,7 +290,7 @@ def push_draft_to_hub(
     """Publish a draft export with a generated model card.
 
     The export is first validated as a strict warm start would (contract tensors only, no quantized
-    weights). Uploaded: config.json, the weights, the remote code (`REMOTE_CODE_FILES`), README.md;
+    weights). Uploaded: config.json, the weights, the remote code (`remote_code_files`), the training record, README.md;
     other files of the export dir are not. With `dry_run_dir`, the exact folder is written there and
     nothing touches the network. Returns the commit URL (or the dry-run folder).
     """

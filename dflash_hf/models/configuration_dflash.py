@@ -1,6 +1,7 @@
 """Configuration of DFlash / DFlash2 drafts.
 
-Remote-code safe: imports only torch/transformers. The serialized `config.json` follows the
+Remote-code safe: imports only torch/transformers and its sibling `draft_fields.py` (the defaults and checks of the
+draft's fields, pure Python, copied into every export with this file). The serialized `config.json` follows the
 published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"`, top-level
 `block_size` and `num_target_layers`, and a `dflash_config` block holding the draft-specific fields.
 """
@@ -8,14 +9,28 @@ published DFlash checkpoint contract: Qwen3 draft fields, `"model_type": "qwen3"
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from transformers import Qwen3Config
 from transformers.utils import logging
 
+from .draft_fields import (
+    CONTRACT_KEYS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_DRAFT_LAYERS,
+    DEFAULT_VARIANT,
+    DFLASH2_FIELDS,
+    DFLASH_VARIANTS,
+    DFlash2Fields,
+    check_block_size,
+    check_distinct_taps,
+    check_target_layer_ids,
+    default_gamma,
+    default_target_layer_ids,
+)
+
 logger = logging.get_logger(__name__)
 
-DFLASH_VARIANTS = ("dflash", "dflash2")
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # Drafts outside the published contract (the encoder-context opt-in) are written under names no serving engine
 # registers, so an engine refuses them instead of dropping the tensors it does not know. Older exports of such drafts
@@ -31,65 +46,8 @@ DRAFT_ARCHITECTURES = (*ARCHITECTURES.values(), *OUTSIDE_CONTRACT_ARCHITECTURES.
 TARGET_ONLY_ROPE_KEYS = ("mrope_section", "mrope_interleaved", "interleaved", "partial_rotary_factor")
 # rope types whose positions the draft's 1-D RoPE computes exactly (multimodal RoPE on a text-only stream is 1-D)
 ONE_D_ROPE_TYPES = ("default", "mrope")
-DEFAULT_BLOCK_SIZE = 16
-
-
-@dataclass(frozen=True)
-class DFlash2Fields:
-    """DFlash2's `dflash_config` entries: the one place their defaults, help and checks are written (the training
-    arguments, `DFlashConfig.from_target_config`, the DFlash -> DFlash2 conversion and the model read them here)."""
-
-    conv_kernel_size: int = field(default=2, metadata={"help": "DFlash2: taps of the dynamic convolutions."})
-    conv_group_size: int = field(
-        default=16, metadata={"help": "DFlash2: channels sharing one dynamic coefficient (divides hidden size)."}
-    )
-    selector_rank: int = field(default=256, metadata={"help": "DFlash2: rank of the path selector codebooks."})
-    selector_top_k: int = field(default=16, metadata={"help": "DFlash2: candidates per slot of the path selector."})
-
-    @classmethod
-    def of(cls, values: Mapping | object) -> DFlash2Fields:
-        """The fields found in a mapping (a `dflash_config`) or on an object (training arguments)."""
-        get = values.get if isinstance(values, Mapping) else lambda k, d: getattr(values, k, d)
-        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
-
-    @classmethod
-    def help(cls, name: str) -> str:
-        return next(f.metadata["help"] for f in fields(cls) if f.name == name)
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def check(self, hidden_size: int | None = None, vocab_size: int | None = None, prefix: str = "") -> None:
-        """Raise a ValueError naming the field (`prefix` + name, as the user spelled it) and the fix."""
-        for name, value in self.as_dict().items():
-            if int(value) < 1:
-                raise ValueError(f"{prefix}{name} must be >= 1, got {value}")
-        if hidden_size is not None and hidden_size % self.conv_group_size:
-            raise ValueError(f"{prefix}conv_group_size {self.conv_group_size} must divide hidden_size {hidden_size}")
-        if vocab_size is not None and self.selector_top_k > vocab_size:
-            raise ValueError(
-                f"{prefix}selector_top_k {self.selector_top_k} exceeds vocab_size {vocab_size}; lower "
-                "selector_top_k or set vocab_size to the target's vocabulary"
-            )
-
-
-DFLASH2_FIELDS = tuple(f.name for f in fields(DFlash2Fields))
-# Decay constant gamma of the slot weights w_k = exp(-(k-1)/gamma) used by the published recipes.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# Largest supported block size. Published recipes use 8 to 16; the dense block mask and the per-block
-# supervision grow with block_size * num_anchors, and 128 is the flex attention tile (a block never spans two).
-MAX_BLOCK_SIZE = 128
 # The draft MLP is SwiGLU with SiLU whatever the target uses (modeling_dflash.DFlashMLP); the config says so.
 DRAFT_HIDDEN_ACT = "silu"
-
-
-def check_block_size(block_size: int, name: str = "block_size") -> None:
-    """2 <= block_size <= MAX_BLOCK_SIZE, else a ValueError naming `name` and the fix."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(
-            f"{name} must be an integer in [2, {MAX_BLOCK_SIZE}] (the anchor plus at least one prediction; "
-            f"published recipes use 8 to 16), got {block_size!r}"
-        )
 
 
 def decoder_attends_fully(config) -> bool:
@@ -99,39 +57,6 @@ def decoder_attends_fully(config) -> bool:
     if types is not None and any(t != "full_attention" for t in types):
         return False
     return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
-
-
-def check_target_layer_ids(ids, num_target_layers: int | None = None, name: str = "target_layer_ids") -> None:
-    """Non-empty integer layer indices, in range when `num_target_layers` is known."""
-    if not ids:
-        raise ValueError(f"{name} is empty: give at least one target layer to tap")
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ValueError(f"{name} must be a list of integer layer indices, got {list(ids)!r}")
-    bad = [i for i in ids if i < 0 or (num_target_layers is not None and i >= num_target_layers)]
-    if bad:
-        valid = f"0..{num_target_layers - 1}" if num_target_layers is not None else ">= 0"
-        layers = f" for a target with {num_target_layers} decoder layers" if num_target_layers is not None else ""
-        raise ValueError(f"{name} {bad} out of range{layers} (valid: {valid})")
-
-
-def check_distinct_taps(ids, name: str = "target_layer_ids") -> None:
-    """Taps the user chose must name each layer once (a repeated tap only repeats features)."""
-    repeated = sorted({i for i in ids if list(ids).count(i) > 1})
-    if repeated:
-        raise ValueError(f"{name}={list(ids)} taps layers {repeated} more than once; give each target layer once")
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Default taps: `[L // 2]` for one draft layer, else spread evenly from layer 1 to layer L-3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(
-            f"target has {num_target_layers} decoder layers; the default tap formula needs >= 4. "
-            "Set `target_layer_ids` explicitly."
-        )
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 def draft_rope_parameters(rope: Mapping | None, default_theta: float | None = None) -> dict:
@@ -147,22 +72,21 @@ def draft_rope_parameters(rope: Mapping | None, default_theta: float | None = No
     return {"rope_type": "default"} | ({"rope_theta": float(theta)} if theta is not None else {})
 
 
-def default_gamma(block_size: int) -> float:
-    """Loss decay gamma: the recipe value for B=8/10/16, otherwise B/2 (about the same curve)."""
-    return DEFAULT_GAMMA.get(block_size, max(block_size / 2.0, 1.0))
-
-
 class DFlashConfig(Qwen3Config):
     """Config of a DFlash (v1) or DFlash2 draft.
 
-    Besides the Qwen3 fields describing the draft decoder, it holds:
+    Besides the Qwen3 fields describing the draft decoder, it declares these typed fields (a dataclass, as
+    transformers' configs; their defaults and checks are `draft_fields`'):
 
     Args:
         block_size (`int`): draft slots per anchor (the anchor token plus `block_size - 1` predictions).
         num_target_layers (`int`): decoder layers of the target the taps index into.
-        dflash_config (`dict`): `block_size`, `mask_token_id`, `target_layer_ids` and, for DFlash2,
-            `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`. With the encoder-context
-            opt-in (outside the published contract, see `encoder_hidden_size`) also `encoder_hidden_size`.
+        dflash_config (`dict`): the published contract's entries, as serialized: `block_size`, `mask_token_id`,
+            `target_layer_ids` (`CONTRACT_KEYS`) and, for DFlash2, `conv_kernel_size`, `conv_group_size`,
+            `selector_rank`, `selector_top_k` (`DFlash2Fields`). With the encoder-context opt-in (outside the
+            published contract, see `encoder_hidden_size`) also `encoder_hidden_size`. Read through the typed
+            properties below (`mask_token_id`, `target_layer_ids`, `encoder_hidden_size`, ...). What a training run
+            used (anchors, conversation) is not model config: the export's training record holds it.
         is_causal (`bool`): always False (every slot of a block attends to the whole block); written at the top
             level because serving engines read causality from it before `layer_types`.
         variant (`str`, derived): `"dflash2"` when `architectures` names `DFlash2DraftModel` (or its
@@ -174,29 +98,27 @@ class DFlashConfig(Qwen3Config):
 
     model_type = "qwen3"
 
-    def __init__(
-        self,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        num_target_layers: int | None = None,
-        dflash_config: dict | None = None,
-        is_causal: bool = False,
-        **kwargs,
-    ):
-        dflash_config = dict(dflash_config or {})
-        # The top-level block_size is what serving engines read; keep both in sync.
-        dflash_config["block_size"] = block_size
-        dflash_config.setdefault("mask_token_id", None)
-        dflash_config.setdefault("target_layer_ids", None)
-        self.block_size = block_size
-        self.num_target_layers = num_target_layers
-        self.dflash_config = dflash_config
-        self.is_causal = is_causal
-        for key in ("rope_parameters", "rope_scaling"):
-            if isinstance(kwargs.get(key), Mapping):
-                kwargs[key] = draft_rope_parameters(kwargs[key], kwargs.get("rope_theta"))
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_target_layers: int | None = None
+    dflash_config: dict[str, Any] | None = None
+    is_causal: bool = False
+
+    def __post_init__(self, **kwargs):
+        """`dflash_config` always holds the contract keys (`mask_token_id` and `target_layer_ids` None until set)
+        and the top-level `block_size`, which serving engines read (both copies kept in sync); the rope parameters
+        are the draft's own (`draft_rope_parameters`, the target-only keys dropped)."""
+        self.dflash_config = dict(self.dflash_config or {})
+        self.dflash_config["block_size"] = self.block_size
+        for key in CONTRACT_KEYS[1:]:
+            self.dflash_config.setdefault(key, None)
+        theta = kwargs.get("rope_theta")
+        if isinstance(kwargs.get("rope_scaling"), Mapping):
+            kwargs["rope_scaling"] = draft_rope_parameters(kwargs["rope_scaling"], theta)
+        if isinstance(self.rope_parameters, Mapping):
+            self.rope_parameters = draft_rope_parameters(self.rope_parameters, theta)
         for key in TARGET_ONLY_ROPE_KEYS:
             kwargs.pop(key, None)
-        super().__init__(**kwargs)
+        super().__post_init__(**kwargs)
         if isinstance(getattr(self, "rope_parameters", None), Mapping):
             self.rope_parameters = draft_rope_parameters(self.rope_parameters, getattr(self, "rope_theta", None))
 
@@ -258,8 +180,8 @@ class DFlashConfig(Qwen3Config):
         target_text_config,
         *,
         mask_token_id: int,
-        variant: str = "dflash",
-        num_hidden_layers: int = 5,
+        variant: str = DEFAULT_VARIANT,
+        num_hidden_layers: int = DEFAULT_NUM_DRAFT_LAYERS,
         block_size: int = DEFAULT_BLOCK_SIZE,
         target_layer_ids: list[int] | None = None,
         encoder_hidden_size: int | None = None,

@@ -10,7 +10,7 @@ planned (global-batch) denominator and a denominator known only after the forwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -31,10 +31,11 @@ from dflash_hf.objective.blocks import (
 )
 from dflash_hf.objective.greedy import data_agreement, score_greedy
 from dflash_hf.objective.labels import LABEL_SOURCES, LabelSource, make_label_source
-from dflash_hf.objective.losses import LOSSES, BlockLoss, DecayedCE, DFlash2BlockLoss, MetricSums, SlotLoss, make_loss
+from dflash_hf.objective.losses import LOSSES, BlockLoss, DFlash2BlockLoss, MetricSums, SlotLoss, make_loss
 from dflash_hf.objective.losses.ce import block_loss
 from dflash_hf.objective.losses.selector import dflash2_block_loss
 from dflash_hf.ops.float8 import check_lm_head_shape
+from dflash_hf.settings import ObjectiveSettings
 
 
 @dataclass
@@ -98,10 +99,19 @@ def fused_ce_conflict(variant: str, loss_type: str, label_source: str) -> str | 
     return None
 
 
-def check_float8_lm_head(args, config: DFlashConfig) -> bool:
-    """`args.float8_lm_head` (the training arguments refuse it without the fused CE), refused where `_scaled_mm`
+def resolve_fused_ce(settings, variant: str) -> bool:
+    """`settings.use_fused_linear_ce` (the training arguments or `ObjectiveSettings`), unset: whether the fused
+    lm_head + CE can run with the label source, loss and variant; set true where it cannot: a ValueError."""
+    conflict = fused_ce_conflict(variant, settings.loss_type, settings.label_source)
+    if settings.use_fused_linear_ce and conflict:
+        raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
+    return conflict is None if settings.use_fused_linear_ce is None else bool(settings.use_fused_linear_ce)
+
+
+def check_float8_lm_head(settings, config: DFlashConfig) -> bool:
+    """`settings.float8_lm_head` (the training arguments refuse it without the fused CE), refused where `_scaled_mm`
     cannot take the lm_head: its vocabulary and hidden size must be multiples of 16."""
-    if not getattr(args, "float8_lm_head", False):
+    if not settings.float8_lm_head:
         return False
     check_lm_head_shape(config.vocab_size, config.hidden_size)
     return True
@@ -117,61 +127,55 @@ def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tenso
 
 @dataclass
 class DFlashObjective:
-    """Everything one micro-batch's loss depends on: the draft's contract fields and the objective options (the
-    training arguments of the same names document them; `from_args` builds it from those and the draft config)."""
+    """Everything one micro-batch's loss depends on: the objective's options (`settings`: `ObjectiveSettings`, where
+    their defaults, help and checks live), the draft's contract fields and what is made of both. It has no defaults of
+    its own: `from_settings` (or `from_args`, from the training arguments) builds it from the settings and the draft's
+    config."""
 
+    settings: ObjectiveSettings  # anchors, packing, attention backend, chunk sizes (`use_fused_linear_ce` resolved)
     block_size: int  # draft slots per anchor
     mask_token_id: int  # id of the block's mask slots
     target_layer_ids: list[int]  # tapped target decoder layers
-    gamma: float  # slot decay w_k = exp(-(k-1)/gamma) of the decayed CE
-    variant: str = "dflash"  # dflash or dflash2 (adds the selector term)
-    num_anchors: int = 512  # anchors per row (per document when packed)
-    anchor_budget: int | None = None  # packed batches: cap on anchors per micro-batch
-    anchor_pad_multiple: int = 1  # anchor count rounded up to this
-    packing: bool = False  # batches are packed (THD)
-    attention_backend: str = "auto"  # flex, sdpa or auto (flex on CUDA)
-    ce_chunk_size: int = 2048  # slots projected to the vocabulary per chunk
-    use_fused_linear_ce: bool = True  # fused lm_head + CE (hard labels, planned weights only)
-    float8_lm_head: bool = False  # the fused CE's input-gradient matmul in FP8
-    selector_loss_weight: float = 1.0  # DFlash2: loss = base + weight * selector
-    slot_loss: SlotLoss = field(default_factory=DecayedCE)  # the --loss_type
-    label_source: LabelSource = field(default_factory=lambda: make_label_source("target_argmax"))  # --label_source
-    encoder_context: bool = False  # the draft attends to the encoder frames (dflash_config.encoder_hidden_size)
+    variant: str  # dflash or dflash2 (adds the selector term)
+    gamma: float  # slot decay w_k = exp(-(k-1)/gamma) of the decayed CE (`settings.gamma`, or the recipe's)
+    slot_loss: SlotLoss  # the --loss_type
+    label_source: LabelSource  # the --label_source
+    encoder_context: bool  # the draft attends to the encoder frames (dflash_config.encoder_hidden_size)
 
     @classmethod
-    def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
-        """From `DFlashTrainingArguments` (or any object with its objective fields) and the draft's config."""
-        options = vars(args)
-        label_source = make_label_source(args.label_source, **options)
+    def from_settings(cls, settings: ObjectiveSettings, config: DFlashConfig) -> DFlashObjective:
+        """From the objective's settings and the draft's config (an unset `use_fused_linear_ce` resolved; the FP8
+        lm_head and the label source checked against the draft's dimensions)."""
+        if settings.use_fused_linear_ce is None:  # (a value given is checked where it is given: the arguments)
+            settings = replace(settings, use_fused_linear_ce=resolve_fused_ce(settings, config.variant))
+        check_float8_lm_head(settings, config)
+        label_source = make_label_source(settings)
         label_source.check(config.vocab_size)
         return cls(
+            settings=settings,
             block_size=config.block_size,
             mask_token_id=config.mask_token_id,
             target_layer_ids=config.target_layer_ids,
-            gamma=config.loss_gamma(args.gamma),
             variant=config.variant,
-            num_anchors=args.num_anchors,
-            anchor_budget=args.anchor_budget,
-            anchor_pad_multiple=args.anchor_pad_multiple,
-            packing=args.packing,
-            attention_backend=args.attention_backend,
-            ce_chunk_size=args.ce_chunk_size,
-            use_fused_linear_ce=bool(args.use_fused_linear_ce),
-            float8_lm_head=check_float8_lm_head(args, config),
-            selector_loss_weight=args.selector_loss_weight,
-            slot_loss=make_loss(args.loss_type, **options),
+            gamma=config.loss_gamma(settings.gamma),
+            slot_loss=make_loss(settings),
             label_source=label_source,
             encoder_context=config.encoder_context,
         )
+
+    @classmethod
+    def from_args(cls, args, config: DFlashConfig) -> DFlashObjective:
+        """From `DFlashTrainingArguments` (or any object with the `ObjectiveSettings` fields) and the draft's config."""
+        return cls.from_settings(ObjectiveSettings.of(args), config)
 
     # --------------------------------------------------------------------------------------------
     # Planning (host side, before the step)
     # --------------------------------------------------------------------------------------------
     def backend(self, device: torch.device) -> str:
         """The attention backend on `device` (`auto`: flex on CUDA, sdpa elsewhere)."""
-        if self.attention_backend == "auto":
+        if self.settings.attention_backend == "auto":
             return "flex" if device.type == "cuda" else "sdpa"
-        return self.attention_backend
+        return self.settings.attention_backend
 
     def plan(self, target, batch: dict, seed: int) -> BlockPlan:
         """Anchors, slot validity and the loss denominator of one micro-batch, on the CPU (the step itself
@@ -191,11 +195,11 @@ class DFlashObjective:
         anchors = sample_anchors(
             loss_mask,
             doc_ids,
-            self.num_anchors,
+            self.settings.num_anchors,
             generator=gen,
             per_document=pos_ids is not None,
-            budget=self.anchor_budget,
-            pad_multiple=self.anchor_pad_multiple,
+            budget=self.settings.anchor_budget,
+            pad_multiple=self.settings.anchor_pad_multiple,
         )
         valid = slot_validity(loss_mask, doc_ids, anchors, self.block_size)
         ids = move_leading_padding(streams.input_ids.cpu(), shifts)
@@ -218,10 +222,10 @@ class DFlashObjective:
     def _check_layout(self, batch: dict) -> None:
         """Packed batches (with `cu_seqlens`) need `packing=True`, whose target check ran at construction."""
         packed = "cu_seqlens" in batch
-        if packed != self.packing:
+        if packed != self.settings.packing:
             kind = "a packed batch (it has cu_seqlens)" if packed else "a padded batch (no cu_seqlens)"
             raise ValueError(
-                f"the data collator produced {kind} but packing={self.packing}; set packing="
+                f"the data collator produced {kind} but packing={self.settings.packing}; set packing="
                 f"{packed} (and packing_max_tokens) so the target and the anchor budget are checked"
             )
         if packed and ("position_ids" not in batch or batch["input_ids"].shape[0] != 1):
@@ -274,12 +278,13 @@ class DFlashObjective:
         hidden = self.run_draft(
             draft, target, taps, on_dev.positions, on_dev.doc_ids, blocks, on_dev.flex_layout, encoder
         )
-        head, chunk, loss, soft = target.lm_head.weight, self.ce_chunk_size, self.slot_loss, labels.soft
+        head, chunk, loss, soft = target.lm_head.weight, self.settings.ce_chunk_size, self.slot_loss, labels.soft
         if self.variant == "dflash2":  # needs the dense logits: base and selector CE from the same chunks
             selector = extract_model_from_parallel(draft).candidate_selector
             out = dflash2_block_loss(hidden, blocks, head, selector, chunk, loss, soft)
         else:
-            out = block_loss(hidden, blocks, head, chunk, self.use_fused_linear_ce, loss, soft, self.float8_lm_head)
+            fused, fp8 = self.settings.use_fused_linear_ce, self.settings.float8_lm_head
+            out = block_loss(hidden, blocks, head, chunk, fused, loss, soft, fp8)
         if self.label_source.needs_final_hidden:  # the target relabels: how often does it write the data's token?
             out.data_agreement = data_agreement(ids, labels.ids, plan)
         if greedy:
@@ -314,7 +319,7 @@ class DFlashObjective:
     def terms(self, out: BlockLoss) -> list[tuple[float, BlockLoss]]:
         """(coefficient, sums) of every term of the optimized loss: the base loss, then DFlash2's selector."""
         if isinstance(out, DFlash2BlockLoss):
-            return [(1.0, out), (self.selector_loss_weight, out.selector)]
+            return [(1.0, out), (self.settings.selector_loss_weight, out.selector)]
         return [(1.0, out)]
 
     def normalize(
@@ -373,7 +378,7 @@ class DFlashObjective:
         `base + selector_loss_weight * selector` and the base loss alone is `base_loss`."""
         if f"{prefix}selector_loss" in metrics:
             metrics[f"{prefix}base_loss"] = metrics[f"{prefix}loss"]
-            metrics[f"{prefix}loss"] += self.selector_loss_weight * metrics[f"{prefix}selector_loss"]
+            metrics[f"{prefix}loss"] += self.settings.selector_loss_weight * metrics[f"{prefix}selector_loss"]
         return metrics
 
 
@@ -383,6 +388,7 @@ __all__ = [
     "check_float8_lm_head",
     "data_agreement",
     "fused_ce_conflict",
+    "resolve_fused_ce",
     "stable_seed",
     "summed_denominator",
 ]

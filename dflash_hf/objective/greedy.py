@@ -49,7 +49,7 @@ def score_greedy(out: BlockLoss, plan, blocks: Blocks, source: LabelSource, feat
     greedy_ids = None
     if not source.greedy:
         target, final_hidden, input_ids = features
-        chunk = getattr(source, "target_argmax_chunk_size", 128)
+        chunk = source.target_argmax_chunk_size
         greedy_ids = target_argmax_labels(target, final_hidden, input_ids, plan.loss_mask, plan.doc_ids, chunk)
         if out.data_agreement is None:
             out.data_agreement = data_agreement(input_ids, greedy_ids, plan)

@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 
 from dflash_hf.models.configuration_dflash import check_target_layer_ids, decoder_attends_fully
+from dflash_hf.settings import ModelSettings
 from dflash_hf.targets.decoder_masks import (
     PREBUILT_MASK_MODEL_TYPES,
     check_packing,
@@ -42,10 +43,10 @@ def resolve_dtype(precision: str) -> torch.dtype:
 
 def load_target(
     name_or_path: str,
-    precision: str = "fp32",
-    strict: bool = True,
+    precision: str = ModelSettings.precision,
+    strict: bool = ModelSettings.target_strict_load,
     attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = ModelSettings.trust_remote_code,
 ) -> nn.Module:
     """Load a target from a local directory (or hub id already in the local cache).
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dflash_hf.export.drafts import draft_class_for
-from dflash_hf.training.argument_groups import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from dflash_hf.settings.run import DEFAULT_LORA_TARGETS, LORA_TARGETS
 
 PROJECTION_PARAM = "fc.weight"
 SELECTION_FILE = "dflash_trainable.json"

@@ -16,10 +16,10 @@ from dflash_hf.models.configuration_dflash import DFlash2Fields, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlashDecoderLayer, DFlashDraftModel
 from dflash_hf.models.modeling_dflash_encoder import copy_cross_attention
 from dflash_hf.ops.float8 import float8_draft_linears
+from dflash_hf.settings import DEFAULT_NUM_DRAFT_LAYERS, LoaderSettings
 from dflash_hf.targets.forward_graph import forward_graphs
 from dflash_hf.targets.frozen import FrozenTarget, resolve_dtype
 from dflash_hf.training.adaptation import apply_adaptation
-from dflash_hf.training.argument_groups import DEFAULT_NUM_DRAFT_LAYERS
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -49,32 +49,25 @@ def speech_loader(
 
     if processor is None:
         raise ValueError("speech data needs the target's processor: pass DFlashTrainer(processor=...)")
-    da = data_args
-    return build_train_dataloader(
-        source,
-        processor,
-        target.model.config,
-        family=target.family,
-        max_tokens=args.packing_max_tokens if args.packing else da.max_tokens,
-        max_batch_size=da.max_batch_size,
-        conversation=da.conversation(),
-        padding_side=da.padding_side,
+    on_gpu = args.device.type == "cuda"
+    settings = LoaderSettings.of(
+        data_args,  # the data options' token budget, padding side, buckets and sample checks (`BatchSettings`)
+        max_tokens=args.packing_max_tokens if args.packing else data_args.max_tokens,
         shuffle=shuffle,
         seed=args.seed,
         world_size=args.world_size,
         rank=args.process_index,
-        num_buckets=da.num_buckets,
         num_workers=args.dataloader_num_workers,
-        skip_bad_samples=da.skip_bad_samples,
-        resample_audio=da.resample_audio,
         packing=args.packing,
         compact_features=True,  # Whisper: the window rebuilt on the target's device (FrozenTarget.capture)
         # ... and on a GPU its features computed there from the waves (standard extractors); on the CPU the workers
         # compute them, beside the step; not under DeepSpeed, which casts floating inputs to its dtype
-        device_features=args.device.type == "cuda" and not args.deepspeed,
-        pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",  # the copy to the GPU waits for nothing
+        device_features=on_gpu and not args.deepspeed,
+        pin_memory=args.dataloader_pin_memory and on_gpu,  # the copy to the GPU waits for nothing
         mask_token_id=args.mask_token_id,  # refused where the template, the processor or a sample uses it
-        max_chars_per_second=da.max_chars_per_second,
+    )
+    return build_train_dataloader(
+        source, processor, target.model.config, settings, family=target.family, conversation=data_args.conversation()
     )
 
 

@@ -6,9 +6,8 @@ circle.
   i.e. what a user sends at inference.
 - :func:`decode_benchmark`: speculative decoding against the target's own greedy `generate` on the same
   prompts: real tau, tokens/s of both, and whether the outputs are identical.
-- :func:`record_conversation` / :func:`recorded_conversation`: the conversation settings (user prompt, system
-  prompt, cut fields, family row) a draft was trained with, kept in its export's `dflash_config`, so that
-  `dflash-eval` renders its prompts as training did.
+
+The conversation a draft was trained with is its export's training record (`dflash_hf.export.training_record`).
 """
 
 from __future__ import annotations
@@ -24,43 +23,9 @@ from tqdm.auto import tqdm
 
 from dflash_hf.generation.speculative import model_side_greedy, speculative_generate
 from dflash_hf.generation.verify_rules import max_new_tokens_given
+from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import generate_kwargs
 from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget
-
-# ------------------------------------------------------------------------------------------------
-# The conversation a draft was trained with
-# ------------------------------------------------------------------------------------------------
-CONVERSATION_KEY = "conversation"  # the `dflash_config` entry of a draft export
-CONVERSATION_FIELDS = ("prompt", "system_prompt", "context_key", "system_prompt_key", "family")
-
-
-def record_conversation(dflash_config: dict, conversation, family: str) -> None:
-    """Write into `dflash_config` (a draft config's, before its export) the conversation its training rendered:
-    `conversation` a `ConversationConfig`, `family` the target family row's name."""
-    dflash_config[CONVERSATION_KEY] = {
-        "prompt": conversation.prompt,
-        "system_prompt": conversation.system_prompt,
-        "context_key": conversation.context_key,
-        "system_prompt_key": conversation.system_prompt_key,
-        "family": family,
-    }
-
-
-def recorded_conversation(dflash_config: Mapping) -> dict | None:
-    """The conversation `record_conversation` wrote (None for an export without one: trained on rows collated by
-    the caller, or exported before it was recorded); a malformed entry is an error naming the field."""
-    record = dflash_config.get(CONVERSATION_KEY)
-    if record is None:
-        return None
-    if not isinstance(record, Mapping) or set(record) != set(CONVERSATION_FIELDS):
-        raise ValueError(
-            f"the draft's config.json has a malformed dflash_config.{CONVERSATION_KEY} {record!r}: it must map "
-            f"exactly {list(CONVERSATION_FIELDS)} (as dflash-train writes it); fix or remove the entry"
-        )
-    bad = [k for k in CONVERSATION_FIELDS if record[k] is not None and not isinstance(record[k], str)]
-    if bad:
-        raise ValueError(f"dflash_config.{CONVERSATION_KEY} fields {bad} must be strings or null, got {record!r}")
-    return dict(record)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,8 +78,8 @@ def speech_rows_and_collator(
     family=None,
     conversation=None,
     padding_side: str = "left",
-    skip_bad_samples: bool = False,
-    resample_audio: bool = True,
+    skip_bad_samples: bool = DataSettings.skip_bad_samples,
+    resample_audio: bool = DataSettings.resample_audio,
 ):
     """Validated cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and
     the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
@@ -344,7 +309,6 @@ def _timed_decode(stats: DecodeStats, decode, n_prompt: int, device: torch.devic
 
 
 __all__ = [
-    "CONVERSATION_KEY",
     "DecodeStats",
     "decode_benchmark",
     "generate_inputs",
@@ -355,7 +319,5 @@ __all__ = [
     "dataset_rows",
     "iter_prompts",
     "prompts_from",
-    "record_conversation",
-    "recorded_conversation",
     "speech_rows_and_collator",
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.atomic_write import is_draft_export
+from dflash_hf.settings import DEFAULT_VARIANT
 
 logger = logging.getLogger("dflash_hf")
 
@@ -119,7 +120,7 @@ def run_settings(draft_config, target: dict[str, str], train_dataset) -> dict[st
         "target_layer_ids": list(dflash.get("target_layer_ids") or []),
         "mask_token_id": dflash.get("mask_token_id"),
         "block_size": int(draft_config.block_size),
-        "variant": dflash.get("variant", "dflash"),
+        "variant": dflash.get("variant", DEFAULT_VARIANT),
         "num_draft_layers": int(draft_config.num_hidden_layers),
         "train_data": data_identity(train_dataset),
     }
@@ -261,7 +262,7 @@ def _settings_of_config(checkpoint: str | Path, current: Mapping[str, Any]) -> d
         "target_layer_ids": dflash.get("target_layer_ids"),
         "mask_token_id": dflash.get("mask_token_id"),
         "block_size": config.get("block_size", dflash.get("block_size")),
-        "variant": dflash.get("variant", "dflash"),
+        "variant": dflash.get("variant", DEFAULT_VARIANT),
         "num_draft_layers": config.get("num_hidden_layers"),
     }
 

@@ -1,8 +1,10 @@
-"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings (docs/ARCHITECTURE.md).
+"""`DFlashTrainingArguments`: HF `TrainingArguments` plus the DFlash settings; `DFlashDataArguments`: the data
+settings, parsed beside it (docs/ARCHITECTURE.md).
 
-The DFlash fields are defined by the light argument groups of `dflash_hf.training.argument_groups` (also parsed
-alone, without
-torch, for `dflash-train --help`); this class combines them with `TrainingArguments` and checks everything.
+Every DFlash field, with its default, help and own checks, is a field of a settings class of `dflash_hf.settings`
+(light: `dflash-train --help` is made from them without torch). `DFlashTrainingArguments` combines
+`TrainingArguments` with `TRAINING_SETTINGS` and adds the checks that need several of them, the environment, the
+device or a file.
 """
 
 from __future__ import annotations
@@ -11,52 +13,50 @@ import json
 import os
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
 from dflash_hf.export.drafts import check_draft_export, resolve_draft_dir
-from dflash_hf.models.configuration_dflash import (
-    DFlash2Fields,
-    check_block_size,
-    check_distinct_taps,
-    check_target_layer_ids,
-)
-from dflash_hf.training.argument_groups import (
-    COMPILE_LAYER_CHOICES,
+from dflash_hf.export.training_record import read_training_record
+from dflash_hf.models.draft_fields import check_block_size
+from dflash_hf.settings import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_NUM_ANCHORS,
-    DFLASH_VARIANTS,
-    LORA_TARGETS,
     TRAINER_OVERRIDES,
-    DFlashAdaptationArguments,
-    DFlashDataArguments,
-    DFlashExperimentalArguments,
-    DFlashModelArguments,
-    DFlashObjectiveArguments,
-    DFlashPackingArguments,
-    DFlashRunArguments,
-    DFlashTuningArguments,
-    deprecated_options,
+    TRAINER_RANGES,
+    TRAINING_SETTINGS,
+    AdaptationSettings,
+    DataSettings,
+    DraftSettings,
+    ModelSettings,
+    ObjectiveSettings,
+    RunSettings,
+    check_ranges,
 )
+from dflash_hf.settings.run import COMPILE_LAYER_CHOICES, LORA_TARGETS, deprecated_options
 from dflash_hf.training.checkpoints import check_checkpoint_dir, parse_resume_flag, resume_path
 from dflash_hf.training.launch import check_launch
-from dflash_hf.training.numeric_options import DFLASH_RANGES, TRAINER_RANGES, check_ranges
+
+if TYPE_CHECKING:  # lhotse is imported only when speech data is used
+    from dflash_hf.data import ConversationConfig, DataSource
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
 
 
 def _export_settings(path: str) -> dict[str, int]:
-    """`block_size` and, when the training run recorded it, `num_anchors` of a draft export's config.json.
-    An unreadable export gives {}: `export.check_draft_export` (in `check_files`, first) names the problem."""
+    """`block_size` of a draft export's config.json and, when the training run recorded it, its `num_anchors` (the
+    export's training record). An unreadable export gives {}: `export.check_draft_export` (in `check_files`, first)
+    names the problem."""
     try:
-        raw = json.loads((resolve_draft_dir(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
+        directory = resolve_draft_dir(path)
+        raw = json.loads((directory / "config.json").read_text())
+        num_anchors = read_training_record(directory).num_anchors
+    except (OSError, ValueError):  # (json.JSONDecodeError is a ValueError)
         return {}
     dflash_config = raw.get("dflash_config") or {}
-    found = {
-        "block_size": raw.get("block_size", dflash_config.get("block_size")),
-        "num_anchors": dflash_config.get("num_anchors"),
-    }
+    found = {"block_size": raw.get("block_size", dflash_config.get("block_size")), "num_anchors": num_anchors}
     return {k: v for k, v in found.items() if isinstance(v, int)}
 
 
@@ -68,19 +68,17 @@ def _override(name: str):
 @dataclass
 class DFlashTrainingArguments(
     TrainingArguments,
-    DFlashModelArguments,
-    DFlashObjectiveArguments,
-    DFlashAdaptationArguments,
-    DFlashPackingArguments,
-    DFlashRunArguments,
-    DFlashTuningArguments,
-    DFlashExperimentalArguments,
+    ModelSettings,
+    DraftSettings,
+    ObjectiveSettings,
+    AdaptationSettings,
+    RunSettings,
 ):
     """Optimizer and schedule come from the standard fields. Defaults here: AdamW, lr 6e-4, constant
     schedule. An adaptation schedule is `learning_rate=1.5e-4, lr_scheduler_type=cosine_with_min_lr,
     lr_scheduler_kwargs={min_lr: 1e-6}, warmup_steps=500, max_steps=8000` (examples/configs/adapt.yaml)."""
 
-    # --- standard fields with DFlash defaults (arguments.TRAINER_OVERRIDES) ------------------------
+    # --- standard fields with DFlash defaults (settings.TRAINER_OVERRIDES) -------------------------
     learning_rate: float = _override("learning_rate")
     lr_scheduler_type: str = _override("lr_scheduler_type")
     weight_decay: float = _override("weight_decay")
@@ -99,28 +97,17 @@ class DFlashTrainingArguments(
                 "parameter dtype of both the frozen target and the draft"
             )
         self._apply_deprecated_options()
-        check_ranges(self, TRAINER_RANGES | DFLASH_RANGES)  # every numeric option's range (numeric_options.py)
+        check_ranges(self, TRAINER_RANGES)  # the inherited options' ranges
+        for settings in TRAINING_SETTINGS:  # each settings class's own checks (ranges, choices, block size, ...)
+            settings.validate(self)
         self._check_skip_oom_batches()
         check_launch(self)  # before the devices are set up
         super().__post_init__()
         self._default_unrecorded()
         self.resume_from_checkpoint = parse_resume_flag(self.resume_from_checkpoint)
-        if self.variant not in DFLASH_VARIANTS:
-            raise ValueError(f"variant must be one of {DFLASH_VARIANTS}, got {self.variant!r}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         self._check_objective()
-        if self.attention_backend not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"attention_backend must be auto, flex or sdpa, got {self.attention_backend!r}")
-        if self.block_size is not None:  # else the init_from_pretrained export's (`check_files`)
-            check_block_size(self.block_size)
-        if self.target_layer_ids is not None:
-            check_target_layer_ids(self.target_layer_ids)
-            check_distinct_taps(self.target_layer_ids)
         self._check_attention_backend()
         self._check_hub()
-        self._check_packing()
-        self._check_dflash2()
         self._check_adaptation()
         self._check_float8()
 
@@ -249,37 +236,15 @@ class DFlashTrainingArguments(
                 f"scales write bf16 there), got precision={self.precision!r}"
             )
 
-    def _check_packing(self) -> None:
-        if self.packing and (self.packing_max_tokens is None or self.packing_max_tokens < 1):
-            raise ValueError(
-                f"packing=true needs packing_max_tokens >= 1 (the token budget of one packed row), "
-                f"got {self.packing_max_tokens}"
-            )
-        if not self.packing and self.packing_max_tokens is not None:
-            raise ValueError("packing_max_tokens is set but packing=false; set packing=true or drop packing_max_tokens")
-        if self.anchor_budget is not None:
-            if not self.packing:
-                raise ValueError(
-                    "anchor_budget caps anchors of packed (THD) micro-batches; set packing=true, or "
-                    "bound padded batches with num_anchors (up to batch * num_anchors blocks)"
-                )
-
     def _check_objective(self) -> None:
-        from dflash_hf.objective.dflash_objective import fused_ce_conflict
+        from dflash_hf.objective.dflash_objective import resolve_fused_ce
         from dflash_hf.objective.labels import LABEL_SOURCES
         from dflash_hf.objective.losses import LOSSES
 
         for name, registry in (("label_source", LABEL_SOURCES), ("loss_type", LOSSES)):
             if getattr(self, name) not in registry:
                 raise ValueError(f"{name} must be one of {sorted(registry)}, got {getattr(self, name)!r}")
-        conflict = fused_ce_conflict(self.variant, self.loss_type, self.label_source)
-        if self.use_fused_linear_ce is None:
-            self.use_fused_linear_ce = conflict is None
-        if self.use_fused_linear_ce and conflict:
-            raise ValueError(f"use_fused_linear_ce=true: {conflict}; set use_fused_linear_ce=false")
-
-    def _check_dflash2(self) -> None:
-        DFlash2Fields.of(self).check()
+        self.use_fused_linear_ce = resolve_fused_ce(self, self.variant)
 
     def _check_adaptation(self) -> None:
         if self.projection_only and not self.init_from_pretrained:
@@ -320,3 +285,45 @@ class DFlashTrainingArguments(
     @property
     def resolved_export_dir(self) -> str:
         return self.export_dir or f"{self.output_dir}/draft"
+
+
+@dataclass
+class DFlashDataArguments(DataSettings):
+    """The data options, parsed beside `DFlashTrainingArguments` (`DataSettings`: fields, defaults, checks), and the
+    data sources and conversation they describe. Paths are checked by `check_data_paths` (the CLI's pre-flight), not
+    here."""
+
+    _argument_group_name = "DFlash data"
+
+    def train_sources(self) -> list[DataSource] | None:
+        from dflash_hf.data import DataSource
+
+        if not self.train_data:
+            return None
+        weights = self.train_data_weights or [1.0] * len(self.train_data)
+        return [DataSource(path=p, weight=w, **self._source_policy()) for p, w in zip(self.train_data, weights)]
+
+    def eval_sources(self) -> dict[str, DataSource] | None:
+        from dflash_hf.data import DataSource
+
+        if not self.eval_data:
+            return None
+        out: dict[str, DataSource] = {}
+        for item in self.eval_data:
+            name, path = item.split("=", 1) if "=" in item else (Path(item).name.split(".")[0], item)
+            if name in out:
+                raise ValueError(f"two eval_data sets are named {name!r}; name them explicitly as NAME=PATH")
+            out[name] = DataSource(path=path, **self._source_policy())
+        return out
+
+    def _source_policy(self) -> dict[str, bool | float]:
+        return {
+            "allow_command_audio_sources": self.allow_command_audio_sources,
+            "allow_url_audio_sources": self.allow_url_audio_sources,
+            "max_chars_per_second": self.max_chars_per_second,
+        }
+
+    def conversation(self) -> ConversationConfig:
+        from dflash_hf.data import ConversationConfig
+
+        return ConversationConfig(system_prompt=self.system_prompt, prompt=self.prompt)

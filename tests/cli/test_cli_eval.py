@@ -281,7 +281,8 @@ def test_eval_renders_manifests_with_the_conversation_the_draft_was_trained_with
     )
     trainer.train()
     export = trainer.export_draft(str(tmp_path / "draft"))
-    recorded = json.loads((tmp_path / "draft" / "config.json").read_text())["dflash_config"]["conversation"]
+    recorded = json.loads((tmp_path / "draft" / "dflash_training.json").read_text())["conversation"]
+    assert "conversation" not in json.loads((tmp_path / "draft" / "config.json").read_text())["dflash_config"]
     assert recorded == {
         "prompt": "Transcribe.",
         "system_prompt": "Be brief.",
@@ -313,17 +314,23 @@ def test_eval_renders_manifests_with_the_conversation_the_draft_was_trained_with
     old = _save_draft(target, tmp_path / "old_draft")  # an export without the record
     assert cli_eval.main(["--draft", str(old), *argv[2:]]) == 0
     assert used[-1].prompt is None and "records no conversation settings" in warnings()
+    # an export written before the training record kept the conversation in config.json's dflash_config
+    config = json.loads((old / "config.json").read_text())
+    config["dflash_config"]["conversation"] = recorded
+    (old / "config.json").write_text(json.dumps(config))
+    assert cli_eval.main(["--draft", str(old), *argv[2:]]) == 0
+    assert (used[-1].prompt, used[-1].system_prompt) == ("Transcribe.", "Be brief.")
 
 
 def test_a_malformed_conversation_record_is_named(tmp_path):
-    from dflash_hf.training.decode_benchmark import recorded_conversation
+    from dflash_hf.export.training_record import checked_conversation
 
-    assert recorded_conversation({}) is None
-    with pytest.raises(ValueError, match="malformed dflash_config.conversation"):
-        recorded_conversation({"conversation": {"prompt": "x"}})
+    assert checked_conversation(None) is None
+    with pytest.raises(ValueError, match="malformed conversation"):
+        checked_conversation({"prompt": "x"})
     bad = dict.fromkeys(("prompt", "system_prompt", "context_key", "system_prompt_key", "family"), None) | {"prompt": 3}
     with pytest.raises(ValueError, match=r"fields \['prompt'\] must be strings or null"):
-        recorded_conversation({"conversation": bad})
+        checked_conversation(bad)
 
 
 def test_tree_budgets_are_evaluated_beside_the_chain(text_setup, capsys):

@@ -20,6 +20,7 @@ UPLOAD = [
     "README.md",
     "config.json",
     "configuration_dflash.py",
+    "draft_fields.py",
     "model.safetensors",
     "modeling_dflash.py",
     "modeling_dflash_encoder.py",

@@ -261,7 +261,7 @@ def test_no_valid_slot_gives_differentiable_zero_with_grads_everywhere():
     doc = doc_ids_from(am)
     blocks = build_blocks(ids, ids, am.bool(), doc, row_positions(am), torch.full((1, 2), -1), 4, 11, 4.0)
     hidden = torch.randn(1, 2, 4, 32, requires_grad=True)
-    out = dflash2_block_loss(hidden, blocks, torch.randn(12, 32), draft.candidate_selector)
+    out = dflash2_block_loss(hidden, blocks, torch.randn(12, 32), draft.candidate_selector, chunk_size=1024)
     (out.loss_sum + out.selector.loss_sum).backward()
     assert out.loss_sum.item() == 0 and out.selector.loss_sum.item() == 0 and out.selector.weight_sum == 0
     assert all(p.grad is not None for p in draft.candidate_selector.parameters())  # DDP needs every grad

@@ -152,10 +152,10 @@ def test_target_labels_leave_out_the_tokens_generate_suppresses(whisper, text_ta
     raw = target.lm_head(hidden)
     assert raw[0, 1].argmax() == suppressed[0] and raw[0, 3].argmax() == suppressed[1]  # the case that matters
     expected = raw.index_fill(-1, torch.tensor(suppressed), float("-inf")).argmax(-1)
-    labels = target_argmax_labels(target, hidden, ids, mask, docs)
+    labels = target_argmax_labels(target, hidden, ids, mask, docs, chunk_size=128)
     assert labels[0, 2:].tolist() == expected[0, 1:5].tolist()  # label[t] from the state at t-1
     assert not set(labels[0, 2:].tolist()) & set(suppressed)
-    soft = topk_distribution(target.label_logits, hidden, ids, mask, docs, top_k=4)
+    soft = topk_distribution(target.label_logits, hidden, ids, mask, docs, top_k=4, chunk_size=128)
     assert not set(soft.ids[0, 2:].flatten().tolist()) & set(suppressed)
     assert soft.ids[0, 2:, 0].tolist() == labels[0, 2:].tolist()
     beyond = FrozenTarget(model)  # a generation config listing ids past the vocabulary: `generate` ignores them

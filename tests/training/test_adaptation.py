@@ -126,6 +126,8 @@ def test_lora_trains_adapters_and_exports_merged_plain_draft(setup, tmp_path):
         "config.json",
         "configuration_dflash.py",
         "dflash_run.json",
+        "dflash_training.json",
+        "draft_fields.py",
         "model.safetensors",
         "modeling_dflash.py",
         "modeling_dflash_encoder.py",

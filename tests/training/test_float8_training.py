@@ -106,7 +106,7 @@ def test_fp8_lm_head_keeps_the_first_loss_exact_and_resumes_bit_identical(tmp_pa
     model, tok = _padded_vocab_target()
     kw = dict(float8_draft_linears=False, float8_lm_head=True, label_source="target_argmax")
     fp8 = _trainer(tmp_path / "fp8", model, tok, save_strategy="steps", save_steps=3, **kw)
-    assert fp8.objective.float8_lm_head and fp8.objective.use_fused_linear_ce
+    assert fp8.objective.settings.float8_lm_head and fp8.objective.settings.use_fused_linear_ce
     plain = _trainer(tmp_path / "plain", model, tok, **(kw | dict(float8_lm_head=False)))
     fp8.train()
     plain.train()

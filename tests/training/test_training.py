@@ -92,6 +92,8 @@ def test_export_contract_and_remote_code_reload_in_a_fresh_process(tmp_path):
         "config.json",
         "configuration_dflash.py",
         "dflash_run.json",  # the run it is of (run_identity)
+        "dflash_training.json",  # what the run used that evaluation repeats (export.training_record)
+        "draft_fields.py",
         "model.safetensors",
         "modeling_dflash.py",
         "modeling_dflash_encoder.py",

@@ -27,7 +27,13 @@ class LabelSource:
     """Turns a micro-batch's target features into labels. `needs_final_hidden`: the target's final-normed states
     must be captured (`FrozenTarget.capture(keep_final=True)`). `soft`: the source yields soft labels (the loss then
     runs on dense chunked logits: the fused lm_head + CE takes hard labels only). `greedy`: the hard labels are the
-    target's greedy next token (`target_argmax_labels`), so the evaluation's `greedy_tau_est` reuses them."""
+    target's greedy next token (`target_argmax_labels`), so the evaluation's `greedy_tau_est` reuses them.
+
+    Fields are options of the same name in `ObjectiveSettings` (`make_label_source` fills them from there; no
+    defaults here). Every source has `target_argmax_chunk_size`: the evaluation's greedy estimates compute the
+    target's argmax with it whatever the labels are."""
+
+    target_argmax_chunk_size: int  # supervised positions projected per chunk for the target's argmax
 
     name: ClassVar[str]
     needs_final_hidden: ClassVar[bool] = False

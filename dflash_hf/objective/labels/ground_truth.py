@@ -9,8 +9,6 @@ from dflash_hf.objective.labels.base import Labels, LabelSource
 
 @dataclass
 class GroundTruth(LabelSource):
-    target_argmax_chunk_size: int = 128  # the evaluation's greedy estimates compute the target's argmax this way
-
     name = "ground_truth"
 
     def __call__(self, target, final_hidden, input_ids, plan) -> Labels:

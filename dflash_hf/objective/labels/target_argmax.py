@@ -14,8 +14,6 @@ from dflash_hf.objective.labels.base import Labels, LabelSource
 
 @dataclass
 class TargetArgmax(LabelSource):
-    target_argmax_chunk_size: int = 128
-
     name = "target_argmax"
     needs_final_hidden = True
     greedy = True
@@ -34,7 +32,7 @@ def target_argmax_labels(
     input_ids: torch.Tensor,  # [b, S]
     loss_mask: torch.Tensor,  # [b, S]
     doc_ids: torch.Tensor,  # [b, S], -1 on padding
-    chunk_size: int = 128,
+    chunk_size: int,  # `target_argmax_chunk_size`
 ) -> torch.Tensor:
     """`label[t] = argmax(target.label_logits(final_hidden[t-1]))` for supervised t whose predecessor is a real token of
     the same document; other positions keep their id. Only those, `chunk_size` at a time: no `[S, V]` logits."""

@@ -22,8 +22,7 @@ from dflash_hf.objective.labels.base import Labels, LabelSource, SoftLabels
 
 @dataclass
 class TargetDistribution(LabelSource):
-    target_argmax_chunk_size: int = 128
-    label_top_k: int = 8
+    label_top_k: int  # target tokens kept per position
 
     name = "target_distribution"
     needs_final_hidden = True
@@ -54,7 +53,7 @@ def topk_distribution(
     loss_mask: torch.Tensor,  # [b, S]
     doc_ids: torch.Tensor,  # [b, S], -1 on padding
     top_k: int,
-    chunk_size: int = 128,
+    chunk_size: int,  # `target_argmax_chunk_size`
 ) -> SoftLabels:
     """Top-k next-token ids and renormalized probabilities `[b, S, k]` (descending), `chunk_size` positions at a
     time; positions without a label keep their data token (probability 1, the other k-1 entries 0)."""

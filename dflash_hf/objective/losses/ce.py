@@ -32,7 +32,7 @@ def block_loss(
     hidden: torch.Tensor,  # [b, N, B, H] final-normed draft hidden of every slot
     blocks: Blocks,
     lm_head_weight: torch.Tensor,
-    chunk_size: int = 1024,
+    chunk_size: int,  # `ce_chunk_size`
     fused: bool = True,
     loss: SlotLoss | None = None,
     soft: SoftLabels | None = None,

@@ -5,7 +5,7 @@ the public DFlash trainers added it: sgl-project/SpecForge#578 and its normaliza
 #1724, lightseekorg/TorchSpec#117). Per block, with the draft's detached confidence in the label
 `q_k = exp(-CE_k)` at slot k:
 
-- smoothing (Eq. 7): `q~_k = (1 - alpha) * q_k + alpha` (`--dpace_alpha`, default 0.5 as in the paper);
+- smoothing (Eq. 7): `q~_k = (1 - alpha) * q_k + alpha` (`--dpace_alpha`; its default is the paper's);
 - weights (Eq. 8): `w_j = Σ_{m >= j} Π_{i <= m} q~_i`, the derivative of the block's expected accepted length
   with respect to slot j's log-confidence: a slot counts for every later slot whose acceptance needs it;
 - loss (Eq. 9): `Σ_j w_j · CE_j`, weights detached (they shape the gradient, none flows through them).
@@ -28,7 +28,7 @@ from dflash_hf.objective.losses.common import SlotLoss, ValidSlots
 
 @dataclass
 class DPACE(SlotLoss):
-    dpace_alpha: float = 0.5  # smoothing alpha of Eq. 7
+    dpace_alpha: float  # smoothing alpha of Eq. 7 (`--dpace_alpha`)
 
     name = "dpace"
     weights_before_forward = False

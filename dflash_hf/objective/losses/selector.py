@@ -51,7 +51,7 @@ def dflash2_block_loss(
     blocks: Blocks,
     lm_head_weight: torch.Tensor,  # [V, H] frozen
     selector: nn.Module,  # the draft's DFlash2CandidateSelector
-    chunk_size: int = 1024,
+    chunk_size: int,  # `ce_chunk_size`
     loss: SlotLoss | None = None,
     soft: SoftLabels | None = None,
 ) -> DFlash2BlockLoss:

@@ -1,5 +1,5 @@
 """Numeric options out of range, NaN or infinite are one clear error naming the option and its range, when the
-arguments are parsed (`training/numeric_options.py`); transformers accepts every one of them."""
+arguments are parsed (the settings' `RANGES`, `dflash_hf/settings/`); transformers accepts every one of them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from utils import make_args
 
 from dflash_hf.cli import console
-from dflash_hf.training.numeric_options import DATA_RANGES, DFLASH_RANGES, TRAINER_RANGES, Range, range_problem
+from dflash_hf.settings import TRAINER_RANGES, TRAINING_SETTINGS, DataSettings, LoaderSettings, Range, range_problem
 from dflash_hf.training.training_args import DFlashDataArguments
 
 NAN, INF = float("nan"), float("inf")
@@ -80,7 +80,8 @@ def test_values_in_range_and_unset_options_pass(tmp_path):
 
 
 def test_every_range_rule_refuses_nan():
-    for name, rule in {**TRAINER_RANGES, **DFLASH_RANGES, **DATA_RANGES}.items():
+    settings = (*TRAINING_SETTINGS, DataSettings, LoaderSettings)
+    for name, rule in TRAINER_RANGES.items() | {(n, r) for cls in settings for n, r in cls.RANGES.items()}:
         assert not rule.holds(math.nan), name
 
 
@@ -91,11 +92,3 @@ def test_dflash_train_answers_a_nan_max_grad_norm_in_one_line_with_status_2(tmp_
     err = capsys.readouterr().err
     assert "dflash-train: error: max_grad_norm must be >= 0 and finite (0: no clipping), got nan" in err
     assert "Traceback" not in err
-
-
-def test_the_text_rate_default_mirrors_the_data_layer():
-    from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
-    from dflash_hf.training import argument_groups
-
-    assert argument_groups.DEFAULT_MAX_CHARS_PER_SECOND == DEFAULT_MAX_CHARS_PER_SECOND
-    assert DFlashDataArguments().max_chars_per_second == DEFAULT_MAX_CHARS_PER_SECOND
