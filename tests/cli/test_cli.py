@@ -228,9 +228,6 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
         def export_draft(self):
             return str(export)
 
-        def save_state(self):
-            seen["saved_state"] = True
-
         def is_world_process_zero(self):
             return True
 
