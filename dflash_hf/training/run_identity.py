@@ -110,6 +110,11 @@ def target_identity(model) -> dict[str, str]:
     return {"name_or_path": str(getattr(model.config, "_name_or_path", "") or ""), "fingerprint": digest}
 
 
+def draft_variant(dflash_config: Mapping[str, Any] | None) -> str:
+    """The variant a draft config's `dflash_config` describes: DFlash2 drafts carry their convolution fields."""
+    return "dflash2" if "conv_kernel_size" in (dflash_config or {}) else DEFAULT_VARIANT
+
+
 def run_settings(draft_config, target: dict[str, str], train_dataset) -> dict[str, Any]:
     """The settings a run's checkpoints are trained with (`COMPARED_SETTINGS`), from the built draft (resolved
     layer ids and block size), the target's identity (`target_identity`) and the training data."""
@@ -120,7 +125,7 @@ def run_settings(draft_config, target: dict[str, str], train_dataset) -> dict[st
         "target_layer_ids": list(dflash.get("target_layer_ids") or []),
         "mask_token_id": dflash.get("mask_token_id"),
         "block_size": int(draft_config.block_size),
-        "variant": dflash.get("variant", DEFAULT_VARIANT),
+        "variant": draft_variant(dflash),
         "num_draft_layers": int(draft_config.num_hidden_layers),
         "train_data": data_identity(train_dataset),
     }
@@ -219,6 +224,9 @@ def resumed_record(
     if record is None:
         record = new_record(current) | {"settings": _settings_of_config(checkpoint, current)}
         logger.warning("resume: %s records no run identity (an older dflash_hf); this run gets a new one", checkpoint)
+    elif "variant" in (weights := _settings_of_config(checkpoint, current)):
+        # the checkpoint's weights say which variant they are (records of older versions always said "dflash")
+        record = dict(record) | {"settings": dict(record["settings"]) | {"variant": weights["variant"]}}
     differences = setting_differences(record["settings"], current)
     allowed = set(allowed)
     shapes = [n for n in differences if n in SHAPE_SETTINGS]
@@ -262,7 +270,7 @@ def _settings_of_config(checkpoint: str | Path, current: Mapping[str, Any]) -> d
         "target_layer_ids": dflash.get("target_layer_ids"),
         "mask_token_id": dflash.get("mask_token_id"),
         "block_size": config.get("block_size", dflash.get("block_size")),
-        "variant": dflash.get("variant", DEFAULT_VARIANT),
+        "variant": draft_variant(dflash),
         "num_draft_layers": config.get("num_hidden_layers"),
     }
 

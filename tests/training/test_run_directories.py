@@ -95,6 +95,20 @@ def test_resume_refuses_changed_settings_naming_each_and_records_an_allowed_chan
     assert "/" not in json.dumps(_record(export)["settings"]["train_data"])  # no local paths beside an export
 
 
+def test_a_dflash2_checkpoint_records_its_variant_and_refuses_a_dflash_resume(tmp_path, text_target):
+    """Before: the record always said "dflash" (it read a key dflash_config never holds), so a DFlash2 checkpoint
+    resumed as a DFlash draft was not named as a change of variant."""
+    _trainer(tmp_path, text_target, variant="dflash2", max_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert _record(checkpoint)["settings"]["variant"] == "dflash2"
+    record = _record(checkpoint)
+    record["settings"]["variant"] = "dflash"  # as older versions recorded every run
+    (checkpoint / RUN_RECORD).write_text(json.dumps(record))
+    _trainer(tmp_path, text_target, variant="dflash2", max_steps=4).train(str(checkpoint))  # the weights decide
+    with pytest.raises(DFlashUserError, match=r"variant: checkpoint \"dflash2\", this run \"dflash\".*weight shapes"):
+        _trainer(tmp_path, text_target, max_steps=4).train(str(checkpoint))
+
+
 def test_a_checkpoint_of_a_target_of_another_width_is_a_clear_error(tmp_path, text_target):
     _trainer(tmp_path, text_target, max_steps=2).train()
     wide = tiny_text_target(hidden_size=96)
