@@ -173,7 +173,7 @@ def test_help_and_argument_errors_do_not_load_torch(tmp_path):
     ]
     assert lines[-1] == "heavy []"
     assert "argument --gamma: invalid float value: 'x'" in out.stderr
-    assert "unrecognized arguments: --no_such_option 1" in out.stderr
+    assert "dflash-train: error: unknown option --no_such_option" in out.stderr
     assert "dflash-train: error: --target_name_or_path is required" in out.stderr
     assert f"dflash-train: error: --target_name_or_path {missing}: the directory does not exist" in out.stderr
 
@@ -517,3 +517,34 @@ def test_a_stop_signal_during_the_demo_is_one_line_and_exit_128_plus_signal(monk
     assert console.run_command("dflash-demo", []) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert err.startswith("dflash-demo: received SIGTERM: stopped at optimizer step 3") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("prog", "argv", "message"),
+    [
+        (
+            "dflash-train",
+            ["--mask_token", "5"],
+            "--mask_token (options are not abbreviated); did you mean --mask_token_id?",
+        ),
+        ("dflash-train", ["--mask_tokn_id", "5"], "--mask_tokn_id; did you mean --mask_token_id?"),
+        ("dflash-train", ["--conf", "x.yaml"], "--conf (options are not abbreviated); did you mean --config?"),
+        ("dflash-eval", ["--max_new", "4"], "--max_new (options are not abbreviated); did you mean --max_new_tokens?"),
+        ("dflash-generate-labels", ["--manifset=m.jsonl"], "--manifset; did you mean --manifest?"),
+        ("dflash-demo", ["--max_step", "3"], "--max_step (options are not abbreviated); did you mean --max_steps?"),
+    ],
+)
+def test_abbreviated_or_misspelled_options_are_refused_naming_the_closest(prog, argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    assert console.run_command(prog, argv) == 2
+    assert capsys.readouterr().err.startswith(f"{prog}: error: unknown option {message}\n")
+
+
+def test_misspelled_or_abbreviated_config_keys_name_the_closest_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    config = tmp_path / "run.yaml"
+    config.write_text("mask_token: 5\nblock_sise: 8\n")
+    assert console.run_command("dflash-train", ["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown fields block_sise (line 2; did you mean block_size?)" in err
+    assert "mask_token (line 1; did you mean mask_token_id?)" in err
