@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -296,6 +297,33 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card
     assert "dev.jsonl; 7 steps, ground_truth labels." in card
+
+
+def test_a_training_run_ends_with_the_eval_command_of_its_export(tmp_path, monkeypatch, capsys):
+    from dflash_hf.cli import eval as cli_eval
+    from dflash_hf.cli.config import parse_with_config
+
+    _, run = _fake_training_run(tmp_path, monkeypatch, upload=lambda folder: None)
+    run()
+    *_, intro, command = capsys.readouterr().out.rstrip().splitlines()
+    assert intro.startswith("measure real tau and speed of the export") and command.startswith("  dflash-eval ")
+    (args,) = parse_with_config(cli_eval.make_parser(), shlex.split(command)[1:])
+    assert (args.draft, args.target, args.data) == (
+        str(tmp_path / "draft"),
+        str(tmp_path / "target"),
+        str(tmp_path / "dev.jsonl"),
+    )
+    assert args.precision == "fp32"
+    # a run without validation data: the data is a placeholder, said so
+    no_dev = cli_train.eval_command(
+        args=SimpleNamespace(target_name_or_path="t", precision="bf16"),
+        data_args=DFlashDataArguments(train_data=["a.jsonl"]),
+        export_dir="runs/x/draft",
+    )
+    assert no_dev == (
+        "dflash-eval --draft runs/x/draft --target t --data HELD_OUT_MANIFEST.jsonl --precision bf16"
+        "  # a held-out manifest: the run had no --eval_data"
+    )
 
 
 def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypatch, capsys):
