@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from dflash_hf.errors import ConfigFileError, DFlashUserError
+from dflash_hf.errors import ConfigFileError
 
 CONFIG_HELP = (
     "YAML file of `field: value` defaults (any option below); flags given on the command line override it. "
@@ -193,15 +193,16 @@ def check_value(key: str, value: Any, action: argparse.Action, where: str) -> An
 
 
 def _did_you_mean(name: str, candidates) -> str:
-    """"; did you mean X?" with the candidate closest to `name` (one it abbreviates first), or ""."""
+    """`; did you mean X?` with the candidate X closest to `name` (one that `name` abbreviates first), or nothing."""
     longer = [c for c in candidates if c.startswith(name)]
     close = difflib.get_close_matches(name, longer or list(candidates), n=1, cutoff=0 if longer else 0.6)
     return f"; did you mean {close[0]}?" if close else ""
 
 
 def check_option_names(parser: argparse.ArgumentParser, args: list[str]) -> None:
-    """Refuse a command-line option that `parser` does not have, naming the closest one. Abbreviations are refused
-    too (argparse would take `--mask_token` for `--mask_token_id`): an option is spelled out in full."""
+    """Refuse a command-line option that `parser` does not have, naming the closest one, as argparse refuses a bad
+    option (usage, the message, exit status 2). Abbreviations are refused too (argparse would take `--mask_token` for
+    `--mask_token_id`): an option is spelled out in full."""
     parser.allow_abbrev = False
     options = [name for name in parser._option_string_actions if name.startswith("--")]
     for arg in args:
@@ -211,7 +212,7 @@ def check_option_names(parser: argparse.ArgumentParser, args: list[str]) -> None
         if not arg.startswith("--") or " " in arg or name in parser._option_string_actions:
             continue  # a value (argparse reads a token holding a space as one), or a known option
         spelled_out = " (options are not abbreviated)" if any(o.startswith(name) for o in options) else ""
-        raise DFlashUserError(f"unknown option {name}{spelled_out}{_did_you_mean(name, options)}")
+        parser.error(f"unknown option {name}{spelled_out}{_did_you_mean(name, options)}")
 
 
 def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:

@@ -563,9 +563,11 @@ def test_a_stop_signal_during_the_demo_is_one_line_and_exit_128_plus_signal(monk
     ],
 )
 def test_abbreviated_or_misspelled_options_are_refused_naming_the_closest(prog, argv, message, capsys, monkeypatch):
-    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    assert console.run_command(prog, argv) == 2
-    assert capsys.readouterr().err.startswith(f"{prog}: error: unknown option {message}\n")
+    monkeypatch.setattr(sys, "argv", [prog])  # the program name argparse prints, as a console script's
+    with pytest.raises(SystemExit) as exit_info:  # refused by argparse, as any bad option: usage, message, status 2
+        console.run_command(prog, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"\n{prog}: error: unknown option {message}\n")
 
 
 def test_misspelled_or_abbreviated_config_keys_name_the_closest_field(tmp_path, capsys, monkeypatch):
