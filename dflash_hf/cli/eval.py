@@ -151,11 +151,9 @@ class EvalArguments(DecodeStepArguments):
         super().__post_init__()
 
     def check_inputs(self) -> None:
-        """The draft and data exist, the target is an existing directory or a Hub id, and the results file may be
-        written (before anything loads)."""
+        """The draft and data exist and the target is an existing directory or a Hub id (before anything loads)."""
         check_paths_exist(self, ("draft", "data"))
         check_model_dir(self.target, "--target", "the frozen target")
-        check_results_path(self)
 
 
 DATA_SUFFIXES = (".gz", ".jsonl", ".json")  # stripped from --data's file name for the default results name
@@ -389,6 +387,8 @@ def results_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
     configure_cpu_threads()
+    args.check_inputs()
+    check_results_path(args)
     out = results_path(args)
     args.output_json = str(out)  # the results record where they were written
     results = evaluate(args)
