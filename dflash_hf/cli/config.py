@@ -60,7 +60,7 @@ def add_config_option(parser: argparse.ArgumentParser) -> None:
 
 def split_config(argv: list[str] | None) -> tuple[str | None, list[str]]:
     """(`--config` value or None, the other arguments)."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     return known.config, rest
@@ -192,9 +192,27 @@ def check_value(key: str, value: Any, action: argparse.Action, where: str) -> An
     return _scalar(value, action, where)
 
 
-def _did_you_mean(key: str, actions: dict) -> str:
-    close = difflib.get_close_matches(key, list(actions), n=1)
+def _did_you_mean(name: str, candidates) -> str:
+    """`; did you mean X?` with the candidate X closest to `name` (one that `name` abbreviates first), or nothing."""
+    longer = [c for c in candidates if c.startswith(name)]
+    close = difflib.get_close_matches(name, longer or list(candidates), n=1, cutoff=0 if longer else 0.6)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+def check_option_names(parser: argparse.ArgumentParser, args: list[str]) -> None:
+    """Refuse a command-line option that `parser` does not have, naming the closest one, as argparse refuses a bad
+    option (usage, the message, exit status 2). Abbreviations are refused too (argparse would take `--mask_token` for
+    `--mask_token_id`): an option is spelled out in full."""
+    parser.allow_abbrev = False
+    options = [name for name in parser._option_string_actions if name.startswith("--")]
+    for arg in args:
+        if arg == "--":  # what follows is positional
+            break
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("--") or " " in arg or name in parser._option_string_actions:
+            continue  # a value (argparse reads a token holding a space as one), or a known option
+        spelled_out = " (options are not abbreviated)" if any(o.startswith(name) for o in options) else ""
+        parser.error(f"unknown option {name}{spelled_out}{_did_you_mean(name, options)}")
 
 
 def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:
@@ -216,9 +234,11 @@ def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:
 
 
 def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]:
-    """Read `--config` (if given) into the parser's defaults; returns the remaining command-line arguments."""
+    """Read `--config` (if given) into the parser's defaults; returns the remaining command-line arguments, whose
+    option names are checked (`check_option_names`)."""
     add_config_option(parser)
     config, rest = split_config(argv)
+    check_option_names(parser, rest)
     if config:
         values = read_config(parser, config)
         actions = option_actions(parser)

@@ -11,6 +11,9 @@ rendered and processed exactly as in training; or, for text targets, JSON lines 
 A manifest's conversations take the settings the draft was trained with, recorded in its export (user prompt, system
 prompt, cut fields, family row): `--prompt`, `--system_prompt` and `--family` left out take the recorded values; given
 ones that differ override them with a warning (tau then measures prompts the draft was not trained on).
+
+The results JSON is written beside the draft, `<draft>/eval_<data name>.json` (`--output_json` elsewhere); an existing
+results file is refused before anything loads unless `--overwrite_output_json true`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,7 +91,17 @@ class EvalArguments(DecodeStepArguments):
     data: str = field(
         metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
     )
-    output_json: str = field(default="dflash_eval.json", metadata={"help": "Where the results JSON is written."})
+    output_json: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where the results JSON is written; default: beside the draft, <draft>/eval_<data name>.json "
+            "(e.g. runs/x/draft/eval_dev.json for --data dev.jsonl). An existing file is refused unless "
+            "--overwrite_output_json true."
+        },
+    )
+    overwrite_output_json: bool = field(
+        default=False, metadata={"help": "Replace an existing results file (default: refuse it before decoding)."}
+    )
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
     num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
     precision: str = field(
@@ -160,6 +174,35 @@ class EvalArguments(DecodeStepArguments):
         """The draft and data exist and the target is an existing directory or a Hub id (before anything loads)."""
         check_paths_exist(self, ("draft", "data"))
         check_model_dir(self.target, "--target", "the frozen target")
+
+
+DATA_SUFFIXES = (".gz", ".jsonl", ".json")  # stripped from --data's file name for the default results name
+
+
+def results_path(args: EvalArguments) -> Path:
+    """`--output_json`, else `<draft>/eval_<data name>.json` (the data file's name without its suffixes)."""
+    if args.output_json:
+        return Path(args.output_json)
+    name = Path(args.data).name
+    for suffix in DATA_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return Path(args.draft) / f"eval_{name or 'data'}.json"
+
+
+def check_results_path(args: EvalArguments) -> None:
+    """The results file is not a directory, is not written over unless `--overwrite_output_json true`, and its
+    folder is writable: refused before anything loads, not after the decoding."""
+    out = results_path(args)
+    if out.is_dir():
+        raise IsADirectoryError(f"--output_json {out} is a directory; give a file name (e.g. {out}/eval.json)")
+    if out.exists() and not args.overwrite_output_json:
+        raise FileExistsError(
+            f"--output_json {out} exists (an earlier evaluation's results); pass --overwrite_output_json true to "
+            "replace it, or --output_json NEW.json"
+        )
+    folder = next((p for p in out.absolute().parents if p.exists()), None)
+    if folder is not None and not os.access(folder, os.W_OK):
+        raise PermissionError(f"--output_json {out}: {folder} is not writable; give --output_json in a folder you own")
 
 
 def make_parser() -> HfArgumentParser:
@@ -376,8 +419,11 @@ def results_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
     configure_cpu_threads()
+    args.check_inputs()
+    check_results_path(args)
+    out = results_path(args)
+    args.output_json = str(out)  # the results record where they were written
     results = evaluate(args)
-    out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(results_table(results))

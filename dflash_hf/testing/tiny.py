@@ -168,9 +168,11 @@ def build_qwen3_asr_target(
     num_layers: int = 4,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    audio_conv_channels: int = 8,
     seed: int = 0,
 ) -> tuple[Qwen3ASRForConditionalGeneration, Qwen3ASRProcessor]:
-    """Tiny random Qwen3-ASR (2-layer audio encoder, ``num_layers`` Qwen3 decoder layers), float32, eval."""
+    """Tiny random Qwen3-ASR (2-layer audio encoder whose convolutions have ``audio_conv_channels`` channels,
+    ``num_layers`` Qwen3 decoder layers), float32, eval."""
     tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
     audio_config = dict(
         model_type="qwen3_asr_encoder",
@@ -182,7 +184,7 @@ def build_qwen3_asr_target(
         output_dim=hidden_size,
         n_window=50,
         n_window_infer=100,
-        downsample_hidden_size=8,
+        downsample_hidden_size=audio_conv_channels,
         max_position_embeddings=13,
         # 0.02 (the default) makes the tiny encoder's output almost independent of its input (positional
         # embeddings dominate after ln_post); 0.2 keeps the audio informative
@@ -355,10 +357,11 @@ def synthesize_speech(
     max_dur: float = 2.0,
     sampling_rate: int = SAMPLING_RATE,
     manifest_name: str = "manifest.jsonl",
+    word_gap: float = 0.05,
 ) -> Path:
     """Write ``num_utterances`` synthetic utterances and a NeMo manifest; return the manifest path.
 
-    Each utterance is a sequence of 0.2 s tones (with 0.05 s of silence between), one per transcript word,
+    Each utterance is a sequence of 0.2 s tones (with ``word_gap`` s of silence before each), one per transcript word,
     whose pitch identifies the word (:data:`WORDS` / :data:`WORD_FREQS`); the duration is drawn uniformly
     in ``[min_dur, max_dur]`` and the word count is what fits. Audio goes to ``out_dir/audio/utt-XXXX.<fmt>``
     (``fmt`` ``"wav"`` or ``"flac"``); manifest lines hold ``audio_filepath`` (relative to the manifest),
@@ -366,12 +369,15 @@ def synthesize_speech(
     """
     if fmt not in ("wav", "flac"):
         raise ValueError(f"synthesize_speech: fmt must be 'wav' or 'flac', got {fmt!r}")
-    if not 0.3 <= min_dur <= max_dur:
-        raise ValueError(f"synthesize_speech: need 0.3 <= min_dur <= max_dur, got {min_dur}, {max_dur}")
+    if word_gap <= 0 or not round(0.2 + 2 * word_gap, 6) <= min_dur <= max_dur:
+        raise ValueError(
+            f"synthesize_speech: need word_gap > 0 and 0.2 + 2 * word_gap <= min_dur <= max_dur (a word between two "
+            f"gaps fits), got word_gap={word_gap}, min_dur={min_dur}, max_dur={max_dur}"
+        )
     out_dir = Path(out_dir)
     (out_dir / "audio").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    word_len, gap = 0.2, 0.05
+    word_len, gap = 0.2, word_gap
     lines = []
     for i in range(num_utterances):
         duration = float(np.round(rng.uniform(min_dur, max_dur), 2))

@@ -218,25 +218,6 @@ def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
     assert len(res["samples"]) == 2 and all(isinstance(s["hyp"], str) for s in res["samples"])
 
 
-def test_word_error_rate():
-    assert sl.normalize("Hello, World! It's a well-known fact.") == [
-        "hello",
-        "world",
-        "it's",
-        "a",
-        "well",
-        "known",
-        "fact",
-    ]
-    assert sl.word_errors("a b c".split(), "a b c".split()) == 0
-    assert sl.word_errors("a b c".split(), "a x c d".split()) == 2  # one substitution, one insertion
-    assert sl.word_errors("a b c".split(), []) == 3
-    assert sl.word_errors([], "a b".split()) == 2
-    assert sl.corpus_wer(["The cat sat.", "on the mat"], ["the cat sat", "on a mat mat"]) == pytest.approx(2 / 6)
-    with pytest.raises(ValueError, match="no words"):
-        sl.corpus_wer(["..."], ["x"])
-
-
 def test_bad_inputs_name_the_flag(parts, tmp_path):
     root, _, _, manifest = parts
     with pytest.raises(ValueError, match="--audio_token"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -162,7 +163,7 @@ def test_help_and_argument_errors_do_not_load_torch(tmp_path):
     ]
     assert lines[-1] == "heavy []"
     assert "argument --gamma: invalid float value: 'x'" in out.stderr
-    assert "unrecognized arguments: --no_such_option 1" in out.stderr
+    assert "dflash-train: error: unknown option --no_such_option" in out.stderr
     assert "dflash-train: error: --target_name_or_path is required" in out.stderr
     assert f"dflash-train: error: --target_name_or_path {missing}: the directory does not exist" in out.stderr
 
@@ -289,6 +290,33 @@ def test_push_to_hub_publishes_the_exported_draft(tmp_path, monkeypatch):
     assert "base_model: org/tiny-asr" in card and "| target | `org/tiny-asr` |" in card
     assert "| metric (dev) | value |" in card and "| 3.500 |" in card
     assert "dev.jsonl; 7 steps, ground_truth labels." in card
+
+
+def test_a_training_run_ends_with_the_eval_command_of_its_export(tmp_path, monkeypatch, capsys):
+    from dflash_hf.cli import eval as cli_eval
+    from dflash_hf.cli.config import parse_with_config
+
+    _, run = _fake_training_run(tmp_path, monkeypatch, upload=lambda folder: None)
+    run()
+    *_, intro, command = capsys.readouterr().out.rstrip().splitlines()
+    assert intro.startswith("measure real tau and speed of the export") and command.startswith("  dflash-eval ")
+    (args,) = parse_with_config(cli_eval.make_parser(), shlex.split(command)[1:])
+    assert (args.draft, args.target, args.data) == (
+        str(tmp_path / "draft"),
+        str(tmp_path / "target"),
+        str(tmp_path / "dev.jsonl"),
+    )
+    assert args.precision == "fp32"
+    # a run without validation data: the data is a placeholder, said so
+    no_dev = cli_train.eval_command(
+        args=SimpleNamespace(target_name_or_path="t", precision="bf16"),
+        data_args=DFlashDataArguments(train_data=["a.jsonl"]),
+        export_dir="runs/x/draft",
+    )
+    assert no_dev == (
+        "dflash-eval --draft runs/x/draft --target t --data HELD_OUT_MANIFEST.jsonl --precision bf16"
+        "  # a held-out manifest: the run had no --eval_data"
+    )
 
 
 def test_failed_upload_is_a_user_error_that_keeps_the_export(tmp_path, monkeypatch, capsys):
@@ -510,3 +538,36 @@ def test_a_stop_signal_during_the_demo_is_one_line_and_exit_128_plus_signal(monk
     assert console.run_command("dflash-demo", []) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert err.startswith("dflash-demo: received SIGTERM: stopped at optimizer step 3") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("prog", "argv", "message"),
+    [
+        (
+            "dflash-train",
+            ["--mask_token", "5"],
+            "--mask_token (options are not abbreviated); did you mean --mask_token_id?",
+        ),
+        ("dflash-train", ["--mask_tokn_id", "5"], "--mask_tokn_id; did you mean --mask_token_id?"),
+        ("dflash-train", ["--conf", "x.yaml"], "--conf (options are not abbreviated); did you mean --config?"),
+        ("dflash-eval", ["--max_new", "4"], "--max_new (options are not abbreviated); did you mean --max_new_tokens?"),
+        ("dflash-generate-labels", ["--manifset=m.jsonl"], "--manifset; did you mean --manifest?"),
+        ("dflash-demo", ["--max_step", "3"], "--max_step (options are not abbreviated); did you mean --max_steps?"),
+    ],
+)
+def test_abbreviated_or_misspelled_options_are_refused_naming_the_closest(prog, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [prog])  # the program name argparse prints, as a console script's
+    with pytest.raises(SystemExit) as exit_info:  # refused by argparse, as any bad option: usage, message, status 2
+        console.run_command(prog, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(f"\n{prog}: error: unknown option {message}\n")
+
+
+def test_misspelled_or_abbreviated_config_keys_name_the_closest_field(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DFLASH_DEBUG", raising=False)
+    config = tmp_path / "run.yaml"
+    config.write_text("mask_token: 5\nblock_sise: 8\n")
+    assert console.run_command("dflash-train", ["--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown fields block_sise (line 2; did you mean block_size?)" in err
+    assert "mask_token (line 1; did you mean mask_token_id?)" in err

@@ -54,6 +54,7 @@ def test_text_prompts_config_and_overrides(text_setup, capsys):
                 "data": str(prompts),
                 "max_new_tokens": 20,
                 "output_json": str(root / "out.json"),
+                "overwrite_output_json": True,  # each run below replaces the results of the one before
             }
         )
     )
@@ -110,7 +111,7 @@ def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
     assert cli_eval.main(argv) == 1
     res = json.loads((root / "bad.json").read_text())
     assert res["prompts"] == 2 and not res["outputs_identical"] and res["mismatched_prompts"] == [0, 1]
-    assert cli_eval.main(argv + ["--allow_mismatch", "true"]) == 0
+    assert cli_eval.main(argv + ["--allow_mismatch", "true", "--overwrite_output_json", "true"]) == 0
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="--data"):
         cli_eval.main(["--draft", str(draft), "--target", str(target), "--data", str(root / "missing.jsonl")])
@@ -177,6 +178,8 @@ def test_speech_manifest(tmp_path):
                 "Transcribe.",
                 "--output_json",
                 str(out),
+                "--overwrite_output_json",
+                "true",
                 "--draft_cuda_graph",
                 "on",
             ]
@@ -293,7 +296,7 @@ def test_eval_renders_manifests_with_the_conversation_the_draft_was_trained_with
     used = _conversations_used(monkeypatch)
     out = tmp_path / "res.json"
     argv = ["--draft", export, "--target", str(target), "--data", str(manifest), "--max_new_tokens", "4"]
-    argv += ["--output_json", str(out)]
+    argv += ["--output_json", str(out), "--overwrite_output_json", "true"]
     caplog.set_level("WARNING", logger="dflash_hf")
 
     def warnings() -> str:  # dflash-eval's own (its package's modules log under their own names)

@@ -189,7 +189,7 @@ def test_checkpoint_saves_and_the_export_draw_no_bars_of_their_own(tmp_path, cap
     assert hf_logging.is_progress_bar_enabled()  # restored after each save
 
 
-def test_dflash_eval_bar_has_a_total_without_num_samples(tmp_path, capfd):
+def test_dflash_eval_bar_has_a_total_and_writes_beside_the_draft_never_over_results(tmp_path, capfd):
     import gzip
     import json
 
@@ -217,13 +217,19 @@ def test_dflash_eval_bar_has_a_total_without_num_samples(tmp_path, capfd):
         str(prompts),
         "--max_new_tokens",
         "4",
-        "--output_json",
-        str(tmp_path / "out.json"),
     ]
     assert cli_eval.main(argv) == 0
-    assert "3/3" in capfd.readouterr().err
-    assert cli_eval.main([*argv, "--num_samples", "2"]) == 0
-    assert "2/2" in capfd.readouterr().err
+    out, err = capfd.readouterr()
+    assert "3/3" in err
+    written = tmp_path / "draft" / "eval_prompts.json"  # beside the draft, named after the data
+    assert f"results written to {written}" in out and json.loads(written.read_text())["prompts"] == 3
+    with pytest.raises(FileExistsError, match=r"eval_prompts.json exists .*--overwrite_output_json true"):
+        cli_eval.main([*argv, "--num_samples", "2"])  # refused before anything loads: no bar
+    assert "dflash-eval" not in capfd.readouterr().err
+    assert cli_eval.main([*argv, "--num_samples", "2", "--overwrite_output_json", "true"]) == 0
+    assert "2/2" in capfd.readouterr().err and json.loads(written.read_text())["prompts"] == 2
+    assert cli_eval.main([*argv, "--num_samples", "1", "--output_json", str(tmp_path / "one.json")]) == 0
+    assert json.loads((tmp_path / "one.json").read_text())["output_json"] == str(tmp_path / "one.json")
     packed = tmp_path / "prompts.jsonl.gz"
     packed.write_bytes(gzip.compress(prompts.read_bytes()))
     assert cli_eval.count_records(str(packed)) == 3
