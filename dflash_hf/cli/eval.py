@@ -27,7 +27,7 @@ from transformers import HfArgumentParser
 
 from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
 from dflash_hf.cli.train import load_processor
-from dflash_hf.data import ConversationConfig, DataSource
+from dflash_hf.data import ConversationConfig
 from dflash_hf.export.drafts import load_draft_strict
 from dflash_hf.generation.static_draft import graph_mode
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
@@ -36,6 +36,7 @@ from dflash_hf.training.decode_benchmark import (
     CONVERSATION_KEY,
     decode_benchmark,
     iter_prompts,
+    prompt_source,
     recorded_conversation,
     speech_rows_and_collator,
 )
@@ -292,7 +293,7 @@ def load_prompts(args: EvalArguments, processor, config, recorded: dict | None =
         return text_prompts(args.data, get_tokenizer(processor))
     keys = {k: recorded[k] for k in ("context_key", "system_prompt_key")} if recorded else {}
     conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt, **keys)
-    source = DataSource(path=args.data, allow_command_audio_sources=args.allow_command_audio_sources)
+    source = prompt_source(args.data, allow_command_audio_sources=args.allow_command_audio_sources)  # no rate check
     rows, collate = speech_rows_and_collator(source, processor, config, family=args.family, conversation=conversation)
     return iter_prompts(rows, collate)
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -105,6 +106,16 @@ def dataset_rows(dataset) -> Iterable:
     return (dataset[i] for i in range(len(dataset)))
 
 
+def prompt_source(path: str | Path, **policy):
+    """The `DataSource` of a file whose rows are decoded as prompts (`dflash-eval`, benchmarks). Their response text
+    is neither trained on nor decoded against, so training's characters-per-second check (`max_chars_per_second`)
+    is off: a long reference answer is no bad row here. `policy`: the other `DataSource` fields
+    (`allow_command_audio_sources`, ...)."""
+    from dflash_hf.data import DataSource
+
+    return DataSource(path=str(path), max_chars_per_second=None, **policy)
+
+
 def speech_rows_and_collator(
     source,
     processor,
@@ -118,7 +129,8 @@ def speech_rows_and_collator(
 ):
     """Validated cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and
     the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
-    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`). `family`: a
+    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`); a path is opened
+    as a `prompt_source` (no characters-per-second check), a `DataSource` with its own checks. `family`: a
     `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
     from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, open_source
     from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
@@ -129,6 +141,7 @@ def speech_rows_and_collator(
     bad = BadSamples(skip=skip_bad_samples)
     validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
     sources = source if isinstance(source, (list, tuple)) else [source]
+    sources = [prompt_source(s) if isinstance(s, (str, Path)) else s for s in sources]
     rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
     return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
 
@@ -357,5 +370,6 @@ __all__ = [
     "prompts_from",
     "record_conversation",
     "recorded_conversation",
+    "prompt_source",
     "speech_rows_and_collator",
 ]

@@ -348,3 +348,17 @@ def test_tree_budgets_are_evaluated_beside_the_chain(text_setup, capsys):
     assert "tree    3: tau" in table and "tree    8: tau" in table and "outputs identical: NO" not in table
     with pytest.raises(ValueError, match="--tree_budget takes distinct node budgets >= 1"):
         cli_eval.main([*argv, "--tree_budget", "0"])
+
+
+def test_a_long_reference_answer_is_no_bad_row_for_evaluation_prompts(tmp_path):
+    """The response text of an evaluation row is dropped (the prompt is what comes before it), so training's
+    characters-per-second check does not refuse a long answer: `--data` and a plain path to the benchmarks' reader."""
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1]["text"] = "A long answer that describes the audio clip in several sentences. " * 3  # > 50 chars/s
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = cli_eval.EvalArguments(draft="d", target="t", data=str(manifest), prompt="Describe.")
+    assert len(list(cli_eval.load_prompts(args, processor, model.config))) == 2
+    cuts, _ = decode_benchmark.speech_rows_and_collator(str(manifest), processor, model.config)
+    assert [c.supervisions[0].text for c in cuts][1] == rows[1]["text"]
