@@ -30,6 +30,7 @@ from dflash_hf.cli.train import load_processor
 from dflash_hf.data import ConversationConfig
 from dflash_hf.export.drafts import load_draft_strict
 from dflash_hf.generation.static_draft import graph_mode
+from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
 from dflash_hf.training.decode_benchmark import (
@@ -321,6 +322,8 @@ def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, to
 def evaluate(args: EvalArguments) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
+    if args.tree_budget:  # a target that cannot take tree verification: refused before any decoding
+        check_tree_target(target)
     cfg = draft.config
     target_check = check_draft_target(  # before any decoding: a draft of another target is refused
         args.draft, cfg, target, allow_mismatch=args.allow_target_mismatch, target_name=args.target

@@ -24,6 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from dflash_hf.generation.speculative import model_side_greedy, speculative_generate
+from dflash_hf.generation.tree_decode import check_tree_budget
+from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.generation.verify_rules import max_new_tokens_given
 from dflash_hf.targets.families.registry import generate_kwargs
 from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget
@@ -288,8 +290,13 @@ def decode_benchmark(
     `verify_cuda_graph`: as for `speculative_generate`. `tree_budgets`: after the chain's pass, one pass over the same
     prompts per budget with tree verification (`speculative_generate(tree_budget=...)`; its own untimed warm-up: each
     budget captures its own fixed-shape steps), compared with the chain pass's greedy decodes; their figures are the
-    returned stats' `trees`."""
+    returned stats' `trees`. A budget or a target that tree verification cannot take is refused before any
+    decoding."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    for budget in tree_budgets:
+        check_tree_budget(budget)
+    if tree_budgets:
+        check_tree_target(ft)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
     kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts and greedy decodes

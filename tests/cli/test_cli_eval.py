@@ -362,3 +362,38 @@ def test_a_long_reference_answer_is_no_bad_row_for_evaluation_prompts(tmp_path):
     assert len(list(cli_eval.load_prompts(args, processor, model.config))) == 2
     cuts, _ = decode_benchmark.speech_rows_and_collator(str(manifest), processor, model.config)
     assert [c.supervisions[0].text for c in cuts][1] == rows[1]["text"]
+
+
+def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decoding(text_setup, monkeypatch):
+    """`--tree_budget` on a target with sliding-window layers: refused before the chain pass (dflash-eval checks it
+    after loading the target; `decode_benchmark` before it reads a prompt)."""
+    root, target, draft, prompts = text_setup
+    real_load = cli_eval.load_target
+
+    def sliding_window_target(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        model.config.use_sliding_window, model.config.sliding_window = True, 4
+        return model
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("decoded before the refusal")
+
+    monkeypatch.setattr(cli_eval, "load_target", sliding_window_target)
+    monkeypatch.setattr(cli_eval, "decode_benchmark", decoded)
+    argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--tree_budget", "8"]
+    with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
+        cli_eval.main([*argv, "--output_json", str(root / "refused.json")])
+
+    model = sliding_window_target(str(target))
+    read = []
+
+    def inputs():
+        read.append(1)
+        yield {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+
+    draft_model = cli_eval.load_draft_strict(str(draft))
+    with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
+        decode_benchmark.decode_benchmark(draft_model, model, inputs(), 4, tree_budgets=[8])
+    with pytest.raises(ValueError, match="tree_budget must be >= 1"):
+        decode_benchmark.decode_benchmark(draft_model, real_load(str(target)), inputs(), 4, tree_budgets=[0])
+    assert read == []  # no prompt was read, let alone decoded
