@@ -299,7 +299,7 @@ def decode_benchmark(
         check_tree_target(ft)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
-    kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts and greedy decodes
+    kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts (host) and greedy decodes
 
     def decode(inputs, budget=None):
         return speculative_generate(
@@ -312,9 +312,9 @@ def decode_benchmark(
             **inputs,
         )
 
-    for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
-        n_prompt = inputs["input_ids"].shape[1]
-        inputs = generate_inputs(ft, inputs)
+    for i, prompt in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
+        n_prompt = prompt["input_ids"].shape[1]
+        inputs = generate_inputs(ft, prompt)
         if warmup and i == 0:
             decode(inputs)
             if compare_greedy:
@@ -327,17 +327,23 @@ def decode_benchmark(
             seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
             _compared(stats, i, spec_new, greedy_new, seconds)
-        if tree_budgets:
-            kept.append((inputs, n_prompt, greedy_new, seconds))
+        if tree_budgets:  # on the host: the device holds one prompt's tensors at a time, however many prompts
+            kept.append((_on_host(prompt), n_prompt, greedy_new, seconds))
     for budget in tree_budgets:
         run = stats.trees[budget] = DecodeStats(compared=compare_greedy)
-        for i, (inputs, n_prompt, greedy_new, seconds) in enumerate(kept):
+        for i, (prompt, n_prompt, greedy_new, seconds) in enumerate(kept):
+            inputs = generate_inputs(ft, prompt)
             if warmup and i == 0:
                 decode(inputs, budget)
             spec_new = _timed_decode(run, partial(decode, inputs, budget), n_prompt, device)
             if greedy_new is not None:
                 _compared(run, i, spec_new, greedy_new, seconds)
     return stats
+
+
+def _on_host(prompt: dict) -> dict:
+    """A prompt's tensors in host memory (those already there are not copied)."""
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in prompt.items()}
 
 
 def _compared(stats: DecodeStats, i: int, spec_new: list[int], greedy_new: list[int], seconds: float) -> None:

@@ -397,3 +397,36 @@ def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decod
     with pytest.raises(ValueError, match="tree_budget must be >= 1"):
         decode_benchmark.decode_benchmark(draft_model, real_load(str(target)), inputs(), 4, tree_budgets=[0])
     assert read == []  # no prompt was read, let alone decoded
+
+
+def test_the_tree_passes_hold_no_device_inputs_of_the_chain_pass(text_setup, monkeypatch):
+    """The tree passes re-read each prompt from a host copy: the target-device inputs of the chain pass are freed as it
+    goes (the device holds one prompt's at a time, however many prompts are evaluated)."""
+    import weakref
+
+    root, target, draft, _ = text_setup
+
+    class Inputs(dict):  # a dict that can be weakly referenced
+        pass
+
+    real_inputs, real_generate = decode_benchmark.generate_inputs, decode_benchmark.speculative_generate
+    made, alive_in_trees = [], []
+
+    def generate_inputs(ft, prompt):
+        inputs = Inputs(real_inputs(ft, prompt))
+        made.append(weakref.ref(inputs))
+        return inputs
+
+    def speculative_generate(*args, tree_budget=None, **kwargs):
+        if tree_budget is not None:
+            alive_in_trees.append(sum(ref() is not None for ref in made[:3]))  # the chain pass's three prompts
+        return real_generate(*args, tree_budget=tree_budget, **kwargs)
+
+    monkeypatch.setattr(decode_benchmark, "generate_inputs", generate_inputs)
+    monkeypatch.setattr(decode_benchmark, "speculative_generate", speculative_generate)
+    ones = torch.ones(1, 3, dtype=torch.long)
+    prompts = [{"input_ids": torch.tensor([[5 + i, 6, 7]]), "attention_mask": ones} for i in range(3)]
+    model, draft_model = load_target(str(target)), cli_eval.load_draft_strict(str(draft))
+    stats = decode_benchmark.decode_benchmark(draft_model, model, prompts, 4, tree_budgets=[8])
+    assert stats.trees[8].prompts == 3 and not stats.trees[8].mismatches
+    assert alive_in_trees and set(alive_in_trees) == {0}
