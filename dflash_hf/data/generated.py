@@ -2,7 +2,8 @@
 
 - ``label_ids``: the target's own tokens of the response, written where the text's tokens differ from them (a
   tokenizer re-encodes a decoded text canonically, a model may write a word in other pieces). Training takes these
-  ids for the response instead of the text's, so the draft learns the token sequence the target writes; the text
+  ids for the response (and for the template's whitespace right before it, which the target writes itself) instead
+  of the text's, so the row is the target's own stream and the draft learns the tokens the target writes; the text
   stays for reading and evaluation. The ids must decode to the row's text (the same decoding the tool used:
   special tokens skipped, surrounding spaces stripped), lie in the tokenizer's vocabulary and hold neither an end
   token nor the audio placeholder. A row whose decoded text is empty keeps none (it is not a usable row).
@@ -85,9 +86,15 @@ def splice_response(
 ) -> tuple[list[int], list[bool]]:
     """The suffix's ids and supervision with the response's tokens (the supervised ones, before the closing token is
     marked) replaced by `label_ids`. The replaced tokens must cover the response and nothing of the template but
-    spaces."""
+    spaces. The whitespace tokens right before the response (a template's separating space, e.g. Whisper's before
+    its transcript) are replaced too: the target wrote its own (the generated ids follow the generation prompt), so
+    the row is the target's stream, generation prompt + `label_ids` + the turn's end."""
     marked = [i for i, flag in enumerate(supervised) if flag]
     first, last = marked[0], marked[-1]
+    while first > 0 and offsets[first - 1][1] > offsets[first - 1][0]:  # a zero-width (special) token stops it
+        if suffix[offsets[first - 1][0] : offsets[first - 1][1]].strip():
+            break
+        first -= 1
     covered = suffix[offsets[first][0] : offsets[last][1]]
     if covered.strip() != response.strip():
         raise ValueError(

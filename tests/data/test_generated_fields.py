@@ -126,3 +126,41 @@ def test_unusable_generated_fields_are_bad_samples_naming_the_field(tmp_path, as
     field = "truncated" if "truncated" in fields else "label_ids"
     with pytest.raises(BadSampleError, match=rf"field '{field}': .*{problem}"):
         list(_loader(path, asr_target))
+
+
+def test_a_whisper_rows_label_ids_make_the_targets_own_stream(tmp_path):
+    """Whisper writes the space before its transcript itself (the template renders `prompt + " " + text`): a row with
+    the target's ids is its stream, prompt + ids + end, the template's space replaced, not kept beside them."""
+    from utils import tiny_whisper
+
+    whisper = tiny_whisper()
+    tok = whisper[1].tokenizer
+    prompt = tok.convert_tokens_to_ids([tiny.WHISPER_SOT, "<|en|>", "<|transcribe|>", tiny.WHISPER_NO_TIMESTAMPS])
+    written = tok(" yes no", add_special_tokens=False)["input_ids"]  # the space is a token of its own here
+    path = _manifest(tmp_path, [{"text": "yes no"}, {"text": "yes no", "label_ids": written}])
+    (plain, _, _), (labelled, supervised, _) = _rows(path, whisper)
+    assert labelled == plain == prompt + written + [tok.eos_token_id]  # not prompt + [space] + written + end
+    assert supervised == written + [tok.eos_token_id]
+
+
+def test_label_ids_replace_a_separating_space_token_but_not_one_merged_into_the_first_word():
+    """`splice_response` on a template's suffix `" yes no<end>"`: a byte-level tokenizer's space token before the
+    response is replaced with it; a BPE whose first word carries the space (Whisper's real one) has none to replace;
+    template text before the response stays."""
+    from dflash_hf.data.generated import splice_response
+
+    suffix = " yes no<e>"
+    spaced = [32, 121, 101, 115, 32, 110, 111, 900]  # byte-level: the space a token of its own
+    offsets = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 10)]
+    supervised = [False, True, True, True, True, True, True, False]
+    ids, flags = splice_response("c", suffix, spaced, offsets, supervised, "yes no", spaced[:7])
+    assert ids == spaced and flags == [True] * 7 + [False]
+    merged = [1000, 1001, 900]  # BPE: "Ġyes", "Ġno", end
+    ids, flags = splice_response("c", suffix, merged, [(0, 4), (4, 7), (7, 10)], [True, True, False], "yes no", [7, 8])
+    assert ids == [7, 8, 900] and flags == [True, True, False]
+    marked = "A: yes no<e>"  # template text, then a space, before the response
+    ids, flags = splice_response(
+        "c", marked, [65, 58, 32, 1000, 900], [(0, 1), (1, 2), (2, 3), (3, 9), (9, 12)], [False] * 3 + [True, False],
+        "yes no", [7, 8],
+    )  # fmt: skip
+    assert ids == [65, 58, 7, 8, 900] and flags == [False, False, True, True, False]
