@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -39,20 +39,34 @@ def end_ids(tokenizer) -> set[int]:
     return {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if isinstance(i, int)}
 
 
-def generated_problem(cut, tokenizer, text: str, audio_id: int | None = None) -> tuple[str, str, str] | None:
-    """``(field, problem, fix)`` where a cut's ``truncated`` or ``label_ids`` cannot be used, else None. `audio_id`:
-    the target's audio placeholder, which a response can never hold (the target would take it for audio)."""
-    custom = cut.custom or {}
-    truncated = custom.get(TRUNCATED_KEY)
+def generated_field_problem(fields: Mapping) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` where a row's ``truncated`` / ``label_ids`` (`fields`: a manifest line, or a cut's
+    custom fields) have the wrong type, else None: the checks that need no tokenizer (the data pre-flight's)."""
+    truncated = fields.get(TRUNCATED_KEY)
     if truncated is not None and not isinstance(truncated, bool):
         return TRUNCATED_KEY, f"is {truncated!r:.40}, not true or false", "write 'truncated' as a JSON boolean"
-    ids = custom.get(LABEL_IDS_KEY)
+    ids = fields.get(LABEL_IDS_KEY)
     if ids is None:
         return None
     if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         return LABEL_IDS_KEY, f"is {ids!r:.60}, not a non-empty list of token ids", REGENERATE_FIX
+    negative = [i for i in ids if i < 0]
+    if negative:
+        return LABEL_IDS_KEY, f"holds negative ids {negative[:5]}", REGENERATE_FIX
+    return None
+
+
+def generated_problem(cut, tokenizer, text: str, audio_id: int | None = None) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` where a cut's ``truncated`` or ``label_ids`` cannot be used, else None: the type
+    checks (`generated_field_problem`), then those against the tokenizer. `audio_id`: the target's audio placeholder,
+    which a response can never hold (the target would take it for audio)."""
+    custom = cut.custom or {}
+    found = generated_field_problem(custom)
+    ids = custom.get(LABEL_IDS_KEY)
+    if found or ids is None:
+        return found
     vocab = len(tokenizer)
-    outside = [i for i in ids if not 0 <= i < vocab]
+    outside = [i for i in ids if i >= vocab]
     if outside:
         return LABEL_IDS_KEY, f"holds ids {outside[:5]} outside the tokenizer's vocabulary of {vocab}", REGENERATE_FIX
     if audio_id is not None and audio_id in ids:
@@ -141,6 +155,7 @@ __all__ = [
     "TRUNCATED_KEY",
     "decoded_response",
     "end_ids",
+    "generated_field_problem",
     "generated_fields",
     "generated_problem",
     "splice_response",

@@ -164,3 +164,32 @@ def test_label_ids_replace_a_separating_space_token_but_not_one_merged_into_the_
         "yes no", [7, 8],
     )  # fmt: skip
     assert ids == [65, 58, 7, 8, 900] and flags == [False, False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"truncated": "yes"}, "'truncated': is 'yes', not true or false"),
+        ({"label_ids": "IDS"}, "'label_ids': is 'IDS', not a non-empty list"),
+        ({"label_ids": []}, "'label_ids': is \\[\\], not a non-empty list"),
+        ({"label_ids": [1, True]}, "'label_ids': .*not a non-empty list"),
+        ({"label_ids": [5, -1]}, "'label_ids': holds negative ids \\[-1\\]"),
+    ],
+)
+def test_malformed_generated_fields_are_found_when_the_source_is_opened(tmp_path, fields, problem):
+    """The type checks of `label_ids` / `truncated` need no tokenizer: the readers' row pre-flight (NeMo manifest and
+    lhotse cuts file) refuses them before any target loads, or counts them with --skip_bad_samples."""
+    from lhotse import CutSet, MonoCut
+    from lhotse.supervision import SupervisionSegment
+
+    nemo = _manifest(tmp_path, [{"text": "yes no"}, {"text": "yes no", **fields}])
+    sup = SupervisionSegment(id="c", recording_id="c", start=0.0, duration=0.0, text="yes no")
+    cuts = tmp_path / "cuts.jsonl.gz"
+    CutSet.from_cuts([MonoCut(id="c", start=0.0, duration=0.0, channel=0, supervisions=[sup], custom=fields)]).to_file(
+        cuts
+    )
+    for path in (nemo, cuts):
+        with pytest.raises(BadSampleError, match=f"field {problem}"):
+            open_source(path)  # the rows are checked as the source opens
+        bad = BadSamples(skip=True)
+        assert len(list(open_source(path, bad))) == (1 if path == nemo else 0) and len(bad.skipped) == 1
