@@ -9,7 +9,9 @@
   token nor the audio placeholder. A row whose decoded text is empty keeps none (it is not a usable row).
 - ``truncated``: true where the output was cut by ``--max_new_tokens`` before the target's end token. Such a row is
   trained without the end of its turn: the rendered conversation stops after the response, so neither the end token
-  nor its supervision is there (the draft is not taught to stop where the target went on).
+  nor its supervision is there (the draft is not taught to stop where the target went on). Its text is what the
+  target wrote until the limit (often a repetition loop), not a transcript of its audio: training's
+  characters-per-second check (``json_rows.text_rate_problem``) does not apply to it (:func:`rate_checked`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def generated_fields(cut) -> tuple[list[int] | None, bool]:
     """``(label_ids or None, truncated)`` of a cut (its custom fields; a NeMo line's extra keys land there)."""
     custom = cut.custom or {}
     return custom.get(LABEL_IDS_KEY), custom.get(TRUNCATED_KEY) is True
+
+
+def rate_checked(fields: Mapping) -> bool:
+    """Whether a row (a manifest line, or a cut's custom fields) takes the characters-per-second check: not where it
+    is marked ``truncated`` (the target's own output cut by a token limit, not a transcript of a wrong duration)."""
+    return fields.get(TRUNCATED_KEY) is not True
 
 
 def decoded_response(tokenizer, ids: Sequence[int]) -> str:
@@ -158,6 +166,7 @@ __all__ = [
     "generated_field_problem",
     "generated_fields",
     "generated_problem",
+    "rate_checked",
     "splice_response",
     "splice_rows",
 ]

@@ -9,6 +9,7 @@ import soundfile as sf
 from dflash_hf.data import BadSampleError, BadSamples, build_train_dataloader
 from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import open_source
 from dflash_hf.targets.families.registry import resolve_family
@@ -24,17 +25,17 @@ def _manifest(tmp_path, rows):
     return path
 
 
-def _parts(asr_target):
+def _parts(asr_target, **validator_kw):
     model, processor = asr_target
     family = resolve_family(model.config)
     renderer = ConversationRenderer(processor, family, ConversationConfig())
-    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples())
+    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=BadSamples(), **validator_kw)
     return validator, PaddedCollator(processor, model.config, family, renderer, "left")
 
 
-def _rows(path, asr_target):
+def _rows(path, asr_target, **validator_kw):
     """Each manifest row collated on its own: its real ids, its supervised ids and the sampler's token count."""
-    validator, collate = _parts(asr_target)
+    validator, collate = _parts(asr_target, **validator_kw)
     out = []
     for cut in open_source(path):
         cut = validator(cut)
@@ -193,3 +194,34 @@ def test_malformed_generated_fields_are_found_when_the_source_is_opened(tmp_path
             open_source(path)  # the rows are checked as the source opens
         bad = BadSamples(skip=True)
         assert len(list(open_source(path, bad))) == (1 if path == nemo else 0) and len(bad.skipped) == 1
+
+
+def test_a_truncated_generated_row_is_exempt_from_the_characters_per_second_check(tmp_path, asr_target):
+    """A target looping until --max_new_tokens writes far more than 50 characters a second of its audio: the row is
+    its own output (marked `truncated`), not a wrong duration, so it is trained on; the same text unmarked is refused,
+    when the source opens (a line with its duration) and in the validator (a duration read from the file)."""
+    loop = " ".join(["okay"] * 40)  # 199 characters for 1 s of audio
+    rate = dict(max_chars_per_second=DEFAULT_MAX_CHARS_PER_SECOND)  # the reader's default; the validator's as trained
+    for duration in (1.0, None):
+        path = _manifest(tmp_path, [{"text": loop, "truncated": True, "duration": duration}])
+        ((ids, supervised, _),) = _rows(path, asr_target, **rate)
+        assert asr_target[1].tokenizer.decode(supervised) == loop  # no end of turn: truncated
+        path = _manifest(tmp_path, [{"text": loop, "duration": duration}])
+        with pytest.raises(BadSampleError, match=r"field 'text': has 199 characters for 1(\.0+)? s of audio"):
+            _rows(path, asr_target, **rate)
+    from lhotse import CutSet, MonoCut, Recording
+    from lhotse.supervision import SupervisionSegment
+
+    from dflash_hf.data.lhotse_cuts import LhotseCuts
+
+    rec = Recording(id="a", sources=[], sampling_rate=16000, num_samples=16000, duration=1.0)
+    sup = SupervisionSegment(id="c", recording_id="a", start=0.0, duration=1.0, text=loop)
+    for custom, kept in (({"truncated": True}, 1), ({}, None)):
+        cut = MonoCut(id="c", start=0.0, duration=1.0, channel=0, supervisions=[sup], recording=rec, custom=custom)
+        CutSet.from_cuts([cut]).to_file(tmp_path / "cuts.jsonl.gz")
+        reader = LhotseCuts(tmp_path / "cuts.jsonl.gz", **rate)
+        if kept:
+            assert len(list(reader)) == kept
+        else:
+            with pytest.raises(BadSampleError, match="field 'text': has 199 characters"):
+                reader.check()
