@@ -527,3 +527,24 @@ def test_every_evaluation_reports_the_real_tau_first_and_drafts_can_be_picked_by
     off.load_best_model_at_end, off.metric_for_best_model = True, "dev_tau"
     with pytest.raises(ValueError, match="must name a metric the validation reports, got 'dev_tau'"):
         check_best_model_args(off, eval_prefixes(evals))
+
+
+def test_real_tau_is_decoded_once_at_a_step_that_is_also_evaluated(target, tmp_path, monkeypatch):
+    """--real_tau_steps 1 with an evaluation every 2 steps (--eval_real_tau): step 1's real tau comes from the
+    callback, step 2's from the evaluation alone, the same prompts decoded once a step."""
+    from dflash_hf.training import estimates
+
+    model, tok = target
+    train, evals, collate = _data(tok)
+    decodes = []
+    real_decode = estimates.decode_benchmark
+    monkeypatch.setattr(estimates, "decode_benchmark", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    kw = dict(eval_real_tau=True, real_tau_steps=1, real_tau_samples=2, real_tau_max_new_tokens=4, max_steps=2)
+    args = _args(tmp_path, tok, **kw, eval_strategy="steps", eval_steps=2)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=args, target=model, train_dataset=train, eval_dataset=evals["dev"], data_collator=collate
+    )
+    trainer.train()
+    taus = [(e["step"], "eval_loss" in e) for e in trainer.state.log_history if "eval_tau" in e]
+    assert taus == [(1, False), (2, True)] and len(decodes) == 2
