@@ -108,14 +108,14 @@ def dataset_rows(dataset) -> Iterable:
     return (dataset[i] for i in range(len(dataset)))
 
 
-def prompt_source(path: str | Path, **policy):
+def prompt_source(path: str | Path, max_chars_per_second: float | None = None, **policy):
     """The `DataSource` of a file whose rows are decoded as prompts (`dflash-eval`, benchmarks). Their response text
-    is neither trained on nor decoded against, so training's characters-per-second check (`max_chars_per_second`)
-    is off: a long reference answer is no bad row here. `policy`: the other `DataSource` fields
-    (`allow_command_audio_sources`, ...)."""
+    is neither trained on nor decoded against, so training's characters-per-second check is off by default
+    (`max_chars_per_second` None): a long reference answer is no bad row here. `policy`: the other `DataSource`
+    fields (`allow_command_audio_sources`, ...)."""
     from dflash_hf.data import DataSource
 
-    return DataSource(path=str(path), max_chars_per_second=None, **policy)
+    return DataSource(path=str(path), max_chars_per_second=max_chars_per_second, **policy)
 
 
 def speech_rows_and_collator(
@@ -128,12 +128,14 @@ def speech_rows_and_collator(
     padding_side: str = "left",
     skip_bad_samples: bool = False,
     resample_audio: bool = True,
+    max_chars_per_second: float | None = None,
 ):
     """Validated cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and
     the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
-    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`); a path is opened
-    as a `prompt_source` (no characters-per-second check), a `DataSource` with its own checks. `family`: a
-    `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
+    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`); a `DataSource` is
+    opened with its own checks, a path as a `prompt_source` with `max_chars_per_second` (None: no characters-per-second
+    check; a trainer's validation set passes the rate its loss loader applies, so both read the same rows).
+    `family`: a `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
     from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, open_source
     from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
     from dflash_hf.targets.families.registry import TargetFamily, resolve_family
@@ -143,7 +145,7 @@ def speech_rows_and_collator(
     bad = BadSamples(skip=skip_bad_samples)
     validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
     sources = source if isinstance(source, (list, tuple)) else [source]
-    sources = [prompt_source(s) if isinstance(s, (str, Path)) else s for s in sources]
+    sources = [prompt_source(s, max_chars_per_second) if isinstance(s, (str, Path)) else s for s in sources]
     rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
     return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
 

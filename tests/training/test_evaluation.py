@@ -548,3 +548,33 @@ def test_real_tau_is_decoded_once_at_a_step_that_is_also_evaluated(target, tmp_p
     trainer.train()
     taus = [(e["step"], "eval_loss" in e) for e in trainer.state.log_history if "eval_tau" in e]
     assert taus == [(1, False), (2, True)] and len(decodes) == 2
+
+
+def test_real_tau_reads_a_validation_path_with_the_rate_its_loss_loader_applies(tmp_path):
+    """A validation set given as a path: its real-tau prompts are read with the data arguments'
+    `max_chars_per_second`, as its loss loader reads it (a row one refuses, the other does too)."""
+    import json
+
+    from dflash_hf.data import BadSampleError
+    from dflash_hf.training.training_args import DFlashDataArguments
+
+    tok = tiny.build_tokenizer()
+    model, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0, max_dur=0.8)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1]["text"] = "An answer much longer than anything said in the clip. " * 2
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for rate, kept in ((50.0, None), (0.0, 2)):
+        trainer = DFlashTrainer(
+            args=_args(tmp_path / f"out{rate}", tok, target_layer_ids=[0, 1]),
+            target=model,
+            processor=processor,
+            eval_dataset=[str(manifest)],
+            data_args=DFlashDataArguments(prompt="Transcribe.", max_chars_per_second=rate),
+        )
+        rows_read, _ = trainer.real_tau._rows_and_collator([str(manifest)])
+        if kept:
+            assert len(list(rows_read)) == kept
+        else:
+            with pytest.raises(BadSampleError, match="more than --max_chars_per_second 50"):
+                list(rows_read)
