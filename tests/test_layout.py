@@ -7,11 +7,13 @@
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
   card names what the plugin refuses, by the plugin's own rule).
 - The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
+- Every test path the CI script (`.ci/run`) names exists (pytest would fail on a missing one only in that stage).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
 from utils import REPO_ROOT, TESTS_DIR
 
@@ -100,3 +102,11 @@ def test_test_tree_mirrors_the_package():
     dirs = {p.parent.relative_to(TESTS_DIR).parts[0] for p in TESTS_DIR.rglob("test_*.py") if p.parent != TESTS_DIR}
     assert dirs <= TEST_FOLDERS, sorted(dirs - TEST_FOLDERS)
     assert sorted(p.name for p in TESTS_DIR.glob("test_*.py")) == ["test_layout.py", "test_repository_text.py"]
+
+
+def test_every_test_path_the_ci_script_names_exists():
+    script = (REPO_ROOT / ".ci" / "run").read_text()
+    named = set(re.findall(r"(?<![\w/.-])tests(?:/[\w.-]+)*", script))
+    assert "tests/serving" in named  # the parse finds the serving stage's paths
+    missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
+    assert not missing, f".ci/run names test paths that do not exist: {missing}"

@@ -31,14 +31,15 @@ from transformers import HfArgumentParser
 
 from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
 from dflash_hf.cli.train import load_processor
-from dflash_hf.data import ConversationConfig, DataSource
+from dflash_hf.data import ConversationConfig
 from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
 from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record
 from dflash_hf.generation.static_draft import graph_mode
+from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.settings import DataSettings, ModelSettings
 from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator
+from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, prompt_source, speech_rows_and_collator
 from dflash_hf.training.draft_target import check_draft_target
 from dflash_hf.training.launch import configure_cpu_threads
 
@@ -332,7 +333,7 @@ def load_prompts(args: EvalArguments, processor, config, recorded: dict | None =
         return text_prompts(args.data, get_tokenizer(processor))
     keys = {k: recorded[k] for k in ("context_key", "system_prompt_key")} if recorded else {}
     conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt, **keys)
-    source = DataSource(path=args.data, allow_command_audio_sources=args.allow_command_audio_sources)
+    source = prompt_source(args.data, allow_command_audio_sources=args.allow_command_audio_sources)  # no rate check
     rows, collate = speech_rows_and_collator(source, processor, config, family=args.family, conversation=conversation)
     return iter_prompts(rows, collate)
 
@@ -361,6 +362,8 @@ def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, to
 def evaluate(args: EvalArguments) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
+    if args.tree_budget:  # a target that cannot take tree verification: refused before any decoding
+        check_tree_target(target)
     cfg = draft.config
     target_check = check_draft_target(  # before any decoding: a draft of another target is refused
         args.draft, cfg, target, allow_mismatch=args.allow_target_mismatch, target_name=args.target

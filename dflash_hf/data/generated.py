@@ -2,18 +2,21 @@
 
 - ``label_ids``: the target's own tokens of the response, written where the text's tokens differ from them (a
   tokenizer re-encodes a decoded text canonically, a model may write a word in other pieces). Training takes these
-  ids for the response instead of the text's, so the draft learns the token sequence the target writes; the text
+  ids for the response (and for the template's whitespace right before it, which the target writes itself) instead
+  of the text's, so the row is the target's own stream and the draft learns the tokens the target writes; the text
   stays for reading and evaluation. The ids must decode to the row's text (the same decoding the tool used:
   special tokens skipped, surrounding spaces stripped), lie in the tokenizer's vocabulary and hold neither an end
   token nor the audio placeholder. A row whose decoded text is empty keeps none (it is not a usable row).
 - ``truncated``: true where the output was cut by ``--max_new_tokens`` before the target's end token. Such a row is
   trained without the end of its turn: the rendered conversation stops after the response, so neither the end token
-  nor its supervision is there (the draft is not taught to stop where the target went on).
+  nor its supervision is there (the draft is not taught to stop where the target went on). Its text is what the
+  target wrote until the limit (often a repetition loop), not a transcript of its audio: training's
+  characters-per-second check (``json_rows.text_rate_problem``) does not apply to it (:func:`rate_checked`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -28,6 +31,12 @@ def generated_fields(cut) -> tuple[list[int] | None, bool]:
     return custom.get(LABEL_IDS_KEY), custom.get(TRUNCATED_KEY) is True
 
 
+def rate_checked(fields: Mapping) -> bool:
+    """Whether a row (a manifest line, or a cut's custom fields) takes the characters-per-second check: not where it
+    is marked ``truncated`` (the target's own output cut by a token limit, not a transcript of a wrong duration)."""
+    return fields.get(TRUNCATED_KEY) is not True
+
+
 def decoded_response(tokenizer, ids: Sequence[int]) -> str:
     """The text `dflash-generate-labels` writes for the generated `ids`: decoded without special tokens, stripped."""
     return tokenizer.decode(list(ids), skip_special_tokens=True).strip()
@@ -38,20 +47,34 @@ def end_ids(tokenizer) -> set[int]:
     return {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if isinstance(i, int)}
 
 
-def generated_problem(cut, tokenizer, text: str, audio_id: int | None = None) -> tuple[str, str, str] | None:
-    """``(field, problem, fix)`` where a cut's ``truncated`` or ``label_ids`` cannot be used, else None. `audio_id`:
-    the target's audio placeholder, which a response can never hold (the target would take it for audio)."""
-    custom = cut.custom or {}
-    truncated = custom.get(TRUNCATED_KEY)
+def generated_field_problem(fields: Mapping) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` where a row's ``truncated`` / ``label_ids`` (`fields`: a manifest line, or a cut's
+    custom fields) have the wrong type, else None: the checks that need no tokenizer (the data pre-flight's)."""
+    truncated = fields.get(TRUNCATED_KEY)
     if truncated is not None and not isinstance(truncated, bool):
         return TRUNCATED_KEY, f"is {truncated!r:.40}, not true or false", "write 'truncated' as a JSON boolean"
-    ids = custom.get(LABEL_IDS_KEY)
+    ids = fields.get(LABEL_IDS_KEY)
     if ids is None:
         return None
     if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
         return LABEL_IDS_KEY, f"is {ids!r:.60}, not a non-empty list of token ids", REGENERATE_FIX
+    negative = [i for i in ids if i < 0]
+    if negative:
+        return LABEL_IDS_KEY, f"holds negative ids {negative[:5]}", REGENERATE_FIX
+    return None
+
+
+def generated_problem(cut, tokenizer, text: str, audio_id: int | None = None) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` where a cut's ``truncated`` or ``label_ids`` cannot be used, else None: the type
+    checks (`generated_field_problem`), then those against the tokenizer. `audio_id`: the target's audio placeholder,
+    which a response can never hold (the target would take it for audio)."""
+    custom = cut.custom or {}
+    found = generated_field_problem(custom)
+    ids = custom.get(LABEL_IDS_KEY)
+    if found or ids is None:
+        return found
     vocab = len(tokenizer)
-    outside = [i for i in ids if not 0 <= i < vocab]
+    outside = [i for i in ids if i >= vocab]
     if outside:
         return LABEL_IDS_KEY, f"holds ids {outside[:5]} outside the tokenizer's vocabulary of {vocab}", REGENERATE_FIX
     if audio_id is not None and audio_id in ids:
@@ -85,9 +108,15 @@ def splice_response(
 ) -> tuple[list[int], list[bool]]:
     """The suffix's ids and supervision with the response's tokens (the supervised ones, before the closing token is
     marked) replaced by `label_ids`. The replaced tokens must cover the response and nothing of the template but
-    spaces."""
+    spaces. The whitespace tokens right before the response (a template's separating space, e.g. Whisper's before
+    its transcript) are replaced too: the target wrote its own (the generated ids follow the generation prompt), so
+    the row is the target's stream, generation prompt + `label_ids` + the turn's end."""
     marked = [i for i, flag in enumerate(supervised) if flag]
     first, last = marked[0], marked[-1]
+    while first > 0 and offsets[first - 1][1] > offsets[first - 1][0]:  # a zero-width (special) token stops it
+        if suffix[offsets[first - 1][0] : offsets[first - 1][1]].strip():
+            break
+        first -= 1
     covered = suffix[offsets[first][0] : offsets[last][1]]
     if covered.strip() != response.strip():
         raise ValueError(
@@ -134,8 +163,10 @@ __all__ = [
     "TRUNCATED_KEY",
     "decoded_response",
     "end_ids",
+    "generated_field_problem",
     "generated_fields",
     "generated_problem",
+    "rate_checked",
     "splice_response",
     "splice_rows",
 ]

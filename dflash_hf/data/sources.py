@@ -37,6 +37,7 @@ from dflash_hf.data.audio_files import (
     recording_from_file,
 )
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
+from dflash_hf.data.generated import generated_field_problem, rate_checked
 from dflash_hf.data.json_rows import (
     RATE_FIX,
     Span,
@@ -86,8 +87,9 @@ def _nemo_cut_id(record: dict, default_id: str) -> str:
 def check_nemo_record(
     record: dict, cut_id: str, bad: BadSamples, origin: str | None = None, max_chars_per_second: float | None = None
 ) -> bool:
-    """Keys and value types of one NeMo manifest line (no file access), and a text implausibly long for the line's
-    duration (``max_chars_per_second``); a problem goes to ``bad``."""
+    """Keys and value types of one NeMo manifest line (no file access; generated labels' ``label_ids`` /
+    ``truncated`` too), and a text implausibly long for the line's duration (``max_chars_per_second``); a problem goes
+    to ``bad``."""
 
     def fail(key: str, problem: str, fix: str) -> bool:
         bad.report(cut_id, key, problem, fix, origin=origin)
@@ -119,7 +121,11 @@ def check_nemo_record(
         return fail("lang", f"is {describe_value(record['lang'])}, not a string", 'write a language code such as "en"')
     if "id" in record and _nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
-    problem = text_rate_problem(record["text"], record.get("duration"), max_chars_per_second)
+    problem = generated_field_problem(record)  # `label_ids` / `truncated` of generated labels
+    if problem:
+        return fail(*problem)
+    rate = max_chars_per_second if rate_checked(record) else None  # a truncated generated row: the target's output
+    problem = text_rate_problem(record["text"], record.get("duration"), rate)
     return fail("text", problem, RATE_FIX) if problem else True
 
 

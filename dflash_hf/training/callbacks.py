@@ -20,7 +20,9 @@ class RealTauCallback(TrainerCallback):
     """Every `real_tau_steps` optimizer steps, decode `real_tau_samples` prompts of each validation set
     (the part of a row before its first supervised token) with `speculative_generate` and log the real
     acceptance length through `Trainer.log` (so every `report_to` logger gets it): `eval_tau` for a single
-    validation set, `eval_{name}_tau` for named sets, beside `eval_*_tau_est` (`estimates.RealTau`)."""
+    validation set, `eval_{name}_tau` for named sets, beside `eval_*_tau_est` (`estimates.RealTau`). Not at a step
+    whose evaluation reports it already (`eval_real_tau`): the same prompts are not decoded twice. Registered after
+    the callbacks that decide this step's evaluation (the Trainer's flow, `DataEpochCallback`)."""
 
     def __init__(self, trainer):
         args = trainer.args
@@ -49,6 +51,8 @@ class RealTauCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if args.real_tau_steps > 0 and state.global_step % args.real_tau_steps == 0:
+            if args.eval_real_tau and control.should_evaluate:
+                return control  # this step's evaluation decodes the same prompts and reports `eval_*tau` itself
             metrics = self.measure()
             if metrics:
                 should_log = control.should_log  # Trainer.log clears it; keep this step's training log
@@ -289,9 +293,9 @@ def add_dflash_callbacks(trainer, args) -> None:
     (`trainer.stop_signals`) and early stopping (`early_stopping_patience`)."""
     use_concise_progress_bar(trainer)
     trainer.real_tau = RealTau(trainer)  # `eval_<set>_tau`: in every evaluation (`eval_real_tau`) and here
+    trainer.add_callback(DataEpochCallback(trainer))  # before RealTauCallback: a data epoch's evaluation is known
     if args.real_tau_steps > 0:
         trainer.add_callback(RealTauCallback(trainer))
-    trainer.add_callback(DataEpochCallback(trainer))
     trainer.add_callback(TrainClockCallback(trainer.train_clock))
     trainer.add_callback(LabelAgreementCallback())
     trainer.add_callback(LoaderPaceCallback())

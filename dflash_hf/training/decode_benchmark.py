@@ -17,11 +17,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from dflash_hf.generation.speculative import model_side_greedy, speculative_generate
+from dflash_hf.generation.tree_decode import check_tree_budget
+from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.generation.verify_rules import max_new_tokens_given
 from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import generate_kwargs
@@ -70,6 +73,16 @@ def dataset_rows(dataset) -> Iterable:
     return (dataset[i] for i in range(len(dataset)))
 
 
+def prompt_source(path: str | Path, max_chars_per_second: float | None = None, **policy):
+    """The `DataSource` of a file whose rows are decoded as prompts (`dflash-eval`, benchmarks). Their response text
+    is neither trained on nor decoded against, so training's characters-per-second check is off by default
+    (`max_chars_per_second` None): a long reference answer is no bad row here. `policy`: the other `DataSource`
+    fields (`allow_command_audio_sources`, ...)."""
+    from dflash_hf.data import DataSource
+
+    return DataSource(path=str(path), max_chars_per_second=max_chars_per_second, **policy)
+
+
 def speech_rows_and_collator(
     source,
     processor,
@@ -80,11 +93,14 @@ def speech_rows_and_collator(
     padding_side: str = "left",
     skip_bad_samples: bool = DataSettings.skip_bad_samples,
     resample_audio: bool = DataSettings.resample_audio,
+    max_chars_per_second: float | None = None,
 ):
     """Validated cuts of a speech source (NeMo manifest / lhotse cuts path, `DataSource`, or a list of them) and
     the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
-    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`). `family`: a
-    `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
+    same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`); a `DataSource` is
+    opened with its own checks, a path as a `prompt_source` with `max_chars_per_second` (None: no characters-per-second
+    check; a trainer's validation set passes the rate its loss loader applies, so both read the same rows).
+    `family`: a `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
     from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, open_source
     from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
     from dflash_hf.targets.families.registry import TargetFamily, resolve_family
@@ -94,6 +110,7 @@ def speech_rows_and_collator(
     bad = BadSamples(skip=skip_bad_samples)
     validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
     sources = source if isinstance(source, (list, tuple)) else [source]
+    sources = [prompt_source(s, max_chars_per_second) if isinstance(s, (str, Path)) else s for s in sources]
     rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
     return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
 
@@ -240,11 +257,16 @@ def decode_benchmark(
     `verify_cuda_graph`: as for `speculative_generate`. `tree_budgets`: after the chain's pass, one pass over the same
     prompts per budget with tree verification (`speculative_generate(tree_budget=...)`; its own untimed warm-up: each
     budget captures its own fixed-shape steps), compared with the chain pass's greedy decodes; their figures are the
-    returned stats' `trees`."""
+    returned stats' `trees`. A budget or a target that tree verification cannot take is refused before any
+    decoding."""
     ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    for budget in tree_budgets:
+        check_tree_budget(budget)
+    if tree_budgets:
+        check_tree_target(ft)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
-    kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts and greedy decodes
+    kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts (host) and greedy decodes
 
     def decode(inputs, budget=None):
         return speculative_generate(
@@ -257,9 +279,9 @@ def decode_benchmark(
             **inputs,
         )
 
-    for i, inputs in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
-        n_prompt = inputs["input_ids"].shape[1]
-        inputs = generate_inputs(ft, inputs)
+    for i, prompt in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
+        n_prompt = prompt["input_ids"].shape[1]
+        inputs = generate_inputs(ft, prompt)
         if warmup and i == 0:
             decode(inputs)
             if compare_greedy:
@@ -272,17 +294,23 @@ def decode_benchmark(
             seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
             _compared(stats, i, spec_new, greedy_new, seconds)
-        if tree_budgets:
-            kept.append((inputs, n_prompt, greedy_new, seconds))
+        if tree_budgets:  # on the host: the device holds one prompt's tensors at a time, however many prompts
+            kept.append((_on_host(prompt), n_prompt, greedy_new, seconds))
     for budget in tree_budgets:
         run = stats.trees[budget] = DecodeStats(compared=compare_greedy)
-        for i, (inputs, n_prompt, greedy_new, seconds) in enumerate(kept):
+        for i, (prompt, n_prompt, greedy_new, seconds) in enumerate(kept):
+            inputs = generate_inputs(ft, prompt)
             if warmup and i == 0:
                 decode(inputs, budget)
             spec_new = _timed_decode(run, partial(decode, inputs, budget), n_prompt, device)
             if greedy_new is not None:
                 _compared(run, i, spec_new, greedy_new, seconds)
     return stats
+
+
+def _on_host(prompt: dict) -> dict:
+    """A prompt's tensors in host memory (those already there are not copied)."""
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in prompt.items()}
 
 
 def _compared(stats: DecodeStats, i: int, spec_new: list[int], greedy_new: list[int], seconds: float) -> None:
@@ -319,5 +347,6 @@ __all__ = [
     "dataset_rows",
     "iter_prompts",
     "prompts_from",
+    "prompt_source",
     "speech_rows_and_collator",
 ]

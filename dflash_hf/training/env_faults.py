@@ -2,9 +2,11 @@
 killed (the kernel's out-of-memory killer picks audio workers first), GPU out of memory in a step.
 
 Each ends in one `EnvironmentFault` (exit status 75 from `dflash-train`): what happened, the last complete checkpoint
-and the command that resumes. Where the run's state allows it (one process; the fault came before the optimizer
-update or after the step ended), a complete checkpoint is saved first at the step boundary, as a stop signal does, so
-nothing is lost beyond the current step. :class:`StepFaults` knows where in the step the run is:
+and the command that resumes. Where the run's state allows it (one process; the training loop runs; the fault came
+before the optimizer update or after the step ended), a complete checkpoint is saved first at the step boundary, as a
+stop signal does, so nothing is lost beyond the current step. After the loop (the best checkpoint loaded by
+`load_best_model_at_end`, the final evaluation, the export) the weights need not be the last step's: a fault there
+only names the last complete checkpoint. :class:`StepFaults` knows where in the step the run is:
 
 - *step*: from the fetch of the step's micro-batches to the optimizer update. Weights and optimizer are those of the
   step boundary; the data position is restored to the one taken when the step began, the gradients are dropped.
@@ -57,6 +59,7 @@ class StepFaults:
         self.trainer = trainer
         self.limit = trainer.args.skip_oom_batches
         self.phase = BOUNDARY
+        self.in_loop = False  # the training loop runs: weights, optimizer and data position are its step's
         self.micro = 0  # micro-batches started in this step
         self._position: dict | None = None  # the data position when the step began
         self._sums = None  # the training metric sums when the step began (restored when the step is skipped)
@@ -182,7 +185,7 @@ class StepFaults:
         except EnvironmentFault as err:
             self._release_worker_signals(replay=False)
             if err.checkpoint is None:
-                err.checkpoint = self._last_checkpoint()
+                err.checkpoint = self.last_checkpoint()
             raise
         except Exception as err:  # noqa: BLE001 - what is not an environment fault is raised as it is
             self._release_worker_signals(replay=False)
@@ -219,15 +222,16 @@ class StepFaults:
         return None
 
     def _save_or_name_checkpoint(self, fault: EnvironmentFault) -> None:
-        """Save a complete checkpoint at the step boundary when the state allows it, else name the last one."""
+        """Save a complete checkpoint at the step boundary when the state allows it, else name the last one. Only
+        inside the training loop (`in_loop`): after it the weights may be the best checkpoint's, not the step's."""
         trainer = self.trainer
-        if isinstance(fault, DiskFullError) or self.phase == UPDATE or trainer.args.world_size > 1:
-            fault.checkpoint = self._last_checkpoint()
+        if not self.in_loop or isinstance(fault, DiskFullError) or self.phase == UPDATE or trainer.args.world_size > 1:
+            fault.checkpoint = self.last_checkpoint()
             return
         step = trainer.state.global_step
         folder = Path(trainer._get_output_dir(trial=None)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
         if step == 0 or is_complete(folder):
-            fault.checkpoint = self._last_checkpoint()
+            fault.checkpoint = self.last_checkpoint()
             return
         try:
             if self.phase == STEP and self._position is not None:
@@ -236,11 +240,12 @@ class StepFaults:
             trainer._save_checkpoint(trainer.model, trial=None)
         except Exception as err:  # noqa: BLE001 - the fault is reported either way; this failure is logged
             logger.warning("no checkpoint saved at step %d after the fault (%s: %s)", step, type(err).__name__, err)
-            fault.checkpoint = self._last_checkpoint()
+            fault.checkpoint = self.last_checkpoint()
             return
         fault.checkpoint, fault.saved = str(folder), True
 
-    def _last_checkpoint(self) -> str | None:
+    def last_checkpoint(self) -> str | None:
+        """The run's last complete checkpoint (None: none yet)."""
         record = self.trainer.run_record
         found, _ = last_complete_checkpoint(self.trainer.args.output_dir, record and record.get("run_id"))
         return str(found) if found is not None else self.trainer.finite_guard.last_checkpoint
@@ -252,6 +257,7 @@ class _StepEnd(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.faults.phase = BOUNDARY
+        self.faults.in_loop = True  # cleared when the best checkpoint is loaded and when `train` returns
 
     def on_step_end(self, args, state, control, **kwargs):
         self.faults.step_ended()

@@ -55,6 +55,7 @@ class RealTau:
             padding_side=tr.data_args.padding_side or default_padding_side(tr.processor),
             skip_bad_samples=tr.data_args.skip_bad_samples,
             resample_audio=tr.data_args.resample_audio,
+            max_chars_per_second=tr.data_args.max_chars_per_second,  # a path: the rows its loss loader reads
         )
 
     def __call__(self, dataset, name: str | None = None) -> float:

@@ -32,14 +32,20 @@ class NonFiniteStepError(DFlashUserError):
 
 
 class TrainingInterrupted(Exception):
-    """Training stopped on SIGTERM / SIGINT after saving a complete checkpoint; `exit_code` is 128 + the signal."""
+    """Training stopped on SIGTERM / SIGINT after saving a complete checkpoint (`saved`; else `checkpoint` is the
+    last complete one: the weights were no longer the step's); `exit_code` is 128 + the signal."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None):
+    def __init__(self, signum: int, step: int, checkpoint: str | None, saved: bool = True):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         self.exit_code = 128 + signum
-        saved = f"saved {checkpoint}" if checkpoint else "no checkpoint saved (save_strategy or an earlier error)"
+        if checkpoint is None:
+            where = "no checkpoint saved (save_strategy or an earlier error)"
+        elif saved:
+            where = f"saved {checkpoint}"
+        else:
+            where = f"none saved at this step (the best checkpoint was loaded); the last complete one is {checkpoint}"
         super().__init__(
-            f"received {signal.Signals(signum).name}: stopped at optimizer step {step}, {saved}; the draft was not "
+            f"received {signal.Signals(signum).name}: stopped at optimizer step {step}, {where}; the draft was not "
             "exported. Resume with --resume_from_checkpoint true (same command): it continues bit for bit"
         )
 

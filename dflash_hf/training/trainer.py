@@ -150,20 +150,41 @@ class DFlashTrainer(Trainer):
             check_resume_selection(self.accelerator.unwrap_model(self.model), checkpoint)
         self._resume_checkpoint = checkpoint
         self.finite_guard.last_checkpoint = checkpoint
-        with (
-            trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip,
-            self.stop_signals.installed(),
-            self.step_faults.handled(),
-        ):
-            result = super().train(checkpoint, *args, **kwargs)
+        try:
+            with (
+                trainer_skips_nothing(self.args, self._streams_epochs()) as self._user_ignores_data_skip,
+                self.stop_signals.installed(),
+                self.step_faults.handled(),
+            ):
+                result = super().train(checkpoint, *args, **kwargs)
+                step_weights = self.step_faults.in_loop  # False once the best checkpoint was loaded at the end
+        finally:
+            self.step_faults.in_loop = False  # from here on no fault or signal saves a checkpoint at this step
         self.finite_guard.settle()
         self.step_faults.report(result.metrics)  # --skip_oom_batches: the steps skipped, counted and listed
         if self.stop_signals.signum is not None:
-            saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            if not saved.is_dir():  # the signal came after the last step (e.g. during the final evaluation)
-                self._save_checkpoint(self.model, trial=None)
-            raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, str(saved))
+            self._stopped_after_training(step_weights)
         return result
+
+    def _stopped_after_training(self, step_weights: bool) -> None:
+        """A stop signal that training ended on: the checkpoint of the last step, saved now if the signal came after
+        it (e.g. during the final evaluation) while the weights are still that step's; after the best checkpoint was
+        loaded (`load_best_model_at_end`) they are not, and the last complete checkpoint is named instead."""
+        saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if saved.is_dir():
+            checkpoint, written = str(saved), True
+        elif step_weights:
+            self._save_checkpoint(self.model, trial=None)
+            checkpoint, written = str(saved), True
+        else:
+            checkpoint, written = self.step_faults.last_checkpoint(), False
+        raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, checkpoint, saved=written)
+
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: from here the weights are the best checkpoint's, not the last step's; a fault
+        or stop signal no longer saves a checkpoint at the last step (`StepFaults.in_loop`)."""
+        self.step_faults.in_loop = False
+        super()._load_best_model()
 
     def _streams_epochs(self) -> bool:
         """Whether the training data has no length, so it is trained on as an `EpochStream`."""

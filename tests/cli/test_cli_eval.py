@@ -358,3 +358,85 @@ def test_tree_budgets_are_evaluated_beside_the_chain(text_setup, capsys):
     assert "tree    3: tau" in table and "tree    8: tau" in table and "outputs identical: NO" not in table
     with pytest.raises(ValueError, match="--tree_budget takes distinct node budgets >= 1"):
         cli_eval.main([*argv, "--tree_budget", "0"])
+
+
+def test_a_long_reference_answer_is_no_bad_row_for_evaluation_prompts(tmp_path):
+    """The response text of an evaluation row is dropped (the prompt is what comes before it), so training's
+    characters-per-second check does not refuse a long answer: `--data` and a plain path to the benchmarks' reader."""
+    model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", num_utterances=2, max_dur=0.8)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1]["text"] = "A long answer that describes the audio clip in several sentences. " * 3  # > 50 chars/s
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = cli_eval.EvalArguments(draft="d", target="t", data=str(manifest), prompt="Describe.")
+    assert len(list(cli_eval.load_prompts(args, processor, model.config))) == 2
+    cuts, _ = decode_benchmark.speech_rows_and_collator(str(manifest), processor, model.config)
+    assert [c.supervisions[0].text for c in cuts][1] == rows[1]["text"]
+
+
+def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decoding(text_setup, monkeypatch):
+    """`--tree_budget` on a target with sliding-window layers: refused before the chain pass (dflash-eval checks it
+    after loading the target; `decode_benchmark` before it reads a prompt)."""
+    root, target, draft, prompts = text_setup
+    real_load = cli_eval.load_target
+
+    def sliding_window_target(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        model.config.use_sliding_window, model.config.sliding_window = True, 4
+        return model
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("decoded before the refusal")
+
+    monkeypatch.setattr(cli_eval, "load_target", sliding_window_target)
+    monkeypatch.setattr(cli_eval, "decode_benchmark", decoded)
+    argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--tree_budget", "8"]
+    with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
+        cli_eval.main([*argv, "--output_json", str(root / "refused.json")])
+
+    model = sliding_window_target(str(target))
+    read = []
+
+    def inputs():
+        read.append(1)
+        yield {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+
+    draft_model = cli_eval.load_draft_strict(str(draft))
+    with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
+        decode_benchmark.decode_benchmark(draft_model, model, inputs(), 4, tree_budgets=[8])
+    with pytest.raises(ValueError, match="tree_budget must be >= 1"):
+        decode_benchmark.decode_benchmark(draft_model, real_load(str(target)), inputs(), 4, tree_budgets=[0])
+    assert read == []  # no prompt was read, let alone decoded
+
+
+def test_the_tree_passes_hold_no_device_inputs_of_the_chain_pass(text_setup, monkeypatch):
+    """The tree passes re-read each prompt from a host copy: the target-device inputs of the chain pass are freed as it
+    goes (the device holds one prompt's at a time, however many prompts are evaluated)."""
+    import weakref
+
+    root, target, draft, _ = text_setup
+
+    class Inputs(dict):  # a dict that can be weakly referenced
+        pass
+
+    real_inputs, real_generate = decode_benchmark.generate_inputs, decode_benchmark.speculative_generate
+    made, alive_in_trees = [], []
+
+    def generate_inputs(ft, prompt):
+        inputs = Inputs(real_inputs(ft, prompt))
+        made.append(weakref.ref(inputs))
+        return inputs
+
+    def speculative_generate(*args, tree_budget=None, **kwargs):
+        if tree_budget is not None:
+            alive_in_trees.append(sum(ref() is not None for ref in made[:3]))  # the chain pass's three prompts
+        return real_generate(*args, tree_budget=tree_budget, **kwargs)
+
+    monkeypatch.setattr(decode_benchmark, "generate_inputs", generate_inputs)
+    monkeypatch.setattr(decode_benchmark, "speculative_generate", speculative_generate)
+    ones = torch.ones(1, 3, dtype=torch.long)
+    prompts = [{"input_ids": torch.tensor([[5 + i, 6, 7]]), "attention_mask": ones} for i in range(3)]
+    model, draft_model = load_target(str(target)), cli_eval.load_draft_strict(str(draft))
+    stats = decode_benchmark.decode_benchmark(draft_model, model, prompts, 4, tree_budgets=[8])
+    assert stats.trees[8].prompts == 3 and not stats.trees[8].mismatches
+    assert alive_in_trees and set(alive_in_trees) == {0}

@@ -398,3 +398,28 @@ def test_ids_are_kept_only_where_the_text_re_encodes_to_other_tokens():
     assert line([10, 10]) == {"text": "", "truncated": True}
     assert line(ids[:2] + [audio] + ids[2:] + [end]) == {"text": "yes no"}  # never the audio placeholder
     assert (counts.truncated, counts.label_ids, counts.ids_not_kept) == (2, 2, 1)
+
+
+def test_whisper_ids_whose_text_renders_to_them_are_not_kept():
+    """Whisper's output `" yes no"` (the space its own token in the tiny tokenizer): the row rendered from the text is
+    already the target's stream (the template writes the space before the transcript), so no `label_ids`."""
+    from utils import tiny_whisper
+
+    from dflash_hf.cli.generate_labels import LabelCounts, _generated_line
+    from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+    from dflash_hf.data.sources import _make_cut
+    from dflash_hf.targets.families.registry import resolve_family
+
+    model, processor = tiny_whisper()
+    tok = processor.tokenizer
+    renderer = ConversationRenderer(processor, resolve_family(model.config), ConversationConfig())
+    cut = _make_cut("c", None, 0.0, 1.0, "reference", "en", {})
+    counts, end = LabelCounts(), tok.eos_token_id
+    written = tok(" yes no", add_special_tokens=False)["input_ids"]
+    assert _generated_line(cut, written + [end], {end}, renderer, counts, None) == {"text": "yes no"}
+    unspaced = tok("yes no", add_special_tokens=False)["input_ids"]  # no space: the template's is not the target's
+    assert _generated_line(cut, unspaced + [end], {end}, renderer, counts, None) == {
+        "text": "yes no",
+        "label_ids": unspaced,
+    }
+    assert (counts.label_ids, counts.ids_not_kept) == (1, 0)

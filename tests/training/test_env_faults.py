@@ -7,11 +7,21 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from utils import assert_bitwise_equal, make_args, make_trainer, random_rows, tiny_text_target, trainer_weights
+from utils import (
+    ListDataset,
+    assert_bitwise_equal,
+    make_args,
+    make_trainer,
+    random_rows,
+    text_batch,
+    tiny_text_target,
+    trainer_weights,
+)
 
 from dflash_hf import DFlashTrainer
 from dflash_hf.errors import ENVIRONMENT_FAULT_EXIT_CODE, EnvironmentFault
@@ -245,3 +255,57 @@ def test_a_skipped_step_under_gradient_accumulation_drops_the_whole_step(tmp_pat
     assert not torch.equal(weights.by_step[2]["fc.weight"], weights.by_step[3]["fc.weight"])
     state = trainer.optimizer.state[next(p for p in trainer.model.parameters() if p.requires_grad)]
     assert int(state["step"]) == 2 and trainer.step_faults.skipped[0]["micro_batch"].startswith("micro-batch 1 of 2")
+
+
+def _best_loaded_trainer(tmp_path) -> DFlashTrainer:
+    """4 steps evaluated each step, only the best (highest loss: step 1) saved and loaded at the end."""
+    model, tok = tiny_text_target()
+    rows = random_rows(4, 250, seed=1)
+    args = make_args(
+        tmp_path, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2,
+        learning_rate=1e-3, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="best",
+        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    data = ListDataset(rows)
+    collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
+    return DFlashTrainer(args=args, target=model, train_dataset=data, eval_dataset=data, data_collator=collate)
+
+
+def test_a_fault_after_the_best_checkpoint_was_loaded_saves_nothing_and_names_the_last_checkpoint(tmp_path):
+    """Out of memory in the final evaluation, the best step's weights loaded: a checkpoint at the last step would hold
+    them with that step's optimizer and step count. Nothing is saved; the last complete checkpoint is named."""
+    trainer = _best_loaded_trainer(tmp_path)
+    trainer.train()
+    assert (trainer.state.best_global_step, trainer.state.global_step) == (1, 4)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+
+    trainer.evaluate = out_of_memory
+    with pytest.raises(EnvironmentFault) as info:
+        trainer.final_eval_metrics()
+    out = tmp_path / "out"
+    assert not info.value.saved and info.value.checkpoint == str(out / "checkpoint-1")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_a_stop_signal_after_the_best_checkpoint_was_loaded_names_the_last_checkpoint(tmp_path):
+    """SIGTERM during the end of training, after `load_best_model_at_end` loaded step 1: no checkpoint-4 of step 1's
+    weights is written; the message names checkpoint-1."""
+    from transformers import TrainerCallback
+
+    from dflash_hf.training.step_guards import TrainingInterrupted
+
+    trainer = _best_loaded_trainer(tmp_path)
+
+    class SignalAtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            trainer.stop_signals.signum = signal.SIGTERM  # as its handler records it
+
+    trainer.add_callback(SignalAtEnd())
+    with pytest.raises(
+        TrainingInterrupted, match=r"none saved at this step .* the last complete one is .*checkpoint-1"
+    ):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1"]

@@ -527,3 +527,54 @@ def test_every_evaluation_reports_the_real_tau_first_and_drafts_can_be_picked_by
     off.load_best_model_at_end, off.metric_for_best_model = True, "dev_tau"
     with pytest.raises(ValueError, match="must name a metric the validation reports, got 'dev_tau'"):
         check_best_model_args(off, eval_prefixes(evals))
+
+
+def test_real_tau_is_decoded_once_at_a_step_that_is_also_evaluated(target, tmp_path, monkeypatch):
+    """--real_tau_steps 1 with an evaluation every 2 steps (--eval_real_tau): step 1's real tau comes from the
+    callback, step 2's from the evaluation alone, the same prompts decoded once a step."""
+    from dflash_hf.training import estimates
+
+    model, tok = target
+    train, evals, collate = _data(tok)
+    decodes = []
+    real_decode = estimates.decode_benchmark
+    monkeypatch.setattr(estimates, "decode_benchmark", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    kw = dict(eval_real_tau=True, real_tau_steps=1, real_tau_samples=2, real_tau_max_new_tokens=4, max_steps=2)
+    args = _args(tmp_path, tok, **kw, eval_strategy="steps", eval_steps=2)
+    torch.manual_seed(0)
+    trainer = DFlashTrainer(
+        args=args, target=model, train_dataset=train, eval_dataset=evals["dev"], data_collator=collate
+    )
+    trainer.train()
+    taus = [(e["step"], "eval_loss" in e) for e in trainer.state.log_history if "eval_tau" in e]
+    assert taus == [(1, False), (2, True)] and len(decodes) == 2
+
+
+def test_real_tau_reads_a_validation_path_with_the_rate_its_loss_loader_applies(tmp_path):
+    """A validation set given as a path: its real-tau prompts are read with the data arguments'
+    `max_chars_per_second`, as its loss loader reads it (a row one refuses, the other does too)."""
+    import json
+
+    from dflash_hf.data import BadSampleError
+    from dflash_hf.training.training_args import DFlashDataArguments
+
+    tok = tiny.build_tokenizer()
+    model, processor = tiny.build_qwen3_asr_target(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0, max_dur=0.8)
+    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
+    rows[1]["text"] = "An answer much longer than anything said in the clip. " * 2
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for rate, kept in ((50.0, None), (0.0, 2)):
+        trainer = DFlashTrainer(
+            args=_args(tmp_path / f"out{rate}", tok, target_layer_ids=[0, 1]),
+            target=model,
+            processor=processor,
+            eval_dataset=[str(manifest)],
+            data_args=DFlashDataArguments(prompt="Transcribe.", max_chars_per_second=rate),
+        )
+        rows_read, _ = trainer.real_tau._rows_and_collator([str(manifest)])
+        if kept:
+            assert len(list(rows_read)) == kept
+        else:
+            with pytest.raises(BadSampleError, match="more than --max_chars_per_second 50"):
+                list(rows_read)
