@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from dflash_hf.generation.speculative import model_side_greedy, speculative_generate
 from dflash_hf.generation.verify_rules import max_new_tokens_given
 from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import generate_kwargs
-from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget
+from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget, TargetModel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,17 +86,17 @@ def speech_rows_and_collator(
     the padded collator that renders one cut as the target's processor would (dflash_hf.data). The cuts pass the
     same `SampleValidator` as training's (bad rows raise, or are skipped with `skip_bad_samples`). `family`: a
     `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
-    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, open_source
-    from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
-    from dflash_hf.targets.families.registry import TargetFamily, resolve_family
+    from dflash_hf.data import BadSamples, open_source
+    from dflash_hf.data.sample_checks import ValidatedCuts
+    from dflash_hf.data.samples import SamplePipeline
 
-    fam = family if isinstance(family, TargetFamily) else resolve_family(target_config, family)
-    renderer = ConversationRenderer(processor, fam, conversation)
     bad = BadSamples(skip=skip_bad_samples)
-    validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
+    samples = SamplePipeline.build(
+        processor, target_config, family, conversation, bad=bad, resample_audio=resample_audio
+    )
     sources = source if isinstance(source, (list, tuple)) else [source]
-    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
-    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
+    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), samples.validator)
+    return rows, samples.collator(padding_side)
 
 
 @dataclass
@@ -220,8 +221,8 @@ def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int
 
 @torch.no_grad()
 def decode_benchmark(
-    draft,
-    target,
+    draft: nn.Module,
+    target: TargetModel,
     prompts: Iterable[dict],
     max_new_tokens: int,
     *,
