@@ -111,7 +111,7 @@ def _decoder_of(model: nn.Module) -> nn.Module:
             return c
     raise ValueError(
         f"cannot find the text decoder (a module with `.layers` and `.norm` or `.layer_norm`) in "
-        f"{type(model).__name__}; add a row for this model family in dflash_hf/targets/families/registry.py"
+        f"{type(model).__name__}; add a target family for it (a TargetFamily subclass in dflash_hf/targets/families/)"
     )
 
 
@@ -126,7 +126,8 @@ class FrozenTarget:
     """Wraps the frozen target. Never trained: eval mode, no grad, its own parameter dtype, no autocast."""
 
     def __init__(self, model: nn.Module, family: str | None = None):
-        """`family`: a `families.FAMILIES` row name (`"qwen2_audio_single_placeholder"`...), default by model_type."""
+        """`family`: a family name of `families.registry.FAMILIES` (`"qwen2_audio_single_placeholder"`...), default
+        from the config's model_type."""
         self.model = model.eval().requires_grad_(False)
         self.family = resolve_family(model.config, family)
         self.decoder = _decoder_of(model)
