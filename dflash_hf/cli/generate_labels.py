@@ -34,7 +34,7 @@ from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
 from dflash_hf.data.json_rows import detect_kind, json_rows, manifest_stem
-from dflash_hf.data.sample_checks import SampleValidator
+from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import _make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings import DataSettings
@@ -242,7 +242,7 @@ def _encode(family, processor, config, texts: list[str], audios: list) -> list[d
     """The prompts' `generate` inputs on the CPU: one left-padded batch, except where a batch would change the
     outputs: a model-side single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends
     on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
-    if family.expansion == "model" or family.prepare_forward is not None:
+    if family.expansion == "model" or family.overrides("prepare_forward"):
         return [
             encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
             for i, t in enumerate(texts)
@@ -335,15 +335,16 @@ def generate_labels(args: GenerateLabelsArguments) -> LabelCounts:
     """Write the generated-label manifest; returns what the new lines hold."""
     model, processor, family = _load_target(args)
     target = FrozenTarget(model, family.name)
-    renderer = ConversationRenderer(processor, family, ConversationConfig(args.system_prompt, args.prompt))
+    bad = BadSamples(skip=args.skip_bad_samples)
+    conversation = ConversationConfig(args.system_prompt, args.prompt)
+    samples = SamplePipeline.build(processor, model.config, family, conversation, bad=bad)  # training's checks
+    renderer, validator = samples.renderer, samples.validator
     # decoding and re-rendering here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer
     # that sets its padding in one thread can fail ("Already borrowed") while another thread uses it, so use a copy
     check_renderer = ConversationRenderer(copy.deepcopy(processor), family, renderer.config)
     manifest, output = Path(args.manifest), Path(args.output)
     check_output(args.manifest, args.output)
-    bad = BadSamples(skip=args.skip_bad_samples)
     text_check = UserTextCheck(renderer.tokenizer)
-    validator = SampleValidator(renderer, family, model.config, max_tokens=None, bad=bad)  # audio checks of training
     records = []
     for index, origin, record in json_rows(manifest, bad, id_prefix=manifest_stem(manifest)):
         cut_id = str(record.get("id", f"{manifest_stem(manifest)}-{index:08d}"))

@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from dflash_hf.generation.speculative import model_side_greedy, speculative_generate
@@ -28,7 +29,7 @@ from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.generation.verify_rules import max_new_tokens_given
 from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import generate_kwargs
-from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget
+from dflash_hf.targets.frozen import NON_TARGET_KEYS, FrozenTarget, TargetModel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,18 +102,18 @@ def speech_rows_and_collator(
     opened with its own checks, a path as a `prompt_source` with `max_chars_per_second` (None: no characters-per-second
     check; a trainer's validation set passes the rate its loss loader applies, so both read the same rows).
     `family`: a `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
-    from dflash_hf.data import BadSamples, ConversationRenderer, PaddedCollator, open_source
-    from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
-    from dflash_hf.targets.families.registry import TargetFamily, resolve_family
+    from dflash_hf.data import BadSamples, open_source
+    from dflash_hf.data.sample_checks import ValidatedCuts
+    from dflash_hf.data.samples import SamplePipeline
 
-    fam = family if isinstance(family, TargetFamily) else resolve_family(target_config, family)
-    renderer = ConversationRenderer(processor, fam, conversation)
     bad = BadSamples(skip=skip_bad_samples)
-    validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
+    samples = SamplePipeline.build(
+        processor, target_config, family, conversation, bad=bad, resample_audio=resample_audio
+    )
     sources = source if isinstance(source, (list, tuple)) else [source]
     sources = [prompt_source(s, max_chars_per_second) if isinstance(s, (str, Path)) else s for s in sources]
-    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
-    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
+    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), samples.validator)
+    return rows, samples.collator(padding_side)
 
 
 @dataclass
@@ -237,8 +238,8 @@ def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int
 
 @torch.no_grad()
 def decode_benchmark(
-    draft,
-    target,
+    draft: nn.Module,
+    target: TargetModel,
     prompts: Iterable[dict],
     max_new_tokens: int,
     *,
