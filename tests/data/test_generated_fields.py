@@ -9,9 +9,9 @@ import soundfile as sf
 from dflash_hf.data import BadSampleError, BadSamples, build_train_dataloader
 from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-from dflash_hf.settings import DataSettings
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import open_source
+from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import resolve_family
 from dflash_hf.testing import tiny
 
