@@ -26,7 +26,7 @@ from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leadi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import git_commit  # noqa: E402
-from real_targets import write_json  # noqa: E402
+from quality_steps.common import write_json  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -32,8 +32,10 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import SHAPES, _time_ms, device_busy_us, matmul_tflops  # noqa: E402
+from train_step_parts.shapes import SHAPES  # noqa: E402
+from train_step_parts.timing import device_busy_us, matmul_tflops, time_ms  # noqa: E402
 
 from dflash_hf.models.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.ops.float8 import Float8Linear, forward_operands, input_grad_operands, scaled_mm  # noqa: E402
@@ -137,7 +139,7 @@ def measure(shape_name: str, args: argparse.Namespace, device: torch.device, dty
     for proj in projections(SHAPES[shape_name], args.draft_layers, args.block_size):
         torch._dynamo.reset()
         steps = variant_steps(proj, device, dtype, not args.eager)
-        got = {"ms": {v: statistics.median(_time_ms(steps[v], device, args.warmup, args.steps)) for v in VARIANTS}}
+        got = {"ms": {v: statistics.median(time_ms(steps[v], device, args.warmup, args.steps)) for v in VARIANTS}}
         if device.type == "cuda":
             got["kernel_ms"] = {v: kernel_ms(steps[v], args.steps) for v in VARIANTS}
         row = dict(proj)

@@ -29,7 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from decode_profile import git_commit  # noqa: E402
-from real_targets import cli, read_jsonl, to_text_cuts, training_log, write_json, write_jsonl  # noqa: E402
+from quality_steps.common import cli, read_jsonl, write_json, write_jsonl  # noqa: E402
+from quality_steps.prompts import to_text_cuts  # noqa: E402
+from quality_steps.report import training_log  # noqa: E402
 
 PROMPT = "Write one sentence."
 FP8_FLAGS = {

@@ -1,5 +1,6 @@
-"""Every name that benchmarks/ and scripts/ import from dflash_hf exists, including imports inside functions (a
-benchmark's later steps import lazily, so a renamed helper would otherwise fail only when that step runs)."""
+"""Every name that benchmarks/ (its scripts and their step packages) and scripts/ import from dflash_hf exists,
+including imports inside functions (a benchmark's later steps import lazily, so a renamed helper would otherwise fail
+only when that step runs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted([*REPO_ROOT.glob("benchmarks/*.py"), *REPO_ROOT.glob("scripts/*.py")])
+SCRIPTS = sorted([*REPO_ROOT.glob("benchmarks/**/*.py"), *REPO_ROOT.glob("scripts/*.py")])  # steps' packages too
 
 
 def package_imports(path: Path) -> list[tuple[int, str, str | None]]:
@@ -24,7 +25,7 @@ def package_imports(path: Path) -> list[tuple[int, str, str | None]]:
     return found
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_package_names_resolve(path):
     missing = []
     for line, module, name in package_imports(path):

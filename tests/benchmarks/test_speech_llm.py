@@ -1,24 +1,17 @@
 """benchmarks/speech_llm.py: a Qwen2-Audio assembled from a tiny random Whisper and a tiny random Llama, trained a
 few steps, saved, then loaded and trained on by dflash_hf unchanged (both Qwen2-Audio family rows). No downloads."""
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 import transformers as tf
-from utils import REPO_ROOT
+from speech_llm_steps import assembly, data, evaluation, modeling, presets, training
+from utils import REPO_ROOT, loaded_script
 
 from dflash_hf.targets.frozen import FrozenTarget, load_target
 from dflash_hf.testing import tiny
-
-_PATH = REPO_ROOT / "benchmarks" / "speech_llm.py"
-_spec = importlib.util.spec_from_file_location("speech_llm", _PATH)
-sl = importlib.util.module_from_spec(_spec)
-sys.modules["speech_llm"] = sl
-_spec.loader.exec_module(sl)
 
 TOKENS = dict(audio_bos=tiny.AUDIO_START, audio_token=tiny.AUDIO_PAD, audio_eos=tiny.AUDIO_END)
 
@@ -77,8 +70,8 @@ def parts(tmp_path_factory):
 def trained(parts):
     root, whisper, tok, manifest = parts
     mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
-    assembled = sl.assemble(root / "whisper", root / "llm", root / "assembled", reserved_ids=(mask_id,), **TOKENS)
-    out = sl.train(
+    assembled = assembly.assemble(root / "whisper", root / "llm", root / "assembled", reserved_ids=(mask_id,), **TOKENS)
+    out = training.train(
         assembled,
         manifest,
         root / "trained",
@@ -100,7 +93,7 @@ def test_assembled_tower_is_the_whisper_encoder(parts, trained):
     _, whisper, tok, _ = parts
     assembled, out, _, _ = trained
     report = json.loads((assembled / "assembled.json").read_text())
-    assert sl.assemble(parts[0] / "whisper", parts[0] / "llm", assembled) == assembled  # done: skipped
+    assert assembly.assemble(parts[0] / "whisper", parts[0] / "llm", assembled) == assembled  # done: skipped
     assert report["unmapped_whisper_tensors"] == [] and report["mapped"] == len(whisper.model.encoder.state_dict())
     for path in (assembled, out):  # training leaves the tower untouched
         model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(path)
@@ -130,9 +123,11 @@ def test_the_llm_decides_whether_vllm_can_serve_the_assembled_target(parts, trai
     tf.Qwen2ForCausalLM(qcfg).save_pretrained(tmp_path / "qwen2")
     tok.save_pretrained(tmp_path / "qwen2")
     mask_id = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
-    out = sl.assemble(root / "whisper", tmp_path / "qwen2", tmp_path / "assembled", reserved_ids=(mask_id,), **TOKENS)
+    out = assembly.assemble(
+        root / "whisper", tmp_path / "qwen2", tmp_path / "assembled", reserved_ids=(mask_id,), **TOKENS
+    )
     report = json.loads((out / "assembled.json").read_text())
-    assert report["text_model_type"] == "qwen2" and report["llm_preset"] == sl.DEFAULT_LLM
+    assert report["text_model_type"] == "qwen2" and report["llm_preset"] == presets.DEFAULT_LLM
     assert report["vllm_serving"].startswith("vLLM's Qwen2AudioForConditionalGeneration builds it as transformers does")
     model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(out)
     assert model.config.text_config.model_type == "qwen2"
@@ -140,10 +135,10 @@ def test_the_llm_decides_whether_vllm_can_serve_the_assembled_target(parts, trai
 
 
 def test_llm_presets_name_existing_tokens_and_where_they_come_from():
-    preset = sl.LLM_PRESETS[sl.DEFAULT_LLM]
-    assert sl.DEFAULT_LLM == "qwen2.5-coder-0.5b" and len(preset.packages) == 6 and preset.gguf.endswith(".gguf")
+    preset = presets.LLM_PRESETS[presets.DEFAULT_LLM]
+    assert presets.DEFAULT_LLM == "qwen2.5-coder-0.5b" and len(preset.packages) == 6 and preset.gguf.endswith(".gguf")
     assert preset.mask_token_id is None  # the placeholder row fetch-llm finds and stamps
-    assert sl.LLM_PRESETS["smollm2"].audio_tokens == (sl.AUDIO_BOS, sl.AUDIO_TOKEN, sl.AUDIO_EOS)
+    assert presets.LLM_PRESETS["smollm2"].audio_tokens == (presets.AUDIO_BOS, presets.AUDIO_TOKEN, presets.AUDIO_EOS)
 
 
 def test_training_lowers_the_loss_and_merges_lora(trained):
@@ -176,7 +171,7 @@ def test_dflash_loads_and_trains_on_it(trained, tmp_path):
                 "--train_data",
                 str(manifest),
                 "--prompt",
-                sl.INSTRUCTION,
+                presets.INSTRUCTION,
                 "--mask_token_id",
                 str(mask_id),
                 "--output_dir",
@@ -204,7 +199,7 @@ def test_dflash_loads_and_trains_on_it(trained, tmp_path):
 
 def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
     _, out, manifest, _ = trained
-    res = sl.wer(
+    res = evaluation.wer(
         out,
         manifest,
         num_samples=2,
@@ -221,9 +216,9 @@ def test_wer_generates_and_writes_hypotheses(trained, tmp_path):
 def test_bad_inputs_name_the_flag(parts, tmp_path):
     root, _, _, manifest = parts
     with pytest.raises(ValueError, match="--audio_token"):
-        sl.assemble(root / "whisper", root / "llm", tmp_path / "x", **(TOKENS | {"audio_token": "<nope>"}))
+        assembly.assemble(root / "whisper", root / "llm", tmp_path / "x", **(TOKENS | {"audio_token": "<nope>"}))
     with pytest.raises(ValueError, match="reserved"):
-        sl.assemble(
+        assembly.assemble(
             root / "whisper",
             root / "llm",
             tmp_path / "x",
@@ -233,16 +228,16 @@ def test_bad_inputs_name_the_flag(parts, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"audio_filepath": "a.wav", "text": ""}) + "\n")
     with pytest.raises(ValueError, match="'text'"):
-        sl.read_manifest(bad)
+        data.read_manifest(bad)
     with pytest.raises(ValueError, match="--batch_size 4 exceeds the 3 clips"):
-        sl.train(root / "llm", manifest, tmp_path / "t", batch_size=4, device="cpu")
+        training.train(root / "llm", manifest, tmp_path / "t", batch_size=4, device="cpu")
 
 
 def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
     assembled, _, manifest, _ = trained
     processor = tf.AutoProcessor.from_pretrained(assembled)
-    rows = sl.read_manifest(manifest)[:2]
-    batch = sl.encode_training_batch(processor, rows, [5, 3])
+    rows = data.read_manifest(manifest)[:2]
+    batch = data.encode_training_batch(processor, rows, [5, 3])
     tok = processor.tokenizer
     for i, row in enumerate(rows):
         sup = batch["labels"][i] != -100
@@ -257,19 +252,19 @@ def test_the_training_loss_is_the_full_logits_loss_at_the_supervised_positions(t
     assembled, _, manifest, _ = trained
     model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()
     processor = tf.AutoProcessor.from_pretrained(assembled)
-    rows = sl.read_manifest(manifest)[:2]
-    cache = sl.AudioCache(model, processor, 2)
+    rows = data.read_manifest(manifest)[:2]
+    cache = training.AudioCache(model, processor, 2)
     cache.fill(rows)
     frames = cache.of(rows)
-    batch = sl.encode_training_batch(processor, rows, [len(f) for f in frames])
+    batch = data.encode_training_batch(processor, rows, [len(f) for f in frames])
     proj = model.model.multi_modal_projector.linear.weight
     proj.requires_grad_(True)
     losses, grads = [], []
     for fn in (
-        lambda: sl.lm_loss(
-            sl.forward_with_audio(model, batch["input_ids"], batch["attention_mask"], frames), batch["labels"]
+        lambda: modeling.lm_loss(
+            modeling.forward_with_audio(model, batch["input_ids"], batch["attention_mask"], frames), batch["labels"]
         ),
-        lambda: sl.supervised_loss(model, batch["input_ids"], batch["attention_mask"], frames, batch["labels"]),
+        lambda: modeling.supervised_loss(model, batch["input_ids"], batch["attention_mask"], frames, batch["labels"]),
     ):
         proj.grad = None
         loss = fn()
@@ -282,7 +277,7 @@ def test_the_training_loss_is_the_full_logits_loss_at_the_supervised_positions(t
 
 def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
     assembled, _, manifest, _ = trained
-    out = sl.train(
+    out = training.train(
         assembled,
         manifest,
         tmp_path / "t",
@@ -303,22 +298,36 @@ def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
     assembled, _, manifest, _ = trained
     model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled).eval()
     processor = tf.AutoProcessor.from_pretrained(assembled)
-    rows = sl.read_manifest(manifest)[:2]
-    cache = sl.AudioCache(model, processor, 2)
+    rows = data.read_manifest(manifest)[:2]
+    cache = training.AudioCache(model, processor, 2)
     family = resolve_family(model.config, "qwen2_audio")
-    sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)  # the real path passes
-    right = sl.encode_audio
-    monkeypatch.setattr(sl, "encode_audio", lambda *a: [f * 1.5 for f in right(*a)])
+    training.check_cached_forward(model, processor, family, rows, cache, presets.INSTRUCTION)  # the real path passes
+    right = modeling.encode_audio
+    monkeypatch.setattr(training, "encode_audio", lambda *a: [f * 1.5 for f in right(*a)])
     with pytest.raises(RuntimeError, match="differs from the model's forward"):
-        sl.check_cached_forward(model, processor, family, rows, cache, sl.INSTRUCTION)
+        training.check_cached_forward(model, processor, family, rows, cache, presets.INSTRUCTION)
 
 
 def test_time_budget_is_replanned_from_the_rate_after_the_first_steps(monkeypatch):
     # the first 20 steps took 40 s (warm-up, shared GPU); since then 50 steps took 25 s: 0.5 s a step
-    monkeypatch.setattr(sl.time, "time", lambda: 1000.0)
-    first = sl.planned_horizon(20, 2000, elapsed=40.0, budget=210.0, probe=None)
+    monkeypatch.setattr(training.time, "time", lambda: 1000.0)
+    first = training.planned_horizon(20, 2000, elapsed=40.0, budget=210.0, probe=None)
     assert first == 20 + int(170 / 2.0)  # from the first steps' 2 s a step
-    later = sl.planned_horizon(70, 2000, elapsed=65.0, budget=210.0, probe=(20, 1000.0 - 25.0))
+    later = training.planned_horizon(70, 2000, elapsed=65.0, budget=210.0, probe=(20, 1000.0 - 25.0))
     assert later == 70 + int(145 / 0.5)  # from the measured rate: the run is not ended at half its budget
-    assert sl.planned_horizon(70, 100, elapsed=65.0, budget=210.0, probe=(20, 975.0)) == 100  # never past --steps
-    assert sl.planned_horizon(70, 2000, elapsed=300.0, budget=210.0, probe=(20, 975.0)) == 71
+    assert training.planned_horizon(70, 100, elapsed=65.0, budget=210.0, probe=(20, 975.0)) == 100  # never past --steps
+    assert training.planned_horizon(70, 2000, elapsed=300.0, budget=210.0, probe=(20, 975.0)) == 71
+
+
+def test_the_script_parses_the_documented_commands():
+    """benchmarks/speech_llm.py, a thin command line over speech_llm_steps/: README's four commands parse."""
+    with loaded_script(REPO_ROOT / "benchmarks" / "speech_llm.py") as script:
+        parser = script.make_parser()
+        commands = [
+            ["fetch-llm", "--cache", "C"],
+            ["assemble", "--whisper", "W", "--llm", "C/qwen2.5-coder-0.5b/hf", "--out", "A"],
+            ["train", "--model", "A", "--train", "train.json", "--out", "S", "--steps", "2000", "--max_minutes", "5"],
+            ["wer", "--model", "S", "--manifest", "eval.json", "--num_samples", "200"],
+        ]
+        assert [parser.parse_args(c).command for c in commands] == ["fetch-llm", "assemble", "train", "wer"]
+        assert parser.parse_args(commands[0]).name == presets.DEFAULT_LLM

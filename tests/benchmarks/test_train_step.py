@@ -1,9 +1,11 @@
-"""benchmarks/train_step.py at tiny size on CPU: it runs the product step and writes every reported field."""
+"""benchmarks/train_step.py at tiny size on CPU (its parts: train_step_parts/): it runs the product step and writes
+every reported field."""
 
 import importlib.util
 import json
 
 import pytest
+from train_step_parts.shapes import parse_config
 from utils import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "benchmarks" / "train_step.py"
@@ -55,8 +57,8 @@ def test_tiny_run_writes_all_fields(bench, tmp_path):
     assert {k: full[k] for k in draft} == draft and full["target_forward"] > 0 and full["target_argmax_labels"] > 0
 
 
-def test_config_spec_parsing(bench):
-    assert bench.parse_config("attn=sdpa,ckpt=1") == {
+def test_config_spec_parsing():
+    assert parse_config("attn=sdpa,ckpt=1") == {
         "attn": "sdpa",
         "ce": "2048",
         "ckpt": "1",
@@ -64,14 +66,14 @@ def test_config_spec_parsing(bench):
         "fp8": "0",
         "fp8lm": "0",
     }
-    assert bench.parse_config("fp8=1")["fp8"] == "1" and bench.parse_config("fp8lm=1")["fp8lm"] == "1"
+    assert parse_config("fp8=1")["fp8"] == "1" and parse_config("fp8lm=1")["fp8lm"] == "1"
     with pytest.raises(ValueError, match="bad config item"):
-        bench.parse_config("attention=flex")
+        parse_config("attention=flex")
     with pytest.raises(ValueError, match="attn is flex"):
-        bench.parse_config("attn=dense")
+        parse_config("attn=dense")
     for bad in ("fp8=yes", "fp8lm=2"):
         with pytest.raises(ValueError, match="fp8 and fp8lm are 0|1"):
-            bench.parse_config(bad)
+            parse_config(bad)
 
 
 @pytest.mark.slow  # three tiny speech targets through the full step: ~8 s on 2 cores

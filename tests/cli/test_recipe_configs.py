@@ -53,11 +53,13 @@ def test_recipe_parses_keeps_the_draft_by_its_real_tau_and_reads_what_the_benchm
     assert args.eval_real_tau and args.metric_for_best_model == "dev_tau" and args.load_best_model_at_end
     assert args.save_steps == args.eval_steps and args.max_train_minutes <= 25
     with loaded_script(REPO_ROOT / "benchmarks" / "real_targets.py") as rt:
+        from quality_steps import configs, fetch, labels  # the script's steps, importable once it is loaded
+
         bench = Path("bench")
         if name.startswith("whisper"):
-            generated = rt.whisper_label_manifests(bench)
-            assert args.target_name_or_path == str(rt.target_hf_dir(bench, "whisper-base"))
-            assert args.mask_token_id == rt.WHISPER_MASK_ID and args.draft_encoder_context
+            generated = labels.whisper_label_manifests(bench)
+            assert args.target_name_or_path == str(fetch.target_hf_dir(bench, "whisper-base"))
+            assert args.mask_token_id == configs.WHISPER_MASK_ID and args.draft_encoder_context
             assert data_args.train_data == [str(generated["train"])]
             assert data_args.eval_data == [f"dev={generated['dev']}"]
         commands = _commands(config)
