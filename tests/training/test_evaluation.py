@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_hf.training.decode_benchmark import prompt_inputs
 from tqdm.auto import tqdm
 from transformers import ProgressCallback, TrainerControl, TrainerState
 from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, tiny_text_target
@@ -16,7 +17,6 @@ from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, ti
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments
 from dflash_hf.testing import tiny
 from dflash_hf.training.callbacks import DFlashProgressCallback, RealTauCallback
-from dflash_hf.training.decode_benchmark import prompt_inputs
 from dflash_hf.training.validate_only import VALIDATION_METRICS_FILE, validate
 
 BLOCK = 4
@@ -500,8 +500,9 @@ def test_every_evaluation_reports_the_real_tau_first_and_drafts_can_be_picked_by
     """--eval_real_tau (the default of dflash-train): each evaluation decodes the set's first real_tau_samples prompts
     speculatively and reports eval_<set>_tau first, the real tau of exactly those prompts; --metric_for_best_model
     dev_tau picks the checkpoint by it."""
-    from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
     from dflash_hf.training.decode_benchmark import decode_benchmark
+
+    from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
 
     model, tok = target
     train, evals, collate = _data(tok)
