@@ -14,6 +14,7 @@ _EXPORTS = {
     "DFlashDraftModel": ".models.modeling_dflash",
     "DFlashTrainer": ".training.trainer",
     "DFlashTrainingArguments": ".training.training_args",
+    "build_target_and_draft": ".targets.builder",
     "dflash_custom_generate": ".generation.speculative",
     "export_draft": ".export.drafts",
     "load_draft_strict": ".export.drafts",
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from dflash_hf.generation.speculative import dflash_custom_generate, speculative_generate
     from dflash_hf.models.configuration_dflash import DFlashConfig
     from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+    from dflash_hf.targets.builder import build_target_and_draft
     from dflash_hf.targets.frozen import load_target
     from dflash_hf.training.trainer import DFlashTrainer
     from dflash_hf.training.training_args import DFlashTrainingArguments
@@ -51,6 +53,7 @@ __all__ = [
     "DFlashDraftModel",
     "DFlashTrainer",
     "DFlashTrainingArguments",
+    "build_target_and_draft",
     "dflash_custom_generate",
     "export_draft",
     "load_draft_strict",

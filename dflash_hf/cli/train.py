@@ -192,42 +192,25 @@ def check_resume_path(resume) -> None:
 
 def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict:
     """Train and export a draft (or validate one with `--validate_only true`); returns the final metrics."""
-    from dflash_hf.targets.families.qwen3_asr import warn_missing_vllm_serving_fields
-    from dflash_hf.targets.families.registry import get_tokenizer
-    from dflash_hf.targets.frozen import FrozenTarget, load_target
-    from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message
+    from dflash_hf.targets.builder import load_frozen_target
     from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
     from dflash_hf.training.row_preflight import share_data_rows
     from dflash_hf.training.trainer import DFlashTrainer
 
     check_run_inputs(args, data_args)
     args.check_files()
-    check_best_model_args(args, eval_prefixes(data_args.eval_sources()))
+    eval_sets = data_args.eval_sources()  # the named validation sets, once: checked here, evaluated by the trainer
+    check_best_model_args(args, eval_prefixes(eval_sets))
     if args.process_index == 0:  # the other ranks load their target meanwhile, then reuse rank 0's checks
         check_data_rows(data_args)
     check_resume_path(args.resume_from_checkpoint)
-    target = FrozenTarget(
-        load_target(
-            args.target_name_or_path, args.precision, args.target_strict_load, trust_remote_code=args.trust_remote_code
-        ),
-        args.target_family,
-    )
-    warn_missing_vllm_serving_fields(getattr(getattr(target, "model", None), "config", None), args.target_name_or_path)
+    target = load_frozen_target(args.target_name_or_path, args)  # its draft is built with the trainer
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
-    if args.mask_token_id is None and not args.init_from_pretrained:
-        tokenizer = get_tokenizer(processor)
-        candidates = mask_token_candidates(
-            tokenizer,
-            target.vocab_size,
-            target_config=target.model.config,
-            extra_ids=target.mask_token_candidates(tokenizer),
-        )
-        raise ValueError(missing_mask_token_message(candidates))
     if args.validate_only:
         from dflash_hf.training.validate_only import validate
 
-        return validate(args, data_args.eval_sources(), target=target, processor=processor, data_args=data_args)
+        return validate(args, eval_sets, target=target, processor=processor, data_args=data_args)
 
     publish_to = args.hub_model_id if args.push_to_hub else None
     # `--push_to_hub` publishes the exported draft at the end (below), not the Trainer's checkpoints.
@@ -238,7 +221,7 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         processor=processor,
         data_args=data_args,
         train_dataset=data_args.train_sources(),
-        eval_dataset=data_args.eval_sources(),
+        eval_dataset=eval_sets,
     )
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # TrainingInterrupted on SIGTERM
     metrics = dict(result.metrics)

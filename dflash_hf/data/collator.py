@@ -159,7 +159,7 @@ class PaddedCollator:
     ):
         self.bad = bad
         fe = getattr(processor, "feature_extractor", None)
-        frames = family.window_frames(target_config) if family.window_frames is not None else None
+        frames = family.window_frames(target_config)
         window = frames is not None and getattr(fe, "nb_max_frames", None) == frames
         waves = (
             device_features

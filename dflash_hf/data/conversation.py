@@ -76,7 +76,7 @@ def cut_to_messages(cut, family: TargetFamily, config: ConversationConfig | None
         messages.append({"role": "system", "content": [{"type": "text", "text": system}]})
     user = [{"type": "text", "text": context}] if context else []
     audio = {"type": "audio"}
-    if family.render_decoder is not None and cut.supervisions[0].language:
+    if family.is_encoder_decoder and cut.supervisions[0].language:
         audio["language"] = cut.supervisions[0].language  # the decoder prompt names it (Whisper)
     user.append(audio)
     messages.append({"role": "user", "content": user})
@@ -103,7 +103,7 @@ class ConversationRenderer:
         self.tokenizer = get_tokenizer(processor)
         self._special_ids = set(self.tokenizer.all_special_ids)
         self._prompts: dict[str, str] = {}  # rendered generation prompts by their turns (`_prompt`)
-        if family.render_decoder is not None:  # encoder-decoder: the family renders the decoder's own prompt
+        if family.is_encoder_decoder:  # the family renders the decoder's own prompt
             self._apply = partial(family.render_decoder, self.tokenizer)
             return
         owner = processor if family.render_with == "processor" else self.tokenizer

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from dflash_hf.data.bad_samples import BadSamples
-from dflash_hf.data.collator import PaddedCollator
-from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-from dflash_hf.data.sample_checks import SampleValidator, ValidatedCuts
+from dflash_hf.data.conversation import ConversationConfig
+from dflash_hf.data.sample_checks import ValidatedCuts
+from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, open_source
 from dflash_hf.data.text_prompts import first_record, text_prompts
 from dflash_hf.settings import DataSettings
-from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer, resolve_family
+from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
 from dflash_hf.targets.frozen import NON_TARGET_KEYS
 
 
@@ -93,14 +93,14 @@ def speech_rows_and_collator(
     opened with its own checks, a path as a `prompt_source` with `max_chars_per_second` (None: no characters-per-second
     check; a trainer's validation set passes the rate its loss loader applies, so both read the same rows).
     `family`: a `TargetFamily` (e.g. a `FrozenTarget`'s), a family row name, or None (resolved from the config)."""
-    fam = family if isinstance(family, TargetFamily) else resolve_family(target_config, family)
-    renderer = ConversationRenderer(processor, fam, conversation)
     bad = BadSamples(skip=skip_bad_samples)
-    validator = SampleValidator(renderer, fam, target_config, max_tokens=None, bad=bad, resample_audio=resample_audio)
+    samples = SamplePipeline.build(
+        processor, target_config, family, conversation, bad=bad, resample_audio=resample_audio
+    )
     sources = source if isinstance(source, (list, tuple)) else [source]
     sources = [prompt_source(s, max_chars_per_second) if isinstance(s, (str, Path)) else s for s in sources]
-    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), validator)
-    return rows, PaddedCollator(processor, target_config, fam, renderer, padding_side=padding_side)
+    rows = ValidatedCuts(itertools.chain.from_iterable(open_source(s, bad) for s in sources), samples.validator)
+    return rows, samples.collator(padding_side)
 
 
 def recorded_conversation(

@@ -36,7 +36,7 @@ from dflash_hf.data.label_rows import (
     shard_of,
     start_partial,
 )
-from dflash_hf.data.sample_checks import SampleValidator
+from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.targets.families.registry import encode_batch
@@ -78,7 +78,7 @@ def encode_prompts(family, processor, config, texts: list[str], audios: list) ->
     """The prompts' `generate` inputs on the CPU: one left-padded batch, except where a batch would change the
     outputs: a model-side single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends
     on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
-    if family.expansion == "model" or family.prepare_forward is not None:
+    if family.expansion == "model" or family.overrides("prepare_forward"):
         return [
             encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
             for i, t in enumerate(texts)
@@ -104,15 +104,15 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     """Write the generated-label manifest of `job` with `target` (its family row and end tokens) and its `processor`;
     `decode` gives the target's new tokens of each batch of encoded prompts. Returns what the new lines hold."""
     family, config = target.family, target.model.config
-    renderer = ConversationRenderer(processor, family, job.conversation)
+    bad = BadSamples(skip=job.skip_bad_samples)
+    samples = SamplePipeline.build(processor, config, family, job.conversation, bad=bad)  # training's checks
+    renderer, validator = samples.renderer, samples.validator
     # decoding and re-rendering here while the prefetch thread encodes with the renderer's tokenizer: a fast tokenizer
     # that sets its padding in one thread can fail ("Already borrowed") while another thread uses it, so use a copy
     check_renderer = ConversationRenderer(copy.deepcopy(processor), family, renderer.config)
     manifest, output = Path(job.manifest), Path(job.output)
     check_output(job.manifest, job.output)
-    bad = BadSamples(skip=job.skip_bad_samples)
     text_check = UserTextCheck(renderer.tokenizer)
-    validator = SampleValidator(renderer, family, config, max_tokens=None, bad=bad)  # audio checks of training
     records = []
     for index, origin, record in json_rows(manifest, bad, id_prefix=manifest_stem(manifest)):
         cut_id = str(record.get("id", f"{manifest_stem(manifest)}-{index:08d}"))

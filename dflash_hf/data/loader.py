@@ -14,11 +14,12 @@ from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_hf.data.bad_samples import BadSamples
-from dflash_hf.data.collator import SKIPPED_KEY, PaddedCollator
-from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
+from dflash_hf.data.collator import SKIPPED_KEY
+from dflash_hf.data.conversation import ConversationConfig
 from dflash_hf.data.epochs import EMPTY_BATCH, ResumableEpochs, replay_error
 from dflash_hf.data.packing import PackingCollator, PackingSampler, check_family_packable
-from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, SampleValidator, validated_cutset
+from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, validated_cutset
+from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, mix_sources
 from dflash_hf.settings import LoaderSettings
 from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer, resolve_family
@@ -165,28 +166,21 @@ def build_train_dataloader(
             for s in sources
         ]
         cuts = mix_sources(sources, seed=settings.seed, bad=bad)
-    renderer = ConversationRenderer(processor, family, conversation)
-    validator = SampleValidator(
-        renderer,
-        family,
+    samples = SamplePipeline.build(
+        processor,
         target_config,
-        max_tokens=settings.max_tokens,
+        family,
+        conversation,
         bad=bad,
+        max_tokens=settings.max_tokens,
         resample_audio=settings.resample_audio,
         duration_tolerance=settings.duration_tolerance,
         mask_token_id=settings.mask_token_id,
         max_chars_per_second=settings.max_chars_per_second,
     )
-    cuts = validated_cutset(cuts, validator)
-    collator = PaddedCollator(
-        processor,
-        target_config,
-        family,
-        renderer,
-        padding_side,
-        compact_features=settings.compact_features,
-        device_features=settings.device_features,
-        bad=bad,
+    cuts = validated_cutset(cuts, samples.validator)
+    collator = samples.collator(
+        padding_side, compact_features=settings.compact_features, device_features=settings.device_features, bad=bad
     )
     place = dict(shuffle=settings.shuffle, seed=settings.seed, world_size=settings.world_size, rank=settings.rank)
     if settings.packing:

@@ -106,7 +106,7 @@ class SampleValidator:
             return None
         (text_tokens, audio_positions), saved = self._counts_and_text(cut)
         num_tokens = text_tokens + audio_positions
-        limit = self.family.max_positions(self.target_config) if self.family.max_positions else None
+        limit = self.family.max_positions(self.target_config)
         if limit is not None and num_tokens > limit:
             self._report(
                 cut,
@@ -139,8 +139,7 @@ class SampleValidator:
             cut = self._check_audio(cut)
             if cut is None:
                 return None
-        check = self.family.sample_problem
-        problem = check(self.target_config, self.renderer.tokenizer, cut) if check else None
+        problem = self.family.sample_problem(self.target_config, self.renderer.tokenizer, cut)
         if problem:
             self._report(cut, *problem)
             return None
@@ -322,7 +321,7 @@ class SampleValidator:
         """The token ids of rendered texts as the collation makes them, tokenized together (a fast tokenizer
         tokenizes each text of a batch on its own: the same ids as one call a text)."""
         tokenizer = self.renderer.tokenizer
-        if self.family.stream_ids is not None:  # the family's own tokenization of its stream (as its encode)
+        if self.family.overrides("stream_ids"):  # the family's own tokenization of its stream (as its encode)
             ids = [self.family.stream_ids(tokenizer, text) for text in texts]
         else:
             ids = [None] * len(texts)

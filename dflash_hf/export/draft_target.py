@@ -1,7 +1,7 @@
 """Whether a draft export was trained for a given target (`dflash-eval`): its vocabulary (the warm start's check,
-`export.drafts.vocab_difference`) and the target's weights fingerprint its run record holds (`dflash_run.json`, written
-beside every export by `dflash-train`: `run_record.target_identity`). The hidden size and the taps are checked by
-`FrozenTarget.validate` (`draft_on_target`): a draft of another size cannot run against the target at all."""
+`targets.draft_checks.vocab_difference`) and the target's weights fingerprint its run record holds (`dflash_run.json`,
+written beside every export by `dflash-train`: `run_record.target_identity`). The hidden size and the taps are checked
+by `FrozenTarget.validate` (`draft_on_target`): a draft of another size cannot run against the target at all."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from dflash_hf.errors import DFlashUserError
-from dflash_hf.export.drafts import resolve_draft_dir, vocab_difference
+from dflash_hf.export.drafts import resolve_draft_dir
 from dflash_hf.export.run_record import RUN_RECORD, read_record, target_identity
+from dflash_hf.targets.draft_checks import vocab_difference
 from dflash_hf.targets.frozen import FrozenTarget
 
 logger = logging.getLogger("dflash_hf")

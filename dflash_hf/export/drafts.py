@@ -28,8 +28,10 @@ from dflash_hf.export.atomic_write import (
     write_atomically,
 )
 from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
-from dflash_hf.models.configuration_dflash import ARCHITECTURES, DRAFT_ARCHITECTURES, DFlash2Fields, DFlashConfig
-from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
+from dflash_hf.models.configuration_dflash import DRAFT_ARCHITECTURES, DFlashConfig
+from dflash_hf.models.modeling_dflash import DFlashDraftModel
+from dflash_hf.targets.builder import draft_class_for
+from dflash_hf.targets.draft_checks import check_warm_start, check_warm_start_sizes, vocab_difference
 
 logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages have always been logged under
 
@@ -220,68 +222,6 @@ def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlas
     return config
 
 
-def draft_class_for(config: DFlashConfig) -> type[DFlashDraftModel]:
-    """`DFlashDraftModel` or `DFlash2DraftModel`, from `config.architectures`."""
-    return DFlash2DraftModel if config.variant == "dflash2" else DFlashDraftModel
-
-
-def check_warm_start(
-    config: DFlashConfig,
-    *,
-    variant: str,
-    target_layer_ids: list[int] | None = None,
-    mask_token_id: int | None = None,
-    vocab_size: int | None = None,
-    source: str = "init_from_pretrained",
-) -> None:
-    """The warm-started draft keeps its architecture, taps and mask id: explicit settings must agree.
-    `vocab_size`: the target's embedding rows; a draft trained against another vocabulary is refused."""
-    if config.variant != variant:
-        raise ValueError(
-            f"{source} is a {ARCHITECTURES[config.variant]} but variant={variant!r}; set variant: {config.variant} "
-            "(a warm start keeps the saved architecture)"
-        )
-    if target_layer_ids is not None and list(target_layer_ids) != config.target_layer_ids:
-        raise ValueError(
-            f"target_layer_ids={list(target_layer_ids)} differs from the warm-started draft's taps "
-            f"{config.target_layer_ids}; drop target_layer_ids (fc.weight is tied to the saved taps)"
-        )
-    if mask_token_id is not None and mask_token_id != config.mask_token_id:
-        raise ValueError(
-            f"mask_token_id={mask_token_id} differs from the warm-started draft's {config.mask_token_id}; "
-            "drop mask_token_id or use the saved one"
-        )
-    if difference := vocab_difference(config, vocab_size):
-        raise ValueError(f"{source} {difference}; warm start from a draft of this target, or train a new draft")
-
-
-def vocab_difference(config: DFlashConfig, vocab_size: int | None) -> str | None:
-    """How the draft's vocabulary differs from the target's embedding rows (warm start, `dflash-eval`), or None."""
-    if vocab_size is not None and config.vocab_size != vocab_size:
-        return f"was trained against vocab_size {config.vocab_size}, but this target's embedding has {vocab_size} rows"
-    return None
-
-
-def check_warm_start_sizes(
-    config: DFlashConfig, given: dict[str, int], defaults: dict[str, int], source: str = "init_from_pretrained"
-) -> None:
-    """Draft sizes (`num_draft_layers`, the DFlash2 fields) come from the warm-started export. A value given that
-    differs from both the export's and the default is refused (it cannot be honoured); a default that differs
-    from the export's is logged as replaced by the export's."""
-    saved = {"num_draft_layers": config.num_hidden_layers}
-    if config.variant == "dflash2":
-        saved.update(DFlash2Fields.of(config.dflash_config).as_dict())
-    for name, value in saved.items():
-        if name not in given or given[name] == value:
-            continue
-        if given[name] != defaults.get(name):
-            raise ValueError(
-                f"{name}={given[name]} differs from the warm-started draft's {value} ({source} keeps "
-                f"its architecture); drop {name} or set it to {value}"
-            )
-        logger.info("%s: %s=%s from the export (not the default %s)", source, name, value, given[name])
-
-
 def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
     """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
 
@@ -399,5 +339,6 @@ __all__ = [
     "non_finite_tensors",
     "resolve_draft_dir",
     "draft_class_for",
+    "vocab_difference",
     "weight_file_paths",
 ]

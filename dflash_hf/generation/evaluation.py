@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from dflash_hf.generation.decode_options import DecodeOptions
@@ -21,7 +22,7 @@ from dflash_hf.generation.speculative import speculative_generate
 from dflash_hf.generation.target_greedy import generate_inputs, target_greedy, target_greedy_new_tokens
 from dflash_hf.generation.tree_decode import check_tree_budget
 from dflash_hf.generation.tree_verify import check_tree_target
-from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
 
 @dataclass
@@ -87,8 +88,8 @@ def synced_clock(device: torch.device) -> float:
 
 @torch.no_grad()
 def decode_benchmark(
-    draft,
-    target,
+    draft: nn.Module,
+    target: TargetModel,
     prompts: Iterable[dict],
     max_new_tokens: int,
     *,
@@ -114,7 +115,7 @@ def decode_benchmark(
             f"decode_benchmark: options.tree_budget={options.tree_budget}, but its first pass verifies the chain; "
             f"pass the budget as tree_budgets=[{options.tree_budget}] (a tree pass beside the chain's)"
         )
-    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    ft = FrozenTarget.of(target)
     for budget in tree_budgets:
         check_tree_budget(budget)
     if tree_budgets:

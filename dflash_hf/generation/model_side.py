@@ -9,11 +9,11 @@ from transformers import DynamicCache
 from dflash_hf.generation.prompt_padding import check_one_prompt, refuse_padding
 from dflash_hf.generation.target_cache import cache_keyword
 from dflash_hf.generation.verify_rules import _eos_ids
-from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
 
 @torch.no_grad()
-def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.LongTensor:
+def model_side_greedy(target: TargetModel, max_new_tokens: int, **target_inputs) -> torch.LongTensor:
     """Plain greedy decoding of a model-side single-placeholder target (legacy Qwen2-Audio / SALM layout), the
     baseline its speculative decoding must equal: transformers' `generate` drops the 2D mask the audio merge needs
     (an error, or another sequence, depending on the version), so this is the target's own forward with a KV cache,
@@ -21,7 +21,7 @@ def model_side_greedy(target, max_new_tokens: int, **target_inputs) -> torch.Lon
     forward per token (tested). Returns prompt ids + new tokens `[1, L + n]`."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    ft = FrozenTarget.of(target)
     input_ids = target_inputs["input_ids"]
     check_one_prompt(input_ids)
     refuse_padding(target_inputs.get("attention_mask"), model_side_what(ft))

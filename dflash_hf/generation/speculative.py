@@ -19,6 +19,7 @@ output are the model's own; the encoder runs once per utterance and the cross-at
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
@@ -49,7 +50,7 @@ from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and
     propose_block,
     with_cached_masks,
 )
-from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
 
 def _decode(
@@ -210,8 +211,8 @@ def _decode(
 
 @torch.no_grad()
 def speculative_generate(
-    draft,
-    target,
+    draft: nn.Module,
+    target: TargetModel,
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
@@ -238,7 +239,7 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     options = DecodeOptions.of(options, draft_cuda_graph, verify_cuda_graph, tree_budget)
-    ft = target if isinstance(target, FrozenTarget) else FrozenTarget(target)
+    ft = FrozenTarget.of(target)
     if options.tree_budget is not None:  # before `generate` prepares anything (Whisper's encoder pass)
         check_tree_target(ft)
     if ft.family.expansion != "model":

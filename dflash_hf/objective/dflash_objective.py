@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from accelerate.utils import extract_model_from_parallel
+from torch import nn
 
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.blocks import (
@@ -36,6 +37,7 @@ from dflash_hf.objective.losses.ce import block_loss
 from dflash_hf.objective.losses.selector import dflash2_block_loss
 from dflash_hf.ops.float8 import check_lm_head_shape
 from dflash_hf.settings import ObjectiveSettings
+from dflash_hf.targets.frozen import FrozenTarget
 
 
 @dataclass
@@ -177,9 +179,9 @@ class DFlashObjective:
             return "flex" if device.type == "cuda" else "sdpa"
         return self.settings.attention_backend
 
-    def plan(self, target, batch: dict, seed: int) -> BlockPlan:
+    def plan(self, target: FrozenTarget, batch: dict, seed: int) -> BlockPlan:
         """Anchors, slot validity and the loss denominator of one micro-batch, on the CPU (the step itself
-        then never waits for the device to learn shapes or indices). `target`: the `FrozenTarget`."""
+        then never waits for the device to learn shapes or indices)."""
         pos_ids = batch.get("position_ids") if "cu_seqlens" in batch else None
         pos_ids = pos_ids.cpu() if pos_ids is not None else None
         self._check_layout(batch)
@@ -246,7 +248,9 @@ class DFlashObjective:
     # --------------------------------------------------------------------------------------------
     # Forward
     # --------------------------------------------------------------------------------------------
-    def loss(self, draft, target, batch: dict, plan: BlockPlan, greedy: bool | None = None) -> BlockLoss:
+    def loss(
+        self, draft: nn.Module, target: FrozenTarget, batch: dict, plan: BlockPlan, greedy: bool | None = None
+    ) -> BlockLoss:
         """Target taps -> labels -> blocks -> draft -> loss sums and denominators of one micro-batch (`plan`:
         `self.plan(...)`; `draft` may be wrapped; `greedy`, default in eval mode: the `objective.greedy` estimates)."""
         greedy = not draft.training if greedy is None else greedy
@@ -293,8 +297,8 @@ class DFlashObjective:
 
     def run_draft(
         self,
-        draft,
-        target,
+        draft: nn.Module,
+        target: FrozenTarget,
         taps,
         positions,
         doc_ids,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import transformers
@@ -110,7 +111,7 @@ def _decoder_of(model: nn.Module) -> nn.Module:
             return c
     raise ValueError(
         f"cannot find the text decoder (a module with `.layers` and `.norm` or `.layer_norm`) in "
-        f"{type(model).__name__}; add a row for this model family in dflash_hf/targets/families/registry.py"
+        f"{type(model).__name__}; add a target family for it (a TargetFamily subclass in dflash_hf/targets/families/)"
     )
 
 
@@ -125,7 +126,8 @@ class FrozenTarget:
     """Wraps the frozen target. Never trained: eval mode, no grad, its own parameter dtype, no autocast."""
 
     def __init__(self, model: nn.Module, family: str | None = None):
-        """`family`: a `families.FAMILIES` row name (`"qwen2_audio_single_placeholder"`...), default by model_type."""
+        """`family`: a family name of `families.registry.FAMILIES` (`"qwen2_audio_single_placeholder"`...), default
+        from the config's model_type."""
         self.model = model.eval().requires_grad_(False)
         self.family = resolve_family(model.config, family)
         self.decoder = _decoder_of(model)
@@ -140,14 +142,16 @@ class FrozenTarget:
         self._suppressed: dict[torch.device, torch.Tensor] = {}
         self.forward_graphs = None  # a `target_graph.TargetForwardGraphs` (`target_cuda_graph`), set by the trainer
 
+    @classmethod
+    def of(cls, target: TargetModel, family: str | None = None) -> FrozenTarget:
+        """`target` as a `FrozenTarget`: itself if it is one, else the HF model wrapped (`family` as in `__init__`)."""
+        return target if isinstance(target, FrozenTarget) else cls(target, family)
+
     # --- facts ---------------------------------------------------------------------------
     @property
     def text_config(self):
         """The decoder's config (for an encoder-decoder target, its decoder dimensions under the usual names)."""
-        cfg = self.model.config
-        if self.family.decoder_config is not None:
-            return self.family.decoder_config(cfg)
-        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return self.family.text_config(self.model.config)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -268,8 +272,7 @@ class FrozenTarget:
             kwargs = self.cast_features(
                 decoder_stream_kwargs(kwargs, position_ids=True, encoder_mask_key=self.family.encoder_mask_key)
             )
-            prepare = self.family.prepare_forward
-            return prepare(self.model, kwargs) if prepare is not None else kwargs
+            return self.family.prepare_forward(self.model, kwargs)
         if "cu_seqlens" in batch:
             if "position_ids" not in batch:
                 raise ValueError(
@@ -369,12 +372,12 @@ class FrozenTarget:
 
     def host_facts(self, batch: dict) -> dict | None:
         """What the forward would read back from the device, found in the host batch (`TargetFamily.host_facts`)."""
-        return self.family.host_facts(self.model, batch) if self.family.host_facts else None
+        return self.family.host_facts(self.model, batch)
 
     def whole_window(self, batch: dict) -> dict:
         """`batch` with its compact features or waves (the trainer's Whisper loader) as the encoder's whole window."""
-        frames, config = self.family.window_frames, self.model.config
-        return with_whole_window(batch, frames and frames(config), getattr(config, "num_mel_bins", None))
+        config = self.model.config
+        return with_whole_window(batch, self.family.window_frames(config), getattr(config, "num_mel_bins", None))
 
     def features(
         self,
@@ -405,3 +408,8 @@ class FrozenTarget:
                 self._suppressed[logits.device] = torch.tensor(ids, dtype=torch.long, device=logits.device)
             logits = logits.index_fill(-1, self._suppressed[logits.device], float("-inf"))
         return logits
+
+
+# What a public seam takes as `target` (`speculative_generate`, `DFlashTrainer`, `decode_benchmark`, ...): the HF
+# model, or the `FrozenTarget` wrapping it (`FrozenTarget.of`).
+TargetModel: TypeAlias = FrozenTarget | transformers.PreTrainedModel

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_hf.export.drafts import draft_class_for
 from dflash_hf.settings.run import DEFAULT_LORA_TARGETS, LORA_TARGETS
+from dflash_hf.targets.builder import draft_class_for
 
 PROJECTION_PARAM = "fc.weight"
 SELECTION_FILE = "dflash_trainable.json"

@@ -20,14 +20,14 @@ from dflash_hf.export.run_record import target_identity, write_record
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
 from dflash_hf.objective.losses import MetricSums
+from dflash_hf.targets.frozen import TargetModel
 from dflash_hf.training.adaptation import check_resume_selection, save_selection
 from dflash_hf.training.assembly import (
     compile_draft_layers,
-    draft_for_training,
     host_batches,
     is_speech_source,
-    prepare_target,
     speech_loader,
+    target_and_draft,
 )
 from dflash_hf.training.callbacks import add_dflash_callbacks
 from dflash_hf.training.checkpoints import (
@@ -55,21 +55,21 @@ class DFlashTrainer(Trainer):
         model=None,
         args: DFlashTrainingArguments = None,
         *,
-        target,
+        target: TargetModel,
         processor=None,
         data_args: DFlashDataArguments | None = None,
         **kwargs,
     ):
-        """`target`: the frozen HF model (or a `FrozenTarget`). `train_dataset` / `eval_dataset` may be
-        speech sources (`DataSource`, paths, a lhotse `CutSet`, or a dict of named ones for eval): they are
-        batched by the lhotse token-budget loader with `processor` and `data_args`; any other dataset goes
-        through the standard Trainer path with `data_collator`."""
+        """`target`: the frozen HF model (or a `FrozenTarget`); `model`: the draft to train (default: a warm start from
+        `args.init_from_pretrained` or a new draft), checked against the target (`assembly.target_and_draft`).
+        `train_dataset` / `eval_dataset` may be speech sources (`DataSource`, paths, a lhotse `CutSet`, or a dict of
+        named ones for eval): they are batched by the lhotse token-budget loader with `processor` and `data_args`; any
+        other dataset goes through the standard Trainer path with `data_collator`."""
         args.check_files()  # the resume checkpoint and warm-start export, before anything loads
         self.processor = processor
         self.data_args = data_args or DFlashDataArguments()
-        self.target = prepare_target(target, args)
+        self.target, model = target_and_draft(target, args, model, processor)
         self.target_identity = target_identity(self.target.model)  # before the target is moved or sharded
-        model = draft_for_training(model, args, self.target)
         super().__init__(model=model, args=args, **kwargs)
         self.target.model.to(self.args.device)
         if accelerator_uses_fsdp2(self.accelerator):  # the target is not Trainer.model: shard it here

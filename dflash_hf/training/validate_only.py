@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash_hf.targets.frozen import load_target
+from dflash_hf.targets.frozen import TargetModel, load_target
 from dflash_hf.training.trainer import DFlashTrainer
 
 VALIDATION_METRICS_FILE = "validation_metrics.json"
@@ -17,7 +17,7 @@ def validate(
     args,
     eval_datasets: Mapping[str, object],
     *,
-    target=None,
+    target: TargetModel | None = None,
     data_collator=None,
     draft=None,
     **trainer_kwargs,

@@ -248,12 +248,11 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
             upload(folder_path)
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
-    import dflash_hf.targets.frozen
+    import dflash_hf.targets.builder
     import dflash_hf.training.trainer
 
     monkeypatch.setattr(dflash_hf.training.trainer, "DFlashTrainer", FakeTrainer)
-    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: None)
-    monkeypatch.setattr(dflash_hf.targets.frozen, "FrozenTarget", lambda *a, **k: None)
+    monkeypatch.setattr(dflash_hf.targets.builder, "load_frozen_target", lambda *a, **k: None)
     monkeypatch.setattr(cli_train, "load_processor", lambda path, trust_remote_code=False: None)
     monkeypatch.setattr(cli_train, "check_data_rows", lambda data_args: None)  # the faked run reads no data
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)

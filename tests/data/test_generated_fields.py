@@ -9,9 +9,9 @@ import soundfile as sf
 from dflash_hf.data import BadSampleError, BadSamples, build_train_dataloader
 from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-from dflash_hf.data.json_rows import DEFAULT_MAX_CHARS_PER_SECOND
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.data.sources import open_source
+from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.registry import resolve_family
 from dflash_hf.testing import tiny
 
@@ -201,7 +201,9 @@ def test_a_truncated_generated_row_is_exempt_from_the_characters_per_second_chec
     its own output (marked `truncated`), not a wrong duration, so it is trained on; the same text unmarked is refused,
     when the source opens (a line with its duration) and in the validator (a duration read from the file)."""
     loop = " ".join(["okay"] * 40)  # 199 characters for 1 s of audio
-    rate = dict(max_chars_per_second=DEFAULT_MAX_CHARS_PER_SECOND)  # the reader's default; the validator's as trained
+    rate = dict(
+        max_chars_per_second=DataSettings.max_chars_per_second
+    )  # the reader's default; the validator's as trained
     for duration in (1.0, None):
         path = _manifest(tmp_path, [{"text": loop, "truncated": True, "duration": duration}])
         ((ids, supervised, _),) = _rows(path, asr_target, **rate)

@@ -16,9 +16,9 @@ from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel
 from dflash_hf.export.drafts import check_draft_export, export_draft, load_draft_strict
 from dflash_hf.export.hub import DraftCardInfo, build_model_card, serving_commands, target_serving_facts
 from dflash_hf.models.configuration_dflash import TARGET_ONLY_ROPE_KEYS
+from dflash_hf.targets.builder import build_target_and_draft
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
-from dflash_hf.training.assembly import build_draft
 
 # what a Qwen3-ASR (or Qwen3-Omni) text config carries beside the theta
 MROPE = {"mrope_section": [2, 1, 1], "mrope_interleaved": True, "interleaved": True, "partial_rotary_factor": 0.5}
@@ -45,7 +45,7 @@ def mrope_asr():
 def _asr_draft(tmp_path, model, **kw) -> DFlashDraftModel:
     mask = tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)
     torch.manual_seed(0)
-    return build_draft(make_args(tmp_path, mask_token_id=mask, **kw), FrozenTarget(model)).eval()
+    return build_target_and_draft(FrozenTarget(model), make_args(tmp_path, mask_token_id=mask, **kw)).draft.eval()
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])

@@ -19,9 +19,9 @@ from utils import decode_with_proposals, make_args, raising, tiny_text_target, t
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate
 from dflash_hf.generation import static_draft
 from dflash_hf.generation.static_draft import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
+from dflash_hf.targets.builder import build_target_and_draft
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
-from dflash_hf.training.assembly import build_draft
 
 
 def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
@@ -82,7 +82,7 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
         tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, block_size=4, variant="dflash2"
     )
     torch.manual_seed(0)
-    draft = build_draft(args, FrozenTarget(model)).eval()
+    draft = build_target_and_draft(FrozenTarget(model), args).draft.eval()
     for seed in range(2):  # the second utterance reuses the first one's step: its frames' keys/values are refilled
         audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
         feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
@@ -92,7 +92,7 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
             first = next(iter(steps.values()))
     assert list(steps.values()) == [first]  # one step (one capture on a GPU) serves both utterances
     copy.deepcopy(draft)  # the steps live beside the draft, not on it
-    assert set(draft.state_dict()) == set(build_draft(args, FrozenTarget(model)).state_dict())
+    assert set(draft.state_dict()) == set(build_target_and_draft(FrozenTarget(model), args).draft.state_dict())
 
 
 @pytest.mark.slow  # 214 s on 2 busy cores
@@ -103,7 +103,7 @@ def test_dflash2_decodes_up_to_whispers_last_position(whisper, tmp_path):
     model.generation_config.suppress_tokens = [*model.generation_config.suppress_tokens, 256]  # no <|endoftext|>
     args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=1, block_size=8, variant="dflash2")
     torch.manual_seed(0)
-    draft = build_draft(args, FrozenTarget(model)).eval()
+    draft = build_target_and_draft(FrozenTarget(model), args).draft.eval()
     audio = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.1
     feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
     greedy = model.generate(feats, max_new_tokens=444, do_sample=False)

@@ -51,10 +51,10 @@ from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from dflash_hf.objective.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
 from dflash_hf.objective.losses import block_loss
 from dflash_hf.ops.float8 import FP8_MIN_CAPABILITY, Float8Linear, quantize
+from dflash_hf.targets.builder import build_target_and_draft
 from dflash_hf.targets.forward_graph import TargetForwardGraphs
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
-from dflash_hf.training.assembly import build_draft
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -345,7 +345,7 @@ def test_cuda_graph_draft_step_decodes_as_the_eager_loop(tmp_path):
         tmp_path, mask_token_id=364, num_draft_layers=2, draft_encoder_context=True, block_size=4, variant="dflash2"
     )
     torch.manual_seed(0)
-    wdraft = build_draft(args, FrozenTarget(whisper)).cuda().eval()
+    wdraft = build_target_and_draft(FrozenTarget(whisper), args).draft.cuda().eval()
     feats = processor.feature_extractor(torch.randn(16000).numpy() * 0.1, sampling_rate=16000, return_tensors="pt")[
         "input_features"
     ].cuda()

@@ -16,9 +16,11 @@ from dflash_hf import speculative_generate
 from dflash_hf.export.drafts import export_draft, load_draft_strict
 from dflash_hf.export.hub import DraftCardInfo, build_model_card
 from dflash_hf.generation.speculative import dflash_custom_generate
+from dflash_hf.targets.builder import build_target_and_draft
+from dflash_hf.targets.draft_checks import check_encoder_context
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
-from dflash_hf.training.assembly import build_draft, check_encoder_context
+from dflash_hf.training.assembly import target_and_draft
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def whisper():
 def _draft(tmp_path, model, **kw):
     args = make_args(tmp_path, mask_token_id=MASK, num_draft_layers=2, draft_encoder_context=True, **kw)
     torch.manual_seed(0)
-    return build_draft(args, FrozenTarget(model)).eval()
+    return build_target_and_draft(FrozenTarget(model), args).draft.eval()
 
 
 def test_fresh_draft_takes_the_cross_attention_of_the_targets_top_decoder_layers(whisper, tmp_path):
@@ -165,7 +167,7 @@ def test_training_export_and_lossless_decoding_with_encoder_context(whisper, tmp
 def test_encoder_context_is_refused_for_decoder_only_targets(tmp_path):
     model = tiny_text_target()[0]
     with pytest.raises(ValueError, match="draft_encoder_context"):
-        build_draft(make_args(tmp_path, mask_token_id=5, draft_encoder_context=True), FrozenTarget(model))
+        build_target_and_draft(FrozenTarget(model), make_args(tmp_path, mask_token_id=5, draft_encoder_context=True))
 
 
 def test_a_draft_with_encoder_context_is_checked_against_the_targets_encoder_width(whisper, tmp_path):
@@ -263,7 +265,7 @@ def test_a_warm_start_of_an_encoder_context_dflash2_draft_continues_from_its_exp
         variant="dflash2",
         init_from_pretrained=str(tmp_path / "trained"),
     )
-    warm = build_draft(args, FrozenTarget(model))
+    warm = target_and_draft(FrozenTarget(model), args).draft
     expected = load_draft_strict(tmp_path / "trained").state_dict()
     got = warm.state_dict()
     assert got.keys() == expected.keys() and any("encoder_attn" in k for k in got)

@@ -8,9 +8,9 @@ import torch._dynamo.utils as dynamo_utils
 
 from dflash_hf.objective.blocks import doc_ids_from
 from dflash_hf.objective.labels.target_argmax import target_argmax_labels
+from dflash_hf.targets.builder import compile_target_layers
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
-from dflash_hf.training.assembly import compile_target_layers
 
 
 def _padded_batch(rows: int, width: int, seed: int) -> dict:

@@ -17,7 +17,7 @@ from dflash_hf.cli.config import check_model_dir, parse_with_config
 from dflash_hf.cli.train import make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.targets.frozen import FrozenTarget
-from dflash_hf.training.assembly import build_draft
+from dflash_hf.training.assembly import target_and_draft
 from dflash_hf.training.training_args import DFlashDataArguments
 
 
@@ -135,7 +135,7 @@ def test_warm_start_from_another_vocabulary_is_refused(tmp_path):
         match=rf"vocab_size {model.config.vocab_size + 3}, but this target's embedding "
         rf"has {model.config.vocab_size} rows",
     ):
-        build_draft(args, FrozenTarget(model))
+        target_and_draft(FrozenTarget(model), args)
 
 
 def test_missing_local_target_directory(tmp_path):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from dflash_hf.targets.frozen import FrozenTarget
 
 
 @dataclass
@@ -43,7 +46,9 @@ class LabelSource:
     def check(self, vocab_size: int) -> None:
         """Refuse options the target's vocabulary cannot satisfy (before any forward)."""
 
-    def __call__(self, target, final_hidden: torch.Tensor | None, input_ids: torch.Tensor, plan) -> Labels:
+    def __call__(
+        self, target: FrozenTarget, final_hidden: torch.Tensor | None, input_ids: torch.Tensor, plan
+    ) -> Labels:
         """Labels of the micro-batch: `final_hidden` `[b, S, H]` and `input_ids` `[b, S]` in row coordinates on the
         device, `plan` the micro-batch's `BlockPlan` (its CPU `loss_mask` and `doc_ids` locate label positions)."""
         raise NotImplementedError

@@ -5,11 +5,15 @@ by `--target_argmax_chunk_size`, no `[S, vocab]` logits); other positions keep t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_hf.objective.blocks import label_positions
 from dflash_hf.objective.labels.base import Labels, LabelSource
+
+if TYPE_CHECKING:
+    from dflash_hf.targets.frozen import FrozenTarget
 
 
 @dataclass
@@ -18,7 +22,7 @@ class TargetArgmax(LabelSource):
     needs_final_hidden = True
     greedy = True
 
-    def __call__(self, target, final_hidden, input_ids, plan) -> Labels:
+    def __call__(self, target: FrozenTarget, final_hidden, input_ids, plan) -> Labels:
         ids = target_argmax_labels(
             target, final_hidden, input_ids, plan.loss_mask, plan.doc_ids, self.target_argmax_chunk_size
         )

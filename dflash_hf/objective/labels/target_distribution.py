@@ -13,11 +13,15 @@ selector, is the top-1 token, i.e. `target_argmax`'s. Other positions keep their
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash_hf.objective.blocks import label_positions
 from dflash_hf.objective.labels.base import Labels, LabelSource, SoftLabels
+
+if TYPE_CHECKING:
+    from dflash_hf.targets.frozen import FrozenTarget
 
 
 @dataclass
@@ -32,7 +36,7 @@ class TargetDistribution(LabelSource):
         if not 1 <= self.label_top_k <= vocab_size:
             raise ValueError(f"label_top_k {self.label_top_k} must be in [1, vocab_size {vocab_size}]: lower it")
 
-    def __call__(self, target, final_hidden, input_ids, plan) -> Labels:
+    def __call__(self, target: FrozenTarget, final_hidden, input_ids, plan) -> Labels:
         soft = topk_distribution(
             target.label_logits,
             final_hidden,

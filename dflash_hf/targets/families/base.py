@@ -1,10 +1,12 @@
-"""What every target family row is made of (`TargetFamily`, `DecoderStreams`) and the helpers the rows share;
-the rows themselves are in `registry.py` (and `whisper.py`, `moonshine.py` for the encoder-decoder rows)."""
+"""What every target family is (`TargetFamily`, the base class with its required and optional hooks;
+`EncoderDecoderFamily`), the decoder-aligned streams (`DecoderStreams`) and the helpers families share. The families
+themselves are subclasses in `decoder_only.py`, `whisper.py` and `moonshine.py`, listed in `registry.py`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -23,98 +25,9 @@ class DecoderStreams:
     position_ids: torch.LongTensor | None
 
 
-@dataclass(frozen=True)
-class TargetFamily:
-    """One row of :data:`FAMILIES`: the hooks every family gives, the optional ones that change what a family does,
-    and the optional fast paths (which change only speed: a row without them takes the generic path).
-
-    Required of every row (checked when the row is made):
-
-    - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
-    - ``model_types``: config ``model_type`` values this row matches.
-    - ``expansion``: ``"processor"`` (placeholders expanded by the processor), ``"model"`` (one placeholder
-      per audio, expanded inside the model), ``"encoder"`` (encoder-decoder: the audio goes to the encoder, the
-      token stream is the decoder's) or ``"none"`` (text-only target).
-    - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
-    - ``encode``: ``encode(family, processor, config, texts, audios, padding_side) -> dict`` of tensors.
-    - audio rows: ``audio_tokens``: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
-    - encoder-decoder rows: ``render_decoder``: ``render_decoder(tokenizer, messages, add_generation_prompt)``
-      renders a conversation as the decoder's token stream (prompt, then response and end token); used in place
-      of a chat template; and ``decoder_config``: ``decoder_config(config)`` the decoder's dimensions as a config
-      with the usual names (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft.
-
-    Optional, family-specific behaviour (the default is the usual one):
-
-    - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
-    - ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
-    - ``sample_problem``: ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the
-      family's own checks of one sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
-    - ``max_positions``: ``max_positions(config) -> int``: decoder positions a sample may occupy (Whisper: 448).
-    - ``encoder_mask_key``: encoder-decoder rows whose encoder takes a padding mask (Moonshine): the batch key
-      holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
-    - ``stream_ids``: ``stream_ids(tokenizer, text) -> list[int]`` when a rendered stream is not tokenized as one
-      string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
-    - ``prepare_forward``: ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward,
-      e.g. Moonshine's encoder run on each utterance alone (its output depends on the batch's padding).
-
-    Optional fast paths (:data:`FAST_PATH_HOOKS`; the same results, less work):
-
-    - ``prebuilt_packed_mask``: the row's packed forward takes a prebuilt 4D decoder mask unchanged (checked
-      against transformers' own mask: `FrozenTarget.packed_sdpa_mask`).
-    - ``prebuilt_padded_mask``: the same for a padded batch (`FrozenTarget.padded_decoder_mask`): its 2D mask is
-      read only to build the decoder's causal mask (and, for Whisper, the decoder positions computed beside it).
-    - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
-      decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
-    - ``host_facts``: ``host_facts(model, host_batch) -> dict | None``: what the target's forward would otherwise read
-      back from the device, computed by the trainer's plan from the host batch (Qwen3-ASR: its audio encoder's
-      windows); ``forward_inputs(model, kwargs, host_facts) -> kwargs`` then builds the forward's inputs with them
-      (the two come together).
-    - ``window_frames``: ``window_frames(config) -> int``: feature frames of the encoder's fixed window (Whisper:
-      3000). The training collator then gives compact features (`whisper_features.COMPACT_FEATURES_KEY`: the frames
-      that hold audio and one padding frame) where its extractor's window is that long, and the frozen target
-      rebuilds the window on its device (`whisper_features.expand_window`).
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    expansion: str
-    audio_kwargs: tuple[str, ...]
-    encode: Callable = field(repr=False)
-    audio_tokens: Callable | None = field(default=None, repr=False)
-    render_with: str = "processor"
-    sampling_rate: int = SAMPLING_RATE
-    chunk_seconds: float | None = None
-    description: str = ""
-    render_decoder: Callable | None = field(default=None, repr=False)
-    decoder_config: Callable | None = field(default=None, repr=False)
-    sample_problem: Callable | None = field(default=None, repr=False)
-    max_positions: Callable | None = field(default=None, repr=False)
-    encoder_mask_key: str | None = None
-    prepare_forward: Callable | None = field(default=None, repr=False)
-    stream_ids: Callable | None = field(default=None, repr=False)
-    prebuilt_packed_mask: bool = False
-    prebuilt_padded_mask: bool = False
-    graph_capturable: bool = False
-    window_frames: Callable | None = field(default=None, repr=False)
-    host_facts: Callable | None = field(default=None, repr=False)
-    forward_inputs: Callable | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        problems = family_problems(self)
-        if problems:
-            raise ValueError(f"target family {self.name!r}: {'; '.join(problems)}")
-
-    @property
-    def has_audio(self) -> bool:
-        return self.expansion != "none"
-
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self.expansion == "encoder"
-
-
 EXPANSIONS = ("processor", "model", "encoder", "none")
-# The optional hooks that change only speed (a row without them takes the generic path).
+RENDERERS = ("processor", "tokenizer")
+# The optional hooks that change only speed (a family without them takes the generic path).
 FAST_PATH_HOOKS = (
     "prebuilt_packed_mask",
     "prebuilt_padded_mask",
@@ -125,22 +38,178 @@ FAST_PATH_HOOKS = (
 )
 
 
-def family_problems(family: TargetFamily) -> list[str]:
-    """What a row lacks of the hooks its kind requires (empty when it is complete)."""
+class TargetFamily:
+    """A target family: how the frozen target's processor is called, where its audio goes and what the rest of the
+    package needs to know of it. Each family is a subclass (`registry.FAMILY_CLASSES`, one instance each in
+    `registry.FAMILIES`); its docstring says what it is.
+
+    Class attributes every family sets:
+
+    - ``name``: the family name (``resolve_family(config, name=...)`` accepts it).
+    - ``model_types``: config ``model_type`` values this family matches (none: any causal LM, the text family).
+    - ``expansion``: ``"processor"`` (placeholders expanded by the processor), ``"model"`` (one placeholder
+      per audio, expanded inside the model), ``"encoder"`` (encoder-decoder: the audio goes to the encoder, the
+      token stream is the decoder's; subclass `EncoderDecoderFamily`) or ``"none"`` (text-only target).
+    - ``audio_kwargs``: batch keys passed to the target's forward besides ids and attention mask.
+
+    Required hooks (a family class without them is refused when it is defined, naming the hook):
+
+    - every family: ``encode(processor, config, texts, audios, padding_side) -> dict`` of tensors.
+    - audio families: ``audio_tokens(config, num_samples) -> int``, decoder positions of one audio.
+    - encoder-decoder families: ``render_decoder(tokenizer, messages, add_generation_prompt)`` renders a
+      conversation as the decoder's token stream (prompt, then response and end token), in place of a chat
+      template; and ``decoder_config(config)``: the decoder's dimensions as a config with the usual names
+      (``hidden_size``, ``num_hidden_layers``, ...), for sizing the draft (`text_config`).
+
+    Optional, family-specific behaviour (the default is the usual one):
+
+    - ``render_with``: ``"processor"`` or ``"tokenizer"``: whose chat template renders conversations.
+    - ``sampling_rate``; ``chunk_seconds``: fixed audio chunk length (Voxtral: 30 s), else None.
+    - ``sample_problem(config, tokenizer, cut) -> (field, problem, fix) | None``: the family's own checks of one
+      sample's fields (Whisper: a known ``lang``, audio within one 30 s window).
+    - ``max_positions(config) -> int | None``: decoder positions a sample may occupy (Whisper: 448).
+    - ``encoder_mask_key``: encoder-decoder families whose encoder takes a padding mask (Moonshine): the batch key
+      holding it; the target's forward gets it as ``attention_mask`` (the decoder's as ``decoder_attention_mask``).
+    - ``stream_ids(tokenizer, text) -> list[int] | None``: the ids of a rendered stream that is not tokenized as one
+      string (Moonshine: its transcript alone); the sample validator counts with it, as ``encode`` does.
+    - ``prepare_forward(model, kwargs) -> kwargs`` for the frozen target's training forward, e.g. Moonshine's
+      encoder run on each utterance alone (its output depends on the batch's padding).
+
+    Optional fast paths (:data:`FAST_PATH_HOOKS`; the same results, less work):
+
+    - ``prebuilt_packed_mask``: the family's packed forward takes a prebuilt 4D decoder mask unchanged (checked
+      against transformers' own mask: `FrozenTarget.packed_sdpa_mask`).
+    - ``prebuilt_padded_mask``: the same for a padded batch (`FrozenTarget.padded_decoder_mask`): its 2D mask is
+      read only to build the decoder's causal mask (and, for Whisper, the decoder positions computed beside it).
+    - ``graph_capturable``: the training forward (its encoder included) reads nothing back to the host once its
+      decoder mask is prebuilt, so that it can be captured as a CUDA graph (`target_cuda_graph`).
+    - ``host_facts(model, host_batch) -> dict | None``: what the target's forward would otherwise read back from the
+      device, computed by the trainer's plan from the host batch (Qwen3-ASR: its audio encoder's windows);
+      ``forward_inputs(model, kwargs, host_facts) -> kwargs`` then builds the forward's inputs with them (the two
+      come together).
+    - ``window_frames(config) -> int | None``: feature frames of the encoder's fixed window (Whisper: 3000). The
+      training collator then gives compact features (`whisper_features.COMPACT_FEATURES_KEY`: the frames that hold
+      audio and one padding frame) where its extractor's window is that long, and the frozen target rebuilds the
+      window on its device (`whisper_features.expand_window`).
+    """
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]] = ()
+    expansion: ClassVar[str]
+    audio_kwargs: ClassVar[tuple[str, ...]] = ()
+    render_with: ClassVar[str] = "processor"
+    sampling_rate: ClassVar[int] = SAMPLING_RATE
+    chunk_seconds: ClassVar[float | None] = None
+    encoder_mask_key: ClassVar[str | None] = None
+    prebuilt_packed_mask: ClassVar[bool] = False
+    prebuilt_padded_mask: ClassVar[bool] = False
+    graph_capturable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in vars(cls):  # a family (intermediate bases such as `EncoderDecoderFamily` set no name)
+            problems = family_problems(cls)
+            if problems:
+                raise TypeError(f"target family {cls.name!r}: {'; '.join(problems)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+    @property
+    def has_audio(self) -> bool:
+        return self.expansion != "none"
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.expansion == "encoder"
+
+    def overrides(self, hook: str) -> bool:
+        """Whether this family gives its own `hook` (a method of `TargetFamily` with a default)."""
+        return _overrides(type(self), hook)
+
+    # --- required hooks ------------------------------------------------------------------------------------------
+    def encode(self, processor, config, texts: Sequence[str], audios: Sequence, padding_side: str) -> dict:
+        """The batch of rendered `texts` and their `audios` as the target takes it (`registry.encode_batch`)."""
+        raise NotImplementedError(f"target family {self.name!r} gives no encode")
+
+    def audio_tokens(self, config, num_samples: int) -> int:
+        """Decoder positions of one audio of `num_samples` samples (audio families)."""
+        raise NotImplementedError(f"target family {self.name!r} has no audio in its decoder stream")
+
+    # --- optional hooks (the usual behaviour) --------------------------------------------------------------------
+    def text_config(self, config):
+        """The decoder's config (for an encoder-decoder target, its decoder dimensions under the usual names)."""
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def sample_problem(self, config, tokenizer, cut) -> tuple[str, str, str] | None:
+        return None
+
+    def max_positions(self, config) -> int | None:
+        return None
+
+    def stream_ids(self, tokenizer, text: str) -> list[int] | None:
+        return None
+
+    def prepare_forward(self, model, kwargs: dict) -> dict:
+        return kwargs
+
+    def host_facts(self, model, batch: dict) -> dict | None:
+        return None
+
+    def forward_inputs(self, model, kwargs: dict, host: dict) -> dict:
+        raise NotImplementedError(f"target family {self.name!r} gives no host_facts, so no forward_inputs")
+
+    def window_frames(self, config) -> int | None:
+        return None
+
+
+class EncoderDecoderFamily(TargetFamily):
+    """An encoder-decoder target (``expansion == "encoder"``): the audio reaches the decoder through cross-attention,
+    so the decoder stream holds no audio; the family renders the decoder's own prompt instead of a chat template
+    (`render_decoder`) and sizes the draft from the decoder's dimensions (`decoder_config`)."""
+
+    expansion: ClassVar[str] = "encoder"
+    render_with: ClassVar[str] = "tokenizer"
+
+    def audio_tokens(self, config, num_samples: int) -> int:
+        return 0  # the audio is the encoder's, never in the decoder stream
+
+    def render_decoder(self, tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
+        raise NotImplementedError(f"target family {self.name!r} gives no render_decoder")
+
+    def decoder_config(self, config):
+        raise NotImplementedError(f"target family {self.name!r} gives no decoder_config")
+
+    def text_config(self, config):
+        return self.decoder_config(config)
+
+
+def _overrides(cls: type, hook: str) -> bool:
+    """Whether `cls` defines `hook` below the base class that declares it."""
+    declared = next(base for base in reversed(cls.__mro__) if hook in vars(base))
+    return getattr(cls, hook) is not getattr(declared, hook)
+
+
+def family_problems(cls: type[TargetFamily]) -> list[str]:
+    """What a family class lacks of the hooks its kind requires (empty when it is complete)."""
     problems = []
-    if family.expansion not in EXPANSIONS:
-        problems.append(f"expansion must be one of {EXPANSIONS}, got {family.expansion!r}")
-    if not callable(family.encode):
+    expansion = getattr(cls, "expansion", None)
+    if expansion not in EXPANSIONS:
+        problems.append(f"expansion must be one of {EXPANSIONS}, got {expansion!r}")
+    if not _overrides(cls, "encode"):
         problems.append("encode is required (the batch encoder of the family's samples)")
-    if family.expansion != "none" and family.audio_tokens is None:
-        problems.append("audio rows require audio_tokens (decoder positions of one audio)")
-    if family.expansion == "encoder":
-        missing = [name for name in ("render_decoder", "decoder_config") if getattr(family, name) is None]
-        if missing:
-            problems.append(f"encoder-decoder rows require {' and '.join(missing)}")
-    if family.render_with not in ("processor", "tokenizer"):
-        problems.append(f"render_with must be 'processor' or 'tokenizer', got {family.render_with!r}")
-    if (family.host_facts is None) != (family.forward_inputs is None):
+    if expansion not in ("none", "encoder") and not _overrides(cls, "audio_tokens"):
+        problems.append("audio families require audio_tokens (decoder positions of one audio)")
+    if expansion == "encoder":
+        if not issubclass(cls, EncoderDecoderFamily):
+            problems.append("encoder-decoder families subclass EncoderDecoderFamily")
+        else:
+            missing = [name for name in ("render_decoder", "decoder_config") if not _overrides(cls, name)]
+            if missing:
+                problems.append(f"encoder-decoder families require {' and '.join(missing)}")
+    if cls.render_with not in RENDERERS:
+        problems.append(f"render_with must be 'processor' or 'tokenizer', got {cls.render_with!r}")
+    if _overrides(cls, "host_facts") != _overrides(cls, "forward_inputs"):
         problems.append("host_facts and forward_inputs come together (the fast path needs both)")
     return problems
 

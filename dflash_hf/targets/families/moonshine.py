@@ -1,11 +1,11 @@
-"""The Moonshine row of the family table: a second encoder-decoder speech model through the same row kind as Whisper
-(``expansion="encoder"``). Moonshine's encoder reads the raw 16 kHz waveform (``input_values``, padded per batch,
+"""The Moonshine family: a second encoder-decoder speech model through the same kind of family as Whisper
+(`EncoderDecoderFamily`). Moonshine's encoder reads the raw 16 kHz waveform (``input_values``, padded per batch,
 with its padding mask), not a fixed 30 s window of log-mel features; its decoder starts from
 ``decoder_start_token_id`` and ends with the end token, with no language or task prompt."""
 
 from __future__ import annotations
 
-from dflash_hf.targets.families.base import SAMPLING_RATE, TargetFamily, get_tokenizer
+from dflash_hf.targets.families.base import SAMPLING_RATE, EncoderDecoderFamily, get_tokenizer
 
 ENCODER_MASK_KEY = "input_values_mask"  # the batch key; the model's forward takes it as `attention_mask`
 
@@ -167,20 +167,20 @@ def _moonshine_per_utterance_encoder(model, kwargs: dict) -> dict:
     return kwargs
 
 
-MOONSHINE = TargetFamily(
-    name="moonshine",
-    model_types=("moonshine",),
-    expansion="encoder",
-    audio_kwargs=("input_values", ENCODER_MASK_KEY),
-    encode=_encode_moonshine,
-    audio_tokens=lambda config, n: 0,
-    render_with="tokenizer",
-    render_decoder=_render_moonshine,
-    decoder_config=_moonshine_decoder_config,
-    sample_problem=_moonshine_sample_problem,
-    max_positions=lambda config: config.max_position_embeddings,
-    encoder_mask_key=ENCODER_MASK_KEY,
-    prepare_forward=_moonshine_per_utterance_encoder,
-    stream_ids=_stream_ids,
-    description="Moonshine (encoder-decoder, raw waveform): the start token is context, the transcript is supervised",
-)
+class MoonshineFamily(EncoderDecoderFamily):
+    """Moonshine (encoder-decoder, raw waveform): the start token is context, the transcript is supervised."""
+
+    name = "moonshine"
+    model_types = ("moonshine",)
+    audio_kwargs = ("input_values", ENCODER_MASK_KEY)
+    encode = _encode_moonshine
+    render_decoder = staticmethod(_render_moonshine)
+    decoder_config = staticmethod(_moonshine_decoder_config)
+    sample_problem = staticmethod(_moonshine_sample_problem)
+    encoder_mask_key = ENCODER_MASK_KEY
+    prepare_forward = staticmethod(_moonshine_per_utterance_encoder)
+    stream_ids = staticmethod(_stream_ids)
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return config.max_position_embeddings

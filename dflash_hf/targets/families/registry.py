@@ -1,277 +1,51 @@
-"""Target families: one table row per audio-LLM family.
+"""The target families (`FAMILY_CLASSES`, one `TargetFamily` subclass each; `FAMILIES`: their instances by name),
+`resolve_family` (which family a target config is), and what the rest of the package calls on a family:
+`encode_batch` (the family's processor call) and `decoder_streams` (a collated batch as streams aligned 1:1 with the
+decoder's positions after audio expansion, docs/ARCHITECTURE.md "Decoder streams").
 
-A row says how to find the audio placeholder id in the target's config, how to call the family's processor
-for a batch (audio kwargs names, sampling rate, fixed chunks), whether audio placeholders are expanded by the
-processor (one placeholder per encoder frame, as Qwen3-ASR) or by the model (one placeholder per audio,
-replaced inside the model by a variable number of frames, as NeMo SALM / legacy Qwen2-Audio), and how many
-decoder positions one audio of ``n`` samples occupies (for token budgets). Encoder-decoder rows (Whisper,
-``expansion == "encoder"``) put no audio in the decoder stream: the audio reaches the decoder through
-cross-attention, and the family renders the decoder's own prompt instead of a chat template.
-
-:func:`decoder_streams` turns a collated batch into streams aligned 1:1 with the decoder's positions
-after audio expansion (see docs/ARCHITECTURE.md, "Decoder streams"). The row type and the helpers rows share are
-in ``families_base.py``; the Whisper row in ``families_whisper.py``.
+The base class and the helpers families share are in ``base.py``; the decoder-only families (text, Qwen3-ASR,
+Qwen2-Audio, Voxtral, ...) in ``decoder_only.py``; the encoder-decoder families in ``whisper.py`` and
+``moonshine.py``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from dflash_hf.targets.families.base import (
-    HOP_LENGTH,
-    SAMPLING_RATE,
-    DecoderStreams,
-    TargetFamily,
-    _add_special_tokens,
-    _mel_frames,
-    _select,
-    audio_token_id,
-    get_tokenizer,
-    tokenize_padded,
+from dflash_hf.targets.families.base import DecoderStreams, TargetFamily, audio_token_id, get_tokenizer
+from dflash_hf.targets.families.decoder_only import (
+    AudioFlamingo3Family,
+    GLMASRFamily,
+    GraniteSpeechFamily,
+    Qwen2AudioFamily,
+    Qwen2AudioSinglePlaceholderFamily,
+    Qwen3ASRFamily,
+    TextFamily,
+    VoxtralFamily,
 )
-from dflash_hf.targets.families.moonshine import MOONSHINE
-from dflash_hf.targets.families.qwen3_asr import forward_inputs as qwen3_asr_forward_inputs
-from dflash_hf.targets.families.qwen3_asr import host_facts as qwen3_asr_host_facts
-from dflash_hf.targets.families.whisper import WHISPER
+from dflash_hf.targets.families.moonshine import MoonshineFamily
+from dflash_hf.targets.families.whisper import WhisperFamily
 
-# ---------------------------------------------------------------------------------------------- encoders
+# Every family, in the order `supported_families` lists them; a model_type listed by two families resolves to the
+# first (`qwen2_audio`: the processor-side expansion).
+FAMILY_CLASSES: tuple[type[TargetFamily], ...] = (
+    Qwen3ASRFamily,
+    TextFamily,
+    Qwen2AudioFamily,
+    Qwen2AudioSinglePlaceholderFamily,
+    VoxtralFamily,
+    AudioFlamingo3Family,
+    GLMASRFamily,
+    GraniteSpeechFamily,
+    WhisperFamily,
+    MoonshineFamily,
+)
+FAMILIES: dict[str, TargetFamily] = {cls.name: cls() for cls in FAMILY_CLASSES}
 
-
-def _encode_processor(family, processor, config, texts, audios, padding_side):
-    """Processor-side expansion: the processor returns ids with one placeholder per encoder frame."""
-    tokenizer = get_tokenizer(processor)
-    # text-only kwargs: a top-level `padding` would also change the audio padding of some processors
-    text_kwargs = dict(
-        padding=True, padding_side=padding_side, add_special_tokens=_add_special_tokens(tokenizer, texts)
-    )
-    out = processor(
-        text=list(texts),
-        audio=list(audios),
-        sampling_rate=family.sampling_rate,
-        return_tensors="pt",
-        text_kwargs=text_kwargs,
-    )
-    return _select(out, ("input_ids", "attention_mask", *family.audio_kwargs))
-
-
-def _encode_text(family, processor, config, texts, audios, padding_side):
-    if audios:
-        raise ValueError(f"family {family.name!r} is text-only but the batch has {len(audios)} audios")
-    tokenizer = get_tokenizer(processor)
-    return tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
-
-
-def _encode_single_placeholder(family, processor, config, texts, audios, padding_side):
-    """Model-side expansion (legacy Qwen2-Audio / NeMo SALM layout): ids keep one placeholder per audio;
-    features padded to 30 s with a ``feature_attention_mask``; the model inserts the frames."""
-    tokenizer = get_tokenizer(processor)
-    placeholder = tokenizer.convert_ids_to_tokens(audio_token_id(family, config))
-    counts = [t.count(placeholder) for t in texts]
-    if sum(counts) != len(audios):
-        raise ValueError(f"{sum(counts)} {placeholder} placeholders in the texts but {len(audios)} audios")
-    out = tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
-    feats = processor.feature_extractor(
-        list(audios),
-        sampling_rate=family.sampling_rate,
-        padding="max_length",
-        return_attention_mask=True,
-        return_tensors="pt",
-    )
-    return {
-        "input_ids": out["input_ids"],
-        "attention_mask": out["attention_mask"],
-        "input_features": feats["input_features"],
-        "feature_attention_mask": feats["attention_mask"],
-    }
-
-
-def _encode_voxtral(family, processor, config, texts, audios, padding_side):
-    """Voxtral: every audio is padded to a multiple of 30 s and cut into 30 s chunks of mel features
-    (``[n_chunks, mel, 3000]``, as ``VoxtralProcessor._retrieve_input_features``); each chunk becomes a fixed
-    number of audio tokens, inserted here in place of the audio's single placeholder (what mistral-common's
-    tokenizer does for the real processor)."""
-    tokenizer = get_tokenizer(processor)
-    placeholder = tokenizer.convert_ids_to_tokens(audio_token_id(family, config))
-    chunk_samples = int(family.chunk_seconds * family.sampling_rate)
-    per_chunk = _voxtral_tokens_per_chunk(config)
-    chunk_frames = chunk_samples // HOP_LENGTH
-    queue = list(audios)
-    expanded, features = [], []
-    for text in texts:
-        pieces = text.split(placeholder)
-        out = pieces[0]
-        for piece in pieces[1:]:
-            if not queue:
-                raise ValueError(f"more {placeholder} placeholders in the texts than audios ({len(audios)})")
-            audio = queue.pop(0)
-            n_chunks = max(1, -(-len(audio) // chunk_samples))
-            feats = processor.feature_extractor(
-                audio,
-                sampling_rate=family.sampling_rate,
-                padding=True,
-                truncation=False,
-                pad_to_multiple_of=chunk_samples,
-                return_tensors="pt",
-            )["input_features"]
-            mel = feats.shape[1]
-            features.append(feats.reshape(mel, -1, chunk_frames).transpose(0, 1))
-            if features[-1].shape[0] != n_chunks:
-                raise RuntimeError(
-                    f"voxtral: expected {n_chunks} chunks, feature extractor made {features[-1].shape[0]}"
-                )
-            out += placeholder * (n_chunks * per_chunk) + piece
-        expanded.append(out)
-    if queue:
-        raise ValueError(f"{len(queue)} audios left without a {placeholder} placeholder in the texts")
-    result = tokenize_padded(tokenizer, expanded, padding_side, _add_special_tokens(tokenizer, expanded))
-    if features:
-        result["input_features"] = torch.cat(features)
-    return result
-
-
-# ------------------------------------------------------------------------------------- audio token counts
-
-
-def _qwen3_asr_tokens(config, n: int) -> int:
-    frames = max(n, 8000) // HOP_LENGTH  # the feature extractor zero-pads clips shorter than 0.5 s
-    n_window = getattr(getattr(config, "audio_config", None), "n_window", 50)
-    chunk = 2 * n_window
-    rem = frames % chunk
-    f = (rem - 1) // 2 + 1
-    p = (f - 1) // 2 + 1
-    return (p - 1) // 2 + 1 + (frames // chunk) * 13
-
-
-def _qwen2_audio_tokens(config, n: int) -> int:
-    frames = min(_mel_frames(n), 3000)  # padded / truncated to 30 s
-    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
-
-
-def _windowed_frames(n: int, window_seconds: float = 30.0) -> int:
-    window = int(window_seconds * SAMPLING_RATE)
-    n_win = max(1, -(-n // window))
-    return sum(_mel_frames(min(window, n - i * window)) for i in range(n_win))
-
-
-def _audioflamingo3_tokens(config, n: int) -> int:
-    conv = (_windowed_frames(n) - 1) // 2 + 1
-    return (conv - 2) // 2 + 1
-
-
-def _glmasr_tokens(config, n: int) -> int:
-    a = (_windowed_frames(n) - 1) // 2 + 1
-    return (a - 4) // 4 + 1
-
-
-def _voxtral_tokens_per_chunk(config) -> int:
-    ac = config.audio_config
-    return ac.max_source_positions * ac.hidden_size // ac.intermediate_size
-
-
-def _voxtral_tokens(config, n: int) -> int:
-    return max(1, -(-n // (30 * SAMPLING_RATE))) * _voxtral_tokens_per_chunk(config)
-
-
-def _granite_speech_tokens(config, n: int) -> int:
-    encoder_length = (n // HOP_LENGTH + 1) // 2
-    return math.ceil(encoder_length / config.window_size) * (config.window_size // config.downsample_rate)
-
-
-# ------------------------------------------------------------------------------------------------ the table
-
-FAMILIES: dict[str, TargetFamily] = {
-    f.name: f
-    for f in (
-        TargetFamily(
-            name="qwen3_asr",
-            model_types=("qwen3_asr",),
-            expansion="processor",
-            audio_kwargs=("input_features", "input_features_mask"),
-            encode=_encode_processor,
-            audio_tokens=_qwen3_asr_tokens,
-            prebuilt_packed_mask=True,
-            host_facts=qwen3_asr_host_facts,
-            forward_inputs=qwen3_asr_forward_inputs,
-            description="Qwen3-ASR: processor expands <|audio_pad|> to one token per encoder frame",
-        ),
-        TargetFamily(
-            name="text",
-            model_types=(),
-            expansion="none",
-            audio_kwargs=(),
-            encode=_encode_text,
-            render_with="tokenizer",
-            prebuilt_packed_mask=True,
-            prebuilt_padded_mask=True,
-            graph_capturable=True,
-            description="plain causal LM (any AutoModelForCausalLM)",
-        ),
-        TargetFamily(
-            name="qwen2_audio",
-            model_types=("qwen2_audio",),
-            expansion="processor",
-            audio_kwargs=("input_features", "feature_attention_mask"),
-            encode=_encode_processor,
-            audio_tokens=_qwen2_audio_tokens,
-            description="Qwen2-Audio: processor expands <|AUDIO|>, features padded to 30 s",
-        ),
-        TargetFamily(
-            name="qwen2_audio_single_placeholder",
-            model_types=("qwen2_audio",),
-            expansion="model",
-            audio_kwargs=("input_features", "feature_attention_mask"),
-            encode=_encode_single_placeholder,
-            audio_tokens=_qwen2_audio_tokens,
-            description="model-side single placeholder per audio (NeMo SALM layout; legacy Qwen2-Audio merge)",
-        ),
-        TargetFamily(
-            name="voxtral",
-            model_types=("voxtral",),
-            expansion="processor",
-            audio_kwargs=("input_features",),
-            encode=_encode_voxtral,
-            audio_tokens=_voxtral_tokens,
-            render_with="tokenizer",
-            chunk_seconds=30.0,
-            description="Voxtral: fixed 30 s chunks, a fixed number of audio tokens per chunk",
-        ),
-        TargetFamily(
-            name="audioflamingo3",
-            model_types=("audioflamingo3",),
-            expansion="processor",
-            audio_kwargs=("input_features", "input_features_mask"),
-            encode=_encode_processor,
-            audio_tokens=_audioflamingo3_tokens,
-            description="AudioFlamingo3: 30 s windows, processor expands the audio token",
-        ),
-        TargetFamily(
-            name="glmasr",
-            model_types=("glmasr",),
-            expansion="processor",
-            audio_kwargs=("input_features", "input_features_mask"),
-            encode=_encode_processor,
-            audio_tokens=_glmasr_tokens,
-            description="GLM-ASR: 30 s windows, processor expands the audio token",
-        ),
-        TargetFamily(
-            name="granite_speech",
-            model_types=("granite_speech",),
-            expansion="processor",
-            audio_kwargs=("input_features", "input_features_mask"),
-            encode=_encode_processor,
-            audio_tokens=_granite_speech_tokens,
-            description="Granite Speech: processor expands <|audio|> (feature extractor needs torchaudio)",
-        ),
-        WHISPER,
-        MOONSHINE,
-    )
-}
-
-# the row chosen when only the model_type is known: the first row listing it
+# the family chosen when only the model_type is known: the first one listing it
 _DEFAULT_FOR_MODEL_TYPE = {t: f.name for f in reversed(list(FAMILIES.values())) for t in f.model_types}
 
 
@@ -280,10 +54,10 @@ def supported_families() -> str:
 
 
 def resolve_family(config, name: str | None = None) -> TargetFamily:
-    """The family row for a target config; ``name`` picks a row explicitly (e.g.
-    ``"qwen2_audio_single_placeholder"``) and must match the config's ``model_type``.
+    """The family of a target config; ``name`` picks one explicitly (e.g. ``"qwen2_audio_single_placeholder"``) and
+    must match the config's ``model_type``.
 
-    Configs with no audio row resolve to ``"text"`` only if they are plain decoder LMs (no ``audio_config``)."""
+    Configs with no audio family resolve to ``"text"`` only if they are plain decoder LMs (no ``audio_config``)."""
     model_type = getattr(config, "model_type", None)
     if name is not None:
         if name not in FAMILIES:
@@ -324,7 +98,7 @@ def encode_batch(
     appearance). Returns ``input_ids``, ``attention_mask`` and the family's audio kwargs."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    return family.encode(family, processor, config, texts, audios, padding_side)
+    return family.encode(processor, config, texts, audios, padding_side)
 
 
 def decoder_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -429,3 +203,20 @@ def _expand_single_placeholder(target_model, batch: dict, audio_id: int) -> Deco
     out_attn[audio] = 1
     position_ids = (out_attn.cumsum(-1) - 1).masked_fill(out_attn == 0, 1)
     return DecoderStreams(out_ids, out_attn, out_loss, audio, position_ids)
+
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_CLASSES",
+    "DecoderStreams",
+    "TargetFamily",
+    "audio_token_id",
+    "decoder_positions",
+    "decoder_stream_kwargs",
+    "decoder_streams",
+    "encode_batch",
+    "generate_kwargs",
+    "get_tokenizer",
+    "resolve_family",
+    "supported_families",
+]

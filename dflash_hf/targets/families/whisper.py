@@ -1,10 +1,16 @@
-"""The encoder-decoder row of the family table (Whisper): the audio reaches the decoder through cross-attention,
-so the decoder stream holds no audio; the row renders the decoder's own prompt instead of a chat template,
-sizes the draft from the decoder's dimensions and checks each sample's language and length."""
+"""The Whisper family (encoder-decoder): the audio reaches the decoder through cross-attention, so the decoder stream
+holds no audio; the family renders the decoder's own prompt instead of a chat template, sizes the draft from the
+decoder's dimensions and checks each sample's language and length."""
 
 from __future__ import annotations
 
-from dflash_hf.targets.families.base import HOP_LENGTH, SAMPLING_RATE, TargetFamily, get_tokenizer, tokenize_padded
+from dflash_hf.targets.families.base import (
+    HOP_LENGTH,
+    SAMPLING_RATE,
+    EncoderDecoderFamily,
+    get_tokenizer,
+    tokenize_padded,
+)
 from dflash_hf.targets.families.whisper_features import AUDIO_WAVES_KEY, COMPACT_FEATURES_KEY
 
 
@@ -113,20 +119,20 @@ def _whisper_sample_problem(config, tokenizer, cut):
     return None
 
 
-WHISPER = TargetFamily(
-    name="whisper",
-    model_types=("whisper",),
-    expansion="encoder",
-    audio_kwargs=("input_features",),
-    encode=_encode_encoder_decoder,
-    audio_tokens=lambda config, n: 0,
-    render_with="tokenizer",
-    render_decoder=_render_whisper,
-    decoder_config=_whisper_decoder_config,
-    sample_problem=_whisper_sample_problem,
-    max_positions=lambda config: config.max_target_positions,
-    prebuilt_padded_mask=True,
-    graph_capturable=True,
-    window_frames=whisper_window_frames,
-    description="Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised",
-)
+class WhisperFamily(EncoderDecoderFamily):
+    """Whisper (encoder-decoder): the decoder's prompt is context, the transcript is supervised."""
+
+    name = "whisper"
+    model_types = ("whisper",)
+    audio_kwargs = ("input_features",)
+    encode = _encode_encoder_decoder
+    render_decoder = staticmethod(_render_whisper)
+    decoder_config = staticmethod(_whisper_decoder_config)
+    sample_problem = staticmethod(_whisper_sample_problem)
+    prebuilt_padded_mask = True
+    graph_capturable = True
+    window_frames = staticmethod(whisper_window_frames)
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return config.max_target_positions
