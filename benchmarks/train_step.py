@@ -62,11 +62,11 @@ from transformers import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_hf.data.packing import pack_padded_batch  # noqa: E402
-from dflash_hf.generation.static_draft import graph_mode  # noqa: E402
 from dflash_hf.models.configuration_dflash import DFlashConfig  # noqa: E402
 from dflash_hf.models.modeling_dflash import DFlashDraftModel  # noqa: E402
 from dflash_hf.objective.blocks import build_blocks, dense_block_mask  # noqa: E402
 from dflash_hf.objective.losses import MetricSums  # noqa: E402
+from dflash_hf.settings.decode import graph_mode  # noqa: E402
 from dflash_hf.targets.families.base import SAMPLING_RATE  # noqa: E402
 from dflash_hf.targets.families.registry import FAMILIES  # noqa: E402
 from dflash_hf.targets.families.whisper_features import AUDIO_WAVES_KEY, padded_waves, standard_extractor  # noqa: E402

@@ -18,135 +18,28 @@ results file is refused before anything loads unless `--overwrite_output_json tr
 
 from __future__ import annotations
 
-import itertools
 import json
-import logging
 import os
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from transformers import HfArgumentParser
 
-from dflash_hf.cli.config import check_paths_exist, parse_with_config
-from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation
-from dflash_hf.data.text_prompts import count_records, is_text_prompts
-from dflash_hf.export.draft_target import check_draft_target, draft_on_target
-from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
-from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record, recorded_or_given
+from dflash_hf.cli.config import parse_with_config
+from dflash_hf.export.draft_target import check_draft_target
+from dflash_hf.export.drafts import resolve_draft_dir
+from dflash_hf.export.evaluation_setup import check_evaluation_inputs, load_evaluation
+from dflash_hf.export.training_record import read_training_record
 from dflash_hf.generation.decode_options import DecodeOptions
 from dflash_hf.generation.evaluation import decode_benchmark
 from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.ops.cpu_threads import configure_cpu_threads
-from dflash_hf.settings import DataSettings, ModelSettings
-from dflash_hf.settings.decode import DecodeSettings
-from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-from dflash_hf.targets.processor import check_model_dir, load_processor
-
-logger = logging.getLogger("dflash_hf")
-
-
-@dataclass
-class EvalArguments(DecodeSettings):
-    """The options of `dflash-eval` (the decoding switches are `DecodeSettings`')."""
-
-    draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
-    target: str = field(
-        metadata={"help": "The frozen target (model + processor or tokenizer): a local directory or a Hub id."}
-    )
-    data: str = field(
-        metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
-    )
-    output_json: str | None = field(
-        default=None,
-        metadata={
-            "help": "Where the results JSON is written; default: beside the draft, <draft>/eval_<data name>.json "
-            "(e.g. runs/x/draft/eval_dev.json for --data dev.jsonl). An existing file is refused unless "
-            "--overwrite_output_json true."
-        },
-    )
-    overwrite_output_json: bool = field(
-        default=False, metadata={"help": "Replace an existing results file (default: refuse it before decoding)."}
-    )
-    max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
-    num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
-    precision: str = field(
-        default=ModelSettings.precision, metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."}
-    )
-    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
-    family: str | None = field(
-        default=None,
-        metadata={
-            "help": "Target family row (dflash_hf.targets.families.registry); default: the one the draft was "
-            "trained with (recorded in its export), else from the target's config."
-        },
-    )
-    prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "Default user text of manifest conversations; default: the training run's, recorded in the "
-            "draft export. An empty string decodes without one."
-        },
-    )
-    system_prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "System turn of manifest conversations; default: the training run's, recorded in the draft "
-            "export. An empty string decodes without one."
-        },
-    )
-    allow_command_audio_sources: bool = field(
-        default=DataSettings.allow_command_audio_sources,
-        metadata={
-            "help": "Let programs read audio: lhotse cuts of type 'command', and decoders (ffmpeg through audioread) "
-            "for files libsndfile cannot read. Only for data you trust (default: such a row is an error)."
-        },
-    )
-    allow_mismatch: bool = field(
-        default=False,
-        metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
-    )
-    tree_budget: list[int] = field(
-        default_factory=list,
-        metadata={
-            "help": "Also decode every prompt with tree verification of these node budgets (e.g. 8 16 32 64), "
-            "beside the chain on the same prompts in the same run: tau, tokens/s, target forwards and output "
-            "identity of each, under 'tree' in the JSON (dflash_hf.generation.tree_decode)."
-        },
-    )
-    allow_target_mismatch: bool = field(
-        default=False,
-        metadata={
-            "help": "Evaluate a draft against a target other than the one it was trained for (another vocabulary, "
-            "or weights other than those its export's run record names); refused without it. The differences are "
-            "recorded in the results (target_check)."
-        },
-    )
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
-        bad_budgets = [b for b in self.tree_budget if b < 1]
-        if bad_budgets or len(set(self.tree_budget)) != len(self.tree_budget):
-            raise ValueError(
-                f"--tree_budget takes distinct node budgets >= 1 (e.g. 8 16 32 64), got {list(self.tree_budget)}"
-            )
-        resolve_dtype(self.precision)
-        super().__post_init__()
-
-    def check_inputs(self) -> None:
-        """The draft and data exist and the target is an existing directory or a Hub id (before anything loads)."""
-        check_paths_exist(self, ("draft", "data"))
-        check_model_dir(self.target, "--target", "the frozen target")
-
+from dflash_hf.settings.evaluation import EvalSettings
 
 DATA_SUFFIXES = (".gz", ".jsonl", ".json")  # stripped from --data's file name for the default results name
 
 
-def results_path(args: EvalArguments) -> Path:
+def results_path(args: EvalSettings) -> Path:
     """`--output_json`, else `<draft>/eval_<data name>.json` (the data file's name without its suffixes)."""
     if args.output_json:
         return Path(args.output_json)
@@ -156,7 +49,7 @@ def results_path(args: EvalArguments) -> Path:
     return Path(args.draft) / f"eval_{name or 'data'}.json"
 
 
-def check_results_path(args: EvalArguments) -> None:
+def check_results_path(args: EvalSettings) -> None:
     """The results file is not a directory, is not written over unless `--overwrite_output_json true`, and its
     folder is writable: refused before anything loads, not after the decoding."""
     out = results_path(args)
@@ -173,89 +66,10 @@ def check_results_path(args: EvalArguments) -> None:
 
 
 def make_parser() -> HfArgumentParser:
-    return HfArgumentParser(EvalArguments)
+    return HfArgumentParser(EvalSettings)
 
 
-def _no_text(value: str | None) -> str | None:
-    """An empty prompt is no prompt (the conversation leaves out an empty user text or system turn)."""
-    return value or None
-
-
-def apply_recorded_conversation(args: EvalArguments, recorded: dict | None) -> dict | None:
-    """Fill `--prompt`, `--system_prompt` and `--family` left out (None) from the conversation recorded in the draft's
-    export (`recorded`: its training record's), and warn about each given one that differs from it, about a draft that
-    records none (a manifest's prompts are then rendered from the flags alone) and about text prompts (rendered as they
-    are, without the recorded settings). Returns the recorded conversation (None when there is none)."""
-    text = is_text_prompts(args.data)
-    where = f"{args.draft}/{TRAINING_RECORD_FILE}"
-    if recorded is None:
-        if not text:
-            logger.warning(
-                "the draft export %s records no conversation settings (exported before they were recorded, or "
-                "trained on rows collated outside dflash-train): its prompts are rendered with --prompt %r and "
-                "--system_prompt %r as given; they must be the training run's for tau to measure what the draft "
-                "learned",
-                args.draft,
-                args.prompt,
-                args.system_prompt,
-            )
-        return None
-    if text:
-        if _no_text(recorded["prompt"]) or _no_text(recorded["system_prompt"]):
-            logger.warning(
-                "--data %s holds text prompts, rendered as they are: the conversation the draft was trained with "
-                "(prompt %r, system prompt %r, recorded in %s) is not applied to them",
-                args.data,
-                recorded["prompt"],
-                recorded["system_prompt"],
-                where,
-            )
-    resolved = recorded_or_given(recorded, prompt=args.prompt, system_prompt=args.system_prompt, family=args.family)
-    for name, what in (("prompt", "user prompt"), ("system_prompt", "system prompt"), ("family", "family row")):
-        given, trained = getattr(args, name), recorded[name]
-        setattr(args, name, resolved[name])
-        if given is None:
-            continue
-        if (given if name == "family" else _no_text(given)) != (trained if name == "family" else _no_text(trained)):
-            logger.warning(
-                "--%s %r differs from the %s the draft was trained with (%r, recorded in %s): tau then measures "
-                "prompts the draft was not trained on; leave --%s out to decode with the recorded one",
-                name,
-                given,
-                what,
-                trained,
-                where,
-                name,
-            )
-    return recorded
-
-
-def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, torch.nn.Module, Iterator[dict], int]:
-    """The device, the frozen target, the draft (checked against the target), the prompts (lazily, at most
-    `num_samples`) and their count at most (a row without an assistant response gives no prompt)."""
-    args.check_inputs()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    draft = load_draft_strict(args.draft)
-    recorded = read_training_record(resolve_draft_dir(args.draft)).conversation
-    recorded = apply_recorded_conversation(args, recorded)  # before the family is resolved
-    target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
-    draft = draft_on_target(draft, target, resolve_dtype(args.precision))
-    prompts = evaluation_prompts(
-        args.data,
-        load_processor(args.target),
-        target.model.config,
-        family=args.family,
-        conversation=recorded_conversation(recorded, prompt=args.prompt, system_prompt=args.system_prompt),
-        allow_command_audio_sources=args.allow_command_audio_sources,
-    )
-    total = count_records(args.data)
-    if args.num_samples:
-        prompts = itertools.islice(prompts, args.num_samples)
-        total = min(total, args.num_samples)
-    return device, target, draft, prompts, total
-
-
-def evaluate(args: EvalArguments) -> dict:
+def evaluate(args: EvalSettings) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
     if args.tree_budget:  # a target that cannot take tree verification: refused before any decoding
@@ -318,7 +132,7 @@ def results_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
     configure_cpu_threads()
-    args.check_inputs()
+    check_evaluation_inputs(args)
     check_results_path(args)
     out = results_path(args)
     args.output_json = str(out)  # the results record where they were written

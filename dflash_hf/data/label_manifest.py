@@ -26,6 +26,7 @@ from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY
 from dflash_hf.data.json_rows import json_rows, manifest_stem
 from dflash_hf.data.label_rows import (
     LabelCounts,
+    check_manifest,
     check_output,
     done_ids,
     earlier_lines,
@@ -39,8 +40,10 @@ from dflash_hf.data.label_rows import (
 from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
+from dflash_hf.settings.labels import LabelSettings
 from dflash_hf.targets.families.registry import encode_batch
 from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.targets.processor import check_model_dir
 
 logger = logging.getLogger("dflash_hf.generate_labels")
 T = TypeVar("T")
@@ -67,11 +70,25 @@ class LabelJob:
     shard_index: int
 
     @classmethod
-    def of(cls, values) -> LabelJob:
-        """The job of `values` (`dflash-generate-labels`' arguments: the fields, and `system_prompt` and `prompt`)."""
+    def of(cls, values: LabelSettings) -> LabelJob:
+        """The job of `values` (`dflash-generate-labels`' settings: the fields, and `system_prompt` and `prompt`)."""
         names = [f for f in cls.__dataclass_fields__ if f != "conversation"]
         conversation = ConversationConfig(values.system_prompt, values.prompt)
         return cls(conversation=conversation, **{name: getattr(values, name) for name in names})
+
+
+def check_label_inputs(settings: LabelSettings) -> None:
+    """The files `settings` name, before the target loads: the model is an existing directory or a Hub id, the
+    manifest a NeMo manifest with a row, the output a new file in an existing directory (`label_rows.check_output`);
+    then the shard numbers one of the parts."""
+    check_model_dir(settings.model, "model", "the target")
+    if not Path(settings.manifest).is_file():
+        raise FileNotFoundError(
+            f"field 'manifest': {settings.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
+        )
+    check_output(settings.manifest, settings.output)
+    check_manifest(settings.manifest)
+    settings.check_shard()
 
 
 def encode_prompts(family, processor, config, texts: list[str], audios: list) -> list[dict]:
@@ -183,4 +200,4 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     return counts
 
 
-__all__ = ["Decode", "LabelJob", "encode_prompts", "prefetched", "write_generated_labels"]
+__all__ = ["Decode", "LabelJob", "check_label_inputs", "encode_prompts", "prefetched", "write_generated_labels"]
