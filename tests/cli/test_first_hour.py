@@ -10,6 +10,7 @@ from utils import REPO_ROOT
 
 from dflash_hf import DFlashTrainingArguments
 from dflash_hf.cli import train as cli_train
+from dflash_hf.data.text_prompts import count_records
 from dflash_hf.targets.mask_token import mask_token_candidates
 from dflash_hf.testing import tiny
 from dflash_hf.training.training_args import DFlashDataArguments
@@ -216,7 +217,7 @@ def test_dflash_eval_bar_has_a_total_and_writes_beside_the_draft_never_over_resu
     assert json.loads((tmp_path / "one.json").read_text())["output_json"] == str(tmp_path / "one.json")
     packed = tmp_path / "prompts.jsonl.gz"
     packed.write_bytes(gzip.compress(prompts.read_bytes()))
-    assert cli_eval.count_records(str(packed)) == 3
+    assert count_records(str(packed)) == 3
 
 
 def test_readme_installs_what_ci_tests():
