@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from dflash_hf.cli.train import load_processor
 from dflash_hf.data import build_train_dataloader
 from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leading_padding, sample_anchors
+from dflash_hf.targets.processor import load_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import git_commit  # noqa: E402

@@ -56,11 +56,12 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 from dflash_hf import DFlashConfig  # noqa: E402
 from dflash_hf.export.drafts import draft_class_for  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
+from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
+from dflash_hf.generation.target_greedy import target_greedy  # noqa: E402
 from dflash_hf.targets.builder import init_encoder_context  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
-from dflash_hf.training.decode_benchmark import target_greedy  # noqa: E402
 
 
 def _load_script(name: str):
@@ -326,8 +327,7 @@ def count_speculative(
                 draft,
                 ft,
                 max_new_tokens,
-                draft_cuda_graph=fixed_steps or None,
-                verify_cuda_graph=fixed_steps or None,
+                options=DecodeOptions(draft_cuda_graph=fixed_steps or None, verify_cuda_graph=fixed_steps or None),
                 **inputs,
             )
             sequences.append(out.sequences)
@@ -369,8 +369,8 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
         ft, _, prompts = profile.tiny_setup("whisper", args.num_prompts, workdir)
         mask, name = profile.TINY_WHISPER_MASK, "tiny-whisper"
     else:
-        from dflash_hf.cli.train import load_processor
         from dflash_hf.targets.families.registry import get_tokenizer
+        from dflash_hf.targets.processor import load_processor
 
         ft = FrozenTarget(load_target(args.target, "fp32"))
         processor = load_processor(args.target)

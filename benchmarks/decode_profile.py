@@ -8,7 +8,7 @@
 
 Batch 1, greedy. Two passes over the same prompts:
 
-1. Un-instrumented: `dflash_hf.training.decode_benchmark.decode_benchmark`, the wall-clock tokens/s of speculative
+1. Un-instrumented: `dflash_hf.generation.evaluation.decode_benchmark`, the wall-clock tokens/s of speculative
 decoding and of
    the target's own greedy `generate` (same dtype and device, first prompt decoded once untimed), outputs checked
    token-identical.
@@ -65,13 +65,17 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
-from dflash_hf.cli.config import check_model_dir, check_paths_exist  # noqa: E402
-from dflash_hf.cli.eval import DecodeStepArguments  # noqa: E402
-from dflash_hf.generation import speculative, static_draft, static_verify  # noqa: E402
+from dflash_hf.data.eval_rows import iter_prompts, speech_rows_and_collator  # noqa: E402
+from dflash_hf.data.text_prompts import first_record, json_records  # noqa: E402
+from dflash_hf.data.text_prompts import text_prompts as eval_text_prompts  # noqa: E402
+from dflash_hf.generation import evaluation, speculative, static_draft, static_verify  # noqa: E402
+from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
+from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
+from dflash_hf.settings.decode import DecodeSettings  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs, get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
+from dflash_hf.targets.processor import check_model_dir  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
-from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, speech_rows_and_collator  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
 SCRIPT_PATH = Path(__file__).resolve()
@@ -106,7 +110,7 @@ def host_functions(module) -> dict[str, str]:
 
 
 @dataclass
-class ProfileArguments(DecodeStepArguments):
+class ProfileArguments(DecodeSettings):
     """The profile's inputs; `--draft_cuda_graph` / `--verify_cuda_graph` as dflash-eval's (both passes use them)."""
 
     target: str | None = field(
@@ -344,14 +348,11 @@ def speech_prompts(
 def text_prompts(path: str, tokenizer, text_field: str, limit: int) -> list[dict]:
     """Prompts of JSON lines (`prompt` / `messages`, read as `dflash-eval` reads them) or of a NeMo manifest's
     `text_field` (one user turn)."""
-    from dflash_hf.cli.eval import _first_record, _records
-    from dflash_hf.cli.eval import text_prompts as eval_text_prompts
-
-    record = _first_record(path)
+    record = first_record(path)
     if "prompt" in record or "messages" in record:
         return list(itertools.islice(eval_text_prompts(path, tokenizer), limit))
     prompts = []
-    for origin, record in itertools.islice(_records(path), limit):
+    for origin, record in itertools.islice(json_records(path), limit):
         text = record.get(text_field)
         if not isinstance(text, str) or not text:
             raise ValueError(
@@ -370,8 +371,8 @@ def text_prompts(path: str, tokenizer, text_field: str, limit: int) -> list[dict
 
 
 def real_setup(args: ProfileArguments, device: torch.device):
-    from dflash_hf.cli.train import load_processor
     from dflash_hf.export.drafts import load_draft_strict
+    from dflash_hf.targets.processor import load_processor
 
     ft = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
     draft = load_draft_strict(args.draft).to(device=device, dtype=resolve_dtype(args.precision)).eval()
@@ -391,20 +392,18 @@ def real_setup(args: ProfileArguments, device: torch.device):
 @contextmanager
 def recorded_sequences(store: list):
     """Record the sequences of every `speculative_generate` call `decode_benchmark` makes."""
-    from dflash_hf.training import decode_benchmark
-
-    real = decode_benchmark.speculative_generate
+    real = evaluation.speculative_generate
 
     def recorder(*args, **kwargs):
         out = real(*args, **kwargs)
         store.append(out.sequences)
         return out
 
-    decode_benchmark.speculative_generate = recorder
+    evaluation.speculative_generate = recorder
     try:
         yield
     finally:
-        decode_benchmark.speculative_generate = real
+        evaluation.speculative_generate = real
 
 
 def profile_pass(
@@ -413,10 +412,9 @@ def profile_pass(
     prompts: list[dict],
     max_new_tokens: int,
     progress: bool,
-    draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool | None = None,
+    options: DecodeOptions | None = None,
 ):
-    """Instrumented speculative decoding of every prompt: (breakdown, sequences)."""
+    """Instrumented speculative decoding of every prompt (`options`: how its steps run): (breakdown, sequences)."""
     clock = PhaseClock(ft.device)
     sequences, cycles, tokens = [], 0, 0
     with instrumented(draft, clock):
@@ -430,8 +428,7 @@ def profile_pass(
                     draft,
                     ft,
                     max_new_tokens,
-                    draft_cuda_graph=draft_cuda_graph,
-                    verify_cuda_graph=verify_cuda_graph,
+                    options=options,
                     **kwargs,
                 )
             sequences.append(out.sequences)
@@ -451,24 +448,22 @@ def run_profile(args: ProfileArguments, command: str) -> dict:
             draft.to(device=device, dtype=dtype)
         else:
             ft, draft, prompts = real_setup(args, device)
-    steps = args.speculative_kwargs()
-    graph, verify = steps["draft_cuda_graph"], steps["verify_cuda_graph"]
+    options = DecodeOptions.from_settings(args)
     prompts = [ft.cast_features(p) for p in prompts]  # audio features in the target's dtype (bf16 encoders refuse fp32)
     reference: list = []
     with recorded_sequences(reference), torch.no_grad():
-        stats = decode_benchmark(
+        stats = evaluation.decode_benchmark(
             draft,
             ft,
             prompts,
             args.max_new_tokens,
             progress=args.progress,
             total=len(prompts),
-            draft_cuda_graph=graph,
-            verify_cuda_graph=verify,
+            options=options,
         )
     reference = reference[-len(prompts) :]  # the warm-up decode of the first prompt comes first
     with torch.no_grad():
-        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, graph, verify)
+        profile, sequences = profile_pass(draft, ft, prompts, args.max_new_tokens, args.progress, options)
     same = [torch.equal(a.cpu(), b.cpu()) for a, b in zip(sequences, reference)]
     wall = stats.as_dict()
     return {

@@ -30,14 +30,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's package
     sys.path.insert(0, str(REPO))
 
-from dflash_hf.cli.config import check_model_dir, check_paths_exist  # noqa: E402
-from dflash_hf.cli.eval import EvalArguments, load_prompts  # noqa: E402
-from dflash_hf.cli.train import load_processor  # noqa: E402
+from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation  # noqa: E402
 from dflash_hf.export.drafts import load_draft_strict  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
+from dflash_hf.generation.target_greedy import generate_inputs  # noqa: E402
+from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.targets.families.registry import get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
-from dflash_hf.training.decode_benchmark import generate_inputs  # noqa: E402
+from dflash_hf.targets.processor import check_model_dir, load_processor  # noqa: E402
 
 KINDS = ("end", "punctuation", "word start", "word piece")
 
@@ -120,10 +120,9 @@ def run(args: MissArguments) -> dict:
     draft = load_draft_strict(args.draft).to(device=device, dtype=resolve_dtype(args.precision)).eval()
     processor = load_processor(args.target)
     tokenizer = get_tokenizer(processor)
-    eval_args = EvalArguments(
-        draft=args.draft, target=args.target, data=args.data, family=args.family, prompt=args.prompt
-    )
-    prompts = itertools.islice(load_prompts(eval_args, processor, ft.model.config), args.num_samples)
+    conversation = recorded_conversation(None, prompt=args.prompt)  # as dflash-eval renders a manifest's rows
+    prompts = evaluation_prompts(args.data, processor, ft.model.config, family=args.family, conversation=conversation)
+    prompts = itertools.islice(prompts, args.num_samples)
     ends = set(speculative._eos_ids(ft))
     kinds, capitalized, skipped, repeated, slots, cycles_total, records = Counter(), 0, 0, 0, Counter(), 0, []
     with torch.no_grad():

@@ -9,7 +9,7 @@ batch 1 a small target is launch-bound, and transformers' own answer to that is 
 accelerators, so on the CPU it is the static cache alone). This script times, on the same prompts (as `dflash-eval`
 builds them from `--data`), in one process:
 
-- `speculative`: `dflash_hf.training.decode_benchmark.decode_benchmark` with the package's defaults (draft step and
+- `speculative`: `dflash_hf.generation.evaluation.decode_benchmark` with the package's defaults (draft step and
 target verify as
   CUDA graphs on a GPU), against plain greedy, outputs compared;
 - `static_greedy`: the target's greedy `generate` with a static cache, its new tokens compared with plain greedy's.
@@ -38,14 +38,11 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 sys.path.insert(0, str(REPO / "benchmarks"))
 from decode_profile import git_commit  # noqa: E402
 
-from dflash_hf.cli.eval import EvalArguments, load_evaluation  # noqa: E402
-from dflash_hf.training.decode_benchmark import (  # noqa: E402
-    decode_benchmark,
-    generate_inputs,
-    synced_clock,
-    target_greedy_new_tokens,
-)
-from dflash_hf.training.launch import configure_cpu_threads  # noqa: E402
+from dflash_hf.export.evaluation_setup import load_evaluation  # noqa: E402
+from dflash_hf.generation.evaluation import decode_benchmark, synced_clock  # noqa: E402
+from dflash_hf.generation.target_greedy import generate_inputs, target_greedy_new_tokens  # noqa: E402
+from dflash_hf.ops.cpu_threads import configure_cpu_threads  # noqa: E402
+from dflash_hf.settings.evaluation import EvalSettings  # noqa: E402
 
 STATIC = {"cache_implementation": "static"}
 
@@ -102,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_samples < 1:
         raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
     configure_cpu_threads()
-    eval_args = EvalArguments(
+    eval_args = EvalSettings(
         draft=args.draft,
         target=args.target,
         data=args.data,

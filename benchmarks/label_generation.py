@@ -20,13 +20,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_hf.cli import generate_labels as labels  # noqa: E402
+from dflash_hf.data.label_manifest import LabelJob, check_label_inputs, write_generated_labels  # noqa: E402
+from dflash_hf.generation.target_greedy import greedy_labels  # noqa: E402
+from dflash_hf.settings.labels import LabelSettings  # noqa: E402
+from dflash_hf.targets.frozen import FrozenTarget  # noqa: E402
+from dflash_hf.targets.processor import load_greedy_target  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
 
 
@@ -48,31 +53,26 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _run(model: str, manifest: Path, output: Path, prefetch: bool, args) -> float:
+    """Seconds of one `dflash-generate-labels` pass (the target's load included), as the command runs it."""
     output.unlink(missing_ok=True)
-    (labels_args,) = labels.make_parser().parse_args_into_dataclasses(
-        [
-            "--model",
-            model,
-            "--manifest",
-            str(manifest),
-            "--output",
-            str(output),
-            "--batch_size",
-            str(args.batch_size),
-            "--max_new_tokens",
-            str(args.max_new_tokens),
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--prefetch",
-            str(prefetch).lower(),
-        ]
+    settings = LabelSettings(
+        model=model,
+        manifest=str(manifest),
+        output=str(output),
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        prefetch=prefetch,
     )
+    check_label_inputs(settings)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    labels.generate_labels(labels_args)
+    target_model, processor, family = load_greedy_target(model, settings.family, settings.dtype, settings.device)
+    target = FrozenTarget(target_model, family.name)
+    decode = partial(greedy_labels, target, max_new_tokens=settings.max_new_tokens, device=settings.device)
+    write_generated_labels(LabelJob.of(settings), target, processor, decode)
     return time.perf_counter() - start
 
 

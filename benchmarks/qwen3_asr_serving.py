@@ -160,12 +160,13 @@ def train_argv(out: Path, steps: int, precision: str, use_cpu: bool) -> list[str
 
 def train(out: Path, steps: int, precision: str) -> None:
     import shutil
+    import subprocess
+    import sys
 
     import torch
 
-    from dflash_hf.cli import train as cli_train
-
-    cli_train.run(train_argv(out, steps, precision, use_cpu=not torch.cuda.is_available()))
+    argv = train_argv(out, steps, precision, use_cpu=not torch.cuda.is_available())
+    subprocess.run([sys.executable, "-m", "dflash_hf.cli.train", *argv], check=True)  # the dflash-train command
     export = out / "run" / "draft"
     if not (export / "config.json").is_file():
         raise RuntimeError(f"dflash-train wrote no export at {export}")

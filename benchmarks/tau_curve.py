@@ -56,10 +56,11 @@ def decode_checkpoints(runs: list[Path], args) -> dict[str, list[tuple[float, fl
     of `args.data`: `{run: [(minutes, tau), ...]}`. The target and prompts are loaded once."""
     import torch
 
-    from dflash_hf.cli.eval import EvalArguments, load_evaluation
+    from dflash_hf.export.evaluation_setup import load_evaluation
     from dflash_hf.export.hub import load_draft_strict
+    from dflash_hf.generation.evaluation import decode_benchmark
+    from dflash_hf.settings.evaluation import EvalSettings
     from dflash_hf.targets.frozen import resolve_dtype
-    from dflash_hf.training.decode_benchmark import decode_benchmark
 
     def checkpoints(run: Path) -> list[tuple[Path, int]]:
         kept = [(p, int(p.name.split("-")[-1])) for p in run.glob("checkpoint-*") if (p / "config.json").is_file()]
@@ -71,7 +72,7 @@ def decode_checkpoints(runs: list[Path], args) -> dict[str, list[tuple[float, fl
     first = next((c for run in runs for c, _ in checkpoints(run)), None)
     if first is None:
         raise SystemExit(f"--decode: no checkpoint-* or draft/ with a config.json under {[str(r) for r in runs]}")
-    setup = EvalArguments(
+    setup = EvalSettings(
         draft=str(first),
         target=args.target,
         data=args.data,

@@ -313,8 +313,8 @@ def load_reference(args: ParityArguments):
     and each request's inputs for its `generate`."""
     import torch
 
+    from dflash_hf.generation.target_greedy import generate_inputs
     from dflash_hf.targets.frozen import FrozenTarget, load_target
-    from dflash_hf.training.decode_benchmark import generate_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = FrozenTarget(load_target(args.target, args.precision).to(device))

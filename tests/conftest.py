@@ -26,7 +26,7 @@ if TESTS_DIR not in sys.path:
 
 @pytest.fixture(autouse=True)
 def _keep_torch_threads():
-    """Console entry points called in-process pick their own CPU thread count (`launch.configure_cpu_threads`);
+    """Console entry points called in-process pick their own CPU thread count (`ops.cpu_threads.configure_cpu_threads`);
     restore it so later tests compute with the thread count (and reduction order) they started with."""
     threads = torch.get_num_threads()
     yield

@@ -1,8 +1,12 @@
 """The layout of the package and of its tests.
 
-- The package's folders depend one way: cli -> training -> {generation, objective, data, export} -> targets ->
+- The package's folders depend one way: cli -> training -> {generation, objective, export -> data} -> targets ->
   {models, ops}; `settings` (every default and check, light) is read by all of these but models and ops, and reads
-  only the pure-Python `models/draft_fields.py` (remote code). `errors` (user errors) may be imported from anywhere,
+  only the pure-Python `models/draft_fields.py` (remote code). `data` makes plain dicts of tensors (batches, the
+  prompts of evaluation rows) that `generation` decodes: generation never imports data, nor data generation.
+  `export` reads draft exports and their records and sets up what `dflash-eval` decodes (a draft on its target and
+  the prompts `data` makes). `dflash-eval` and `dflash-generate-labels` import nothing of `training`
+  (tests/cli/test_command_imports.py). `errors` (user errors) may be imported from anywhere,
   `testing` (tiny targets, which takes the serving fields of a target family from `targets`) only from cli;
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
   card names what the plugin refuses, by the plugin's own rule).
@@ -30,7 +34,7 @@ ALLOWED = {
     "data": {"settings", "targets", "models", "ops", "errors"},
     "objective": {"settings", "targets", "models", "ops", "errors"},
     "generation": {"settings", "targets", "models", "ops", "errors"},
-    "export": {"settings", "targets", "models", "ops", "errors", "serving"},
+    "export": {"data", "settings", "targets", "models", "ops", "errors", "serving"},
     "training": {"generation", "objective", "data", "export", "settings", "targets", "models", "ops", "errors"},
     "cli": {
         "training",

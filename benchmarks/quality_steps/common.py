@@ -81,8 +81,8 @@ def run(cmd: list[str], **kw) -> None:
 
 
 def cli(module: str) -> list[str]:
-    """Command line running ``module.main`` with the current interpreter (console scripts are not installed on
-    the device; ``dflash_hf.cli.eval`` has no ``__main__`` guard, so ``python -m`` would not run it)."""
+    """Command line running the command ``module.main`` with the current interpreter (console scripts need not be
+    installed); its exit status is the command's."""
     return [sys.executable, "-c", f"import sys; from {module} import main; sys.exit(main(sys.argv[1:]))"]
 
 

@@ -17,15 +17,16 @@ def prompt_inputs_for(cache: Path, cfg: RunConfig, data: Path, num_samples: int)
     """The exact inputs dflash-eval decodes (its own prompt loader)."""
     import itertools
 
-    from dflash_hf.cli.eval import EvalArguments, load_prompts
-    from dflash_hf.cli.train import load_processor
-
-    draft = run_dir(cache, cfg.name) / "draft"
-    target = target_dir(cache, cfg.target)
-    args = EvalArguments(draft=str(draft), target=str(target), data=str(data), num_samples=num_samples)
     from transformers import AutoConfig
 
-    prompts = load_prompts(args, load_processor(str(target)), AutoConfig.from_pretrained(target))
+    from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation
+    from dflash_hf.targets.processor import load_processor
+
+    target = target_dir(cache, cfg.target)
+    conversation = recorded_conversation(None)  # as dflash-eval renders a manifest's rows without flags
+    prompts = evaluation_prompts(
+        str(data), load_processor(str(target)), AutoConfig.from_pretrained(target), conversation=conversation
+    )
     return list(itertools.islice(prompts, num_samples) if num_samples else prompts)
 
 
@@ -44,8 +45,8 @@ def extra_decoding(
     import torch
 
     from dflash_hf.export.hub import load_draft_strict
+    from dflash_hf.generation.evaluation import DecodeStats, decode_benchmark, synced_clock
     from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-    from dflash_hf.training.decode_benchmark import DecodeStats, decode_benchmark, synced_clock
 
     dev = torch.device(device)
     target = FrozenTarget(load_target(str(target_dir(cache, cfg.target)), precision).to(dev))

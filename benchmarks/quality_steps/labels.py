@@ -111,7 +111,7 @@ def generate_whisper_labels(cache: Path, batch_size: int, device: str, dtype: st
     if shards < 1:
         raise SystemExit(f"--shards must be >= 1, got {shards}")
     check_whisper_conversion(cache)
-    from dflash_hf.cli.generate_labels import shard_of
+    from dflash_hf.data.label_rows import shard_of
 
     out = whisper_label_manifests(cache)
     root = out["train"].parent

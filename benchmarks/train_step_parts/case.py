@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from dflash_hf.generation.static_draft import graph_mode
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlashDraftModel
 from dflash_hf.objective.blocks import build_blocks, dense_block_mask
 from dflash_hf.objective.losses import MetricSums
+from dflash_hf.settings.decode import graph_mode
 from dflash_hf.targets.frozen import FrozenTarget
 
 from .batches import make_batches

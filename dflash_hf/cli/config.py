@@ -23,35 +23,6 @@ CONFIG_HELP = (
 )
 
 
-def check_paths_exist(args, names) -> None:
-    """Refuse (before any loading) the first path option of `names` on `args` that names nothing on disk."""
-    for name in names:
-        if not Path(getattr(args, name)).exists():
-            raise FileNotFoundError(f"--{name} {getattr(args, name)!r} does not exist")
-
-
-def check_model_dir(name: str, field: str, what: str) -> None:
-    """A model given as a local path must be an existing directory (a Hub id is left to transformers)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return
-    if path.exists():
-        raise NotADirectoryError(f"{field}={name} is a file; give the directory of {what} (its save_pretrained)")
-    try:
-        validate_repo_id(name)
-        looks_local = name.startswith((".", "~")) or Path(name).is_absolute()
-    except HFValidationError:
-        looks_local = True
-    if looks_local:
-        raise FileNotFoundError(
-            f"{field}={name}: the directory does not exist; give the directory of {what} "
-            "(a model saved with save_pretrained) or a Hub model id"
-        )
-
-
 def add_config_option(parser: argparse.ArgumentParser) -> None:
     """Document `--config` in the parser's help (it is read by `parse_with_config` before the parser runs)."""
     if "--config" not in parser._option_string_actions:

@@ -27,15 +27,13 @@ from transformers import HfArgumentParser
 
 from dflash_hf.cli.config import apply_config, option_actions, parse_with_config
 from dflash_hf.cli.train import train
+from dflash_hf.data.eval_rows import prompt_inputs
 from dflash_hf.data.wer import corpus_wer
+from dflash_hf.generation.evaluation import decode_benchmark
+from dflash_hf.generation.target_greedy import generate_inputs, target_greedy_new_tokens
+from dflash_hf.ops.cpu_threads import configure_cpu_threads
 from dflash_hf.testing import tiny
-from dflash_hf.training.decode_benchmark import (
-    decode_benchmark,
-    generate_inputs,
-    prompt_inputs,
-    target_greedy_new_tokens,
-)
-from dflash_hf.training.launch import configure_cpu_threads, no_hf_progress_bars
+from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 DEMO_THREADS = 1
@@ -232,9 +230,9 @@ def run(argv: list[str] | None = None) -> dict:
     command = train_command(argv, args, data_args)  # before the run: train() changes a few settings it acts on
     metrics = train(args, data_args)
 
-    from dflash_hf.cli.train import load_processor
     from dflash_hf.export.drafts import load_draft_strict
     from dflash_hf.targets.frozen import FrozenTarget, load_target
+    from dflash_hf.targets.processor import load_processor
 
     draft = load_draft_strict(args.resolved_export_dir).eval()
     target = FrozenTarget(load_target(args.target_name_or_path))

@@ -18,169 +18,28 @@ results file is refused before anything loads unless `--overwrite_output_json tr
 
 from __future__ import annotations
 
-import itertools
 import json
-import logging
 import os
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from transformers import HfArgumentParser
 
-from dflash_hf.cli.config import check_model_dir, check_paths_exist, parse_with_config
-from dflash_hf.cli.train import load_processor
-from dflash_hf.data import ConversationConfig
-from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
-from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record
-from dflash_hf.generation.static_draft import graph_mode
+from dflash_hf.cli.config import parse_with_config
+from dflash_hf.export.draft_target import check_draft_target
+from dflash_hf.export.drafts import resolve_draft_dir
+from dflash_hf.export.evaluation_setup import check_evaluation_inputs, load_evaluation
+from dflash_hf.export.training_record import read_training_record
+from dflash_hf.generation.decode_options import DecodeOptions
+from dflash_hf.generation.evaluation import decode_benchmark
 from dflash_hf.generation.tree_verify import check_tree_target
-from dflash_hf.settings import DataSettings, ModelSettings
-from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
-from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
-from dflash_hf.training.decode_benchmark import decode_benchmark, iter_prompts, prompt_source, speech_rows_and_collator
-from dflash_hf.training.draft_target import check_draft_target
-from dflash_hf.training.launch import configure_cpu_threads
-
-logger = logging.getLogger("dflash_hf")
-
-
-@dataclass(kw_only=True)
-class DecodeStepArguments:
-    """The decoding switches: the draft's step and the target's verify as fixed-shape forwards (replayed as CUDA
-    graphs on a GPU). Their flags (`--draft_cuda_graph`, `--verify_cuda_graph`: auto, on or off) are shared by
-    `dflash-eval` and the decoding benchmarks; `speculative_kwargs()` hands them to `speculative_generate` and
-    `decode_benchmark`."""
-
-    draft_cuda_graph: str = field(
-        default="auto",
-        metadata={
-            "help": "auto: on a GPU, replay the draft's greedy step as a CUDA graph (generation.static_draft); "
-            "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
-            "output is the same in every mode."
-        },
-    )
-    verify_cuda_graph: str = field(
-        default="auto",
-        metadata={
-            "help": "auto: on a GPU, the target's greedy verify as a fixed-shape forward replayed as a CUDA "
-            "graph where it can run (Whisper and decoder-only targets, SDPA or eager attention; "
-            "dflash_hf.generation.static_verify), else the growing cache; on: always (refused where it cannot run; "
-            "on the CPU without a graph); off: the growing cache. Its logits equal the growing cache's "
-            "up to rounding; outputs are checked against greedy as usual."
-        },
-    )
-
-    def __post_init__(self):
-        self.speculative_kwargs()  # a bad mode is an error naming its flag
-
-    def speculative_kwargs(self) -> dict[str, bool | None]:
-        """`draft_cuda_graph` and `verify_cuda_graph` as `speculative_generate` takes them (None, True, False)."""
-        return {
-            "draft_cuda_graph": graph_mode(self.draft_cuda_graph),
-            "verify_cuda_graph": graph_mode(self.verify_cuda_graph, "verify_cuda_graph"),
-        }
-
-
-@dataclass
-class EvalArguments(DecodeStepArguments):
-    draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
-    target: str = field(
-        metadata={"help": "The frozen target (model + processor or tokenizer): a local directory or a Hub id."}
-    )
-    data: str = field(
-        metadata={"help": "NeMo manifest / lhotse cuts file, or JSON lines of text prompts ('prompt' or 'messages')."}
-    )
-    output_json: str | None = field(
-        default=None,
-        metadata={
-            "help": "Where the results JSON is written; default: beside the draft, <draft>/eval_<data name>.json "
-            "(e.g. runs/x/draft/eval_dev.json for --data dev.jsonl). An existing file is refused unless "
-            "--overwrite_output_json true."
-        },
-    )
-    overwrite_output_json: bool = field(
-        default=False, metadata={"help": "Replace an existing results file (default: refuse it before decoding)."}
-    )
-    max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per prompt (both decoders)."})
-    num_samples: int = field(default=0, metadata={"help": "Prompts to decode from the start of --data; 0 = all."})
-    precision: str = field(
-        default=ModelSettings.precision, metadata={"help": "Parameter dtype of target and draft: fp32 or bf16."}
-    )
-    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N or auto (cuda when available)."})
-    family: str | None = field(
-        default=None,
-        metadata={
-            "help": "Target family row (dflash_hf.targets.families.registry); default: the one the draft was "
-            "trained with (recorded in its export), else from the target's config."
-        },
-    )
-    prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "Default user text of manifest conversations; default: the training run's, recorded in the "
-            "draft export. An empty string decodes without one."
-        },
-    )
-    system_prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "System turn of manifest conversations; default: the training run's, recorded in the draft "
-            "export. An empty string decodes without one."
-        },
-    )
-    allow_command_audio_sources: bool = field(
-        default=DataSettings.allow_command_audio_sources,
-        metadata={
-            "help": "Let programs read audio: lhotse cuts of type 'command', and decoders (ffmpeg through audioread) "
-            "for files libsndfile cannot read. Only for data you trust (default: such a row is an error)."
-        },
-    )
-    allow_mismatch: bool = field(
-        default=False,
-        metadata={"help": "Exit 0 even if speculative and greedy outputs differ (expected only from bf16 noise)."},
-    )
-    tree_budget: list[int] = field(
-        default_factory=list,
-        metadata={
-            "help": "Also decode every prompt with tree verification of these node budgets (e.g. 8 16 32 64), "
-            "beside the chain on the same prompts in the same run: tau, tokens/s, target forwards and output "
-            "identity of each, under 'tree' in the JSON (dflash_hf.generation.tree_decode)."
-        },
-    )
-    allow_target_mismatch: bool = field(
-        default=False,
-        metadata={
-            "help": "Evaluate a draft against a target other than the one it was trained for (another vocabulary, "
-            "or weights other than those its export's run record names); refused without it. The differences are "
-            "recorded in the results (target_check)."
-        },
-    )
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
-        bad_budgets = [b for b in self.tree_budget if b < 1]
-        if bad_budgets or len(set(self.tree_budget)) != len(self.tree_budget):
-            raise ValueError(
-                f"--tree_budget takes distinct node budgets >= 1 (e.g. 8 16 32 64), got {list(self.tree_budget)}"
-            )
-        resolve_dtype(self.precision)
-        super().__post_init__()
-
-    def check_inputs(self) -> None:
-        """The draft and data exist and the target is an existing directory or a Hub id (before anything loads)."""
-        check_paths_exist(self, ("draft", "data"))
-        check_model_dir(self.target, "--target", "the frozen target")
-
+from dflash_hf.ops.cpu_threads import configure_cpu_threads
+from dflash_hf.settings.evaluation import EvalSettings
 
 DATA_SUFFIXES = (".gz", ".jsonl", ".json")  # stripped from --data's file name for the default results name
 
 
-def results_path(args: EvalArguments) -> Path:
+def results_path(args: EvalSettings) -> Path:
     """`--output_json`, else `<draft>/eval_<data name>.json` (the data file's name without its suffixes)."""
     if args.output_json:
         return Path(args.output_json)
@@ -190,7 +49,7 @@ def results_path(args: EvalArguments) -> Path:
     return Path(args.draft) / f"eval_{name or 'data'}.json"
 
 
-def check_results_path(args: EvalArguments) -> None:
+def check_results_path(args: EvalSettings) -> None:
     """The results file is not a directory, is not written over unless `--overwrite_output_json true`, and its
     folder is writable: refused before anything loads, not after the decoding."""
     out = results_path(args)
@@ -207,159 +66,10 @@ def check_results_path(args: EvalArguments) -> None:
 
 
 def make_parser() -> HfArgumentParser:
-    return HfArgumentParser(EvalArguments)
+    return HfArgumentParser(EvalSettings)
 
 
-def _records(path: str) -> Iterator[tuple[str, dict]]:
-    """``(origin, record)`` of each JSON object line of a plain or gzipped JSON-lines file (detected by content,
-    as the data layer reads manifests); a line that is not a JSON object is an error naming the file and line."""
-    from dflash_hf.data.bad_samples import BadSamples
-    from dflash_hf.data.json_rows import json_rows
-
-    for _, origin, record in json_rows(path, BadSamples(skip=False)):
-        yield origin, record
-
-
-def _first_record(path: str) -> dict:
-    for _, record in _records(path):
-        return record
-    raise ValueError(f"--data {path!r} is empty")
-
-
-def count_records(path: str) -> int:
-    """JSON object lines of a JSON-lines file (plain or gzipped): the progress bar's total."""
-    return sum(1 for _ in _records(path))
-
-
-def text_prompts(path: str, tokenizer) -> Iterator[dict]:
-    """Target inputs of each `{"prompt": ...}` / `{"messages": [...]}` line (tokenized as the user wrote them: a
-    control token's text in a prompt is that token; a lone surrogate is an error naming the line)."""
-    from dflash_hf.data.user_text import SURROGATE_FIX, surrogate_problem
-
-    def strings(value, where):
-        if isinstance(value, str):
-            yield where, value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                yield from strings(v, f"{where}.{k}" if where else k)
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                yield from strings(v, f"{where}[{i}]")
-
-    for origin, record in _records(path):
-        for where, text in strings(record, ""):
-            problem = surrogate_problem(text)
-            if problem:
-                raise ValueError(f"--data {origin}: field {where!r} {problem}; {SURROGATE_FIX}")
-        if "messages" in record:
-            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-            enc = tokenizer(text, add_special_tokens=False, return_tensors="pt")
-        elif "prompt" in record:
-            enc = tokenizer(record["prompt"], return_tensors="pt")
-        else:
-            raise ValueError(f"--data {origin}: needs a 'prompt' (text) or 'messages' (chat) key")
-        yield {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-
-
-def is_text_prompts(path: str) -> bool:
-    """Whether `--data` holds JSON lines of text prompts (`prompt` / `messages`) rather than a manifest."""
-    record = _first_record(path)
-    return "prompt" in record or "messages" in record
-
-
-def _no_text(value: str | None) -> str | None:
-    """An empty prompt is no prompt (the conversation leaves out an empty user text or system turn)."""
-    return value or None
-
-
-def apply_recorded_conversation(args: EvalArguments, recorded: dict | None) -> dict | None:
-    """Fill `--prompt`, `--system_prompt` and `--family` left out (None) from the conversation recorded in the draft's
-    export (`recorded`: its training record's), and warn about each given one that differs from it, about a draft that
-    records none (a manifest's prompts are then rendered from the flags alone) and about text prompts (rendered as they
-    are, without the recorded settings). Returns the recorded conversation (None when there is none)."""
-    text = is_text_prompts(args.data)
-    where = f"{args.draft}/{TRAINING_RECORD_FILE}"
-    if recorded is None:
-        if not text:
-            logger.warning(
-                "the draft export %s records no conversation settings (exported before they were recorded, or "
-                "trained on rows collated outside dflash-train): its prompts are rendered with --prompt %r and "
-                "--system_prompt %r as given; they must be the training run's for tau to measure what the draft "
-                "learned",
-                args.draft,
-                args.prompt,
-                args.system_prompt,
-            )
-        return None
-    if text:
-        if _no_text(recorded["prompt"]) or _no_text(recorded["system_prompt"]):
-            logger.warning(
-                "--data %s holds text prompts, rendered as they are: the conversation the draft was trained with "
-                "(prompt %r, system prompt %r, recorded in %s) is not applied to them",
-                args.data,
-                recorded["prompt"],
-                recorded["system_prompt"],
-                where,
-            )
-    for name, what in (("prompt", "user prompt"), ("system_prompt", "system prompt"), ("family", "family row")):
-        given, trained = getattr(args, name), recorded[name]
-        if given is None:
-            setattr(args, name, trained)
-        elif (given if name == "family" else _no_text(given)) != (trained if name == "family" else _no_text(trained)):
-            logger.warning(
-                "--%s %r differs from the %s the draft was trained with (%r, recorded in %s): tau then measures "
-                "prompts the draft was not trained on; leave --%s out to decode with the recorded one",
-                name,
-                given,
-                what,
-                trained,
-                where,
-                name,
-            )
-    return recorded
-
-
-def load_prompts(args: EvalArguments, processor, config, recorded: dict | None = None) -> Iterator[dict]:
-    """The target inputs of `--data`'s prompts; `recorded`: the draft's recorded conversation, whose cut fields
-    (`context_key`, `system_prompt_key`) the manifest's conversations use."""
-    record = _first_record(args.data)
-    family = resolve_family(config, args.family)
-    if "prompt" in record or "messages" in record:
-        if family.has_audio:
-            raise ValueError(
-                f"--data {args.data!r} holds text prompts but the target is a speech model ({family.name}); "
-                "give a NeMo manifest with audio_filepath lines"
-            )
-        return text_prompts(args.data, get_tokenizer(processor))
-    keys = {k: recorded[k] for k in ("context_key", "system_prompt_key")} if recorded else {}
-    conversation = ConversationConfig(system_prompt=args.system_prompt, prompt=args.prompt, **keys)
-    source = prompt_source(args.data, allow_command_audio_sources=args.allow_command_audio_sources)  # no rate check
-    rows, collate = speech_rows_and_collator(source, processor, config, family=args.family, conversation=conversation)
-    return iter_prompts(rows, collate)
-
-
-def load_evaluation(args: EvalArguments) -> tuple[torch.device, FrozenTarget, torch.nn.Module, Iterator[dict], int]:
-    """The device, the frozen target, the draft (checked against the target), the prompts (lazily, at most
-    `num_samples`) and their count at most (a row without an assistant response gives no prompt)."""
-    args.check_inputs()
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    dtype = resolve_dtype(args.precision)
-    draft = load_draft_strict(args.draft)
-    recorded = read_training_record(resolve_draft_dir(args.draft)).conversation
-    recorded = apply_recorded_conversation(args, recorded)  # before the family is resolved
-    target = FrozenTarget(load_target(args.target, args.precision).to(device), args.family)
-    draft = draft.to(device=device, dtype=dtype).eval()
-    cfg = draft.config
-    target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
-    prompts = load_prompts(args, load_processor(args.target), target.model.config, recorded)
-    total = count_records(args.data)
-    if args.num_samples:
-        prompts = itertools.islice(prompts, args.num_samples)
-        total = min(total, args.num_samples)
-    return device, target, draft, prompts, total
-
-
-def evaluate(args: EvalArguments) -> dict:
+def evaluate(args: EvalSettings) -> dict:
     """Decode the prompts both ways; returns the results written to `args.output_json`."""
     device, target, draft, prompts, total = load_evaluation(args)
     if args.tree_budget:  # a target that cannot take tree verification: refused before any decoding
@@ -375,8 +85,8 @@ def evaluate(args: EvalArguments) -> dict:
         args.max_new_tokens,
         progress=True,
         total=total,
+        options=DecodeOptions.from_settings(args),
         tree_budgets=args.tree_budget,
-        **args.speculative_kwargs(),
     )
     if stats.prompts == 0:
         raise ValueError(f"--data {args.data!r} gave no prompt (no row with an assistant response to cut before)")
@@ -422,7 +132,7 @@ def results_table(results: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
     configure_cpu_threads()
-    args.check_inputs()
+    check_evaluation_inputs(args)
     check_results_path(args)
     out = results_path(args)
     args.output_json = str(out)  # the results record where they were written

@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_hf.cli.config import apply_config, check_model_dir, option_actions, parse_with_config
+from dflash_hf.cli.config import apply_config, option_actions, parse_with_config
 from dflash_hf.cli.options import help_parser
 from dflash_hf.errors import DFlashUserError, EnvironmentFault
 from dflash_hf.settings import ModelSettings, RunSettings
+from dflash_hf.targets.processor import check_model_dir, load_processor
 from dflash_hf.training.argument_groups import check_data_paths
 
 if TYPE_CHECKING:  # torch, transformers' Trainer and lhotse load only once a run starts
@@ -39,17 +40,6 @@ def make_parser() -> HfArgumentParser:
     from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
     return HfArgumentParser((DFlashTrainingArguments, DFlashDataArguments))
-
-
-def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remote_code):
-    """The target's processor (audio targets) or tokenizer (text targets), from its directory."""
-    from transformers import AutoProcessor, AutoTokenizer
-
-    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
-    try:
-        return AutoProcessor.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError):
-        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def _is_hub_id(name: str) -> bool:
@@ -280,7 +270,7 @@ def run(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     check_command_line(argv)
-    from dflash_hf.training.launch import configure_cpu_threads
+    from dflash_hf.ops.cpu_threads import configure_cpu_threads
 
     configure_cpu_threads()  # before any torch work: threads per process from the free cores
     from dflash_hf.training.step_guards import TrainingInterrupted

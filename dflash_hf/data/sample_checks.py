@@ -16,7 +16,7 @@ from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
 from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
 from dflash_hf.data.generated import generated_fields, generated_problem, rate_checked
 from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
-from dflash_hf.data.sources import _make_cut
+from dflash_hf.data.sources import make_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings import LoaderSettings
 from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
@@ -75,7 +75,7 @@ class SampleValidator:
         """The mask token must not be an id the rendered template (a probe conversation), the tokenizer's named
         roles or the target config's ``*_token_id`` fields use."""
         tokenizer = self.renderer.tokenizer
-        probe = _make_cut("probe", None, 0.0, 1.0, "a", None, {})
+        probe = make_cut("probe", None, 0.0, 1.0, "a", None, {})
         messages = cut_to_messages(probe, self.family, self.renderer.config)
         template_ids = set(self._stream_ids([self.renderer.render_text(messages)])[0])
         problem = mask_token_role(tokenizer, self.mask_token_id, template_ids)

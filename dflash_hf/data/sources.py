@@ -206,10 +206,12 @@ def _nemo_cut(
     mark_programs(extras, allow_programs)
     if origin is not None:
         extras[ORIGIN_KEY] = origin
-    return _make_cut(cut_id, recording, offset, duration, record["text"], record.get("lang"), extras)
+    return make_cut(cut_id, recording, offset, duration, record["text"], record.get("lang"), extras)
 
 
-def _make_cut(cut_id, recording, start, duration, text, language, custom) -> MonoCut:
+def make_cut(cut_id, recording, start, duration, text, language, custom) -> MonoCut:
+    """A one-supervision cut: `recording` (None: a text row) from `start` for `duration` seconds, whose supervision
+    holds `text` in `language`, with the row's other fields as `custom`."""
     supervision = SupervisionSegment(
         id=cut_id,
         recording_id=recording.id if recording is not None else cut_id,
@@ -315,11 +317,11 @@ class HFDatasetCuts:
             mark_programs(custom, self.allow_programs)
             text = row[self.text_column]
             if self.audio_column is None:
-                yield _make_cut(cut_id, None, 0.0, 0.0, text, None, custom)
+                yield make_cut(cut_id, None, 0.0, 0.0, text, None, custom)
                 continue
             recording = self._recording(cut_id, row[self.audio_column], origin)
             if recording is not None:
-                yield _make_cut(cut_id, recording, 0.0, recording.duration, text, None, custom)
+                yield make_cut(cut_id, recording, 0.0, recording.duration, text, None, custom)
 
     def _recording(self, cut_id: str, audio, origin: str) -> Recording | None:
         try:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList, TemperatureLogitsWarper
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+from dflash_hf.generation.decode_options import DecodeOptions
 from dflash_hf.generation.decode_state import (  # noqa: F401 (SpeculativeOutput stays importable from here)
     SpeculativeOutput,
     _Positions,
@@ -34,7 +35,7 @@ from dflash_hf.generation.prompt_padding import check_one_prompt, prompt_padding
 from dflash_hf.generation.static_draft import fixed_draft_step
 from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
-from dflash_hf.generation.tree_decode import TreeDecode, check_tree_budget
+from dflash_hf.generation.tree_decode import TreeDecode
 from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
     FirstStop,
@@ -65,20 +66,14 @@ def _decode(
     max_positions: int | None,
     generator,
     max_length: int | None = None,
-    draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool | None = None,
-    tree_budget: int | None = None,
+    options: DecodeOptions,
 ) -> tuple[torch.Tensor, list[int]]:
     """The draft/verify loop. `prefill`: the first target forward's keywords (the whole prompt); `prompt`
     `[1, L]` the token ids it ends with. Target scores are `processors`-processed logits (temperature included
     when `sample`); `first_stop` finds the first new token that ends decoding.
     `max_positions` caps decoder positions (Whisper's 448), `max_length` the token count (prompt included) where
-    decoding stops. `draft_cuda_graph` (greedy only): None = on when decoding on a GPU and the decode's positions are
-    bounded; True = also on the CPU (the fixed-shape step without a graph); False = the eager draft forward
-    (`dflash_hf.generation.static_draft`). `verify_cuda_graph`: the target's verify as a fixed-shape forward, the
-    same three
-    ways (`dflash_hf.generation.static_verify`). `tree_budget`: verify a token tree of that many nodes a cycle
-    (`dflash_hf.generation.tree_decode`) instead of the chain (None). Returns the sequence and acceptance lengths."""
+    decoding stops. `options`: the draft's step and the target's verify as fixed-shape forwards (the graph modes are
+    greedy only), and tree verification (`DecodeOptions`). Returns the sequence and acceptance lengths."""
     ft = verifier.target
     cfg = draft.config
     bsz, mask_id = cfg.block_size, cfg.mask_token_id
@@ -98,11 +93,11 @@ def _decode(
         draft_kwargs = {"encoder_hidden_states": encoder_outputs[0], "encoder_cache": {}}  # keys/values kept
 
     tree = None  # tree verification (refused here, before the prompt's forward, where the target cannot take it)
-    if tree_budget is not None:
-        tree = TreeDecode(draft, ft, tree_budget, sample=sample, draft_temperature=draft_temperature)
+    if options.tree_budget is not None:
+        tree = TreeDecode(draft, ft, options.tree_budget, sample=sample, draft_temperature=draft_temperature)
     if ft.keeps_last_logits_only:  # only the prompt's last position is scored: no [prompt, vocab] logits
         prefill = {**prefill, "logits_to_keep": 1}
-    if verify_cuda_graph:
+    if options.verify_cuda_graph:
         check_verify_step(
             ft, bsz, verifier.step_kwargs, sample=sample, max_positions=max_positions, max_length=max_length
         )
@@ -127,7 +122,7 @@ def _decode(
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
     fixed_verify = fixed_verify_step(
-        verify_cuda_graph,
+        options.verify_cuda_graph,
         ft,
         verifier.layer_ids,
         bsz,
@@ -143,7 +138,7 @@ def _decode(
     if fixed_verify is not None:
         verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
     static = fixed_draft_step(
-        draft_cuda_graph,
+        options.draft_cuda_graph,
         draft,
         ft,
         bsz,
@@ -224,6 +219,7 @@ def speculative_generate(
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
     tree_budget: int | None = None,
+    options: DecodeOptions | None = None,
     **target_inputs,
 ) -> SpeculativeOutput:
     """Decode one prompt with draft proposals verified by the target.
@@ -238,27 +234,18 @@ def speculative_generate(
     is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
     three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding).
     `tree_budget`: None verifies the draft's chain (its top token at each slot); an int verifies a token tree of that
-    many nodes a cycle in one target forward (`dflash_hf.generation.tree_decode`; lossless as the chain)."""
+    many nodes a cycle in one target forward (`dflash_hf.generation.tree_decode`; lossless as the chain).
+    `options`: the three as one `DecodeOptions` (instead of the keywords)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_tree_budget(tree_budget)
+    options = DecodeOptions.of(options, draft_cuda_graph, verify_cuda_graph, tree_budget)
     ft = FrozenTarget.of(target)
-    if tree_budget is not None:  # before `generate` prepares anything (Whisper's encoder pass)
+    if options.tree_budget is not None:  # before `generate` prepares anything (Whisper's encoder pass)
         check_tree_target(ft)
     if ft.family.expansion != "model":
         # The target's own `generate` (its prompt, generation config's logits processors, stopping criteria and,
         # for Whisper, encoder pass) with `DFlashCustomGenerate` decoding: plain `generate`'s output by construction.
-        return _through_generate(
-            draft,
-            ft,
-            max_new_tokens,
-            temperature,
-            generator,
-            target_inputs,
-            draft_cuda_graph,
-            verify_cuda_graph,
-            tree_budget,
-        )
+        return _through_generate(draft, ft, max_new_tokens, temperature, generator, target_inputs, options)
     # Model-side single-placeholder targets (legacy Qwen2-Audio / SALM layout): transformers' `generate` drops the 2D
     # mask their audio merge needs, so they decode here, with the end tokens of their configs and temperature only.
     input_ids = target_inputs["input_ids"]
@@ -279,9 +266,7 @@ def speculative_generate(
         max_positions=None,
         generator=generator,
         max_length=input_ids.shape[1] + max_new_tokens,
-        draft_cuda_graph=draft_cuda_graph,
-        verify_cuda_graph=verify_cuda_graph,
-        tree_budget=tree_budget,
+        options=options,
     )
     return SpeculativeOutput(
         sequences=seq,
@@ -299,9 +284,7 @@ def _through_generate(
     temperature,
     generator,
     target_inputs,
-    draft_cuda_graph: bool | None = None,
-    verify_cuda_graph: bool | None = None,
-    tree_budget: int | None = None,
+    options: DecodeOptions,
 ):
     """The target's own `generate` (its prompt, Whisper's forced decoder prompt and encoder pass, its logits
     processors and stopping criteria) with :class:`DFlashCustomGenerate` doing the decoding."""
@@ -310,13 +293,7 @@ def _through_generate(
         kind = f"an encoder-decoder target ({ft.family.name})" if ft.is_encoder_decoder else "a decoder-only target"
         raise ValueError(f"{kind} needs {key} (what its processor returns)")
     check_one_prompt(target_inputs[key])
-    decode = DFlashCustomGenerate(
-        draft,
-        generator=generator,
-        draft_cuda_graph=draft_cuda_graph,
-        verify_cuda_graph=verify_cuda_graph,
-        tree_budget=tree_budget,
-    )
+    decode = DFlashCustomGenerate(draft, generator=generator, options=options)
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     with max_new_tokens_given():
         ft.model.generate(**target_inputs, max_new_tokens=max_new_tokens, custom_generate=decode, **sampling)
@@ -336,7 +313,7 @@ class DFlashCustomGenerate:
     DFlash draft proposals; the output equals plain `generate` (greedy: the same tokens; sampling: the same
     distribution). One prompt at a time. After a call, `sequences` (prompt + new tokens), `acceptance_lengths`
     and `num_target_forwards` describe it. The target is used as a `FrozenTarget` (eval mode, gradients off).
-    `draft_cuda_graph`, `verify_cuda_graph`, `tree_budget`: as for :func:`speculative_generate`."""
+    `draft_cuda_graph`, `verify_cuda_graph`, `tree_budget`, `options`: as for :func:`speculative_generate`."""
 
     def __init__(
         self,
@@ -345,11 +322,10 @@ class DFlashCustomGenerate:
         draft_cuda_graph: bool | None = None,
         verify_cuda_graph: bool | None = None,
         tree_budget: int | None = None,
+        options: DecodeOptions | None = None,
     ):
-        check_tree_budget(tree_budget)
-        self.draft, self.tree_budget = draft, tree_budget
-        self.generator = generator
-        self.draft_cuda_graph, self.verify_cuda_graph = draft_cuda_graph, verify_cuda_graph
+        self.draft, self.generator = draft, generator
+        self.options = DecodeOptions.of(options, draft_cuda_graph, verify_cuda_graph, tree_budget)
         self._target: FrozenTarget | None = None
         self.sequences: torch.LongTensor | None = None  # prompt + new tokens of the last call
         self.acceptance_lengths: list[int] = []
@@ -417,9 +393,7 @@ class DFlashCustomGenerate:
             max_positions=max_positions,
             generator=self.generator,
             max_length=getattr(generation_config, "max_length", None),
-            draft_cuda_graph=self.draft_cuda_graph,
-            verify_cuda_graph=self.verify_cuda_graph,
-            tree_budget=self.tree_budget,
+            options=self.options,
         )
         self.sequences, self.acceptance_lengths, self.num_target_forwards = seq, accepted, verifier.forwards
         self.draft_step, self.verify_step = verifier.draft_step, verifier.verify_step
@@ -435,6 +409,7 @@ def dflash_custom_generate(
     draft_cuda_graph: bool | None = None,
     verify_cuda_graph: bool | None = None,
     tree_budget: int | None = None,
+    options: DecodeOptions | None = None,
 ) -> DFlashCustomGenerate:
     """The `custom_generate=` callable for `target.generate` that decodes with `draft` (any target family)."""
     return DFlashCustomGenerate(
@@ -443,4 +418,5 @@ def dflash_custom_generate(
         draft_cuda_graph=draft_cuda_graph,
         verify_cuda_graph=verify_cuda_graph,
         tree_budget=tree_budget,
+        options=options,
     )

@@ -223,9 +223,6 @@ def greedy_head(draft, hidden: torch.Tensor, lm_head: torch.nn.Module, anchor: t
     return propose_block(draft, hidden, lm_head, anchor, 0.0, None)[0]
 
 
-GRAPH_MODES = {"auto": None, "on": True, "off": False}
-
-
 def fixed_draft_step(
     setting: bool | None,
     draft,
@@ -283,13 +280,6 @@ def fixed_draft_step(
     )
 
 
-def graph_mode(value: str, field: str = "draft_cuda_graph") -> bool | None:
-    """A command line's `auto | on | off` as `speculative_generate`'s `draft_cuda_graph` (None, True, False)."""
-    if value not in GRAPH_MODES:
-        raise ValueError(f"--{field} must be one of {sorted(GRAPH_MODES)}, got {value!r}")
-    return GRAPH_MODES[value]
-
-
 def graph_capacity(limit: int, block_size: int) -> int | None:
     """Buffer positions for a decode whose decoder positions stay below `limit`: every context write (`start + S`)
     and block fits, rounded up to `CAPACITY_ROUNDING`; None when the eager loop should run instead."""
@@ -334,7 +324,6 @@ __all__ = [
     "StaticDraftStep",
     "fixed_draft_step",
     "graph_capacity",
-    "graph_mode",
     "static_draft_step",
     "static_steps",
     "clear_static_steps",

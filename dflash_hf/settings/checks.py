@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 
@@ -102,6 +103,13 @@ def setting(default: Any = MISSING, help: str = "", *, choices: tuple | None = N
     return field(default=default, metadata=metadata)
 
 
+def check_paths_exist(values, names) -> None:
+    """Refuse (before any loading) the first path option of `names` on `values` that names nothing on disk."""
+    for name in names:
+        if not Path(getattr(values, name)).exists():
+            raise FileNotFoundError(f"--{name} {getattr(values, name)!r} does not exist")
+
+
 S = TypeVar("S", bound="Settings")
 
 
@@ -131,4 +139,14 @@ class Settings:
         return cls(**(found | changes))
 
 
-__all__ = ["UNIT", "Range", "Settings", "check_choice", "check_ranges", "count", "range_problem", "setting"]
+__all__ = [
+    "UNIT",
+    "Range",
+    "Settings",
+    "check_choice",
+    "check_paths_exist",
+    "check_ranges",
+    "count",
+    "range_problem",
+    "setting",
+]

@@ -24,6 +24,14 @@ from dflash_hf.models.draft_fields import (
 from dflash_hf.settings.checks import Settings, count, setting
 
 PRECISIONS = ("fp32", "bf16")
+# every name a precision option takes (the long names too) -> its torch dtype's name (`targets.frozen.resolve_dtype`)
+PRECISION_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def check_precision(precision: str) -> None:
+    """`precision` is a name of `PRECISION_DTYPES`, else a `ValueError` naming them."""
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {sorted(PRECISION_DTYPES)}, got {precision!r}")
 
 
 def _dflash2(name: str):
@@ -110,4 +118,4 @@ class DraftSettings(Settings):
         DFlash2Fields.of(values).check()
 
 
-__all__ = ["PRECISIONS", "DraftSettings", "ModelSettings"]
+__all__ = ["PRECISIONS", "PRECISION_DTYPES", "DraftSettings", "ModelSettings", "check_precision"]

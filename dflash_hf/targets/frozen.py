@@ -13,6 +13,7 @@ from torch import nn
 
 from dflash_hf.models.configuration_dflash import check_target_layer_ids, decoder_attends_fully
 from dflash_hf.settings import ModelSettings
+from dflash_hf.settings.draft import PRECISION_DTYPES, check_precision
 from dflash_hf.targets.decoder_masks import (
     PREBUILT_MASK_MODEL_TYPES,
     check_packing,
@@ -30,16 +31,14 @@ from dflash_hf.targets.families.registry import (
 )
 from dflash_hf.targets.families.whisper_features import with_whole_window
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in PRECISION_DTYPES.items()}
 # Batch keys that belong to dflash_hf, never to the target's forward.
 NON_TARGET_KEYS = frozenset({"loss_mask", "cu_seqlens", "max_seqlen", "doc_ids", "sample_ids", "labels", "num_docs"})
 
 
 def resolve_dtype(precision: str) -> torch.dtype:
-    try:
-        return DTYPES[precision]
-    except KeyError:
-        raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}") from None
+    check_precision(precision)
+    return DTYPES[precision]
 
 
 def load_target(

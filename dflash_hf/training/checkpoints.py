@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from dflash_hf.errors import EnvironmentFault
-from dflash_hf.training.run_identity import RUN_RECORD
+from dflash_hf.export.run_record import RUN_RECORD
 
 logger = logging.getLogger("dflash_hf")
 

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from dflash_hf.export.drafts import export_draft
+from dflash_hf.export.run_record import write_record
 from dflash_hf.export.training_record import TrainingRecord, conversation_record
 from dflash_hf.training.adaptation import plain_draft
 from dflash_hf.training.assembly import is_speech_source
 from dflash_hf.training.checkpoints import reporting_full_disk
 from dflash_hf.training.launch import no_hf_progress_bars
-from dflash_hf.training.run_identity import export_record, write_record
+from dflash_hf.training.run_identity import export_record
 
 
 def export_trained_draft(trainer, export_dir: str) -> str:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 
+from dflash_hf.data.eval_rows import dataset_rows, prompts_from, speech_rows_and_collator
+from dflash_hf.generation.decode_options import DecodeOptions
+from dflash_hf.generation.evaluation import decode_benchmark
 from dflash_hf.training.assembly import is_speech_source
-from dflash_hf.training.decode_benchmark import dataset_rows, decode_benchmark, prompts_from, speech_rows_and_collator
 
 
 class RealTau:
@@ -74,8 +76,7 @@ class RealTau:
                 tr.args.real_tau_max_new_tokens,
                 compare_greedy=False,
                 warmup=False,
-                draft_cuda_graph=False,
-                verify_cuda_graph=False,
+                options=DecodeOptions(draft_cuda_graph=False, verify_cuda_graph=False),
             ).tau
         finally:
             draft.train(was_training)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import uuid
@@ -24,11 +23,11 @@ from typing import Any
 
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.atomic_write import is_draft_export
+from dflash_hf.export.run_record import RUN_RECORD, RunDirectoryError, read_record
 from dflash_hf.settings import DEFAULT_VARIANT
 
 logger = logging.getLogger("dflash_hf")
 
-RUN_RECORD = "dflash_run.json"
 # Settings a resume compares with its checkpoint's record; names as the command line spells them.
 COMPARED_SETTINGS = (
     "target",
@@ -45,10 +44,6 @@ SHAPE_SETTINGS = ("hidden_size", "num_draft_layers", "variant")
 _SAMPLED_HASH_LIMIT = 256 << 20  # data files up to this size are hashed whole; larger ones by sampled chunks
 _CHUNK = 1 << 16
 _CHUNKS = 16
-
-
-class RunDirectoryError(DFlashUserError):
-    """An output or export directory that holds something this run must not write over."""
 
 
 def new_run_id() -> str:
@@ -89,27 +84,6 @@ def data_identity(train_dataset) -> list[dict] | str | None:
     return fingerprint if isinstance(fingerprint, str) else None
 
 
-def target_identity(model) -> dict[str, str]:
-    """The frozen target as recorded: where it was loaded from (for messages) and a fingerprint of its weights
-    (names, shapes and 64 evenly spaced values of every parameter, in bfloat16 so the training precision does not
-    change it). Two targets of the same shapes but other weights differ in it."""
-    import torch
-
-    names, samples = [], []
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            names.append(f"{name}:{tuple(param.shape)}")
-            if param.device.type == "meta" or hasattr(param, "full_tensor"):
-                continue  # offloaded or already sharded: no values here that every rank sees alike
-            flat = param.detach().reshape(-1)
-            count = min(64, flat.numel())
-            index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)  # exact in int64
-            samples.append(flat[index].to(torch.bfloat16).cpu())  # the parameters may sit on several devices
-    values = torch.cat(samples).view(torch.int16).numpy().tobytes() if samples else b""
-    digest = hashlib.sha256("\n".join(names).encode() + values).hexdigest()[:16]
-    return {"name_or_path": str(getattr(model.config, "_name_or_path", "") or ""), "fingerprint": digest}
-
-
 def draft_variant(dflash_config: Mapping[str, Any] | None) -> str:
     """The variant a draft config's `dflash_config` describes: DFlash2 drafts carry their convolution fields."""
     return "dflash2" if "conv_kernel_size" in (dflash_config or {}) else DEFAULT_VARIANT
@@ -138,30 +112,6 @@ def new_record(settings: Mapping[str, Any]) -> dict[str, Any]:
         "settings_fingerprint": settings_fingerprint(settings),
         "changes": [],
     }
-
-
-def read_record(directory: str | Path) -> dict[str, Any] | None:
-    """The run record of a run, checkpoint or export directory; None when it has none (written by an older
-    dflash_hf); a record that cannot be read names its file."""
-    path = Path(directory) / RUN_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise RunDirectoryError(f"{path} cannot be read ({err}); the run record is damaged: restore it") from err
-    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
-        raise RunDirectoryError(f"{path} is not a dflash_hf run record (no run_id): restore it or remove it")
-    return record
-
-
-def write_record(directory: str | Path, record: Mapping[str, Any], **extra: Any) -> None:
-    """Write `record` (plus `extra` fields) to `directory/dflash_run.json` atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{RUN_RECORD}.tmp"
-    tmp.write_text(json.dumps(dict(record) | extra, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, directory / RUN_RECORD)
 
 
 def export_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -392,8 +342,6 @@ def clear_previous_run(paths: Iterable[Path], output_dir: str | Path) -> None:
 
 __all__ = [
     "COMPARED_SETTINGS",
-    "RUN_RECORD",
-    "RunDirectoryError",
     "check_run_directories",
     "clear_previous_run",
     "data_identity",
@@ -401,10 +349,7 @@ __all__ = [
     "file_fingerprint",
     "is_draft_export",
     "new_record",
-    "read_record",
     "resumed_record",
     "run_settings",
     "setting_differences",
-    "target_identity",
-    "write_record",
 ]

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_hf.export.run_record import RunDirectoryError, read_record, write_record
 from dflash_hf.training.checkpoints import parse_resume_flag, resolve_resume_checkpoint
 from dflash_hf.training.run_identity import (
-    RunDirectoryError,
     check_run_directories,
     clear_previous_run,
     new_record,
-    read_record,
     resumed_record,
     run_settings,
-    write_record,
 )
 
 

@@ -16,6 +16,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
 
 from dflash_hf.data.epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
+from dflash_hf.export.run_record import target_identity, write_record
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
 from dflash_hf.objective.losses import MetricSums
@@ -41,7 +42,6 @@ from dflash_hf.training.env_faults import StepFaults
 from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, logged_eval_metrics, train_log_entries
-from dflash_hf.training.run_identity import target_identity, write_record
 from dflash_hf.training.run_start import start_run
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments

@@ -31,7 +31,7 @@ from quality_steps import speech as speech_step
 from transformers import WhisperConfig, WhisperForConditionalGeneration
 from utils import REPO_ROOT
 
-from dflash_hf.training.decode_benchmark import DecodeStats
+from dflash_hf.generation.evaluation import DecodeStats
 
 _PATH = REPO_ROOT / "benchmarks" / "real_targets.py"
 _spec = importlib.util.spec_from_file_location("real_targets", _PATH)

@@ -94,20 +94,23 @@ def test_missing_data_files_are_refused_by_the_pre_flight_not_by_the_arguments(t
 
 
 def test_decoding_switches_are_one_options_object_shared_by_eval(tmp_path):
-    from dflash_hf.cli.eval import DecodeStepArguments, EvalArguments
+    from dflash_hf.export.evaluation_setup import check_evaluation_inputs
+    from dflash_hf.generation.decode_options import DecodeOptions
+    from dflash_hf.settings.decode import DecodeSettings
+    from dflash_hf.settings.evaluation import EvalSettings
 
-    steps = DecodeStepArguments(draft_cuda_graph="off", verify_cuda_graph="on")
-    assert steps.speculative_kwargs() == {"draft_cuda_graph": False, "verify_cuda_graph": True}
+    steps = DecodeSettings(draft_cuda_graph="off", verify_cuda_graph="on")
+    assert DecodeOptions.from_settings(steps) == DecodeOptions(draft_cuda_graph=False, verify_cuda_graph=True)
     with pytest.raises(ValueError, match="--verify_cuda_graph must be one of"):
-        DecodeStepArguments(verify_cuda_graph="yes")
+        DecodeSettings(verify_cuda_graph="yes")
     (tmp_path / "draft").mkdir()
     (tmp_path / "data.jsonl").write_text("")
-    args = EvalArguments(draft=str(tmp_path / "draft"), target="openai/whisper-base", data=str(tmp_path / "data.jsonl"))
-    assert args.speculative_kwargs() == {"draft_cuda_graph": None, "verify_cuda_graph": None}
-    args.check_inputs()  # a Hub id is left to transformers
-    missing = EvalArguments(draft=str(tmp_path / "draft"), target=str(tmp_path / "nope"), data=args.data)
+    args = EvalSettings(draft=str(tmp_path / "draft"), target="openai/whisper-base", data=str(tmp_path / "data.jsonl"))
+    assert DecodeOptions.from_settings(args, tree_budget=8) == DecodeOptions(None, None, 8)
+    check_evaluation_inputs(args)  # a Hub id is left to transformers
+    missing = EvalSettings(draft=str(tmp_path / "draft"), target=str(tmp_path / "nope"), data=args.data)
     with pytest.raises(FileNotFoundError, match=r"--target=.*nope: the directory does not exist"):
-        missing.check_inputs()
+        check_evaluation_inputs(missing)
 
 
 def test_every_dflash_option_has_help():

@@ -10,9 +10,11 @@ import yaml
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.cli import eval as cli_eval
+from dflash_hf.data import eval_rows
+from dflash_hf.export import evaluation_setup
+from dflash_hf.generation import evaluation
 from dflash_hf.targets.frozen import FrozenTarget, load_target
 from dflash_hf.testing import tiny
-from dflash_hf.training import decode_benchmark
 
 BLOCK = 4
 
@@ -86,14 +88,14 @@ def test_text_prompts_config_and_overrides(text_setup, capsys):
 
 def test_mismatch_fails_and_bad_inputs_are_named(text_setup, monkeypatch):
     root, target, draft, prompts = text_setup
-    real = decode_benchmark.speculative_generate
+    real = evaluation.speculative_generate
 
     def corrupted(*a, **kw):
         out = real(*a, **kw)
         out.sequences[0, -1] = (out.sequences[0, -1] + 1) % 256
         return out
 
-    monkeypatch.setattr(decode_benchmark, "speculative_generate", corrupted)
+    monkeypatch.setattr(evaluation, "speculative_generate", corrupted)
     argv = [
         "--draft",
         str(draft),
@@ -226,36 +228,16 @@ def test_single_placeholder_row(tmp_path):
     assert res["spec_tokens"] == res["greedy_tokens"] > 0
 
 
-def test_gzipped_text_prompts_are_read_like_plain_ones(tmp_path):
-    """--data may be gzipped (detected by content, as manifests are): counting, the kind check and the prompts
-    read the same rows."""
-    import gzip
-
-    from dflash_hf.cli import eval as cli_eval
-    from dflash_hf.testing import tiny
-
-    lines = b'{"prompt": "hello there"}\n\n{"prompt": "two"}\n'
-    plain, packed = tmp_path / "p.jsonl", tmp_path / "p.data"
-    plain.write_bytes(lines)
-    packed.write_bytes(gzip.compress(lines))
-    tok = tiny.build_tokenizer()
-    for path in (plain, packed):
-        assert cli_eval.count_records(str(path)) == 2
-        assert cli_eval._first_record(str(path)) == {"prompt": "hello there"}
-        lengths = [p["input_ids"].shape[1] for p in cli_eval.text_prompts(str(path), tok)]
-        assert lengths == [len(tok("hello there")["input_ids"]), len(tok("two")["input_ids"])]
-
-
 def _conversations_used(monkeypatch) -> list:
     """The `ConversationConfig` of each manifest `dflash-eval` renders (spied on its collator factory)."""
     used = []
-    real = cli_eval.speech_rows_and_collator
+    real = eval_rows.speech_rows_and_collator
 
     def spy(*args, **kw):
         used.append(kw["conversation"])
         return real(*args, **kw)
 
-    monkeypatch.setattr(cli_eval, "speech_rows_and_collator", spy)
+    monkeypatch.setattr(eval_rows, "speech_rows_and_collator", spy)
     return used
 
 
@@ -267,7 +249,7 @@ def test_eval_renders_manifests_with_the_conversation_the_draft_was_trained_with
     from utils import make_args
 
     from dflash_hf import DFlashTrainer
-    from dflash_hf.cli.train import load_processor
+    from dflash_hf.targets.processor import load_processor
     from dflash_hf.training.training_args import DFlashDataArguments
 
     target = tiny.save_tiny_target(
@@ -368,9 +350,10 @@ def test_a_long_reference_answer_is_no_bad_row_for_evaluation_prompts(tmp_path):
     rows = [json.loads(line) for line in manifest.read_text().splitlines()]
     rows[1]["text"] = "A long answer that describes the audio clip in several sentences. " * 3  # > 50 chars/s
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = cli_eval.EvalArguments(draft="d", target="t", data=str(manifest), prompt="Describe.")
-    assert len(list(cli_eval.load_prompts(args, processor, model.config))) == 2
-    cuts, _ = decode_benchmark.speech_rows_and_collator(str(manifest), processor, model.config)
+    conversation = eval_rows.recorded_conversation(None, prompt="Describe.")
+    prompts = eval_rows.evaluation_prompts(str(manifest), processor, model.config, conversation=conversation)
+    assert len(list(prompts)) == 2
+    cuts, _ = eval_rows.speech_rows_and_collator(str(manifest), processor, model.config)
     assert [c.supervisions[0].text for c in cuts][1] == rows[1]["text"]
 
 
@@ -378,7 +361,7 @@ def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decod
     """`--tree_budget` on a target with sliding-window layers: refused before the chain pass (dflash-eval checks it
     after loading the target; `decode_benchmark` before it reads a prompt)."""
     root, target, draft, prompts = text_setup
-    real_load = cli_eval.load_target
+    real_load = evaluation_setup.load_target
 
     def sliding_window_target(*args, **kwargs):
         model = real_load(*args, **kwargs)
@@ -388,7 +371,7 @@ def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decod
     def decoded(*args, **kwargs):
         raise AssertionError("decoded before the refusal")
 
-    monkeypatch.setattr(cli_eval, "load_target", sliding_window_target)
+    monkeypatch.setattr(evaluation_setup, "load_target", sliding_window_target)
     monkeypatch.setattr(cli_eval, "decode_benchmark", decoded)
     argv = ["--draft", str(draft), "--target", str(target), "--data", str(prompts), "--tree_budget", "8"]
     with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
@@ -401,11 +384,11 @@ def test_a_target_that_cannot_take_tree_verification_is_refused_before_any_decod
         read.append(1)
         yield {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
 
-    draft_model = cli_eval.load_draft_strict(str(draft))
+    draft_model = evaluation_setup.load_draft_strict(str(draft))
     with pytest.raises(ValueError, match="tree_budget: .*sliding-window"):
-        decode_benchmark.decode_benchmark(draft_model, model, inputs(), 4, tree_budgets=[8])
+        evaluation.decode_benchmark(draft_model, model, inputs(), 4, tree_budgets=[8])
     with pytest.raises(ValueError, match="tree_budget must be >= 1"):
-        decode_benchmark.decode_benchmark(draft_model, real_load(str(target)), inputs(), 4, tree_budgets=[0])
+        evaluation.decode_benchmark(draft_model, real_load(str(target)), inputs(), 4, tree_budgets=[0])
     assert read == []  # no prompt was read, let alone decoded
 
 
@@ -419,7 +402,7 @@ def test_the_tree_passes_hold_no_device_inputs_of_the_chain_pass(text_setup, mon
     class Inputs(dict):  # a dict that can be weakly referenced
         pass
 
-    real_inputs, real_generate = decode_benchmark.generate_inputs, decode_benchmark.speculative_generate
+    real_inputs, real_generate = evaluation.generate_inputs, evaluation.speculative_generate
     made, alive_in_trees = [], []
 
     def generate_inputs(ft, prompt):
@@ -427,16 +410,16 @@ def test_the_tree_passes_hold_no_device_inputs_of_the_chain_pass(text_setup, mon
         made.append(weakref.ref(inputs))
         return inputs
 
-    def speculative_generate(*args, tree_budget=None, **kwargs):
-        if tree_budget is not None:
+    def speculative_generate(*args, options, **kwargs):
+        if options.tree_budget is not None:
             alive_in_trees.append(sum(ref() is not None for ref in made[:3]))  # the chain pass's three prompts
-        return real_generate(*args, tree_budget=tree_budget, **kwargs)
+        return real_generate(*args, options=options, **kwargs)
 
-    monkeypatch.setattr(decode_benchmark, "generate_inputs", generate_inputs)
-    monkeypatch.setattr(decode_benchmark, "speculative_generate", speculative_generate)
+    monkeypatch.setattr(evaluation, "generate_inputs", generate_inputs)
+    monkeypatch.setattr(evaluation, "speculative_generate", speculative_generate)
     ones = torch.ones(1, 3, dtype=torch.long)
     prompts = [{"input_ids": torch.tensor([[5 + i, 6, 7]]), "attention_mask": ones} for i in range(3)]
-    model, draft_model = load_target(str(target)), cli_eval.load_draft_strict(str(draft))
-    stats = decode_benchmark.decode_benchmark(draft_model, model, prompts, 4, tree_budgets=[8])
+    model, draft_model = load_target(str(target)), evaluation_setup.load_draft_strict(str(draft))
+    stats = evaluation.decode_benchmark(draft_model, model, prompts, 4, tree_budgets=[8])
     assert stats.trees[8].prompts == 3 and not stats.trees[8].mismatches
     assert alive_in_trees and set(alive_in_trees) == {0}

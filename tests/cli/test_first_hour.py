@@ -10,9 +10,9 @@ from utils import REPO_ROOT
 
 from dflash_hf import DFlashTrainingArguments
 from dflash_hf.cli import train as cli_train
+from dflash_hf.data.text_prompts import count_records
 from dflash_hf.targets.mask_token import mask_token_candidates
 from dflash_hf.testing import tiny
-from dflash_hf.training import launch
 from dflash_hf.training.training_args import DFlashDataArguments
 
 DEMO_MASK_ID = 262  # <|dflash_mask|> of the tiny tokenizer
@@ -41,21 +41,6 @@ def test_accelerate_cpu_with_several_processes_is_refused_with_the_fix(tmp_path,
         DFlashTrainingArguments(output_dir=str(tmp_path))
     monkeypatch.delenv("MASTER_ADDR")  # `accelerate launch --cpu` (one process): fine
     assert DFlashTrainingArguments(output_dir=str(tmp_path)).world_size == 1
-
-
-def test_cpu_threads_share_the_free_cores(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert launch.cpu_threads() == 3  # the override wins
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: set(range(8)), raising=False)
-    monkeypatch.setattr(launch.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert launch.cpu_threads() == 8
-    assert launch.cpu_threads(local_world_size=2) == 4  # two ranks on this machine
-    assert launch.cpu_threads(max_threads=1) == 1  # the demo's tiny models
-    monkeypatch.setattr(launch.os, "getloadavg", lambda: (6.6, 0.0, 0.0))
-    assert launch.cpu_threads() == 1  # a busy machine: do not oversubscribe
-    monkeypatch.setattr(launch.os, "getloadavg", lambda: (20.0, 0.0, 0.0))
-    assert launch.cpu_threads() == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,7 +217,7 @@ def test_dflash_eval_bar_has_a_total_and_writes_beside_the_draft_never_over_resu
     assert json.loads((tmp_path / "one.json").read_text())["output_json"] == str(tmp_path / "one.json")
     packed = tmp_path / "prompts.jsonl.gz"
     packed.write_bytes(gzip.compress(prompts.read_bytes()))
-    assert cli_eval.count_records(str(packed)) == 3
+    assert count_records(str(packed)) == 3
 
 
 def test_readme_installs_what_ci_tests():

@@ -8,8 +8,9 @@ import soundfile as sf
 import torch
 import yaml
 
-from dflash_hf.cli.generate_labels import main, make_parser, partial_path
+from dflash_hf.cli.generate_labels import main, make_parser
 from dflash_hf.data import BadSampleError, open_source
+from dflash_hf.data.label_rows import partial_path
 from dflash_hf.testing import tiny
 
 
@@ -373,15 +374,15 @@ def test_truncated_outputs_are_marked_and_the_summary_counts_them(small, tmp_pat
 
 
 def test_ids_are_kept_only_where_the_text_re_encodes_to_other_tokens():
-    from dflash_hf.cli.generate_labels import LabelCounts, _generated_line
     from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-    from dflash_hf.data.sources import _make_cut
+    from dflash_hf.data.label_rows import LabelCounts, generated_line
+    from dflash_hf.data.sources import make_cut
     from dflash_hf.targets.families.registry import resolve_family
 
     model, processor = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     tok = processor.tokenizer
     renderer = ConversationRenderer(processor, resolve_family(model.config), ConversationConfig())
-    cut = _make_cut("c", None, 0.0, 1.0, "reference", "en", {"speaker": "s"})
+    cut = make_cut("c", None, 0.0, 1.0, "reference", "en", {"speaker": "s"})
     end, counts = tok.eos_token_id, LabelCounts()
     ids = tok("yes no", add_special_tokens=False)["input_ids"]
     spaced = tok(" yes no", add_special_tokens=False)["input_ids"]  # stripped from the text, so lost in it
@@ -389,7 +390,7 @@ def test_ids_are_kept_only_where_the_text_re_encodes_to_other_tokens():
     audio = tok.convert_tokens_to_ids(tiny.AUDIO_PAD)
 
     def line(ids):
-        return _generated_line(cut, ids, {end}, renderer, counts, audio)
+        return generated_line(cut, ids, {end}, renderer, counts, audio)
 
     assert line(ids + [end, end]) == {"text": "yes no"}
     assert line(spaced + [end]) == {"text": "yes no", "label_ids": spaced}
@@ -405,20 +406,20 @@ def test_whisper_ids_whose_text_renders_to_them_are_not_kept():
     already the target's stream (the template writes the space before the transcript), so no `label_ids`."""
     from utils import tiny_whisper
 
-    from dflash_hf.cli.generate_labels import LabelCounts, _generated_line
     from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
-    from dflash_hf.data.sources import _make_cut
+    from dflash_hf.data.label_rows import LabelCounts, generated_line
+    from dflash_hf.data.sources import make_cut
     from dflash_hf.targets.families.registry import resolve_family
 
     model, processor = tiny_whisper()
     tok = processor.tokenizer
     renderer = ConversationRenderer(processor, resolve_family(model.config), ConversationConfig())
-    cut = _make_cut("c", None, 0.0, 1.0, "reference", "en", {})
+    cut = make_cut("c", None, 0.0, 1.0, "reference", "en", {})
     counts, end = LabelCounts(), tok.eos_token_id
     written = tok(" yes no", add_special_tokens=False)["input_ids"]
-    assert _generated_line(cut, written + [end], {end}, renderer, counts, None) == {"text": "yes no"}
+    assert generated_line(cut, written + [end], {end}, renderer, counts, None) == {"text": "yes no"}
     unspaced = tok("yes no", add_special_tokens=False)["input_ids"]  # no space: the template's is not the target's
-    assert _generated_line(cut, unspaced + [end], {end}, renderer, counts, None) == {
+    assert generated_line(cut, unspaced + [end], {end}, renderer, counts, None) == {
         "text": "yes no",
         "label_ids": unspaced,
     }

@@ -136,7 +136,7 @@ def test_mask_token_id_a_sample_uses_is_refused_naming_the_sample(tmp_path, asr_
 
 
 def test_dflash_eval_text_prompt_with_a_lone_surrogate_names_the_line_and_field(tmp_path):
-    from dflash_hf.cli.eval import text_prompts
+    from dflash_hf.data.text_prompts import text_prompts
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "fine"}\n{"messages": [{"role": "user", "content": "a \\udc00"}]}\n')

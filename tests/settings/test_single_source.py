@@ -22,7 +22,7 @@ OPTION_SETTINGS = (*TRAINING_SETTINGS, DataSettings)
 # A parameter that shares a setting's name but not its meaning: (file, name) -> why its literal is its own.
 OTHER_MEANING = {
     ("dflash_hf/targets/families/registry.py", "padding_side"): "encode_batch pads the batch it is handed",
-    ("dflash_hf/training/decode_benchmark.py", "padding_side"): "prompts are decoded one at a time",
+    ("dflash_hf/data/eval_rows.py", "padding_side"): "prompts are decoded one at a time",
     ("dflash_hf/cli/demo.py", "max_tokens"): "the demo's budget for teaching its tiny target, not a training batch",
 }
 

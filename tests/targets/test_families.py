@@ -324,8 +324,8 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
     from utils import make_args
 
     from dflash_hf import DFlashTrainer, speculative_generate
+    from dflash_hf.data.eval_rows import prompt_inputs
     from dflash_hf.targets.frozen import FrozenTarget
-    from dflash_hf.training.decode_benchmark import prompt_inputs
     from dflash_hf.training.training_args import DFlashDataArguments
 
     tok = tiny.build_tokenizer()
@@ -430,8 +430,8 @@ def test_fixed_shape_verify_decodes_every_audio_family_as_the_growing_cache(name
     exactly as the growing cache does: the prompt's audio positions (model-side expansion included) prefilled, then
     blocks over fixed key/value buffers."""
     from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
+    from dflash_hf.data.eval_rows import prompt_inputs
     from dflash_hf.targets.frozen import FrozenTarget
-    from dflash_hf.training.decode_benchmark import prompt_inputs
 
     tok = tiny.build_tokenizer()
     torch.manual_seed(0)

@@ -13,10 +13,11 @@ from utils import make_args, tiny_draft_config, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel
 from dflash_hf.cli import console
-from dflash_hf.cli.config import check_model_dir, parse_with_config
+from dflash_hf.cli.config import parse_with_config
 from dflash_hf.cli.train import make_parser, train
 from dflash_hf.errors import USER_ERRORS, ConfigFileError, cli_message
 from dflash_hf.targets.frozen import FrozenTarget
+from dflash_hf.targets.processor import check_model_dir
 from dflash_hf.training.assembly import target_and_draft
 from dflash_hf.training.training_args import DFlashDataArguments
 

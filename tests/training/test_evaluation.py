@@ -16,7 +16,6 @@ from utils import REPO_ROOT, ListDataset, make_args, random_rows, text_batch, ti
 from dflash_hf import DFlashTrainer, DFlashTrainingArguments
 from dflash_hf.testing import tiny
 from dflash_hf.training.callbacks import DFlashProgressCallback, RealTauCallback
-from dflash_hf.training.decode_benchmark import prompt_inputs
 from dflash_hf.training.validate_only import VALIDATION_METRICS_FILE, validate
 
 BLOCK = 4
@@ -96,20 +95,6 @@ def test_validate_refuses_missing_draft_and_sets(target, tmp_path):
         validate(_args(tmp_path, tok), evals, target=model, data_collator=collate)
     with pytest.raises(ValueError, match="eval_datasets"):
         validate(_args(tmp_path, tok), {}, target=model)
-
-
-def test_prompt_inputs_cut_before_first_supervised_token(target):
-    _, tok = target
-    rows = [([5, 6, 7], [8, 9]), ([1, 2, 3, 4, 5, 6], [7])]
-    batch = text_batch(rows, tok.pad_token_id, "left")
-    first = prompt_inputs({k: v[:1] for k, v in batch.items()})
-    assert first["input_ids"].tolist() == [[5, 6, 7]] and first["attention_mask"].tolist() == [[1, 1, 1]]
-    assert "loss_mask" not in first
-    no_sup = {k: v[:1] for k, v in batch.items()}
-    no_sup["loss_mask"] = torch.zeros_like(no_sup["loss_mask"])
-    assert prompt_inputs(no_sup) is None
-    with pytest.raises(ValueError, match="one-row"):
-        prompt_inputs(batch)
 
 
 @pytest.mark.slow  # 9 s on 2 busy cores
@@ -426,7 +411,7 @@ def test_greedy_tau_est_tracks_real_greedy_acceptance_where_the_data_disagrees_w
     every fifth token: the configured estimate (ground_truth labels, against the manifest's text) stays far below
     the real tau of greedy speculative decoding, the greedy estimate follows it. The greedy estimate is exactly
     tau_est with target_argmax labels (same draft, data and anchors)."""
-    from dflash_hf.training.decode_benchmark import decode_benchmark
+    from dflash_hf.generation.evaluation import decode_benchmark
 
     model, tok = target
     g = torch.Generator().manual_seed(0)
@@ -470,7 +455,7 @@ def test_greedy_walk_tau_est_is_the_real_tau_on_the_targets_own_outputs(target, 
     acceptance gives exactly the real tau of greedy speculative decoding of the same prompts, where tau_est (an
     average over positions) does not: a stretch the draft gets wrong costs a cycle per token, an easy stretch one
     cycle in all, which a per-position average weighs otherwise."""
-    from dflash_hf.training.decode_benchmark import decode_benchmark
+    from dflash_hf.generation.evaluation import decode_benchmark
 
     model, tok = target
     g = torch.Generator().manual_seed(0)
@@ -500,8 +485,8 @@ def test_every_evaluation_reports_the_real_tau_first_and_drafts_can_be_picked_by
     """--eval_real_tau (the default of dflash-train): each evaluation decodes the set's first real_tau_samples prompts
     speculatively and reports eval_<set>_tau first, the real tau of exactly those prompts; --metric_for_best_model
     dev_tau picks the checkpoint by it."""
+    from dflash_hf.generation.evaluation import decode_benchmark
     from dflash_hf.training.best_model import check_best_model_args, eval_prefixes
-    from dflash_hf.training.decode_benchmark import decode_benchmark
 
     model, tok = target
     train, evals, collate = _data(tok)

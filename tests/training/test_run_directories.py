@@ -15,8 +15,9 @@ from transformers import TrainerCallback
 from utils import make_trainer, random_rows, tiny_text_target, trainer_weights
 
 from dflash_hf.errors import DFlashUserError
+from dflash_hf.export.run_record import RUN_RECORD, RunDirectoryError
 from dflash_hf.training.checkpoints import resolve_resume_checkpoint
-from dflash_hf.training.run_identity import RUN_RECORD, RunDirectoryError, check_run_directories
+from dflash_hf.training.run_identity import check_run_directories
 from dflash_hf.training.step_guards import NonFiniteStepError
 
 ROWS = random_rows(8, 250, seed=3)

@@ -1,20 +1,32 @@
 """Whether a draft export was trained for a given target (`dflash-eval`): its vocabulary (the warm start's check,
 `targets.draft_checks.vocab_difference`) and the target's weights fingerprint its run record holds (`dflash_run.json`,
-written beside every export by `dflash-train`: `run_identity.target_identity`). The hidden size and the taps are
-checked by `FrozenTarget.validate`: a draft of another size cannot run against the target at all."""
+written beside every export by `dflash-train`: `run_record.target_identity`). The hidden size and the taps are checked
+by `FrozenTarget.validate` (`draft_on_target`): a draft of another size cannot run against the target at all."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+import torch
+from torch import nn
+
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.drafts import resolve_draft_dir
+from dflash_hf.export.run_record import RUN_RECORD, read_record, target_identity
 from dflash_hf.targets.draft_checks import vocab_difference
 from dflash_hf.targets.frozen import FrozenTarget
-from dflash_hf.training.run_identity import RUN_RECORD, read_record, target_identity
 
 logger = logging.getLogger("dflash_hf")
+
+
+def draft_on_target(draft: nn.Module, target: FrozenTarget, dtype: torch.dtype) -> nn.Module:
+    """`draft` on the target's device in `dtype`, in eval mode, checked against the target: its mask id, tapped
+    layers and hidden size (`FrozenTarget.validate`)."""
+    draft = draft.to(device=target.device, dtype=dtype).eval()
+    cfg = draft.config
+    target.validate(mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, hidden_size=cfg.hidden_size)
+    return draft
 
 
 def draft_target_check(draft: str, config, target: FrozenTarget) -> dict[str, Any]:
@@ -50,4 +62,4 @@ def check_draft_target(draft: str, config, target: FrozenTarget, *, allow_mismat
     return check | {"allowed": bool(check["differences"])}
 
 
-__all__ = ["check_draft_target", "draft_target_check"]
+__all__ = ["check_draft_target", "draft_on_target", "draft_target_check"]

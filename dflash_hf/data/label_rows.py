@@ -1,0 +1,200 @@
+"""The rows and files of `dflash-generate-labels` (docs/GENERATED_LABELS.md): which manifest rows it labels (its shard,
+those an earlier run has not written yet), the line it writes for each (`generated_line`: the target's text, and
+`truncated` / `label_ids` where they apply, `dflash_hf.data.generated`) and the output file, written as
+``<output>.partial`` (kept by an interrupted run, and resumed from) and renamed over the output once complete.
+`dflash_hf.data.label_manifest` runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_hf.data.conversation import ConversationRenderer
+from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
+from dflash_hf.data.json_rows import detect_kind
+from dflash_hf.data.user_text import UserTextCheck
+
+logger = logging.getLogger("dflash_hf.generate_labels")
+
+
+def shard_of(records: list, num_shards: int, shard_index: int) -> list:
+    """Part `shard_index` of `num_shards` contiguous, near-equal parts of `records` (the last ones may be empty)."""
+    size = -(-len(records) // num_shards)
+    return records[shard_index * size : (shard_index + 1) * size]
+
+
+def check_output(manifest: str, output: str) -> None:
+    """``--output`` must not be the manifest (same path, or the same file under another name), nor a directory, and
+    its directory must exist."""
+    out, src = Path(output), Path(manifest)
+    if out.resolve() == src.resolve() or (out.exists() and src.exists() and os.path.samefile(out, src)):
+        raise ValueError(
+            f"field 'output': {output!r} is the input manifest {manifest!r}; the generated labels go to a new file: "
+            "give another --output"
+        )
+    if out.is_dir():
+        raise IsADirectoryError(f"field 'output': {output!r} is a directory; give a file path for the new manifest")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"field 'output': the directory of {output!r} does not exist; create it first")
+
+
+def check_manifest(manifest: str) -> None:
+    """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line)."""
+    try:
+        kind = detect_kind(manifest)
+    except ValueError as e:
+        raise ValueError(f"field 'manifest': {e}") from None
+    if kind != "nemo":
+        raise ValueError(
+            f"field 'manifest': {manifest!r} is a lhotse cuts file; dflash-generate-labels reads NeMo manifests "
+            "(JSON lines with audio_filepath, duration, text): write the cuts as one"
+        )
+
+
+def partial_path(output: Path) -> Path:
+    """Where the lines are written until the output is complete (an interrupted run leaves it; the next resumes)."""
+    return output.with_name(output.name + ".partial")
+
+
+def earlier_lines(output: Path) -> list[str]:
+    """The complete lines an earlier run wrote: of ``<output>.partial`` when an interrupted run left one, else of the
+    output. A last line without its newline (an interrupted write) is left out, its row labelled again; a line that
+    is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
+    source = partial_path(output) if partial_path(output).exists() else output
+    if not source.exists():
+        return []
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
+        lines.pop()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+            raise ValueError(
+                f"field 'output': {str(source)!r} line {number} is not a row dflash-generate-labels wrote (a JSON "
+                "object with a string 'id'); give a new --output (the file is left as it is)"
+            )
+    return lines
+
+
+def done_ids(lines: list[str]) -> set[str]:
+    return {json.loads(line)["id"] for line in lines if line.strip()}
+
+
+def start_partial(output: Path, lines: list[str]) -> Path:
+    """``<output>.partial`` holding `lines` (written beside it and renamed in, so a kill never loses them)."""
+    partial = partial_path(output)
+    staged = partial.with_name(partial.name + ".tmp")
+    with open(staged, "w", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, partial)
+    return partial
+
+
+def record_problem(record: dict, renderer: ConversationRenderer, check: UserTextCheck) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` of a row the prompt or the output file cannot take: a control token or a lone
+    surrogate in the text fields that go into the prompt, a lone surrogate anywhere (not writable as UTF-8)."""
+    for key in (renderer.config.context_key, renderer.config.system_prompt_key):
+        if isinstance(record.get(key), str):
+            problem = check.problem(key, record[key])
+            if problem:
+                return problem
+    for key, value in record.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                key,
+                f"holds a lone UTF-16 surrogate ({e.reason}), which is not text",
+                "write the value as valid UTF-8 text",
+            )
+    return None
+
+
+def relocate(audio_filepath: str, manifest_dir: Path, output_dir: Path) -> str:
+    """A relative audio path, re-expressed relative to the output manifest (absolute paths unchanged)."""
+    path = Path(audio_filepath)
+    if path.is_absolute():
+        return audio_filepath
+    return os.path.relpath(manifest_dir.resolve() / path, output_dir.resolve())
+
+
+@dataclass
+class LabelCounts:
+    """What a run wrote: rows, rows cut by `max_new_tokens` (marked `truncated`), rows whose ids are kept as
+    `label_ids` (their text re-encodes to other tokens), rows whose ids could not be kept (named in a warning)."""
+
+    written: int = 0
+    truncated: int = 0
+    label_ids: int = 0
+    ids_not_kept: int = 0
+
+    def summary(self, output: str) -> str:
+        return (
+            f"wrote {self.written} generated labels to {output}: {self.truncated} cut by --max_new_tokens (marked "
+            f"'truncated': trained without an end of turn; raise --max_new_tokens to let them end), {self.label_ids} "
+            "whose text re-encodes to other tokens than the target wrote (its ids kept as 'label_ids', which "
+            "training uses)" + (f", {self.ids_not_kept} whose ids could not be kept" if self.ids_not_kept else "")
+        )
+
+
+def generated_line(
+    cut, ids: list[int], ends: set[int], renderer: ConversationRenderer, counts: LabelCounts, audio_id: int | None
+) -> dict:
+    """The output fields of one row: `text`, and `truncated` / `label_ids` where they apply (`counts` counts them).
+    `ids`: the target's new tokens (padded with its end token); `renderer`: as training renders the row; `audio_id`:
+    the target's audio placeholder."""
+    tokenizer = renderer.tokenizer
+    end = next((i for i, t in enumerate(ids) if t in ends), None)
+    ids = ids if end is None else ids[:end]
+    line = {"text": decoded_response(tokenizer, ids)}
+    if end is None:
+        line[TRUNCATED_KEY] = True
+        counts.truncated += 1
+    if not line["text"]:
+        return line
+    custom = {**(cut.custom or {}), LABEL_IDS_KEY: ids, TRUNCATED_KEY: end is None}
+    labelled = dataclasses.replace(
+        cut, supervisions=[dataclasses.replace(cut.supervisions[0], text=line["text"])], custom=custom
+    )
+    try:
+        problem = generated_problem(labelled, tokenizer, line["text"], audio_id)
+        if problem:
+            raise ValueError(f"field {problem[0]!r}: {problem[1]}")
+        changed = renderer.render(labelled).text_suffix_ids is not None
+    except ValueError as e:
+        logger.warning(
+            "row %r: the target's own ids cannot be kept beside its text (%s); trained on the text", cut.id, e
+        )
+        counts.ids_not_kept += 1
+        return line
+    if changed:
+        line[LABEL_IDS_KEY] = ids
+        counts.label_ids += 1
+    return line
+
+
+__all__ = [
+    "LabelCounts",
+    "check_manifest",
+    "check_output",
+    "done_ids",
+    "earlier_lines",
+    "generated_line",
+    "partial_path",
+    "record_problem",
+    "relocate",
+    "shard_of",
+    "start_partial",
+]

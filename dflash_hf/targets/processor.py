@@ -1,0 +1,72 @@
+"""Where a target's files come from: a model given as a local directory or a Hub id (`check_model_dir`), its processor
+or tokenizer (`load_processor`), and the model with its processor as `dflash-generate-labels` decodes with them
+(`load_greedy_target`). Light at import: transformers loads when a function runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_hf.settings import ModelSettings
+
+
+def check_model_dir(name: str, field: str, what: str) -> None:
+    """A model given as a local path must be an existing directory (a Hub id is left to transformers)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise NotADirectoryError(f"{field}={name} is a file; give the directory of {what} (its save_pretrained)")
+    try:
+        validate_repo_id(name)
+        looks_local = name.startswith((".", "~")) or Path(name).is_absolute()
+    except HFValidationError:
+        looks_local = True
+    if looks_local:
+        raise FileNotFoundError(
+            f"{field}={name}: the directory does not exist; give the directory of {what} "
+            "(a model saved with save_pretrained) or a Hub model id"
+        )
+
+
+def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remote_code):
+    """The target's processor (audio targets) or tokenizer (text targets), from its directory."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    kwargs = {"trust_remote_code": True} if trust_remote_code else {}
+    try:
+        return AutoProcessor.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError):
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def load_greedy_target(path: str, family: str | None, dtype: str, device: str):
+    """`(model, processor, family)` of the target at `path` for greedy decoding (`dflash-generate-labels`): the model
+    class its config names (a causal LM for a text target) in `dtype` (a torch dtype name) on `device`, in eval mode;
+    an audio target's processor with the exact, faster Whisper log-mel (`with_fast_features`), a text target's
+    tokenizer. `family`: the family row name (None: from the config)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+
+    from dflash_hf.targets.families.registry import resolve_family
+    from dflash_hf.targets.families.whisper_features import with_fast_features
+
+    config = AutoConfig.from_pretrained(path)
+    fam = resolve_family(config, family)
+    torch_dtype = getattr(torch, dtype)
+    if fam.has_audio:
+        processor = with_fast_features(AutoProcessor.from_pretrained(path))  # exact, faster Whisper log-mel
+        arch = (config.architectures or [None])[0]
+        if arch is None or not hasattr(transformers, arch):
+            raise ValueError(f"{path}: config.architectures={config.architectures} names no transformers class")
+        model = getattr(transformers, arch).from_pretrained(path, dtype=torch_dtype)
+    else:
+        processor = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    return model.to(device).eval(), processor, fam
+
+
+__all__ = ["check_model_dir", "load_greedy_target", "load_processor"]
