@@ -105,7 +105,11 @@ def test_settings_read_only_the_pure_python_draft_fields():
 def test_test_tree_mirrors_the_package():
     dirs = {p.parent.relative_to(TESTS_DIR).parts[0] for p in TESTS_DIR.rglob("test_*.py") if p.parent != TESTS_DIR}
     assert dirs <= TEST_FOLDERS, sorted(dirs - TEST_FOLDERS)
-    assert sorted(p.name for p in TESTS_DIR.glob("test_*.py")) == ["test_layout.py", "test_repository_text.py"]
+    assert sorted(p.name for p in TESTS_DIR.glob("test_*.py")) == [
+        "test_layout.py",
+        "test_references.py",
+        "test_repository_text.py",
+    ]
 
 
 def test_every_test_path_the_ci_script_names_exists():
