@@ -1,7 +1,7 @@
 """References in the repository's text resolve: every repository file path (`dflash_hf/data/loader.py`,
-`benchmarks/train_step.py`, `docs/DATA.md`) and every dotted package name (`dflash_hf.data.loader.build_train_dataloader`)
-written in a doc, a docstring, a comment or a script names something that exists, so moving a module cannot leave
-its old name behind."""
+`benchmarks/train_step.py`, `docs/DATA.md`) and every dotted package name
+(`dflash_hf.data.loader.build_train_dataloader`) written in a doc, a docstring, a comment or a script names something
+that exists, so moving a module cannot leave its old name behind."""
 
 from __future__ import annotations
 
