@@ -15,10 +15,12 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dflash_hf.errors import DFlashUserError
 
@@ -148,6 +150,20 @@ class StopSignals:
         finally:
             for signum, previous in self._previous.items():
                 signal.signal(signum, previous)
+
+    def after_training(
+        self, output_dir: str, step: int, save: Callable[[], None] | None, faults
+    ) -> TrainingInterrupted:
+        """The stop of a signal that training ended on, naming the checkpoint of the last `step`: saved now by `save`
+        if the signal came after it (e.g. during the final evaluation) while the weights are still that step's (None
+        after the best checkpoint was loaded by `load_best_model_at_end`: they are not, and the last complete
+        checkpoint, `faults.last_checkpoint()`, is named instead)."""
+        saved = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if not saved.is_dir() and save is None:
+            return TrainingInterrupted(self.signum, step, faults.last_checkpoint(), saved=False)
+        if not saved.is_dir():
+            save()
+        return TrainingInterrupted(self.signum, step, str(saved), saved=True)
 
 
 __all__ = ["FiniteStepGuard", "NonFiniteStepError", "StopSignals", "TrainingInterrupted"]

@@ -9,6 +9,7 @@ forward; `compute_loss` runs the objective on the micro-batch with its plan and 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, logged_eval_metrics, train_log_entries
 from dflash_hf.training.run_start import start_run
-from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals, TrainingInterrupted
+from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 
@@ -95,14 +96,8 @@ class DFlashTrainer(Trainer):
 
     # --- Speech data: lhotse loaders (already sharded by rank, so not re-prepared by accelerate)
     def _speech_loader(self, source, shuffle: bool):
-        return speech_loader(
-            source,
-            processor=self.processor,
-            target=self.target,
-            args=self.args,
-            data_args=self.data_args,
-            shuffle=shuffle,
-        )
+        kwargs = {"processor": self.processor, "target": self.target, "args": self.args, "data_args": self.data_args}
+        return speech_loader(source, shuffle=shuffle, **kwargs)
 
     def get_train_dataloader(self):
         """Speech sources: the lhotse loader. A loader without a length (lhotse, an HF `IterableDataset`) reaches
@@ -163,22 +158,9 @@ class DFlashTrainer(Trainer):
         self.finite_guard.settle()
         self.step_faults.report(result.metrics)  # --skip_oom_batches: the steps skipped, counted and listed
         if self.stop_signals.signum is not None:
-            self._stopped_after_training(step_weights)
+            save = partial(self._save_checkpoint, self.model, trial=None) if step_weights else None
+            raise self.stop_signals.after_training(self.args.output_dir, self.state.global_step, save, self.step_faults)
         return result
-
-    def _stopped_after_training(self, step_weights: bool) -> None:
-        """A stop signal that training ended on: the checkpoint of the last step, saved now if the signal came after
-        it (e.g. during the final evaluation) while the weights are still that step's; after the best checkpoint was
-        loaded (`load_best_model_at_end`) they are not, and the last complete checkpoint is named instead."""
-        saved = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if saved.is_dir():
-            checkpoint, written = str(saved), True
-        elif step_weights:
-            self._save_checkpoint(self.model, trial=None)
-            checkpoint, written = str(saved), True
-        else:
-            checkpoint, written = self.step_faults.last_checkpoint(), False
-        raise TrainingInterrupted(self.stop_signals.signum, self.state.global_step, checkpoint, saved=written)
 
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: from here the weights are the best checkpoint's, not the last step's; a fault
