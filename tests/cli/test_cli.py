@@ -252,12 +252,14 @@ def _fake_training_run(tmp_path: Path, monkeypatch, upload) -> tuple[dict, calla
             return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/1")
 
     import dflash_hf.targets.builder
+    import dflash_hf.targets.processor
+    import dflash_hf.training.row_preflight
     import dflash_hf.training.trainer
 
     monkeypatch.setattr(dflash_hf.training.trainer, "DFlashTrainer", FakeTrainer)
     monkeypatch.setattr(dflash_hf.targets.builder, "load_frozen_target", lambda *a, **k: None)
-    monkeypatch.setattr(cli_train, "load_processor", lambda path, trust_remote_code=False: None)
-    monkeypatch.setattr(cli_train, "check_data_rows", lambda data_args: None)  # the faked run reads no data
+    monkeypatch.setattr(dflash_hf.targets.processor, "load_processor", lambda path, trust_remote_code=False: None)
+    monkeypatch.setattr(dflash_hf.training.row_preflight, "check_data_rows", lambda data_args: None)  # reads no data
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     args = make_args(
         tmp_path,

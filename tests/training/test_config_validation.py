@@ -224,7 +224,7 @@ def test_exported_config_json_has_top_level_rope_theta(tmp_path):
 def test_run_inputs_are_required(tmp_path):
     from types import SimpleNamespace
 
-    from dflash_hf.cli.train import check_run_inputs
+    from dflash_hf.training.run_inputs import check_run_inputs
 
     def ns(**kw):
         return SimpleNamespace(
