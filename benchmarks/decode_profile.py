@@ -85,28 +85,9 @@ TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when deco
 MEASURED = ("prefill", "draft", "proposal", "verify")
 HOST_PARTS = ("scores", "accept", "stop", "crop")
 PHASES = ("setup", *MEASURED, "host")
-# Functions the decode loop of dflash_hf.generation.speculative calls, timed as host parts (those the installed
-# version has).
-# Acceptance is the loop's `_accept` where it exists (it calls the greedy or sampling rule); older loops called
-# `accept_tokens` / `_accept_greedy` themselves.
-HOST_FUNCTIONS = {
-    "_processed": "scores",
-    "_accept": "accept",
-    "accept_tokens": "accept",
-    "_accept_greedy": "accept",
-    "crop_cache": "crop",
-}
-
-
-def host_functions(module) -> dict[str, str]:
-    """The host parts to time in `module`: `_accept` replaces the rules it dispatches to (no nested timing)."""
-    names = dict(HOST_FUNCTIONS)
-    if hasattr(module, "_accept"):
-        names.pop("accept_tokens")
-        names.pop("_accept_greedy")
-    else:
-        names.pop("_accept")
-    return {k: v for k, v in names.items() if hasattr(module, k)}
+# Functions the decode loop of dflash_hf.generation.speculative looks up in its module, timed as host parts
+# (`accept_prefix` calls the greedy or the sampling acceptance rule).
+HOST_FUNCTIONS = {"processed_scores": "scores", "accept_prefix": "accept", "crop_cache": "crop"}
 
 
 @dataclass
@@ -216,18 +197,18 @@ class PhaseClock:
 
 @contextmanager
 def instrumented(draft, clock: PhaseClock):
-    """Wrap the draft's forward, `propose_block`, the target's forwards (`_Verifier.__call__`: its first call in a
-    decode is the prefill), the decode loop (`_decode`, with its stop check) and the host parts of
+    """Wrap the draft's forward, `propose_block`, the target's forwards (`TargetVerifier.__call__`: its first call in a
+    decode is the prefill), the decode loop (`decode_loop`, with its stop check) and the host parts of
     `dflash_hf.generation.speculative`, restoring everything afterwards."""
     sp = speculative
     graph_step = getattr(static_draft, "StaticDraftStep", None)
     graph_propose = None if graph_step is None else graph_step.propose
     fixed_verify = static_verify.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
     inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
-    hosts = host_functions(sp)
-    originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
-    verifier_call = sp._Verifier.__call__
-    decode = originals["_decode"]
+    hosts = HOST_FUNCTIONS
+    originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
+    verifier_call = sp.TargetVerifier.__call__
+    decode = originals["decode_loop"]
 
     def fixed_verify_timed(self, *args, **kwargs):
         with clock.measure("verify"):
@@ -262,11 +243,11 @@ def instrumented(draft, clock: PhaseClock):
             inside_graph_step.pop()
 
     with ExitStack() as stack:
-        stack.callback(setattr, sp._Verifier, "__call__", verifier_call)
+        stack.callback(setattr, sp.TargetVerifier, "__call__", verifier_call)
         for name, fn in originals.items():
             stack.callback(setattr, sp, name, fn)
-        sp._Verifier.__call__ = verifier_timed
-        sp._decode = decode_timed
+        sp.TargetVerifier.__call__ = verifier_timed
+        sp.decode_loop = decode_timed
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))

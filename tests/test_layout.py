@@ -12,6 +12,8 @@
   card names what the plugin refuses, by the plugin's own rule).
 - The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
 - Every test path the CI script (`.ci/run`) names exists (pytest would fail on a missing one only in that stage).
+- No `_private` name crosses a module: nothing in the package, `benchmarks/` or `scripts/` imports one from another
+  module of the repository or reads one as an attribute of such a module (tests may, where they poke internals).
 """
 
 from __future__ import annotations
@@ -118,3 +120,51 @@ def test_every_test_path_the_ci_script_names_exists():
     assert "tests/serving" in named  # the parse finds the serving stage's paths
     missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
     assert not missing, f".ci/run names test paths that do not exist: {missing}"
+
+
+CODE_FOLDERS = ("dflash_hf", "benchmarks", "scripts")
+
+
+def _is_repo_module(module: str | None, level: int, path) -> bool:
+    """Whether `from <module> import ...` (relative when `level`) in `path` names a module of this repository."""
+    if level:
+        return True
+    top = (module or "").split(".")[0]
+    places = {path.parent, *(REPO_ROOT / folder for folder in CODE_FOLDERS[1:])}
+    return top == "dflash_hf" or any((p / f"{top}.py").is_file() or (p / top).is_dir() for p in places)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_crossings(path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _is_repo_module(node.module, node.level, path):
+            for alias in node.names:
+                if _is_private(alias.name):
+                    found.append(f"imports {alias.name} from {'.' * node.level}{node.module or ''}")
+                else:
+                    modules.add(alias.asname or alias.name)  # a module imported by name, or any other name
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name.split(".")[0] for a in node.names if _is_repo_module(a.name, 0, path)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"reads {ast.unparse(node)}")
+    return [f"{path.relative_to(REPO_ROOT)}:{node}" for node in found]
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module uses is public (renamed, not re-exported under a `_private` alias): the seams are the
+    names without an underscore."""
+    found = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            found += _private_crossings(path)
+    assert not found, "\n".join(found)

@@ -23,8 +23,8 @@ from torch import nn
 
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.atomic_write import (
-    _staging_siblings,
     check_replaceable,
+    staging_siblings,
     write_atomically,
 )
 from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
@@ -65,7 +65,7 @@ def resolve_draft_dir(path: str | Path) -> Path:
         return local
     if local.exists():
         raise NotADirectoryError(f"init_from_pretrained={str(path)!r} is a file; give the draft export directory")
-    previous = _staging_siblings(local, "previous")
+    previous = staging_siblings(local, "previous")
     if previous:
         raise FileNotFoundError(
             f"{local} does not exist: an export into it was interrupted between replacing the older export and "

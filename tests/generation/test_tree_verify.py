@@ -12,7 +12,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from utils import REPO_ROOT, loaded_script, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
-from dflash_hf.generation.decode_state import _Verifier, crop_cache
+from dflash_hf.generation.decode_state import TargetVerifier, crop_cache
 from dflash_hf.generation.prompt_padding import generate_positions, prompt_padding
 from dflash_hf.generation.static_verify import clear_static_verify_steps, static_verify_step
 from dflash_hf.generation.target_cache import cache_keyword
@@ -57,7 +57,7 @@ class _TextCase:
             mask[:, :3] = 0
         self.mask, self.prompt = mask, ids
         self.padding = prompt_padding(mask, None, ids.shape[1])
-        self.verifier = _Verifier(self.ft, TAPS, "input_ids", DynamicCache(), padding=self.padding)
+        self.verifier = TargetVerifier(self.ft, TAPS, "input_ids", DynamicCache(), padding=self.padding)
         extra = {} if self.padding is None else {"attention_mask": mask, "position_ids": generate_positions(mask)}
         self.verifier(input_ids=ids, **extra)
         self.step_kwargs = {}
@@ -89,7 +89,7 @@ class _WhisperCase:
         self.mask, self.padding = None, None
         self.step_kwargs = {"encoder_outputs": self.encoder}
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        self.verifier = _Verifier(self.ft, TAPS, "decoder_input_ids", cache, step_kwargs=self.step_kwargs)
+        self.verifier = TargetVerifier(self.ft, TAPS, "decoder_input_ids", cache, step_kwargs=self.step_kwargs)
         self.verifier(decoder_input_ids=self.prompt)
 
     def plain(self, tokens: list[int]):
