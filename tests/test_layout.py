@@ -9,9 +9,13 @@
   (tests/cli/test_command_imports.py). `errors` (user errors) may be imported from anywhere,
   `testing` (tiny targets, which takes the serving fields of a target family from `targets`) only from cli;
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
-  card names what the plugin refuses, by the plugin's own rule).
+  card names what the plugin refuses, by the plugin's own rule). `lazy` (the standard-library helper every folder's
+  `__init__` exports its names with, imported on first use) imports nothing of the package.
 - The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
 - Every test path the CI script (`.ci/run`) names exists (pytest would fail on a missing one only in that stage).
+- Every folder's `__init__` says what the folder is and exports its public names (`__all__`), imported on first use
+  through `dflash_hf.lazy` from the folder's own modules, so importing a folder loads no torch and makes no circle
+  (the registries `objective/labels` and `objective/losses` import their entries; `settings` is light anyway).
 - No `_private` name crosses a module: nothing in the package, `benchmarks/` or `scripts/` imports one from another
   module of the repository or reads one as an attribute of such a module (tests may, where they poke internals).
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 
 from utils import REPO_ROOT, TESTS_DIR
 
@@ -27,6 +33,7 @@ PACKAGE = REPO_ROOT / "dflash_hf"
 # what each folder (or top-level module) may import from the package besides itself
 ALLOWED = {
     "errors": set(),
+    "lazy": set(),
     "models": set(),
     "ops": set(),
     "testing": {"targets"},  # the tiny targets carry their family's serving fields
@@ -80,15 +87,22 @@ def test_package_folders_depend_one_way():
         if folder == "__init__":
             continue  # the public API re-exports from below
         assert folder in ALLOWED, f"{path}: a new folder needs its place in ALLOWED"
-        for dep in _package_imports(path) - {folder}:
+        deps = _package_imports(path) - {folder}
+        if path.name == "__init__.py":
+            deps -= {"lazy"}  # a folder's public names, imported on first use
+        for dep in deps:
             if dep not in ALLOWED[folder]:
                 wrong.append(f"{path.relative_to(REPO_ROOT)} imports dflash_hf.{dep}")
     assert not wrong, "\n".join(wrong)
 
 
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
-    for path in sorted((PACKAGE / "models").glob("*.py")):
-        assert not _package_imports(path), path.name
+    """The files an export copies; `models/__init__.py` is not one of them (its lazy exports import `lazy`)."""
+    files = sorted((PACKAGE / "models").glob("*.py"))
+    assert PACKAGE / "models" / "__init__.py" in files
+    for path in files:
+        expected = {"lazy"} if path.name == "__init__.py" else set()
+        assert _package_imports(path) == expected, path.name
 
 
 def test_settings_read_only_the_pure_python_draft_fields():
@@ -168,3 +182,57 @@ def test_no_private_name_crosses_a_module():
         for path in sorted((REPO_ROOT / folder).rglob("*.py")):
             found += _private_crossings(path)
     assert not found, "\n".join(found)
+
+
+EAGER_INITS = {"objective/labels", "objective/losses", "settings"}  # registries and the light settings
+NO_EXPORTS = {"cli", "serving"}  # commands; the engine plugin (loaded by the engine)
+
+
+def _lazy_map(tree: ast.Module) -> dict[str, list[str]] | None:
+    """The `{module: [names]}` a package's `__init__` hands `lazy_exports`, None when it calls none."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            return ast.literal_eval(node.args[1])
+    return None
+
+
+def test_every_folder_init_exports_its_public_names_lazily():
+    from test_references import top_level_names
+
+    problems = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(init.read_text())
+        if not ast.get_docstring(tree):
+            problems.append(f"{folder}: no docstring saying what the folder is")
+        if folder in NO_EXPORTS | EAGER_INITS:
+            continue
+        exports = _lazy_map(tree)
+        if not exports or "__all__" not in top_level_names(init):
+            problems.append(f"{folder}: no __all__ from lazy_exports")
+            continue
+        for module, names in exports.items():
+            path = init.parent.joinpath(*module.lstrip(".").split("."))
+            file = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+            if folder != "." and module.startswith(".."):
+                problems.append(f"{folder}: exports {module}, not a module of its own")
+            elif not file.is_file():
+                problems.append(f"{folder}: no module {module}")
+            else:
+                problems += [f"{folder}: {module} defines no {n}" for n in names if n not in top_level_names(file)]
+        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imports |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        if imports - {"__future__", "dflash_hf.lazy"}:
+            problems.append(f"{folder}: imports {sorted(imports)} when imported")
+    assert not problems, "\n".join(problems)
+
+
+def test_importing_every_folder_loads_no_torch():
+    folders = sorted(
+        p.parent.relative_to(REPO_ROOT).as_posix().replace("/", ".")
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent.relative_to(PACKAGE).as_posix() not in EAGER_INITS - {"settings"}
+    )
+    probe = f"import sys; import {', '.join(folders)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.strip() == "[]", (folders, out.stdout[-500:])
