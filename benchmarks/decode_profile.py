@@ -68,7 +68,7 @@ from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_hf.data.eval_rows import iter_prompts, speech_rows_and_collator  # noqa: E402
 from dflash_hf.data.text_prompts import first_record, json_records  # noqa: E402
 from dflash_hf.data.text_prompts import text_prompts as eval_text_prompts  # noqa: E402
-from dflash_hf.generation import evaluation, speculative, static_draft, static_verify  # noqa: E402
+from dflash_hf.generation import evaluation, fixed_draft, fixed_verify, speculative  # noqa: E402
 from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.settings.decode import DecodeSettings  # noqa: E402
@@ -201,10 +201,9 @@ def instrumented(draft, clock: PhaseClock):
     decode is the prefill), the decode loop (`decode_loop`, with its stop check) and the host parts of
     `dflash_hf.generation.speculative`, restoring everything afterwards."""
     sp = speculative
-    graph_step = getattr(static_draft, "StaticDraftStep", None)
-    graph_propose = None if graph_step is None else graph_step.propose
-    fixed_verify = static_verify.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
-    inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
+    fixed_propose = fixed_draft.FixedDraftStep.propose  # the fixed-shape draft step (a CUDA graph on a GPU)
+    fixed_verify_call = fixed_verify.FixedVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
+    inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = HOST_FUNCTIONS
     originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
     verifier_call = sp.TargetVerifier.__call__
@@ -212,7 +211,7 @@ def instrumented(draft, clock: PhaseClock):
 
     def fixed_verify_timed(self, *args, **kwargs):
         with clock.measure("verify"):
-            return fixed_verify(self, *args, **kwargs)
+            return fixed_verify_call(self, *args, **kwargs)
 
     def verifier_timed(self, **kwargs):
         with clock.measure("prefill" if self.forwards == 0 else "verify"):
@@ -225,22 +224,22 @@ def instrumented(draft, clock: PhaseClock):
     starts: list = []
 
     def draft_start(_module, _args):
-        if inside_graph_step:
+        if inside_fixed_step:
             return
         starts.append(clock.measure("draft"))
         starts[-1].__enter__()
 
     def draft_end(_module, _args, _output):
-        if not inside_graph_step:
+        if not inside_fixed_step:
             starts.pop().__exit__(None, None, None)
 
-    def graph_propose_timed(self, *args, **kwargs):
-        inside_graph_step.append(True)
+    def fixed_propose_timed(self, *args, **kwargs):
+        inside_fixed_step.append(True)
         try:
             with clock.measure("draft"):
-                return graph_propose(self, *args, **kwargs)
+                return fixed_propose(self, *args, **kwargs)
         finally:
-            inside_graph_step.pop()
+            inside_fixed_step.pop()
 
     with ExitStack() as stack:
         stack.callback(setattr, sp.TargetVerifier, "__call__", verifier_call)
@@ -251,11 +250,10 @@ def instrumented(draft, clock: PhaseClock):
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))
-        stack.callback(setattr, static_verify.StaticVerifyStep, "verify", fixed_verify)
-        static_verify.StaticVerifyStep.verify = fixed_verify_timed
-        if graph_step is not None:
-            stack.callback(setattr, graph_step, "propose", graph_propose)
-            graph_step.propose = graph_propose_timed
+        stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
+        fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
+        stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)
+        fixed_draft.FixedDraftStep.propose = fixed_propose_timed
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)
         stack.callback(draft.register_forward_hook(draft_end).remove)
         yield

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation  # noqa: E402
 from dflash_hf.export.drafts import load_draft_strict  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
-from dflash_hf.generation.target_greedy import generate_inputs  # noqa: E402
+from dflash_hf.generation.target_generate import generate_inputs  # noqa: E402
 from dflash_hf.generation.verify_rules import eos_token_ids  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.targets.families.registry import get_tokenizer  # noqa: E402

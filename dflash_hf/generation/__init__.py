@@ -13,6 +13,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".evaluation": ["DecodeStats", "decode_benchmark"],
         ".model_side": ["model_side_greedy"],
         ".speculative": ["DFlashCustomGenerate", "dflash_custom_generate", "speculative_generate"],
-        ".target_greedy": ["generate_inputs", "target_greedy", "target_greedy_new_tokens"],
+        ".target_generate": ["generate_inputs", "target_generate", "target_generate_new_tokens"],
     },
 )

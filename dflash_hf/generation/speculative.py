@@ -30,10 +30,10 @@ from dflash_hf.generation.decode_state import (
     TargetVerifier,
     crop_cache,
 )
+from dflash_hf.generation.fixed_draft import fixed_draft_step
+from dflash_hf.generation.fixed_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.model_side import model_side_what
 from dflash_hf.generation.prompt_padding import check_one_prompt, prompt_padding, refuse_padding
-from dflash_hf.generation.static_draft import fixed_draft_step
-from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
 from dflash_hf.generation.tree_decode import TreeDecode
 from dflash_hf.generation.tree_verify import check_tree_target
@@ -120,7 +120,7 @@ def decode_loop(
     positions = DecoderPositions(dev)
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
-    fixed_verify = fixed_verify_step(
+    verify_step = fixed_verify_step(
         options.verify_cuda_graph,
         ft,
         verifier.layer_ids,
@@ -134,9 +134,9 @@ def decode_loop(
         padding=padding,
         **({} if tree is None else {"nodes": tree.nodes + 1, "kind": tree.step_kind}),
     )
-    if fixed_verify is not None:
-        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
-    static = fixed_draft_step(
+    if verify_step is not None:
+        verifier.verify_step = "cuda graph" if verify_step.graph is not None else "fixed-shape, no graph"
+    draft_step = fixed_draft_step(
         options.draft_cuda_graph,
         draft,
         ft,
@@ -149,8 +149,8 @@ def decode_loop(
         expansion=expansion,
         head=None if tree is None else tree.head,
     )
-    if static is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
-        verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
+    if draft_step is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
+        verifier.draft_step = "cuda graph" if draft_step.graph is not None else "fixed-shape, no graph"
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
@@ -159,8 +159,8 @@ def decode_loop(
         a_draft = a - skipped  # and the draft's (no padding)
         width = bsz if max_positions is None else min(bsz, max_positions - a)
         anchor_ids = seq[:, -1:]
-        if static is not None:  # a whole block always (its slots past `width` are not verified)
-            drafted = static.propose(ft, pending, pending_start, anchor_ids)
+        if draft_step is not None:  # a whole block always (its slots past `width` are not verified)
+            drafted = draft_step.propose(ft, pending, pending_start, anchor_ids)
         else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
             block_ids = torch.cat([anchor_ids, masks], dim=1)
             pos = positions.span(pending_start, a_draft + bsz)  # the pending features' positions, then the block's
@@ -175,12 +175,10 @@ def decode_loop(
             crop_cache(dcache, a_draft)  # keep the context, drop the block
         if tree is not None:
             nodes, q = tree.tree(draft, drafted, anchor, generator)
-            out, scores, pending = tree.cycle(
-                verifier, fixed_verify, processors, seq, a, width - 1, nodes, q, generator
-            )
+            out, scores, pending = tree.cycle(verifier, verify_step, processors, seq, a, width - 1, nodes, q, generator)
             k, new, new_ids = out.k, out.new, out.new_ids
         else:
-            if static is not None:
+            if draft_step is not None:
                 proposal, q = drafted[: width - 1], None
             else:
                 proposal, q = propose_block(
@@ -188,15 +186,15 @@ def decode_loop(
                 )
                 proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
             verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
-            if fixed_verify is None:
+            if verify_step is None:
                 logits, feats = verifier.step(verify_ids, a)
                 check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
             else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
-                logits, feats = fixed_verify.verify(ft, verify_ids, a)
+                logits, feats = verify_step.verify(ft, verify_ids, a)
                 verifier.forwards += 1
             scores = processed_scores(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
             k, new, new_ids = accept_prefix(proposal, q, scores, target_t, generator)
-            if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
+            if verify_step is None:  # fixed buffers: the next block overwrites the rejected rows
                 crop_cache(verifier.cache, a + k + 1)
             pending = feats[:, : k + 1]
         grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
@@ -228,10 +226,10 @@ def speculative_generate(
     `input_features` and optionally `decoder_input_ids` (default: the prompt the target's `generate` forces);
     their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
     returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
-    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.static_draft`);
+    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.fixed_draft`);
     the output
     is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
-    three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding).
+    three ways (`dflash_hf.generation.fixed_verify`; its logits equal the growing cache's up to rounding).
     `tree_budget`: None verifies the draft's chain (its top token at each slot); an int verifies a token tree of that
     many nodes a cycle in one target forward (`dflash_hf.generation.tree_decode`; lossless as the chain).
     `options`: the three as one `DecodeOptions` (instead of the keywords)."""

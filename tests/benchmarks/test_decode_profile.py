@@ -86,9 +86,9 @@ def test_the_fixed_shape_verify_is_timed_as_verify(profile, tmp_path):
     seconds = results["instrumented"]["seconds"]
     assert seconds["verify"] > 0  # without its wrapper the fixed-shape verify would count as host work (0 here)
     assert results["wall_clock"]["verify_steps"] == {"fixed-shape, no graph": 2}
-    from dflash_hf.generation import static_verify
+    from dflash_hf.generation import fixed_verify
 
-    assert static_verify.StaticVerifyStep.verify.__qualname__ == "StaticVerifyStep.verify"  # restored
+    assert fixed_verify.FixedVerifyStep.verify.__qualname__ == "FixedVerifyStep.verify"  # restored
 
 
 def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
