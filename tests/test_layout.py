@@ -16,6 +16,8 @@
 - Every folder's `__init__` says what the folder is and exports its public names (`__all__`), imported on first use
   through `dflash_hf.lazy` from the folder's own modules, so importing a folder loads no torch and makes no circle
   (the registries `objective/labels` and `objective/losses` import their entries; `settings` is light anyway).
+- docs/ARCHITECTURE.md's layout table names every module of the package in its folder's row (a file of a subfolder
+  by its name, `base.py`, or its path from the package, `models/draft_fields.py`), and every file it names exists.
 - No `_private` name crosses a module: nothing in the package, `benchmarks/` or `scripts/` imports one from another
   module of the repository or reads one as an attribute of such a module (tests may, where they poke internals).
 """
@@ -236,3 +238,29 @@ def test_importing_every_folder_loads_no_torch():
     probe = f"import sys; import {', '.join(folders)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.strip() == "[]", (folders, out.stdout[-500:])
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/ARCHITECTURE.md's layout table: folder (`dflash_hf` for the top-level modules) -> its row's text."""
+    text = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    return {m[0]: m[1] for m in re.findall(r"^\| `([\w/]+)/` \| (.*) \|$", text, flags=re.MULTILINE)}
+
+
+def test_the_architecture_table_lists_every_module_and_only_existing_ones():
+    rows = _layout_rows()
+    assert {"dflash_hf", "targets", "serving", "generation"} <= set(rows)  # the parse finds the table
+    missing, stale = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name == "__init__.py" and len(rel.parts) > 1:
+            continue  # a folder's face, described by the folder's row
+        row = rows.get(rel.parts[0] if len(rel.parts) > 1 else "dflash_hf", "")
+        if f"`{path.name}`" not in row and f"`{rel.as_posix()}`" not in row:
+            missing.append(rel.as_posix())
+    for folder, row in rows.items():
+        base = PACKAGE if folder == "dflash_hf" else PACKAGE / folder
+        for name in re.findall(r"`([\w/]+\.py)`", row):
+            if not (PACKAGE / name).is_file() and not any(base.rglob(name)):
+                stale.append(f"{folder}: {name}")
+    assert not missing, f"modules docs/ARCHITECTURE.md's table does not list: {missing}"
+    assert not stale, f"files docs/ARCHITECTURE.md's table names that do not exist: {stale}"
