@@ -54,11 +54,10 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 from dflash_hf import DFlashConfig  # noqa: E402
-from dflash_hf.export.drafts import draft_class_for  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
 from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
-from dflash_hf.generation.target_greedy import target_greedy  # noqa: E402
-from dflash_hf.targets.builder import init_encoder_context  # noqa: E402
+from dflash_hf.generation.target_generate import target_generate  # noqa: E402
+from dflash_hf.targets.builder import draft_class_for, init_encoder_context  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
@@ -309,7 +308,7 @@ def count_greedy(ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> 
             for inputs in prompts:
                 counter.new_prompt()
                 forwards[0] = 0
-                sequences.append(target_greedy(ft, inputs, max_new_tokens))
+                sequences.append(target_generate(ft, inputs, max_new_tokens))
     return counter.summary(), sequences
 
 

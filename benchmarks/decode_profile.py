@@ -68,7 +68,7 @@ from dflash_hf import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_hf.data.eval_rows import iter_prompts, speech_rows_and_collator  # noqa: E402
 from dflash_hf.data.text_prompts import first_record, json_records  # noqa: E402
 from dflash_hf.data.text_prompts import text_prompts as eval_text_prompts  # noqa: E402
-from dflash_hf.generation import evaluation, speculative, static_draft, static_verify  # noqa: E402
+from dflash_hf.generation import evaluation, fixed_draft, fixed_verify, speculative  # noqa: E402
 from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.settings.decode import DecodeSettings  # noqa: E402
@@ -85,28 +85,9 @@ TINY_WHISPER_MASK = 364  # <|0.00|>: a timestamp token, never produced when deco
 MEASURED = ("prefill", "draft", "proposal", "verify")
 HOST_PARTS = ("scores", "accept", "stop", "crop")
 PHASES = ("setup", *MEASURED, "host")
-# Functions the decode loop of dflash_hf.generation.speculative calls, timed as host parts (those the installed
-# version has).
-# Acceptance is the loop's `_accept` where it exists (it calls the greedy or sampling rule); older loops called
-# `accept_tokens` / `_accept_greedy` themselves.
-HOST_FUNCTIONS = {
-    "_processed": "scores",
-    "_accept": "accept",
-    "accept_tokens": "accept",
-    "_accept_greedy": "accept",
-    "crop_cache": "crop",
-}
-
-
-def host_functions(module) -> dict[str, str]:
-    """The host parts to time in `module`: `_accept` replaces the rules it dispatches to (no nested timing)."""
-    names = dict(HOST_FUNCTIONS)
-    if hasattr(module, "_accept"):
-        names.pop("accept_tokens")
-        names.pop("_accept_greedy")
-    else:
-        names.pop("_accept")
-    return {k: v for k, v in names.items() if hasattr(module, k)}
+# Functions the decode loop of dflash_hf.generation.speculative looks up in its module, timed as host parts
+# (`accept_prefix` calls the greedy or the sampling acceptance rule).
+HOST_FUNCTIONS = {"processed_scores": "scores", "accept_prefix": "accept", "crop_cache": "crop"}
 
 
 @dataclass
@@ -216,22 +197,21 @@ class PhaseClock:
 
 @contextmanager
 def instrumented(draft, clock: PhaseClock):
-    """Wrap the draft's forward, `propose_block`, the target's forwards (`_Verifier.__call__`: its first call in a
-    decode is the prefill), the decode loop (`_decode`, with its stop check) and the host parts of
+    """Wrap the draft's forward, `propose_block`, the target's forwards (`TargetVerifier.__call__`: its first call in a
+    decode is the prefill), the decode loop (`decode_loop`, with its stop check) and the host parts of
     `dflash_hf.generation.speculative`, restoring everything afterwards."""
     sp = speculative
-    graph_step = getattr(static_draft, "StaticDraftStep", None)
-    graph_propose = None if graph_step is None else graph_step.propose
-    fixed_verify = static_verify.StaticVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
-    inside_graph_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
-    hosts = host_functions(sp)
-    originals = {name: getattr(sp, name) for name in ("propose_block", "_decode", *hosts)}
-    verifier_call = sp._Verifier.__call__
-    decode = originals["_decode"]
+    fixed_propose = fixed_draft.FixedDraftStep.propose  # the fixed-shape draft step (a CUDA graph on a GPU)
+    fixed_verify_call = fixed_verify.FixedVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
+    inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
+    hosts = HOST_FUNCTIONS
+    originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
+    verifier_call = sp.TargetVerifier.__call__
+    decode = originals["decode_loop"]
 
     def fixed_verify_timed(self, *args, **kwargs):
         with clock.measure("verify"):
-            return fixed_verify(self, *args, **kwargs)
+            return fixed_verify_call(self, *args, **kwargs)
 
     def verifier_timed(self, **kwargs):
         with clock.measure("prefill" if self.forwards == 0 else "verify"):
@@ -244,37 +224,36 @@ def instrumented(draft, clock: PhaseClock):
     starts: list = []
 
     def draft_start(_module, _args):
-        if inside_graph_step:
+        if inside_fixed_step:
             return
         starts.append(clock.measure("draft"))
         starts[-1].__enter__()
 
     def draft_end(_module, _args, _output):
-        if not inside_graph_step:
+        if not inside_fixed_step:
             starts.pop().__exit__(None, None, None)
 
-    def graph_propose_timed(self, *args, **kwargs):
-        inside_graph_step.append(True)
+    def fixed_propose_timed(self, *args, **kwargs):
+        inside_fixed_step.append(True)
         try:
             with clock.measure("draft"):
-                return graph_propose(self, *args, **kwargs)
+                return fixed_propose(self, *args, **kwargs)
         finally:
-            inside_graph_step.pop()
+            inside_fixed_step.pop()
 
     with ExitStack() as stack:
-        stack.callback(setattr, sp._Verifier, "__call__", verifier_call)
+        stack.callback(setattr, sp.TargetVerifier, "__call__", verifier_call)
         for name, fn in originals.items():
             stack.callback(setattr, sp, name, fn)
-        sp._Verifier.__call__ = verifier_timed
-        sp._decode = decode_timed
+        sp.TargetVerifier.__call__ = verifier_timed
+        sp.decode_loop = decode_timed
         sp.propose_block = clock.timed("proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, clock.timed(part, originals[name]))
-        stack.callback(setattr, static_verify.StaticVerifyStep, "verify", fixed_verify)
-        static_verify.StaticVerifyStep.verify = fixed_verify_timed
-        if graph_step is not None:
-            stack.callback(setattr, graph_step, "propose", graph_propose)
-            graph_step.propose = graph_propose_timed
+        stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
+        fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
+        stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)
+        fixed_draft.FixedDraftStep.propose = fixed_propose_timed
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)
         stack.callback(draft.register_forward_hook(draft_end).remove)
         yield

@@ -33,7 +33,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
 from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation  # noqa: E402
 from dflash_hf.export.drafts import load_draft_strict  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
-from dflash_hf.generation.target_greedy import generate_inputs  # noqa: E402
+from dflash_hf.generation.target_generate import generate_inputs  # noqa: E402
+from dflash_hf.generation.verify_rules import eos_token_ids  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.targets.families.registry import get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
@@ -81,18 +82,18 @@ def token_kind(text: str, is_end: bool, first: bool) -> str:
 def decode_recording(draft, ft: FrozenTarget, max_new_tokens: int, inputs: dict):
     """`(output, [(proposal ids, accepted count) per cycle])` of one greedy speculative decode."""
     cycles = []
-    accept = speculative._accept
+    accept = speculative.accept_prefix
 
     def recording(proposal, *args):
         k, new, new_ids = accept(proposal, *args)
         cycles.append((proposal.tolist(), k))
         return k, new, new_ids
 
-    speculative._accept = recording
+    speculative.accept_prefix = recording
     try:
         out = speculative.speculative_generate(draft, ft, max_new_tokens, **inputs)
     finally:
-        speculative._accept = accept
+        speculative.accept_prefix = accept
     return out, cycles
 
 
@@ -123,7 +124,7 @@ def run(args: MissArguments) -> dict:
     conversation = recorded_conversation(None, prompt=args.prompt)  # as dflash-eval renders a manifest's rows
     prompts = evaluation_prompts(args.data, processor, ft.model.config, family=args.family, conversation=conversation)
     prompts = itertools.islice(prompts, args.num_samples)
-    ends = set(speculative._eos_ids(ft))
+    ends = set(eos_token_ids(ft))
     kinds, capitalized, skipped, repeated, slots, cycles_total, records = Counter(), 0, 0, 0, Counter(), 0, []
     with torch.no_grad():
         for inputs in tqdm(prompts, total=args.num_samples, desc="draft misses"):

@@ -40,7 +40,7 @@ from decode_profile import git_commit  # noqa: E402
 
 from dflash_hf.export.evaluation_setup import load_evaluation  # noqa: E402
 from dflash_hf.generation.evaluation import decode_benchmark, synced_clock  # noqa: E402
-from dflash_hf.generation.target_greedy import generate_inputs, target_greedy_new_tokens  # noqa: E402
+from dflash_hf.generation.target_generate import generate_inputs, target_generate_new_tokens  # noqa: E402
 from dflash_hf.ops.cpu_threads import configure_cpu_threads  # noqa: E402
 from dflash_hf.settings.evaluation import EvalSettings  # noqa: E402
 
@@ -54,15 +54,15 @@ def static_greedy(ft, prompts: list[dict], max_new_tokens: int) -> dict:
     inputs = [generate_inputs(ft, p) for p in prompts]
     longest = max(range(len(inputs)), key=lambda i: prompts[i]["input_ids"].shape[1])
     out = {"warmup_prompt": longest}
-    plain = [target_greedy_new_tokens(ft, x, max_new_tokens)[0].tolist() for x in inputs]  # failures raise
+    plain = [target_generate_new_tokens(ft, x, max_new_tokens)[0].tolist() for x in inputs]  # failures raise
     try:
         start = synced_clock(device)
-        target_greedy_new_tokens(ft, inputs[longest], max_new_tokens, **STATIC)
+        target_generate_new_tokens(ft, inputs[longest], max_new_tokens, **STATIC)
         out["warmup_seconds"] = synced_clock(device) - start
         seconds, tokens, mismatches = 0.0, 0, []
         for i, x in enumerate(tqdm(inputs, desc="static-cache greedy")):
             start = synced_clock(device)
-            new = target_greedy_new_tokens(ft, x, max_new_tokens, **STATIC)[0].tolist()
+            new = target_generate_new_tokens(ft, x, max_new_tokens, **STATIC)[0].tolist()
             seconds += synced_clock(device) - start
             tokens += len(new)
             if new != plain[i]:

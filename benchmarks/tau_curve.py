@@ -56,8 +56,8 @@ def decode_checkpoints(runs: list[Path], args) -> dict[str, list[tuple[float, fl
     of `args.data`: `{run: [(minutes, tau), ...]}`. The target and prompts are loaded once."""
     import torch
 
+    from dflash_hf.export import load_draft_strict
     from dflash_hf.export.evaluation_setup import load_evaluation
-    from dflash_hf.export.hub import load_draft_strict
     from dflash_hf.generation.evaluation import decode_benchmark
     from dflash_hf.settings.evaluation import EvalSettings
     from dflash_hf.targets.frozen import resolve_dtype

@@ -313,7 +313,7 @@ def load_reference(args: ParityArguments):
     and each request's inputs for its `generate`."""
     import torch
 
-    from dflash_hf.generation.target_greedy import generate_inputs
+    from dflash_hf.generation.target_generate import generate_inputs
     from dflash_hf.targets.frozen import FrozenTarget, load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,7 +13,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from dflash_hf.export.hub import convert_dflash_to_dflash2
+from dflash_hf.export import convert_dflash_to_dflash2
 from dflash_hf.models.configuration_dflash import DFlash2Fields
 
 

@@ -9,15 +9,25 @@
   (tests/cli/test_command_imports.py). `errors` (user errors) may be imported from anywhere,
   `testing` (tiny targets, which takes the serving fields of a target family from `targets`) only from cli;
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
-  card names what the plugin refuses, by the plugin's own rule).
+  card names what the plugin refuses, by the plugin's own rule). `lazy` (the standard-library helper every folder's
+  `__init__` exports its names with, imported on first use) imports nothing of the package.
 - The test tree mirrors the package's folders (plus `benchmarks/` for the scripts and `gpu/` for the CUDA tier).
 - Every test path the CI script (`.ci/run`) names exists (pytest would fail on a missing one only in that stage).
+- Every folder's `__init__` says what the folder is and exports its public names (`__all__`), imported on first use
+  through `dflash_hf.lazy` from the folder's own modules, so importing a folder loads no torch and makes no circle
+  (the registries `objective/labels` and `objective/losses` import their entries; `settings` is light anyway).
+- docs/ARCHITECTURE.md's layout table names every module of the package in its folder's row (a file of a subfolder
+  by its name, `base.py`, or its path from the package, `models/draft_fields.py`), and every file it names exists.
+- No `_private` name crosses a module: nothing in the package, `benchmarks/` or `scripts/` imports one from another
+  module of the repository or reads one as an attribute of such a module (tests may, where they poke internals).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 
 from utils import REPO_ROOT, TESTS_DIR
 
@@ -25,6 +35,7 @@ PACKAGE = REPO_ROOT / "dflash_hf"
 # what each folder (or top-level module) may import from the package besides itself
 ALLOWED = {
     "errors": set(),
+    "lazy": set(),
     "models": set(),
     "ops": set(),
     "testing": {"targets"},  # the tiny targets carry their family's serving fields
@@ -78,15 +89,22 @@ def test_package_folders_depend_one_way():
         if folder == "__init__":
             continue  # the public API re-exports from below
         assert folder in ALLOWED, f"{path}: a new folder needs its place in ALLOWED"
-        for dep in _package_imports(path) - {folder}:
+        deps = _package_imports(path) - {folder}
+        if path.name == "__init__.py":
+            deps -= {"lazy"}  # a folder's public names, imported on first use
+        for dep in deps:
             if dep not in ALLOWED[folder]:
                 wrong.append(f"{path.relative_to(REPO_ROOT)} imports dflash_hf.{dep}")
     assert not wrong, "\n".join(wrong)
 
 
 def test_remote_code_files_import_only_torch_transformers_and_each_other():
-    for path in sorted((PACKAGE / "models").glob("*.py")):
-        assert not _package_imports(path), path.name
+    """The files an export copies; `models/__init__.py` is not one of them (its lazy exports import `lazy`)."""
+    files = sorted((PACKAGE / "models").glob("*.py"))
+    assert PACKAGE / "models" / "__init__.py" in files
+    for path in files:
+        expected = {"lazy"} if path.name == "__init__.py" else set()
+        assert _package_imports(path) == expected, path.name
 
 
 def test_settings_read_only_the_pure_python_draft_fields():
@@ -118,3 +136,131 @@ def test_every_test_path_the_ci_script_names_exists():
     assert "tests/serving" in named  # the parse finds the serving stage's paths
     missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
     assert not missing, f".ci/run names test paths that do not exist: {missing}"
+
+
+CODE_FOLDERS = ("dflash_hf", "benchmarks", "scripts")
+
+
+def _is_repo_module(module: str | None, level: int, path) -> bool:
+    """Whether `from <module> import ...` (relative when `level`) in `path` names a module of this repository."""
+    if level:
+        return True
+    top = (module or "").split(".")[0]
+    places = {path.parent, *(REPO_ROOT / folder for folder in CODE_FOLDERS[1:])}
+    return top == "dflash_hf" or any((p / f"{top}.py").is_file() or (p / top).is_dir() for p in places)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_crossings(path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and _is_repo_module(node.module, node.level, path):
+            for alias in node.names:
+                if _is_private(alias.name):
+                    found.append(f"imports {alias.name} from {'.' * node.level}{node.module or ''}")
+                else:
+                    modules.add(alias.asname or alias.name)  # a module imported by name, or any other name
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name.split(".")[0] for a in node.names if _is_repo_module(a.name, 0, path)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append(f"reads {ast.unparse(node)}")
+    return [f"{path.relative_to(REPO_ROOT)}:{node}" for node in found]
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module uses is public (renamed, not re-exported under a `_private` alias): the seams are the
+    names without an underscore."""
+    found = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            found += _private_crossings(path)
+    assert not found, "\n".join(found)
+
+
+EAGER_INITS = {"objective/labels", "objective/losses", "settings"}  # registries and the light settings
+NO_EXPORTS = {"cli", "serving"}  # commands; the engine plugin (loaded by the engine)
+
+
+def _lazy_map(tree: ast.Module) -> dict[str, list[str]] | None:
+    """The `{module: [names]}` a package's `__init__` hands `lazy_exports`, None when it calls none."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            return ast.literal_eval(node.args[1])
+    return None
+
+
+def test_every_folder_init_exports_its_public_names_lazily():
+    from test_references import top_level_names
+
+    problems = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(init.read_text())
+        if not ast.get_docstring(tree):
+            problems.append(f"{folder}: no docstring saying what the folder is")
+        if folder in NO_EXPORTS | EAGER_INITS:
+            continue
+        exports = _lazy_map(tree)
+        if not exports or "__all__" not in top_level_names(init):
+            problems.append(f"{folder}: no __all__ from lazy_exports")
+            continue
+        for module, names in exports.items():
+            path = init.parent.joinpath(*module.lstrip(".").split("."))
+            file = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+            if folder != "." and module.startswith(".."):
+                problems.append(f"{folder}: exports {module}, not a module of its own")
+            elif not file.is_file():
+                problems.append(f"{folder}: no module {module}")
+            else:
+                problems += [f"{folder}: {module} defines no {n}" for n in names if n not in top_level_names(file)]
+        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imports |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        if imports - {"__future__", "dflash_hf.lazy"}:
+            problems.append(f"{folder}: imports {sorted(imports)} when imported")
+    assert not problems, "\n".join(problems)
+
+
+def test_importing_every_folder_loads_no_torch():
+    folders = sorted(
+        p.parent.relative_to(REPO_ROOT).as_posix().replace("/", ".")
+        for p in PACKAGE.rglob("__init__.py")
+        if p.parent.relative_to(PACKAGE).as_posix() not in EAGER_INITS - {"settings"}
+    )
+    probe = f"import sys; import {', '.join(folders)}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.strip() == "[]", (folders, out.stdout[-500:])
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/ARCHITECTURE.md's layout table: folder (`dflash_hf` for the top-level modules) -> its row's text."""
+    text = (REPO_ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    return {m[0]: m[1] for m in re.findall(r"^\| `([\w/]+)/` \| (.*) \|$", text, flags=re.MULTILINE)}
+
+
+def test_the_architecture_table_lists_every_module_and_only_existing_ones():
+    rows = _layout_rows()
+    assert {"dflash_hf", "targets", "serving", "generation"} <= set(rows)  # the parse finds the table
+    missing, stale = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name == "__init__.py" and len(rel.parts) > 1:
+            continue  # a folder's face, described by the folder's row
+        row = rows.get(rel.parts[0] if len(rel.parts) > 1 else "dflash_hf", "")
+        if f"`{path.name}`" not in row and f"`{rel.as_posix()}`" not in row:
+            missing.append(rel.as_posix())
+    for folder, row in rows.items():
+        base = PACKAGE if folder == "dflash_hf" else PACKAGE / folder
+        for name in re.findall(r"`([\w/]+\.py)`", row):
+            if not (PACKAGE / name).is_file() and not any(base.rglob(name)):
+                stale.append(f"{folder}: {name}")
+    assert not missing, f"modules docs/ARCHITECTURE.md's table does not list: {missing}"
+    assert not stale, f"files docs/ARCHITECTURE.md's table names that do not exist: {stale}"

@@ -34,11 +34,11 @@ def top_level_names(module_file: Path) -> frozenset[str]:
     """Names a module defines or imports at its top level (what `module.name` can refer to)."""
     names: set[str] = set()
     tree = ast.parse(module_file.read_text())
-    for node in ast.walk(tree):  # a package's `__all__` (names it imports on first use included)
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            names.update(
-                c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant) and isinstance(c.value, str)
-            )
+    for node in ast.walk(tree):  # a package's `__all__`: a list, or `lazy_exports`'s of the names it maps
+        assigned = {n.id for t in getattr(node, "targets", ()) for n in ast.walk(t) if isinstance(n, ast.Name)}
+        if isinstance(node, ast.Assign) and "__all__" in assigned:
+            lists = [v for v in ast.walk(node.value) if isinstance(v, ast.List)]
+            names.update(c.value for v in lists for c in v.elts if isinstance(c, ast.Constant))
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)

@@ -196,17 +196,17 @@ def decode_with_proposals(draft, target, max_new_tokens, draft_cuda_graph, **inp
     from dflash_hf.generation import speculative
 
     seen = []
-    accept = speculative._accept
+    accept = speculative.accept_prefix
 
     def recording(proposal, *args):
         seen.append(proposal.clone())
         return accept(proposal, *args)
 
-    speculative._accept = recording
+    speculative.accept_prefix = recording
     try:
         out = speculative_generate(draft, target, max_new_tokens, draft_cuda_graph=draft_cuda_graph, **inputs)
     finally:
-        speculative._accept = accept
+        speculative.accept_prefix = accept
     return out, seen
 
 

@@ -44,7 +44,7 @@ def extra_decoding(
     prompt-lookup decoding on the same prompts, timed like dflash-eval and checked against plain greedy."""
     import torch
 
-    from dflash_hf.export.hub import load_draft_strict
+    from dflash_hf.export import load_draft_strict
     from dflash_hf.generation.evaluation import DecodeStats, decode_benchmark, synced_clock
     from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
 

@@ -30,7 +30,7 @@ from dflash_hf.cli.train import train
 from dflash_hf.data.eval_rows import prompt_inputs
 from dflash_hf.data.wer import corpus_wer
 from dflash_hf.generation.evaluation import decode_benchmark
-from dflash_hf.generation.target_greedy import generate_inputs, target_greedy_new_tokens
+from dflash_hf.generation.target_generate import generate_inputs, target_generate_new_tokens
 from dflash_hf.ops.cpu_threads import configure_cpu_threads
 from dflash_hf.testing import tiny
 from dflash_hf.training.launch import no_hf_progress_bars
@@ -198,7 +198,7 @@ def target_transcripts(target, processor, prompts: list[dict], max_new_tokens: i
     tokenizer = get_tokenizer(processor)
     out = []
     for prompt in prompts:
-        new = target_greedy_new_tokens(target, generate_inputs(target, prompt), max_new_tokens)
+        new = target_generate_new_tokens(target, generate_inputs(target, prompt), max_new_tokens)
         out.append(tokenizer.decode(new[0], skip_special_tokens=True))
     return out
 

@@ -21,10 +21,10 @@ from transformers import HfArgumentParser
 from dflash_hf.cli.config import parse_with_config
 from dflash_hf.data.label_manifest import LabelJob, check_label_inputs, write_generated_labels
 from dflash_hf.data.label_rows import LabelCounts
-from dflash_hf.generation.target_greedy import greedy_labels
+from dflash_hf.generation.target_generate import generated_labels
 from dflash_hf.settings.labels import LabelSettings
 from dflash_hf.targets.frozen import FrozenTarget
-from dflash_hf.targets.processor import load_greedy_target
+from dflash_hf.targets.processor import load_label_target
 
 
 @dataclass
@@ -42,9 +42,9 @@ def make_parser() -> HfArgumentParser:
 
 def generate_labels(args: LabelSettings) -> LabelCounts:
     """Write the generated-label manifest; returns what the new lines hold."""
-    model, processor, family = load_greedy_target(args.model, args.family, args.dtype, args.device)
+    model, processor, family = load_label_target(args.model, args.family, args.dtype, args.device)
     target = FrozenTarget(model, family.name)
-    decode = partial(greedy_labels, target, max_new_tokens=args.max_new_tokens, device=args.device)
+    decode = partial(generated_labels, target, max_new_tokens=args.max_new_tokens, device=args.device)
     return write_generated_labels(LabelJob.of(args), target, processor, decode)
 
 

@@ -38,43 +38,21 @@ training; lhotse audio sources of type ``command`` / ``url`` need ``DataSource(a
 / ``allow_url_audio_sources=True`` (docs/DATA.md). Audio is read in the process (libsndfile); a file only a decoder
 program could read needs ``allow_command_audio_sources`` too (``audio_files.py``). Non-finite or absurd samples, and a
 control token's text in a row's text, are bad samples (``audio_files.py``, ``user_text.py``).
+
+The names below are imported on first use (``dflash_hf.lazy``).
 """
 
-from dflash_hf.data.bad_samples import BadSampleError, BadSamples
-from dflash_hf.data.collator import PaddedCollator, load_cut_audio, supervision_mask
-from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, RenderedSample, cut_to_messages
-from dflash_hf.data.loader import (
-    CutDataLoader,
-    TokenBudgetConstraint,
-    build_train_dataloader,
-    default_padding_side,
-)
-from dflash_hf.data.packing import PackingCollator, PackingSampler, pack_padded_batch
-from dflash_hf.data.sample_checks import SampleValidator
-from dflash_hf.data.sources import DataSource, LhotseCuts, NemoManifest, mix_sources, nemo_line_to_cut, open_source
+from dflash_hf.lazy import lazy_exports
 
-__all__ = [
-    "BadSampleError",
-    "BadSamples",
-    "ConversationConfig",
-    "ConversationRenderer",
-    "CutDataLoader",
-    "DataSource",
-    "LhotseCuts",
-    "NemoManifest",
-    "PackingCollator",
-    "PackingSampler",
-    "PaddedCollator",
-    "RenderedSample",
-    "SampleValidator",
-    "TokenBudgetConstraint",
-    "build_train_dataloader",
-    "cut_to_messages",
-    "default_padding_side",
-    "load_cut_audio",
-    "mix_sources",
-    "nemo_line_to_cut",
-    "open_source",
-    "pack_padded_batch",
-    "supervision_mask",
-]
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".bad_samples": ["BadSampleError", "BadSamples"],
+        ".collator": ["PaddedCollator", "load_cut_audio", "supervision_mask"],
+        ".conversation": ["ConversationConfig", "ConversationRenderer", "RenderedSample", "cut_to_messages"],
+        ".loader": ["CutDataLoader", "TokenBudgetConstraint", "build_train_dataloader", "default_padding_side"],
+        ".packing": ["PackingCollator", "PackingSampler", "pack_padded_batch"],
+        ".sample_checks": ["SampleValidator"],
+        ".sources": ["DataSource", "LhotseCuts", "NemoManifest", "mix_sources", "nemo_line_to_cut", "open_source"],
+    },
+)

@@ -1,7 +1,7 @@
 """`dflash-generate-labels` as a library: `write_generated_labels` runs the frozen target greedily over a NeMo manifest
 and writes a new manifest whose ``text`` is the target's own response (the original kept under the job's
 ``reference_key``), resumable (`dflash_hf.data.label_rows`). The decoding is handed in (`decode`: the target's greedy
-new tokens of encoded prompts, `dflash_hf.generation.target_greedy.greedy_labels`), so that the rows, their
+new tokens of encoded prompts, `dflash_hf.generation.target_generate.generated_labels`), so that the rows, their
 rendering and the files stay data's."""
 
 from __future__ import annotations

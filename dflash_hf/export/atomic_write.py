@@ -29,7 +29,7 @@ def make_readable(export_dir: Path) -> None:
             path.chmod(EXPORT_FILE_MODE)
 
 
-def _staging_siblings(export_dir: Path, kind: str) -> list[Path]:
+def staging_siblings(export_dir: Path, kind: str) -> list[Path]:
     """Hidden `kind` siblings (`STAGING_KINDS`) of `export_dir`, newest first."""
     parent = export_dir.parent
     if not parent.is_dir():
@@ -100,7 +100,7 @@ def write_atomically(export_dir: str | Path, write: Callable[[Path], None]) -> P
     check_replaceable(export_dir)
     export_dir.parent.mkdir(parents=True, exist_ok=True)
     for kind in STAGING_KINDS:
-        for stale in _staging_siblings(export_dir, kind):
+        for stale in staging_siblings(export_dir, kind):
             if not _pid_alive(stale) and (kind == "partial" or export_dir.exists()):
                 shutil.rmtree(stale, ignore_errors=True)
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -118,7 +118,7 @@ def write_atomically(export_dir: str | Path, write: Callable[[Path], None]) -> P
         previous = export_dir.parent / f".{export_dir.name}.previous-{token}"
         os.rename(export_dir, previous)
     os.rename(staging, export_dir)
-    for old in [previous, *_staging_siblings(export_dir, "previous")]:
+    for old in [previous, *staging_siblings(export_dir, "previous")]:
         if old is not None and (old == previous or not _pid_alive(old)):
             shutil.rmtree(old, ignore_errors=True)
     return given

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir, write_atomically
+from dflash_hf.export.atomic_write import write_atomically
+from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
 from dflash_hf.export.training_record import read_training_record
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlash2Fields
 from dflash_hf.targets.builder import draft_class_for

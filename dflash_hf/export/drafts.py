@@ -22,16 +22,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from dflash_hf.errors import DFlashUserError
-from dflash_hf.export.atomic_write import (
-    _staging_siblings,
-    check_replaceable,
-    write_atomically,
-)
+from dflash_hf.export.atomic_write import staging_siblings, write_atomically
 from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
 from dflash_hf.models.configuration_dflash import DRAFT_ARCHITECTURES, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlashDraftModel
 from dflash_hf.targets.builder import draft_class_for
-from dflash_hf.targets.draft_checks import check_warm_start, check_warm_start_sizes, vocab_difference
 
 logger = logging.getLogger("dflash_hf.export.hub")  # the name these messages have always been logged under
 
@@ -65,7 +60,7 @@ def resolve_draft_dir(path: str | Path) -> Path:
         return local
     if local.exists():
         raise NotADirectoryError(f"init_from_pretrained={str(path)!r} is a file; give the draft export directory")
-    previous = _staging_siblings(local, "previous")
+    previous = staging_siblings(local, "previous")
     if previous:
         raise FileNotFoundError(
             f"{local} does not exist: an export into it was interrupted between replacing the older export and "
@@ -329,16 +324,10 @@ def export_draft(
 
 __all__ = [
     "load_draft_strict",
-    "check_warm_start",
-    "check_warm_start_sizes",
     "check_draft_export",
     "export_draft",
     "check_exportable",
-    "check_replaceable",
-    "write_atomically",
     "non_finite_tensors",
     "resolve_draft_dir",
-    "draft_class_for",
-    "vocab_difference",
     "weight_file_paths",
 ]

@@ -3,8 +3,8 @@
 - :func:`push_draft_to_hub`: upload exactly the serving files plus a generated model card
   (:func:`build_model_card`); `dry_run_dir` writes that folder instead, offline.
 
-Loading and export live in `dflash_hf.export.drafts`, the conversion in `dflash_hf.export.conversion`; their
-names are re-exported here.
+Loading and export live in `dflash_hf.export.drafts`, the conversion in `dflash_hf.export.conversion` (all of them
+exported by `dflash_hf.export`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from dflash_hf.export.conversion import convert_dflash_to_dflash2
-from dflash_hf.export.drafts import (
-    WEIGHTS_INDEX_NAME,
-    check_draft_export,
-    check_warm_start,
-    draft_class_for,
-    export_draft,
-    load_draft_strict,
-    resolve_draft_dir,
-    weight_file_paths,
-)
+from dflash_hf.export.drafts import WEIGHTS_INDEX_NAME, load_draft_strict, weight_file_paths
 from dflash_hf.export.training_record import TRAINING_RECORD_FILE
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
 from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, refusal
@@ -323,13 +313,6 @@ def push_draft_to_hub(
 
 
 __all__ = [
-    "load_draft_strict",
-    "check_warm_start",
-    "check_draft_export",
-    "export_draft",
-    "resolve_draft_dir",
-    "draft_class_for",
-    "convert_dflash_to_dflash2",
     "DraftCardInfo",
     "build_model_card",
     "serving_commands",

@@ -15,8 +15,8 @@ from dflash_hf.settings.decode import DecodeSettings
 class DecodeOptions:
     """`draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU where the decode's positions
     are bounded, True also runs the fixed-shape step on the CPU, False keeps the eager draft forward
-    (`dflash_hf.generation.static_draft`); the output is the same either way. `verify_cuda_graph` (greedy): the
-    target's verify as a fixed-shape forward, the same three ways (`dflash_hf.generation.static_verify`; its logits
+    (`dflash_hf.generation.fixed_draft`); the output is the same either way. `verify_cuda_graph` (greedy): the
+    target's verify as a fixed-shape forward, the same three ways (`dflash_hf.generation.fixed_verify`; its logits
     equal the growing cache's up to rounding). `tree_budget`: None verifies the draft's chain (its top token at each
     slot); an int verifies a token tree of that many nodes a cycle in one target forward
     (`dflash_hf.generation.tree_decode`; lossless as the chain)."""

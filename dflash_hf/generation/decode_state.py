@@ -1,6 +1,6 @@
 """What one speculative decode keeps besides its loop (`dflash_hf.generation.speculative`): the output record, the
-target's side of the decode (:class:`_Verifier`: its KV cache, the keywords of every forward, a padded prompt's mask
-and positions), decoder positions without a new tensor per cycle, and cache cropping."""
+target's side of the decode (:class:`TargetVerifier`: its KV cache, the keywords of every forward, a padded prompt's
+mask and positions), decoder positions without a new tensor per cycle, and cache cropping."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def crop_cache(cache, length: int) -> None:
 
 
 @dataclass
-class _Verifier:
+class TargetVerifier:
     """How the target runs one decoding forward: its ids keyword (`input_ids`, or `decoder_input_ids` for an
     encoder-decoder target), keywords kept for every forward (the encoder output), and its KV cache."""
 
@@ -45,7 +45,7 @@ class _Verifier:
     cache: object
     step_kwargs: dict = field(default_factory=dict)
     forwards: int = 0
-    draft_step: str = "eager"  # set by `_decode`: how the draft's step ran (`SpeculativeOutput.draft_step`)
+    draft_step: str = "eager"  # set by `decode_loop`: how the draft's step ran (`SpeculativeOutput.draft_step`)
     verify_step: str = "eager"  # and the target's verify (`SpeculativeOutput.verify_step`)
     padding: PromptPadding | None = None  # a padded prompt's mask and positions, kept for every verify
 
@@ -66,7 +66,7 @@ class _Verifier:
         return self(**{self.ids_key: ids}, **self.padding.verify_kwargs(start, start + ids.shape[1]))
 
 
-class _Positions:
+class DecoderPositions:
     """Decoder positions `[1, n]` as slices of one `arange`, made once and grown by doubling (no new tensor per
     cycle)."""
 

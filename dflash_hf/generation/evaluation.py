@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from dflash_hf.generation.decode_options import DecodeOptions
 from dflash_hf.generation.speculative import speculative_generate
-from dflash_hf.generation.target_greedy import generate_inputs, target_greedy, target_greedy_new_tokens
+from dflash_hf.generation.target_generate import generate_inputs, target_generate, target_generate_new_tokens
 from dflash_hf.generation.tree_decode import check_tree_budget
 from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.targets.frozen import FrozenTarget, TargetModel
@@ -133,12 +133,12 @@ def decode_benchmark(
         if warmup and i == 0:
             decode(inputs)
             if compare_greedy:
-                target_greedy(ft, inputs, max_new_tokens)
+                target_generate(ft, inputs, max_new_tokens)
         spec_new = _timed_decode(stats, partial(decode, inputs), n_prompt, device)
         greedy_new, seconds = None, 0.0
         if compare_greedy:
             start = synced_clock(device)
-            greedy = target_greedy_new_tokens(ft, inputs, max_new_tokens)
+            greedy = target_generate_new_tokens(ft, inputs, max_new_tokens)
             seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
             _compared(stats, i, spec_new, greedy_new, seconds)

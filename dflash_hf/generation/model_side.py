@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from dflash_hf.generation.prompt_padding import check_one_prompt, refuse_padding
 from dflash_hf.generation.target_cache import cache_keyword
-from dflash_hf.generation.verify_rules import _eos_ids
+from dflash_hf.generation.verify_rules import eos_token_ids
 from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
 
@@ -25,7 +25,7 @@ def model_side_greedy(target: TargetModel, max_new_tokens: int, **target_inputs)
     input_ids = target_inputs["input_ids"]
     check_one_prompt(input_ids)
     refuse_padding(target_inputs.get("attention_mask"), model_side_what(ft))
-    eos = _eos_ids(ft)
+    eos = eos_token_ids(ft)
     cache = DynamicCache()
     key = cache_keyword(ft.model)  # `past_key_values`, or `cache` from transformers 5.24
     prefill = {**ft.cast_features(target_inputs), key: cache, "use_cache": True}

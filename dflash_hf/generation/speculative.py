@@ -24,38 +24,37 @@ from transformers import DynamicCache, EncoderDecoderCache, LogitsProcessorList,
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
 from dflash_hf.generation.decode_options import DecodeOptions
-from dflash_hf.generation.decode_state import (  # noqa: F401 (SpeculativeOutput stays importable from here)
+from dflash_hf.generation.decode_state import (
+    DecoderPositions,
     SpeculativeOutput,
-    _Positions,
-    _Verifier,
+    TargetVerifier,
     crop_cache,
 )
-from dflash_hf.generation.model_side import model_side_greedy, model_side_what  # noqa: F401 (importable from here)
+from dflash_hf.generation.fixed_draft import fixed_draft_step
+from dflash_hf.generation.fixed_verify import check_verify_step, fixed_verify_step
+from dflash_hf.generation.model_side import model_side_what
 from dflash_hf.generation.prompt_padding import check_one_prompt, prompt_padding, refuse_padding
-from dflash_hf.generation.static_draft import fixed_draft_step
-from dflash_hf.generation.static_verify import check_verify_step, fixed_verify_step
 from dflash_hf.generation.target_cache import check_block_cached, check_prompt_cached, generate_state_free
 from dflash_hf.generation.tree_decode import TreeDecode
 from dflash_hf.generation.tree_verify import check_tree_target
-from dflash_hf.generation.verify_rules import (  # noqa: F401 (accept_tokens and propose_block stay importable from here)
+from dflash_hf.generation.verify_rules import (
     FirstStop,
-    _accept,
-    _criteria_stop,
-    _eos_ids,
-    _pick,
-    _processed,
-    _stop_at,
-    accept_tokens,
+    accept_prefix,
+    criteria_stop,
+    eos_or_length_stop,
+    eos_token_ids,
     max_new_tokens_given,
+    pick_tokens,
+    processed_scores,
     propose_block,
     with_cached_masks,
 )
 from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
 
-def _decode(
+def decode_loop(
     draft,
-    verifier: _Verifier,
+    verifier: TargetVerifier,
     prefill: dict,
     prompt: torch.Tensor,
     *,
@@ -113,15 +112,15 @@ def _decode(
                 "prompt unpadded (pass the prompt without padding)"
             )
         pending, skipped = pending[:, padding.keep], padding.skipped  # the draft's context: real positions only
-    scores = _processed(processors, prompt, logits[-1:])
-    nxt, _ = _pick(scores, target_t, generator)
+    scores = processed_scores(processors, prompt, logits[-1:])
+    nxt, _ = pick_tokens(scores, target_t, generator)
     # Host state, so that a cycle reads the device once (its acceptance): the anchor id (the last token of `seq`)
     # and the draft's first position of `pending` (its positions run from there to the block's end).
     anchor, pending_start = int(nxt), 0
-    positions = _Positions(dev)
+    positions = DecoderPositions(dev)
     masks = torch.full((1, bsz - 1), mask_id, device=dev, dtype=torch.long)
     # after the prefill: the fixed-shape verify copies the prompt's rows (and Whisper's cross-attention keys)
-    fixed_verify = fixed_verify_step(
+    verify_step = fixed_verify_step(
         options.verify_cuda_graph,
         ft,
         verifier.layer_ids,
@@ -135,9 +134,9 @@ def _decode(
         padding=padding,
         **({} if tree is None else {"nodes": tree.nodes + 1, "kind": tree.step_kind}),
     )
-    if fixed_verify is not None:
-        verifier.verify_step = "cuda graph" if fixed_verify.graph is not None else "fixed-shape, no graph"
-    static = fixed_draft_step(
+    if verify_step is not None:
+        verifier.verify_step = "cuda graph" if verify_step.graph is not None else "fixed-shape, no graph"
+    draft_step = fixed_draft_step(
         options.draft_cuda_graph,
         draft,
         ft,
@@ -150,8 +149,8 @@ def _decode(
         expansion=expansion,
         head=None if tree is None else tree.head,
     )
-    if static is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
-        verifier.draft_step = "cuda graph" if static.graph is not None else "fixed-shape, no graph"
+    if draft_step is not None:  # the fixed-shape draft step (a CUDA graph on the GPU)
+        verifier.draft_step = "cuda graph" if draft_step.graph is not None else "fixed-shape, no graph"
     seq = torch.cat([prompt, nxt.view(1, 1).to(prompt.dtype)], dim=1)
     accepted: list[int] = []
     stopped = first_stop(seq, prompt.shape[1], scores, [anchor]) is not None
@@ -160,8 +159,8 @@ def _decode(
         a_draft = a - skipped  # and the draft's (no padding)
         width = bsz if max_positions is None else min(bsz, max_positions - a)
         anchor_ids = seq[:, -1:]
-        if static is not None:  # a whole block always (its slots past `width` are not verified)
-            drafted = static.propose(ft, pending, pending_start, anchor_ids)
+        if draft_step is not None:  # a whole block always (its slots past `width` are not verified)
+            drafted = draft_step.propose(ft, pending, pending_start, anchor_ids)
         else:  # a whole block always too (DFlash2's convolutions take whole blocks), its proposal cut to `width`
             block_ids = torch.cat([anchor_ids, masks], dim=1)
             pos = positions.span(pending_start, a_draft + bsz)  # the pending features' positions, then the block's
@@ -176,12 +175,10 @@ def _decode(
             crop_cache(dcache, a_draft)  # keep the context, drop the block
         if tree is not None:
             nodes, q = tree.tree(draft, drafted, anchor, generator)
-            out, scores, pending = tree.cycle(
-                verifier, fixed_verify, processors, seq, a, width - 1, nodes, q, generator
-            )
+            out, scores, pending = tree.cycle(verifier, verify_step, processors, seq, a, width - 1, nodes, q, generator)
             k, new, new_ids = out.k, out.new, out.new_ids
         else:
-            if static is not None:
+            if draft_step is not None:
                 proposal, q = drafted[: width - 1], None
             else:
                 proposal, q = propose_block(
@@ -189,15 +186,15 @@ def _decode(
                 )
                 proposal, q = proposal[: width - 1], None if q is None else q[: width - 1]
             verify_ids = torch.cat([anchor_ids, proposal.view(1, -1)], dim=1)
-            if fixed_verify is None:
+            if verify_step is None:
                 logits, feats = verifier.step(verify_ids, a)
                 check_block_cached(verifier.cache, a + verify_ids.shape[1], ft.model)
             else:  # fixed tensors, overwritten by the next verify (the draft reads `pending` before it)
-                logits, feats = fixed_verify.verify(ft, verify_ids, a)
+                logits, feats = verify_step.verify(ft, verify_ids, a)
                 verifier.forwards += 1
-            scores = _processed(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
-            k, new, new_ids = _accept(proposal, q, scores, target_t, generator)
-            if fixed_verify is None:  # fixed buffers: the next block overwrites the rejected rows
+            scores = processed_scores(processors, seq, logits, proposal)  # row i follows seq + proposal[:i]
+            k, new, new_ids = accept_prefix(proposal, q, scores, target_t, generator)
+            if verify_step is None:  # fixed buffers: the next block overwrites the rejected rows
                 crop_cache(verifier.cache, a + k + 1)
             pending = feats[:, : k + 1]
         grown, length = torch.cat([seq, new.view(1, -1).to(seq.dtype)], dim=1), seq.shape[1]
@@ -229,10 +226,10 @@ def speculative_generate(
     `input_features` and optionally `decoder_input_ids` (default: the prompt the target's `generate` forces);
     their `sequences` are the decoder ids (prompt + new tokens), as `generate(..., return_dict_in_generate=True)`
     returns them. `draft_cuda_graph` (greedy): None replays the draft's step as a CUDA graph on a GPU, False keeps
-    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.static_draft`);
+    the eager draft forward, True also runs the fixed-shape step on the CPU (`dflash_hf.generation.fixed_draft`);
     the output
     is the same either way. `verify_cuda_graph` (greedy): the target's verify as a fixed-shape forward, the same
-    three ways (`dflash_hf.generation.static_verify`; its logits equal the growing cache's up to rounding).
+    three ways (`dflash_hf.generation.fixed_verify`; its logits equal the growing cache's up to rounding).
     `tree_budget`: None verifies the draft's chain (its top token at each slot); an int verifies a token tree of that
     many nodes a cycle in one target forward (`dflash_hf.generation.tree_decode`; lossless as the chain).
     `options`: the three as one `DecodeOptions` (instead of the keywords)."""
@@ -251,10 +248,10 @@ def speculative_generate(
     input_ids = target_inputs["input_ids"]
     check_one_prompt(input_ids)
     refuse_padding(target_inputs.get("attention_mask"), model_side_what(ft))
-    eos = _eos_ids(ft)
+    eos = eos_token_ids(ft)
     processors = LogitsProcessorList([TemperatureLogitsWarper(temperature)] if temperature > 0 else [])
-    verifier = _Verifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
-    seq, accepted = _decode(
+    verifier = TargetVerifier(ft, list(draft.config.target_layer_ids), "input_ids", DynamicCache())
+    seq, accepted = decode_loop(
         draft,
         verifier,
         ft.cast_features(target_inputs),
@@ -262,7 +259,7 @@ def speculative_generate(
         processors=processors,
         sample=temperature > 0,
         draft_temperature=temperature,
-        first_stop=_stop_at(eos, input_ids.shape[1] + max_new_tokens),
+        first_stop=eos_or_length_stop(eos, input_ids.shape[1] + max_new_tokens),
         max_positions=None,
         generator=generator,
         max_length=input_ids.shape[1] + max_new_tokens,
@@ -356,7 +353,7 @@ class DFlashCustomGenerate:
                 raise ValueError("encoder-decoder decoding needs encoder_outputs (generate computes them)")
             refuse_padding(kwargs.get("decoder_attention_mask"), "speculative decoding of a decoder prompt")
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-            verifier = _Verifier(
+            verifier = TargetVerifier(
                 ft,
                 layer_ids,
                 "decoder_input_ids",
@@ -371,7 +368,7 @@ class DFlashCustomGenerate:
         else:
             # a padded prompt: generate's mask and positions, kept for every forward (`prompt_padding`)
             padding = prompt_padding(kwargs.get("attention_mask"), kwargs.get("position_ids"), input_ids.shape[1])
-            verifier = _Verifier(ft, layer_ids, "input_ids", DynamicCache(), padding=padding)
+            verifier = TargetVerifier(ft, layer_ids, "input_ids", DynamicCache(), padding=padding)
             prefill = {"input_ids": input_ids, **ft.cast_features(kwargs)}
             max_positions = None
         if not stopping_criteria:
@@ -381,7 +378,7 @@ class DFlashCustomGenerate:
             )
         sample = bool(getattr(generation_config, "do_sample", False))
 
-        seq, accepted = _decode(
+        seq, accepted = decode_loop(
             self.draft,
             verifier,
             prefill,
@@ -389,7 +386,7 @@ class DFlashCustomGenerate:
             processors=logits_processor or LogitsProcessorList(),
             sample=sample,
             draft_temperature=float(getattr(generation_config, "temperature", None) or 1.0),
-            first_stop=_criteria_stop(stopping_criteria),
+            first_stop=criteria_stop(stopping_criteria),
             max_positions=max_positions,
             generator=self.generator,
             max_length=getattr(generation_config, "max_length", None),

@@ -16,7 +16,7 @@ from dflash_hf.generation.target_cache import check_block_cached
 from dflash_hf.generation.tree import DraftTree, TreeHead, build_tree, candidate_width, draft_scores, tree_nodes
 from dflash_hf.generation.tree_accept import Accepted, accept_greedy, accept_sampled, tree_processed
 from dflash_hf.generation.tree_verify import (
-    StaticTreeVerifyStep,
+    FixedTreeVerifyStep,
     cache_tensors,
     check_tree_target,
     keep_path,
@@ -36,7 +36,7 @@ class TreeDecode:
     """A decode's tree verification over trees of `budget` nodes (fewer where the block's slots make fewer paths).
     Made before the prompt's forward: a target whose decoder cannot take the tree's mask is refused there."""
 
-    step_kind = StaticTreeVerifyStep  # the fixed-shape verify's class
+    step_kind = FixedTreeVerifyStep  # the fixed-shape verify's class
 
     def __init__(self, draft, ft, budget: int, *, sample: bool, draft_temperature: float):
         check_tree_budget(budget)
@@ -62,7 +62,7 @@ class TreeDecode:
     def cycle(
         self,
         verifier,
-        fixed: StaticTreeVerifyStep | None,
+        fixed: FixedTreeVerifyStep | None,
         processors,
         seq: torch.Tensor,
         a: int,

@@ -12,7 +12,7 @@ cache keeps the context and exactly the accepted nodes, in path order.
   positions and the speech LLMs' 1-D rope read them as they read a chain's.
 - The cache: the tree's rows are written at rows `a .. a+N` whatever the nodes' depths; the accepted path's rows are
   gathered into rows `a+1 .. a+k` of every layer (self-attention only: an encoder-decoder's cross-attention cache is
-  the utterance's) and the rest cropped (:func:`keep_path`). The fixed-shape verify (:class:`StaticTreeVerifyStep`)
+  the utterance's) and the rest cropped (:func:`keep_path`). The fixed-shape verify (:class:`FixedTreeVerifyStep`)
   does the same in its fixed buffers, masking the rows past the next anchor instead of cropping them.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_hf.generation.static_verify import StaticVerifyStep
+from dflash_hf.generation.fixed_verify import FixedVerifyStep
 from dflash_hf.models.configuration_dflash import decoder_attends_fully
 
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D additive mask as given
@@ -96,8 +96,8 @@ def cache_tensors(cache) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
-class StaticTreeVerifyStep(StaticVerifyStep):
-    """The fixed-shape verify of a token tree of `block` nodes (the root included; `static_verify`'s step for its
+class FixedTreeVerifyStep(FixedVerifyStep):
+    """The fixed-shape verify of a token tree of `block` nodes (the root included; `fixed_verify`'s step for its
     buffers, prompt rows and CUDA graph): the nodes' ids, depths and ancestors and the root's row are copied into
     fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `first + depth` (`first`
     the root's position: its row, but for the capture, which writes the last rows at the first positions, within
@@ -143,7 +143,7 @@ class StaticTreeVerifyStep(StaticVerifyStep):
 
 
 __all__ = [
-    "StaticTreeVerifyStep",
+    "FixedTreeVerifyStep",
     "cache_tensors",
     "check_tree_target",
     "keep_path",

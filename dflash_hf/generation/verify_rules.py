@@ -43,11 +43,11 @@ def max_new_tokens_given():
         log.removeFilter(quiet)
 
 
-def _eos_ids(target: FrozenTarget) -> set[int]:
+def eos_token_ids(target: FrozenTarget) -> set[int]:
     return target.special_ids().get("eos_token_id", set())
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pick_tokens(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tokens and (for sampling) their distributions from `[n, V]` logits."""
     if temperature <= 0:
         return logits.argmax(-1), None
@@ -61,7 +61,7 @@ def propose_block(draft, hidden: torch.Tensor, lm_head: torch.nn.Module, anchor_
     custom = getattr(draft, "propose_block", None)
     if custom is not None:
         return custom(hidden, lm_head, anchor_token, temperature, generator)
-    return _pick(lm_head(hidden[1:]), temperature, generator)
+    return pick_tokens(lm_head(hidden[1:]), temperature, generator)
 
 
 def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) -> tuple[int, int]:
@@ -86,7 +86,9 @@ def accept_tokens(draft_tokens, q_probs, target_logits, temperature, generator) 
     return n, int(torch.multinomial(p[n], 1, generator=generator))
 
 
-def _accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> tuple[int, torch.Tensor, list[int]]:
+def accept_greedy_prefix(
+    draft_tokens: torch.Tensor, target_scores: torch.Tensor
+) -> tuple[int, torch.Tensor, list[int]]:
     """Greedy acceptance with one device-to-host copy: the number of accepted draft tokens `k`, the new tokens
     (the target's argmax at block positions `0..k`: the accepted draft tokens equal it, the last is the bonus) on
     the device and the same ids on the host. The target's argmax and the draft tokens are read together and
@@ -99,10 +101,10 @@ def _accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> t
     return k, t[: k + 1], target[: k + 1]
 
 
-def _accept(draft_tokens, q_probs, target_scores, temperature, generator) -> tuple[int, torch.Tensor, list[int]]:
+def accept_prefix(draft_tokens, q_probs, target_scores, temperature, generator) -> tuple[int, torch.Tensor, list[int]]:
     """`k`, the new tokens on the device and on the host (accepted draft tokens then the bonus or corrected one)."""
     if temperature <= 0:
-        return _accept_greedy(draft_tokens, target_scores)
+        return accept_greedy_prefix(draft_tokens, target_scores)
     k, bonus = accept_tokens(draft_tokens, q_probs, target_scores, temperature, generator)
     new_ids = draft_tokens[:k].tolist() + [bonus]
     return k, torch.tensor(new_ids, device=draft_tokens.device), new_ids
@@ -181,7 +183,7 @@ ROW_WISE_PROCESSORS = (
 BEGIN_INDEX_PROCESSORS = (SuppressTokensAtBeginLogitsProcessor, _CachedBeginSuppression)
 
 
-def _processed(
+def processed_scores(
     processors: LogitsProcessorList, prefix: torch.Tensor, logits: torch.Tensor, block: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Scores `[n, V]` for logits `[n, V]` whose row i follows `ids[:, :L-n+1+i]`, `ids` `[1, L]` being `prefix`
@@ -219,7 +221,7 @@ def _processed(
 FirstStop = Callable[[torch.Tensor, int, torch.Tensor, list[int]], "int | None"]
 
 
-def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
+def eos_or_length_stop(eos: set[int], max_length: int | None) -> FirstStop:
     """Stop at an end token or at `max_length` tokens (prompt included)."""
 
     def first_stop(grown, length, scores, new_ids):
@@ -231,14 +233,14 @@ def _stop_at(eos: set[int], max_length: int | None) -> FirstStop:
     return first_stop
 
 
-def _criteria_stop(criteria: StoppingCriteriaList) -> FirstStop:
+def criteria_stop(criteria: StoppingCriteriaList) -> FirstStop:
     """`generate`'s stopping criteria, checked after each new token as `generate` does (its usual max-length
     and end-token criteria are read once instead of being run per token; others run on every new token's
     prefix, read back in one device-to-host copy)."""
     if all(type(c) in (MaxLengthCriteria, EosTokenCriteria) for c in criteria):
         lengths = [c.max_length for c in criteria if isinstance(c, MaxLengthCriteria)]
         eos = {int(t) for c in criteria if isinstance(c, EosTokenCriteria) for t in c.eos_token_id.flatten().tolist()}
-        return _stop_at(eos, min(lengths) if lengths else None)
+        return eos_or_length_stop(eos, min(lengths) if lengths else None)
 
     def first_stop(grown, length, scores, new_ids):
         hits = torch.cat([criteria(grown[:, : length + j + 1], scores[j : j + 1]) for j in range(len(new_ids))])

@@ -27,7 +27,7 @@ class DecodeSettings(Settings):
 
     draft_cuda_graph: str = setting(
         "auto",
-        "auto: on a GPU, replay the draft's greedy step as a CUDA graph (generation.static_draft); "
+        "auto: on a GPU, replay the draft's greedy step as a CUDA graph (generation.fixed_draft); "
         "off: the eager draft forward; on: also the fixed-shape step on the CPU. The decoded "
         "output is the same in every mode.",
     )
@@ -35,7 +35,7 @@ class DecodeSettings(Settings):
         "auto",
         "auto: on a GPU, the target's greedy verify as a fixed-shape forward replayed as a CUDA "
         "graph where it can run (Whisper and decoder-only targets, SDPA or eager attention; "
-        "dflash_hf.generation.static_verify), else the growing cache; on: always (refused where it cannot run; "
+        "dflash_hf.generation.fixed_verify), else the growing cache; on: always (refused where it cannot run; "
         "on the CPU without a graph); off: the growing cache. Its logits equal the growing cache's "
         "up to rounding; outputs are checked against greedy as usual.",
     )

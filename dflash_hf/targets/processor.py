@@ -1,6 +1,6 @@
 """Where a target's files come from: a model given as a local directory or a Hub id (`check_model_dir`), its processor
 or tokenizer (`load_processor`), and the model with its processor as `dflash-generate-labels` decodes with them
-(`load_greedy_target`). Light at import: transformers loads when a function runs."""
+(`load_label_target`). Light at import: transformers loads when a function runs."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remo
         return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def load_greedy_target(path: str, family: str | None, dtype: str, device: str):
+def load_label_target(path: str, family: str | None, dtype: str, device: str):
     """`(model, processor, family)` of the target at `path` for greedy decoding (`dflash-generate-labels`): the model
     class its config names (a causal LM for a text target) in `dtype` (a torch dtype name) on `device`, in eval mode;
     an audio target's processor with the exact, faster Whisper log-mel (`with_fast_features`), a text target's
@@ -69,4 +69,4 @@ def load_greedy_target(path: str, family: str | None, dtype: str, device: str):
     return model.to(device).eval(), processor, fam
 
 
-__all__ = ["check_model_dir", "load_greedy_target", "load_processor"]
+__all__ = ["check_model_dir", "load_label_target", "load_processor"]

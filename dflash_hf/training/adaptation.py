@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_hf.settings.run import DEFAULT_LORA_TARGETS, LORA_TARGETS
 from dflash_hf.targets.builder import draft_class_for
 
 PROJECTION_PARAM = "fc.weight"
@@ -139,6 +138,4 @@ __all__ = [
     "peft_model",
     "save_selection",
     "trainable_selection",
-    "LORA_TARGETS",
-    "DEFAULT_LORA_TARGETS",
 ]

@@ -54,10 +54,13 @@ def test_tiny_breakdown_adds_up_and_outputs_are_identical(profile, tmp_path, kin
     )
     assert results["commit"] and results["device"].startswith("cpu")
     # the package's functions are restored after the instrumented pass
-    assert speculative._Verifier.__call__.__qualname__ == "_Verifier.__call__"
+    assert speculative.TargetVerifier.__call__.__qualname__ == "TargetVerifier.__call__"
     from dflash_hf.generation import verify_rules
 
-    assert speculative.propose_block is verify_rules.propose_block and speculative._accept is verify_rules._accept
+    assert (
+        speculative.propose_block is verify_rules.propose_block
+        and speculative.accept_prefix is verify_rules.accept_prefix
+    )
 
 
 def test_the_fixed_shape_verify_is_timed_as_verify(profile, tmp_path):
@@ -83,9 +86,9 @@ def test_the_fixed_shape_verify_is_timed_as_verify(profile, tmp_path):
     seconds = results["instrumented"]["seconds"]
     assert seconds["verify"] > 0  # without its wrapper the fixed-shape verify would count as host work (0 here)
     assert results["wall_clock"]["verify_steps"] == {"fixed-shape, no graph": 2}
-    from dflash_hf.generation import static_verify
+    from dflash_hf.generation import fixed_verify
 
-    assert static_verify.StaticVerifyStep.verify.__qualname__ == "StaticVerifyStep.verify"  # restored
+    assert fixed_verify.FixedVerifyStep.verify.__qualname__ == "FixedVerifyStep.verify"  # restored
 
 
 def test_a_saved_model_side_target_is_profiled_on_its_own_row(profile, tmp_path):
@@ -179,7 +182,7 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
             record_if_from_speculative("tolist")
         return tolist(self)
 
-    decode = speculative._decode
+    decode = speculative.decode_loop
 
     def decode_counted(*args, **kwargs):
         decoding.append(True)
@@ -202,7 +205,7 @@ def test_greedy_decode_reads_the_device_once_per_cycle(monkeypatch):
     prompt = torch.randint(3, 250, (1, 7), generator=torch.Generator().manual_seed(0))
     kw = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt))
     ref = model.generate(**kw, max_new_tokens=12, do_sample=False)
-    monkeypatch.setattr(speculative, "_decode", decode_counted)
+    monkeypatch.setattr(speculative, "decode_loop", decode_counted)
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     out = speculative.speculative_generate(draft, model, 12, **kw)
     assert torch.equal(out.sequences, ref)
@@ -227,7 +230,7 @@ class NeverStop(StoppingCriteria):
 
 
 def test_begin_suppression_applies_to_the_row_at_its_begin_index_only():
-    """`_processed` runs Whisper's begin-suppression on the one block row whose prefix is `begin_index` ids long,
+    """`processed_scores` runs Whisper's begin-suppression on the one block row whose prefix is `begin_index` ids long,
     and gives what running it on every row (as `generate` does token by token) gives."""
     from transformers import LogitsProcessorList, SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor
 
@@ -238,7 +241,7 @@ def test_begin_suppression_applies_to_the_row_at_its_begin_index_only():
             [SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5, 6], begin_index)]
         )
         expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
-        got = speculative._processed(processors, prefix, logits)
+        got = speculative.processed_scores(processors, prefix, logits)
         assert torch.equal(got, expected), begin_index
         assert bool(got[:, 3].isinf().all())
         row = begin_index - 9

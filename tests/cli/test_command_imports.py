@@ -4,6 +4,7 @@ rows and the label pipeline live in `generation/`, `data/` and `export/`, the co
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 from utils import REPO_ROOT
 
-import dflash_hf
+from dflash_hf.lazy import EXPORTED
 
 PACKAGE = REPO_ROOT / "dflash_hf"
 COMMANDS = ("dflash_hf.cli.eval", "dflash_hf.cli.generate_labels")
@@ -35,9 +36,16 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
+def _lazy_exports(package: str) -> dict[str, str]:
+    """{name: module} of what `package` exports on first use (importing a package of the repository is light)."""
+    if package.split(".")[0] == "dflash_hf" and (REPO_ROOT.joinpath(*package.split(".")) / "__init__.py").is_file():
+        importlib.import_module(package)
+    return EXPORTED.get(package, {})
+
+
 def _imports(name: str) -> set[str]:
-    """The package modules module `name` imports, lazily or not (a submodule's packages included; a name of the
-    package's lazy public API as the module it comes from)."""
+    """The package modules module `name` imports, lazily or not (a submodule's packages included; a name a package
+    exports on first use as the module it comes from)."""
     tree = ast.parse(_module_file(name).read_text())
     skipped, found = _type_checking_only(tree), set()
     for node in ast.walk(tree):
@@ -48,8 +56,8 @@ def _imports(name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             for alias in node.names:
-                if node.module == "dflash_hf" and alias.name in dflash_hf._EXPORTS:
-                    found.add("dflash_hf" + dflash_hf._EXPORTS[alias.name])
+                if _lazy_exports(node.module).get(alias.name):
+                    found.add(_lazy_exports(node.module)[alias.name])
                 elif _module_file(f"{node.module}.{alias.name}"):
                     found.add(f"{node.module}.{alias.name}")
     modules = {m for m in found if m.split(".")[0] == "dflash_hf" and _module_file(m)}

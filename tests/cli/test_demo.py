@@ -14,7 +14,7 @@ from utils import REPO_ROOT
 from dflash_hf.cli import demo
 from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import parse_with_config
-from dflash_hf.export.hub import load_draft_strict
+from dflash_hf.export import load_draft_strict
 
 
 def readme_snippet(heading: str) -> str:

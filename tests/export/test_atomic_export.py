@@ -184,7 +184,7 @@ def test_loading_an_export_with_non_finite_weights_says_so(tmp_path):
 def test_staging_siblings_match_only_this_exports_name(tmp_path):
     (tmp_path / ".draft[1].partial-1-ab").mkdir()
     (tmp_path / ".draft1.partial-1-ab").mkdir()
-    assert [p.name for p in drafts._staging_siblings(tmp_path / "draft[1]", "partial")] == [".draft[1].partial-1-ab"]
+    assert [p.name for p in drafts.staging_siblings(tmp_path / "draft[1]", "partial")] == [".draft[1].partial-1-ab"]
 
 
 def test_export_into_the_current_directory_is_refused(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from utils import tiny_draft_config
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.export.hub import convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf.export import convert_dflash_to_dflash2, export_draft, load_draft_strict
 
 
 def test_export_files_are_0644_with_top_level_rope_theta(tmp_path):

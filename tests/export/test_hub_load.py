@@ -1,4 +1,4 @@
-"""Strict weights-only warm start (`dflash_hf.export.hub.load_draft_strict`)."""
+"""Strict weights-only warm start (`dflash_hf.export.drafts.load_draft_strict`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from utils import tiny_draft_config
 
 from dflash_hf import DFlashDraftModel
-from dflash_hf.export.hub import load_draft_strict
+from dflash_hf.export import load_draft_strict
 
 HIDDEN = 32
 
@@ -175,7 +175,7 @@ def test_published_style_config_loads(export):
 def test_warm_start_sizes_refuse_a_given_value_the_export_cannot_honour(caplog):
     """A warm start keeps the export's draft sizes: a value given that differs from it (and from the default) is
     refused; the default is replaced by the export's value with a log line."""
-    from dflash_hf.export.drafts import check_warm_start_sizes
+    from dflash_hf.targets.draft_checks import check_warm_start_sizes
 
     config = tiny_draft_config({"mask_token_id": 5, "target_layer_ids": [0, 1]})  # 2 layers
     defaults = {"num_draft_layers": 5}

@@ -12,8 +12,9 @@ import torch
 from utils import decode_with_proposals, scripted_draft
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
+from dflash_hf.generation.model_side import model_side_greedy
 from dflash_hf.generation.prompt_padding import generate_positions, prompt_padding
-from dflash_hf.generation.speculative import dflash_custom_generate, model_side_greedy
+from dflash_hf.generation.speculative import dflash_custom_generate
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
 

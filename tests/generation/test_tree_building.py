@@ -16,7 +16,7 @@ from utils import chi_square_p_value
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel
 from dflash_hf.generation.tree import SelectorScores, SlotScores, build_tree, draft_scores, tree_nodes
 from dflash_hf.generation.tree_accept import accept_greedy, accept_sampled, node_ids, tree_processed
-from dflash_hf.generation.verify_rules import _processed
+from dflash_hf.generation.verify_rules import processed_scores
 from dflash_hf.testing import tiny
 
 
@@ -152,7 +152,7 @@ def test_tree_rows_are_processed_as_each_node_path_would_be():
     )
     out = tree_processed(processors, prefix, logits, tree)
     for n, ids in enumerate(node_ids(prefix, tree)):
-        assert torch.equal(out[n : n + 1], _processed(processors, ids, logits[n : n + 1])), n
+        assert torch.equal(out[n : n + 1], processed_scores(processors, ids, logits[n : n + 1])), n
     assert torch.isinf(out[tree.depth == 1][:, [4, 5]]).all() and not torch.isinf(out[tree.depth != 1]).any()
 
 

@@ -15,7 +15,8 @@ import torch
 from utils import REPO_ROOT, loaded_script, tiny_qwen3_asr_prompt, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate
-from dflash_hf.generation.speculative import dflash_custom_generate, model_side_greedy
+from dflash_hf.generation.model_side import model_side_greedy
+from dflash_hf.generation.speculative import dflash_custom_generate
 from dflash_hf.generation.tree import SlotScores
 from dflash_hf.targets.families.registry import FAMILIES, encode_batch
 from dflash_hf.targets.frozen import FrozenTarget

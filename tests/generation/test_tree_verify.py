@@ -12,12 +12,12 @@ from transformers import DynamicCache, EncoderDecoderCache
 from utils import REPO_ROOT, loaded_script, tiny_text_target, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
-from dflash_hf.generation.decode_state import _Verifier, crop_cache
+from dflash_hf.generation.decode_state import TargetVerifier, crop_cache
+from dflash_hf.generation.fixed_verify import clear_fixed_verify_steps, verify_step_for
 from dflash_hf.generation.prompt_padding import generate_positions, prompt_padding
-from dflash_hf.generation.static_verify import clear_static_verify_steps, static_verify_step
 from dflash_hf.generation.target_cache import cache_keyword
 from dflash_hf.generation.tree import SlotScores, build_tree, tree_nodes
-from dflash_hf.generation.tree_verify import StaticTreeVerifyStep, cache_tensors, keep_path, verify_tree
+from dflash_hf.generation.tree_verify import FixedTreeVerifyStep, cache_tensors, keep_path, verify_tree
 from dflash_hf.targets.frozen import FrozenTarget
 
 pytestmark = pytest.mark.compat  # run on every transformers version CI tests
@@ -57,7 +57,7 @@ class _TextCase:
             mask[:, :3] = 0
         self.mask, self.prompt = mask, ids
         self.padding = prompt_padding(mask, None, ids.shape[1])
-        self.verifier = _Verifier(self.ft, TAPS, "input_ids", DynamicCache(), padding=self.padding)
+        self.verifier = TargetVerifier(self.ft, TAPS, "input_ids", DynamicCache(), padding=self.padding)
         extra = {} if self.padding is None else {"attention_mask": mask, "position_ids": generate_positions(mask)}
         self.verifier(input_ids=ids, **extra)
         self.step_kwargs = {}
@@ -89,7 +89,7 @@ class _WhisperCase:
         self.mask, self.padding = None, None
         self.step_kwargs = {"encoder_outputs": self.encoder}
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        self.verifier = _Verifier(self.ft, TAPS, "decoder_input_ids", cache, step_kwargs=self.step_kwargs)
+        self.verifier = TargetVerifier(self.ft, TAPS, "decoder_input_ids", cache, step_kwargs=self.step_kwargs)
         self.verifier(decoder_input_ids=self.prompt)
 
     def plain(self, tokens: list[int]):
@@ -119,10 +119,10 @@ def test_each_node_sees_its_path_and_the_kept_cache_is_the_committed_sequence(ca
     ids = torch.cat([torch.tensor([[anchor]]), tree.tokens[None]], dim=1)
     with torch.no_grad():
         if fixed:
-            clear_static_verify_steps(c.model)
-            step = static_verify_step(
+            clear_fixed_verify_steps(c.model)
+            step = verify_step_for(
                 c.ft, TAPS, tree.nodes + 1, 64, c.verifier.cache, c.step_kwargs, False, padding=c.padding,
-                kind=StaticTreeVerifyStep,
+                kind=FixedTreeVerifyStep,
             )  # fmt: skip
             logits, feats = step.verify_tree(c.ft, ids, tree.depth, tree.ancestors, a)
         else:
@@ -205,19 +205,19 @@ def test_the_capture_of_a_tree_verify_stays_within_whispers_positions(monkeypatc
     """A CUDA graph is captured at the buffers' last rows (written again before any query reaches them); a tree step's
     rows run past Whisper's 448 positions, so its capture forward must take positions from 0 (here the capture is
     the plain forward, as on the CPU there is no graph)."""
-    from dflash_hf.generation import static_verify
+    from dflash_hf.generation import fixed_verify
 
-    monkeypatch.setattr(static_verify, "capture_graph", lambda device, step, pool=None: (None, step()))
+    monkeypatch.setattr(fixed_verify, "capture_graph", lambda device, step, pool=None: (None, step()))
     c = _WhisperCase()
     tree = _tree(c.ft.vocab_size, seed=5)
-    rows = static_verify.verify_rows(None, 448, 0, tree.nodes + 1)
+    rows = fixed_verify.verify_rows(None, 448, 0, tree.nodes + 1)
     assert rows > 448
     with torch.no_grad():
-        step = static_verify_step(
-            c.ft, TAPS, tree.nodes + 1, rows, c.verifier.cache, c.step_kwargs, True, kind=StaticTreeVerifyStep
+        step = verify_step_for(
+            c.ft, TAPS, tree.nodes + 1, rows, c.verifier.cache, c.step_kwargs, True, kind=FixedTreeVerifyStep
         )
         ids = torch.cat([torch.tensor([[11]]), tree.tokens[None]], dim=1)
         fixed, _ = step.verify_tree(c.ft, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
         eager, _ = verify_tree(c.verifier, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
     torch.testing.assert_close(fixed, eager, atol=2e-5, rtol=1e-4)
-    clear_static_verify_steps(c.model)
+    clear_fixed_verify_steps(c.model)

@@ -14,7 +14,7 @@ from transformers import (
     TemperatureLogitsWarper,
 )
 
-from dflash_hf.generation.verify_rules import _accept_greedy, _processed, with_cached_masks
+from dflash_hf.generation.verify_rules import accept_greedy_prefix, processed_scores, with_cached_masks
 
 
 class Ops(TorchDispatchMode):
@@ -79,16 +79,16 @@ def test_block_scores_with_cached_masks_equal_the_processors_token_by_token():
             ]
         )
         expected = torch.cat([processors(prefix[:, : 9 + i], logits[i : i + 1]) for i in range(4)])
-        got = _processed(with_cached_masks(processors), prefix, logits)
+        got = processed_scores(with_cached_masks(processors), prefix, logits)
         assert torch.equal(got, expected), begin_index
 
 
 def test_cached_suppression_dispatches_one_operator_after_its_first_call():
     processors = with_cached_masks(LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7])]))
     prefix, logits = torch.arange(12)[None], torch.randn(8, 51865)
-    _processed(processors, prefix, logits)  # builds the mask
+    processed_scores(processors, prefix, logits)  # builds the mask
     with Ops() as ops:
-        _processed(processors, prefix, logits)
+        processed_scores(processors, prefix, logits)
     assert ops.names == ["aten.masked_fill.Scalar"]  # transformers' processor: arange, isin, where (and a scalar)
 
 
@@ -107,17 +107,17 @@ def test_greedy_acceptance_equals_the_prefix_match_and_dispatches_two_operators(
         t = scores.argmax(-1)
         cut = int(torch.randint(n + 1, (), generator=g))  # agree up to `cut`, then (maybe) differ
         draft = torch.cat([t[:cut], torch.randint(11, (n - cut,), generator=g)]) if n else t[:0]
-        k, new, new_ids = _accept_greedy(draft, scores)
+        k, new, new_ids = accept_greedy_prefix(draft, scores)
         ref_k, ref_new, ref_ids = reference_accept(draft, scores)
         assert (k, new_ids) == (ref_k, ref_ids) and torch.equal(new, ref_new), trial
     with Ops() as ops:
-        _accept_greedy(draft, scores)
+        accept_greedy_prefix(draft, scores)
     assert ops.names == ["aten.argmax.default", "aten.cat.default"]
 
 
 def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
-    """`_processed(processors, seq, logits, block)` equals `_processed` of the joined ids, and joins them (one
-    `cat` of ids) only when a processor is given ids past `seq`."""
+    """`processed_scores(processors, seq, logits, block)` equals `processed_scores` of the joined ids, and joins them
+    (one `cat` of ids) only when a processor is given ids past `seq`."""
 
     class LastIdBias:  # reads the ids: a processor applied row by row
         def __call__(self, input_ids, scores):
@@ -133,9 +133,9 @@ def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
                     [SuppressTokensLogitsProcessor([3]), SuppressTokensAtBeginLogitsProcessor([5], begin_index), *extra]
                 )
             )
-            expected = _processed(processors, joined, logits)
+            expected = processed_scores(processors, joined, logits)
             with Ops() as ops:
-                got = _processed(processors, seq, logits, block)
+                got = processed_scores(processors, seq, logits, block)
             assert torch.equal(got, expected), (begin_index, extra)
             id_cats = ops.names.count("aten.cat.default") - (begin_index - 9 in range(4)) - bool(extra)
             assert id_cats == (1 if reads or extra else 0), (begin_index, extra, ops.names)

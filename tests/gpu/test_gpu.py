@@ -6,7 +6,7 @@
   `python tests/gpu/test_gpu.py`.
 - The draft side of a training micro-batch (target-argmax labels, blocks, mask, draft, loss, metrics, backward)
   never waits for the device: run under `torch.cuda.set_sync_debug_mode("error")`, any synchronizing call raises.
-- Decoding with the draft's step captured as a CUDA graph (`dflash_hf.generation.static_draft`, the default on a GPU)
+- Decoding with the draft's step captured as a CUDA graph (`dflash_hf.generation.fixed_draft`, the default on a GPU)
 gives the
   eager loop's output and (fp32) its proposals, for a text and a Whisper encoder-context DFlash2 draft.
 - FP8 draft linears (`float8_draft_linears`, compute capability >= 8.9): `torch._scaled_mm` eager and compiled
@@ -46,7 +46,7 @@ from utils import (
 )
 
 from dflash_hf import DFlashConfig
-from dflash_hf.generation.static_draft import clear_static_steps, static_steps
+from dflash_hf.generation.fixed_draft import clear_fixed_draft_steps, fixed_draft_steps
 from dflash_hf.models.modeling_dflash import DFlash2DraftModel, DFlashDraftModel
 from dflash_hf.objective.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions, sample_anchors
 from dflash_hf.objective.losses import block_loss
@@ -313,9 +313,9 @@ def test_compiled_flex_keeps_compiled_kernels_as_shapes_change(tmp_path):
 
 
 def _graph_and_eager_agree(draft, target, max_new_tokens, **inputs):
-    clear_static_steps(draft)
+    clear_fixed_draft_steps(draft)
     graph, graph_props = decode_with_proposals(draft, target, max_new_tokens, None, **inputs)  # auto: a graph
-    steps = list(static_steps(draft).values())
+    steps = list(fixed_draft_steps(draft).values())
     assert len(steps) == 1 and steps[0].graph is not None and graph.draft_step == "cuda graph"
     eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
     assert torch.equal(graph.sequences, eager.sequences)  # lossless either way

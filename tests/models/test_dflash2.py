@@ -19,8 +19,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from utils import REPO_ROOT, assert_lossless_greedy, chi_square_p_value, make_trainer, text_batch, tiny_text_target
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, DFlashTrainingArguments
-from dflash_hf.export.hub import load_draft_strict
-from dflash_hf.generation.speculative import accept_tokens
+from dflash_hf.export import load_draft_strict
+from dflash_hf.generation.verify_rules import accept_tokens
 from dflash_hf.objective.blocks import attention_mask_for, build_blocks, doc_ids_from, row_positions
 from dflash_hf.objective.losses import MetricSums, block_loss, dflash2_block_loss
 from dflash_hf.testing import tiny

@@ -383,7 +383,7 @@ def test_trainer_and_decoding_follow_the_decoder_streams(name, manifest, tmp_pat
             seq = torch.cat([seq, model(**step).logits[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(out.sequences, seq) and out.sequences.shape[1] > inputs["input_ids"].shape[1]
     if name == "qwen2_audio_single_placeholder":  # dflash-eval's baseline for this row: a cached greedy loop
-        from dflash_hf.generation.speculative import model_side_greedy
+        from dflash_hf.generation.model_side import model_side_greedy
 
         assert torch.equal(model_side_greedy(FrozenTarget(model, name), 12, **inputs), out.sequences)
         # An end token stops both where it is first decoded (it is kept): make the second new token one.

@@ -15,7 +15,7 @@ from utils import scripted_draft, tiny_qwen3_asr_prompt, tiny_text_target, tiny_
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
 from dflash_hf.data import ConversationConfig, build_train_dataloader
 from dflash_hf.data.bad_samples import BadSampleError
-from dflash_hf.generation import target_greedy
+from dflash_hf.generation import target_generate
 from dflash_hf.generation.speculative import dflash_custom_generate
 from dflash_hf.objective.labels.target_argmax import target_argmax_labels
 from dflash_hf.targets.families.whisper_features import with_whole_window
@@ -220,7 +220,7 @@ def test_speculative_greedy_equals_whisper_generate_and_custom_generate(whisper)
 
 @pytest.mark.slow  # 242 s on 2 busy cores
 def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
-    """`target_greedy` takes Whisper's plain `generate` (no cache copy to the CPU) and gives the dict call's
+    """`target_generate` takes Whisper's plain `generate` (no cache copy to the CPU) and gives the dict call's
     sequences: the prompt back in front, the end token back where a row ended, rows of a batch padded alike."""
     model, processor = whisper
     eos, prompt = processor.tokenizer.eos_token_id, torch.tensor([[257, 258, 359, 363]])
@@ -241,13 +241,13 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
             one = model.generate(
                 feats[row : row + 1], decoder_input_ids=prompt, max_new_tokens=n, return_dict_in_generate=True
             ).sequences
-            got = target_greedy.target_greedy(
+            got = target_generate.target_generate(
                 target, {"input_features": feats[row : row + 1], "decoder_input_ids": prompt}, n
             )
             assert torch.equal(got, one), (n, row)
             ended += int(one[0, -1]) == eos
             capped += one.shape[1] == 4 + n and int(one[0, -1]) != eos
-        got = target_greedy.target_greedy(
+        got = target_generate.target_generate(
             target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, n
         )
         assert torch.equal(got, ref), n
@@ -255,10 +255,10 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
     calls = []  # and without the dict call's cache copy: the plain call, once
     generate = model.generate
     model.generate = lambda *a, **kw: calls.append(kw.get("return_dict_in_generate")) or generate(*a, **kw)
-    target_greedy.target_greedy(target, {"input_features": feats[:1], "decoder_input_ids": prompt}, 6)
+    target_generate.target_generate(target, {"input_features": feats[:1], "decoder_input_ids": prompt}, 6)
     del model.generate
     assert calls == [False]
-    new = target_greedy.target_greedy_new_tokens(
+    new = target_generate.target_generate_new_tokens(
         target, {"input_features": feats, "decoder_input_ids": prompt.repeat(4, 1)}, 24
     )
     assert torch.equal(new, ref[:, 4:]) and int(new[0, -1]) == eos
@@ -275,7 +275,7 @@ def test_target_greedy_equals_the_dict_generate_without_its_cache_copy(whisper):
         for n in (8, 25):
             one = {"input_features": feats[:1], "decoder_input_ids": prompt}
             ref = odd.generate(**one, max_new_tokens=n, return_dict_in_generate=True).sequences
-            assert torch.equal(target_greedy.target_greedy(FrozenTarget(odd), one, n), ref), n
+            assert torch.equal(target_generate.target_generate(FrozenTarget(odd), one, n), ref), n
 
 
 @pytest.mark.compat
@@ -609,7 +609,7 @@ def test_greedy_and_speculative_decoding_do_not_repeat_the_max_length_warning(wh
         assert any("seem to have been set" in r.getMessage() for r in records)
         records.clear()
         ft = FrozenTarget(model)
-        target_greedy.target_greedy(ft, {"input_features": feats}, 4)
+        target_generate.target_generate(ft, {"input_features": feats}, 4)
         speculative_generate(whisper_draft(model), ft, 4, input_features=feats)
         assert not any("seem to have been set" in r.getMessage() for r in records)
         model.generate(input_features=feats, max_new_tokens=4)  # the filter is gone afterwards

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from utils import make_trainer, random_rows, tiny_text_target
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments
-from dflash_hf.export.hub import check_warm_start, convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf.export import convert_dflash_to_dflash2, export_draft, load_draft_strict
+from dflash_hf.targets.draft_checks import check_warm_start
 from dflash_hf.testing import tiny
 from dflash_hf.training.adaptation import SELECTION_FILE, plain_draft
 

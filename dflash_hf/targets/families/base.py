@@ -236,7 +236,7 @@ def get_tokenizer(processor):
     return getattr(processor, "tokenizer", processor)
 
 
-def _mel_frames(num_samples: int) -> int:
+def mel_frames(num_samples: int) -> int:
     return -(-num_samples // HOP_LENGTH)
 
 
@@ -254,7 +254,7 @@ def add_special_tokens_for(prefix: str | None, texts: Sequence[str]) -> bool:
     return not (prefix and all(prefix in t for t in texts))
 
 
-def _add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
+def should_add_special_tokens(tokenizer, texts: Sequence[str]) -> bool:
     """`add_special_tokens_for` with the tokenizer's prefix found now (it tokenizes: keep the prefix where it is
     asked per sample)."""
     return add_special_tokens_for(special_prefix(tokenizer), texts)
@@ -274,7 +274,7 @@ def tokenize_padded(tokenizer, texts: Sequence[str], padding_side: str, add_spec
     return {key: torch.tensor(out[key], dtype=torch.long) for key in ("input_ids", "attention_mask")}
 
 
-def _select(out, keys: Sequence[str]) -> dict:
+def select_outputs(out, keys: Sequence[str]) -> dict:
     missing = [k for k in keys if k not in out]
     if missing:
         raise KeyError(f"processor output lacks {missing}; it returned {sorted(out.keys())}")

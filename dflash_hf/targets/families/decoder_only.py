@@ -18,11 +18,11 @@ from dflash_hf.targets.families.base import (
     HOP_LENGTH,
     SAMPLING_RATE,
     TargetFamily,
-    _add_special_tokens,
-    _mel_frames,
-    _select,
     audio_token_id,
     get_tokenizer,
+    mel_frames,
+    select_outputs,
+    should_add_special_tokens,
     tokenize_padded,
 )
 
@@ -34,7 +34,7 @@ def _encode_processor(family, processor, config, texts, audios, padding_side):
     tokenizer = get_tokenizer(processor)
     # text-only kwargs: a top-level `padding` would also change the audio padding of some processors
     text_kwargs = dict(
-        padding=True, padding_side=padding_side, add_special_tokens=_add_special_tokens(tokenizer, texts)
+        padding=True, padding_side=padding_side, add_special_tokens=should_add_special_tokens(tokenizer, texts)
     )
     out = processor(
         text=list(texts),
@@ -43,14 +43,14 @@ def _encode_processor(family, processor, config, texts, audios, padding_side):
         return_tensors="pt",
         text_kwargs=text_kwargs,
     )
-    return _select(out, ("input_ids", "attention_mask", *family.audio_kwargs))
+    return select_outputs(out, ("input_ids", "attention_mask", *family.audio_kwargs))
 
 
 def _encode_text(family, processor, config, texts, audios, padding_side):
     if audios:
         raise ValueError(f"family {family.name!r} is text-only but the batch has {len(audios)} audios")
     tokenizer = get_tokenizer(processor)
-    return tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
+    return tokenize_padded(tokenizer, texts, padding_side, should_add_special_tokens(tokenizer, texts))
 
 
 def _encode_single_placeholder(family, processor, config, texts, audios, padding_side):
@@ -61,7 +61,7 @@ def _encode_single_placeholder(family, processor, config, texts, audios, padding
     counts = [t.count(placeholder) for t in texts]
     if sum(counts) != len(audios):
         raise ValueError(f"{sum(counts)} {placeholder} placeholders in the texts but {len(audios)} audios")
-    out = tokenize_padded(tokenizer, texts, padding_side, _add_special_tokens(tokenizer, texts))
+    out = tokenize_padded(tokenizer, texts, padding_side, should_add_special_tokens(tokenizer, texts))
     feats = processor.feature_extractor(
         list(audios),
         sampling_rate=family.sampling_rate,
@@ -115,7 +115,7 @@ def _encode_voxtral(family, processor, config, texts, audios, padding_side):
         expanded.append(out)
     if queue:
         raise ValueError(f"{len(queue)} audios left without a {placeholder} placeholder in the texts")
-    result = tokenize_padded(tokenizer, expanded, padding_side, _add_special_tokens(tokenizer, expanded))
+    result = tokenize_padded(tokenizer, expanded, padding_side, should_add_special_tokens(tokenizer, expanded))
     if features:
         result["input_features"] = torch.cat(features)
     return result
@@ -135,14 +135,14 @@ def _qwen3_asr_tokens(config, n: int) -> int:
 
 
 def _qwen2_audio_tokens(config, n: int) -> int:
-    frames = min(_mel_frames(n), 3000)  # padded / truncated to 30 s
+    frames = min(mel_frames(n), 3000)  # padded / truncated to 30 s
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
 def _windowed_frames(n: int, window_seconds: float = 30.0) -> int:
     window = int(window_seconds * SAMPLING_RATE)
     n_win = max(1, -(-n // window))
-    return sum(_mel_frames(min(window, n - i * window)) for i in range(n_win))
+    return sum(mel_frames(min(window, n - i * window)) for i in range(n_win))
 
 
 def _audioflamingo3_tokens(config, n: int) -> int:

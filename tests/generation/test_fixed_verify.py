@@ -10,9 +10,9 @@ import torch
 from utils import raising, scripted_draft, tiny_qwen3_asr_prompt, tiny_whisper, whisper_draft, whisper_features
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, speculative_generate
-from dflash_hf.generation import static_verify
+from dflash_hf.generation import fixed_verify
+from dflash_hf.generation.fixed_draft import MAX_FIXED_POSITIONS
 from dflash_hf.generation.speculative import dflash_custom_generate
-from dflash_hf.generation.static_draft import MAX_GRAPH_POSITIONS
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
 
@@ -29,7 +29,7 @@ def whisper():
 @pytest.mark.slow  # 22 s on 2 busy cores
 def test_fixed_shape_verify_decodes_as_the_growing_cache(whisper):
     model, processor = whisper
-    static_verify.clear_static_verify_steps(model)
+    fixed_verify.clear_fixed_verify_steps(model)
     for seed in range(3):  # one step serves every utterance: its prompt rows and cross keys are refilled
         feats = whisper_features(processor, seed)
         ref = model.generate(feats, max_new_tokens=24, return_dict_in_generate=True).sequences
@@ -49,7 +49,7 @@ def test_fixed_shape_verify_decodes_as_the_growing_cache(whisper):
             assert fixed.verify_step == "fixed-shape, no graph" and eager.verify_step == "eager"
             assert fixed.num_target_forwards == eager.num_target_forwards
         assert eager.acceptance_lengths[0] == BLOCK  # the last setting accepts whole blocks
-    assert len(static_verify.static_verify_steps(model)) == 1
+    assert len(fixed_verify.fixed_verify_steps(model)) == 1
     plain = model.generate(feats, max_new_tokens=24)
     custom = dflash_custom_generate(whisper_draft(model), verify_cuda_graph=True)
     assert torch.equal(model.generate(feats, max_new_tokens=24, custom_generate=custom), plain)
@@ -77,14 +77,14 @@ def test_fixed_shape_verify_is_refused_where_it_cannot_apply(whisper):
             is_encoder_decoder=True,
         )
         with pytest.raises(ValueError, match=message):  # flash attention: its mask would not be additive
-            static_verify.check_verify_step(
+            fixed_verify.check_verify_step(
                 fake, BLOCK, {"encoder_outputs": (None,)}, sample=False, max_positions=448, max_length=30
             )
 
 
 def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
     """`verify_cuda_graph=None` (dflash-eval's default `auto`): the fixed-shape verify on a GPU where it can run and
-    its buffers stay within MAX_GRAPH_POSITIONS rows, the growing cache otherwise, without an error; True forces it."""
+    its buffers stay within MAX_FIXED_POSITIONS rows, the growing cache otherwise, without an error; True forces it."""
 
     def fake(model_type, device, encoder_decoder):
         config = SimpleNamespace(model_type=model_type, _attn_implementation="sdpa")
@@ -96,7 +96,7 @@ def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
         )
 
     whisper_kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
-    rows = static_verify.fixed_verify_rows
+    rows = fixed_verify.fixed_verify_rows
     assert rows(None, fake("whisper", "cuda", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) == 448
     assert rows(None, fake("whisper", "cpu", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) is None
     assert rows(True, fake("whisper", "cpu", True), BLOCK, {"encoder_outputs": (None,)}, **whisper_kw) == 448
@@ -106,32 +106,32 @@ def test_auto_verify_runs_on_a_gpu_where_it_can_and_falls_back_elsewhere():
     text = fake("qwen3", "cuda", False)
     assert rows(None, text, BLOCK, {}, sample=False, max_positions=None, max_length=100, expansion=50) == 256
     assert rows(None, text, BLOCK, {}, sample=False, max_positions=None, max_length=None, expansion=0) is None
-    long = dict(sample=False, max_positions=None, max_length=MAX_GRAPH_POSITIONS, expansion=0)
+    long = dict(sample=False, max_positions=None, max_length=MAX_FIXED_POSITIONS, expansion=0)
     assert rows(None, text, BLOCK, {}, **long) is None  # too many rows for auto
-    assert rows(True, text, BLOCK, {}, **long) > MAX_GRAPH_POSITIONS  # asked for: it runs
+    assert rows(True, text, BLOCK, {}, **long) > MAX_FIXED_POSITIONS  # asked for: it runs
 
 
 def test_a_failing_fixed_verify_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(static_verify, "static_verify_step", raising(calls, RuntimeError("capture failed")))
+    monkeypatch.setattr(fixed_verify, "verify_step_for", raising(calls, RuntimeError("capture failed")))
     model = torch.nn.Linear(2, 2)
     ft = SimpleNamespace(model=model, device=torch.device("cuda"))
-    monkeypatch.setattr(static_verify, "fixed_verify_rows", lambda *a, **k: 448)
+    monkeypatch.setattr(fixed_verify, "fixed_verify_rows", lambda *a, **k: 448)
     kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
     cache = _small_cache()
     with caplog.at_level("WARNING", logger="dflash_hf.ops.cuda_graphs"):  # the shared fallback logs there
-        assert static_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
+        assert fixed_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
     assert "RuntimeError: capture failed" in caplog.text and "growing cache" in caplog.text
-    assert static_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
+    assert fixed_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
     assert len(calls) == 1  # not tried again for this model
     with pytest.raises(RuntimeError, match="capture failed"):
-        static_verify.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw)
-    static_verify.clear_static_verify_steps(model)  # forgets the failure: tried again
-    assert static_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None and len(calls) == 3
-    monkeypatch.setattr(static_verify, "static_verify_step", raising(calls, torch.OutOfMemoryError("no room")))
+        fixed_verify.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw)
+    fixed_verify.clear_fixed_verify_steps(model)  # forgets the failure: tried again
+    assert fixed_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None and len(calls) == 3
+    monkeypatch.setattr(fixed_verify, "verify_step_for", raising(calls, torch.OutOfMemoryError("no room")))
     other = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cuda"))
     for _ in range(2):  # out of memory: not remembered, tried again next decode
-        assert static_verify.fixed_verify_step(None, other, [1], BLOCK, cache, {}, **kw) is None
+        assert fixed_verify.fixed_verify_step(None, other, [1], BLOCK, cache, {}, **kw) is None
     assert len(calls) == 5
 
 
@@ -148,18 +148,18 @@ def test_a_decode_after_a_failed_fixed_verify_is_the_growing_cache_decode(monkey
     ids = inputs["input_ids"]
     eager = speculative_generate(draft(), ft, 12, verify_cuda_graph=False, input_ids=ids)
 
-    monkeypatch.setattr(static_verify, "fixed_verify_rows", lambda *a, **k: 128)  # as if on a GPU
-    monkeypatch.setattr(static_verify, "static_verify_step", raising([], RuntimeError("capture failed")))
+    monkeypatch.setattr(fixed_verify, "fixed_verify_rows", lambda *a, **k: 128)  # as if on a GPU
+    monkeypatch.setattr(fixed_verify, "verify_step_for", raising([], RuntimeError("capture failed")))
     out = speculative_generate(draft(), ft, 12, input_ids=ids)
     assert out.verify_step == "eager" and torch.equal(out.sequences, eager.sequences)
     assert out.acceptance_lengths == eager.acceptance_lengths
-    static_verify.clear_static_verify_steps(model)
+    fixed_verify.clear_fixed_verify_steps(model)
 
 
 def test_the_kept_steps_of_a_model_stay_within_the_budget(monkeypatch):
     class FakeStep:
         def __init__(self, ft, layer_ids, block, rows, *rest):
-            self.rows, self.nbytes = rows, static_verify.buffer_bytes(_small_cache(), rows)
+            self.rows, self.nbytes = rows, fixed_verify.buffer_bytes(_small_cache(), rows)
 
         def serves(self, ft):
             return True
@@ -167,16 +167,16 @@ def test_the_kept_steps_of_a_model_stay_within_the_budget(monkeypatch):
         def start(self, *args):
             pass
 
-    monkeypatch.setattr(static_verify, "StaticVerifyStep", FakeStep)
+    monkeypatch.setattr(fixed_verify, "FixedVerifyStep", FakeStep)
     ft = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cpu"), dtype=torch.float32)
-    per_row = static_verify.buffer_bytes(_small_cache(), 1)
+    per_row = fixed_verify.buffer_bytes(_small_cache(), 1)
     for rows in (128, 256, 384):
-        static_verify.static_verify_step(ft, [1], BLOCK, rows, _small_cache(), {}, False, budget=per_row * 500)
-    kept = [k[4] for k in static_verify.static_verify_steps(ft.model)]
+        fixed_verify.verify_step_for(ft, [1], BLOCK, rows, _small_cache(), {}, False, budget=per_row * 500)
+    kept = [k[4] for k in fixed_verify.fixed_verify_steps(ft.model)]
     assert kept == [384]  # 128 + 256 + 384 rows would pass 500: the least recently used went first
-    static_verify.static_verify_step(ft, [1], BLOCK, 128, _small_cache(), {}, False, budget=per_row * 600)
-    assert [k[4] for k in static_verify.static_verify_steps(ft.model)] == [384, 128]
-    static_verify.clear_static_verify_steps(ft.model)
+    fixed_verify.verify_step_for(ft, [1], BLOCK, 128, _small_cache(), {}, False, budget=per_row * 600)
+    assert [k[4] for k in fixed_verify.fixed_verify_steps(ft.model)] == [384, 128]
+    fixed_verify.clear_fixed_verify_steps(ft.model)
 
 
 def _small_cache(layers: int = 1):
@@ -190,15 +190,15 @@ def _small_cache(layers: int = 1):
 
 def test_the_default_keeps_the_growing_cache_when_the_buffers_would_be_large(monkeypatch):
     cache = _small_cache(layers=3)
-    assert static_verify.buffer_bytes(cache, 448) == 2 * 3 * 2 * 4 * 448 * 4
-    monkeypatch.setattr(static_verify, "static_verify_step", lambda *a, **k: "step")
-    monkeypatch.setattr(static_verify, "fixed_verify_rows", lambda *a, **k: 448)
+    assert fixed_verify.buffer_bytes(cache, 448) == 2 * 3 * 2 * 4 * 448 * 4
+    monkeypatch.setattr(fixed_verify, "verify_step_for", lambda *a, **k: "step")
+    monkeypatch.setattr(fixed_verify, "fixed_verify_rows", lambda *a, **k: 448)
     ft = SimpleNamespace(model=torch.nn.Linear(2, 2), device=torch.device("cuda"))
     kw = dict(sample=False, max_positions=448, max_length=30, expansion=0)
-    assert static_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) == "step"
-    monkeypatch.setattr(static_verify, "AUTO_MAX_BUFFER_BYTES", 2 * 3 * 2 * 4 * 448 * 4 - 1)
-    assert static_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
-    assert static_verify.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw) == "step"  # asked for: it runs
+    assert fixed_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) == "step"
+    monkeypatch.setattr(fixed_verify, "AUTO_MAX_BUFFER_BYTES", 2 * 3 * 2 * 4 * 448 * 4 - 1)
+    assert fixed_verify.fixed_verify_step(None, ft, [1], BLOCK, cache, {}, **kw) is None
+    assert fixed_verify.fixed_verify_step(True, ft, [1], BLOCK, cache, {}, **kw) == "step"  # asked for: it runs
 
 
 def test_a_sliding_window_decoder_keeps_the_growing_cache():
@@ -217,17 +217,17 @@ def test_a_sliding_window_decoder_keeps_the_growing_cache():
     )
     ft = FrozenTarget(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"))
     kw = dict(sample=False, max_positions=None, max_length=30)
-    assert "sliding-window" in static_verify.verify_step_blocker(ft, BLOCK, {}, **kw)
+    assert "sliding-window" in fixed_verify.verify_step_blocker(ft, BLOCK, {}, **kw)
     with pytest.raises(ValueError, match="verify_cuda_graph=True: .* sliding-window"):
-        static_verify.check_verify_step(ft, BLOCK, {}, **kw)
+        fixed_verify.check_verify_step(ft, BLOCK, {}, **kw)
     model = SimpleNamespace(config=ft.model.config, parameters=lambda: iter(()))  # as if all on the GPU
     on_gpu = SimpleNamespace(model=model, decoder=ft.decoder, device=torch.device("cuda"), is_encoder_decoder=False)
-    assert "sliding-window" in static_verify.verify_step_blocker(on_gpu, BLOCK, {}, **kw)
-    assert static_verify.fixed_verify_rows(None, on_gpu, BLOCK, {}, expansion=0, **kw) is None
+    assert "sliding-window" in fixed_verify.verify_step_blocker(on_gpu, BLOCK, {}, **kw)
+    assert fixed_verify.fixed_verify_rows(None, on_gpu, BLOCK, {}, expansion=0, **kw) is None
 
 
 def test_fixed_self_cache_writes_at_the_index_and_masks_later_rows():
-    cache = static_verify.FixedSelfCache(
+    cache = fixed_verify.FixedSelfCache(
         num_layers=1, heads=1, head_dim=2, positions=6, dtype=torch.float32, device=torch.device("cpu")
     )
     cache.write_index = torch.tensor([2, 3])

@@ -1,7 +1,7 @@
 """The target's block verify as one fixed-shape forward, replayed as a CUDA graph (on a GPU by default).
 
 At batch 1 the target's forward over a block is launch-bound: on the H200 it was half of a Whisper cycle once the
-draft's step ran as a graph (`docs/PERFORMANCE.md`). :class:`StaticVerifyStep` runs the same forward with every shape
+draft's step ran as a graph (`docs/PERFORMANCE.md`). :class:`FixedVerifyStep` runs the same forward with every shape
 fixed, so it can be captured once and replayed (Whisper and decoder-only targets: text LLMs and speech LLMs, whose
 prompt's audio positions are prefilled as usual):
 
@@ -30,7 +30,7 @@ import weakref
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from dflash_hf.generation.static_draft import MAX_GRAPH_POSITIONS
+from dflash_hf.generation.fixed_draft import MAX_FIXED_POSITIONS
 from dflash_hf.generation.target_cache import cache_keyword
 from dflash_hf.models.configuration_dflash import decoder_attends_fully
 from dflash_hf.ops.cuda_graphs import (
@@ -83,9 +83,9 @@ class FixedSelfCache(DynamicCache):
         return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
 
 
-class StaticVerifyStep:
+class FixedVerifyStep:
     """One target's fixed tensors and the fixed-shape verify over them (module docstring). Made by
-    :func:`static_verify_step`; :meth:`start` once per prompt, :meth:`verify` once per cycle. One decode at a time
+    :func:`verify_step_for`; :meth:`start` once per prompt, :meth:`verify` once per cycle. One decode at a time
     per target (its buffers are shared by every decode with the same key)."""
 
     def __init__(self, ft, layer_ids: list[int], block: int, rows: int, prefill_cache, encoder_hidden, graph: bool):
@@ -220,7 +220,7 @@ def verify_rows(max_positions: int | None, max_length: int, expansion: int, bloc
     return -(-need // ROW_ROUNDING) * ROW_ROUNDING
 
 
-def static_verify_step(
+def verify_step_for(
     ft,
     layer_ids: list[int],
     block: int,
@@ -230,13 +230,13 @@ def static_verify_step(
     graph: bool,
     budget: int | None = None,
     padding=None,
-    kind: type[StaticVerifyStep] = StaticVerifyStep,
-) -> StaticVerifyStep:
-    """The target's :class:`StaticVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
+    kind: type[FixedVerifyStep] = FixedVerifyStep,
+) -> FixedVerifyStep:
+    """The target's :class:`FixedVerifyStep` for these taps, block, rows and (Whisper) encoder frame shape, made once
     and kept beside the target model (a capture costs a few forwards), started for this prompt. `budget`: bytes the
     model's kept steps may hold together, the new one included (the least recently used are dropped to fit).
     `padding`: a padded prompt's `prompt_padding.PromptPadding` (None: unpadded). `kind`: the step's class (a
-    subclass verifies a token tree of `block` nodes: `tree_verify.StaticTreeVerifyStep`)."""
+    subclass verifies a token tree of `block` nodes: `tree_verify.FixedTreeVerifyStep`)."""
     encoder = step_kwargs.get("encoder_outputs")
     encoder_hidden = None if encoder is None else encoder[0]
     store = _STEPS.setdefault(ft.model, {})
@@ -258,13 +258,13 @@ def static_verify_step(
     return step
 
 
-def static_verify_steps(model) -> dict:
+def fixed_verify_steps(model) -> dict:
     """The verify steps made for the target `model` so far (keyed by device, dtype, taps, block, rows, frames, mode,
     class)."""
     return _STEPS.get(model, {})
 
 
-def clear_static_verify_steps(model) -> None:
+def clear_fixed_verify_steps(model) -> None:
     """Drop `model`'s verify steps and their buffers (and CUDA graphs), and forget a failure under the default."""
     _STEPS.pop(model, None)
     _FAILED.pop(model, None)
@@ -328,7 +328,7 @@ def fixed_verify_rows(
 ) -> int | None:
     """Rows of the fixed-shape verify this decode uses, or None for the growing cache. `setting`: True = always
     (refused before the prefill by :func:`check_verify_step` where it cannot run), None = on a GPU where it can run
-    and its buffers hold at most `MAX_GRAPH_POSITIONS` rows, False = never. `nodes`: rows a verify writes when they
+    and its buffers hold at most `MAX_FIXED_POSITIONS` rows, False = never. `nodes`: rows a verify writes when they
     are not the block's (a token tree's nodes, at rows past its anchor whatever their positions)."""
     setting = None if setting is None else bool(setting)
     if setting is False or (setting is None and ft.device.type != "cuda"):
@@ -344,7 +344,7 @@ def fixed_verify_rows(
     rows = verify_rows(max_positions, max_length, expansion, block)
     if nodes is not None:
         rows = max(rows, verify_rows(None, max_length, expansion, nodes))
-    return rows if setting or rows <= MAX_GRAPH_POSITIONS else None
+    return rows if setting or rows <= MAX_FIXED_POSITIONS else None
 
 
 def fixed_verify_step(
@@ -361,15 +361,15 @@ def fixed_verify_step(
     expansion: int,
     padding=None,
     nodes: int | None = None,
-    kind: type[StaticVerifyStep] = StaticVerifyStep,
-) -> StaticVerifyStep | None:
-    """The decode's :class:`StaticVerifyStep`, started for this prompt, or None for the growing cache
+    kind: type[FixedVerifyStep] = FixedVerifyStep,
+) -> FixedVerifyStep | None:
+    """The decode's :class:`FixedVerifyStep`, started for this prompt, or None for the growing cache
     (:func:`fixed_verify_rows` decides). Under `setting=None` (the default) the steps kept for a model hold at most
     `AUTO_MAX_BUFFER_BYTES` of key/value buffers together, and a step that fails to build or capture falls back to
-    the growing cache with a warning (for this model from then on, until `clear_static_verify_steps`; out of memory:
+    the growing cache with a warning (for this model from then on, until `clear_fixed_verify_steps`; out of memory:
     for this decode only); asked for with True, the error is raised. `padding`: a padded prompt's
     `prompt_padding.PromptPadding` (its mask and positions hold in every verify). `nodes`, `kind`: a token tree's
-    verify (`tree_verify.StaticTreeVerifyStep` over `nodes` rows a cycle)."""
+    verify (`tree_verify.FixedTreeVerifyStep` over `nodes` rows a cycle)."""
     rows = fixed_verify_rows(
         setting,
         ft,
@@ -390,8 +390,8 @@ def fixed_verify_step(
         setting,
         _FAILED,
         ft.model,
-        clear_static_verify_steps,
-        lambda: static_verify_step(
+        clear_fixed_verify_steps,
+        lambda: verify_step_for(
             ft,
             layer_ids,
             nodes or block,
@@ -412,14 +412,14 @@ def fixed_verify_step(
 __all__ = [
     "AUTO_MAX_BUFFER_BYTES",
     "FixedSelfCache",
-    "StaticVerifyStep",
+    "FixedVerifyStep",
     "buffer_bytes",
     "check_verify_step",
-    "clear_static_verify_steps",
+    "clear_fixed_verify_steps",
     "fixed_verify_rows",
     "fixed_verify_step",
-    "static_verify_step",
-    "static_verify_steps",
+    "verify_step_for",
+    "fixed_verify_steps",
     "verify_rows",
     "verify_step_blocker",
 ]

@@ -1,4 +1,4 @@
-"""The fixed-shape draft step (`dflash_hf.generation.static_draft`, replayed as a CUDA graph on a GPU): on the CPU it
+"""The fixed-shape draft step (`dflash_hf.generation.fixed_draft`, replayed as a CUDA graph on a GPU): on the CPU it
 runs
 without a graph (`draft_cuda_graph=True`) and must propose what the eager loop proposes, cycle by cycle, for text and
 Whisper targets, DFlash and DFlash2, with and without the encoder-context opt-in, and a prompt longer than a block.
@@ -17,8 +17,8 @@ from utils import TINY_WHISPER_MASK as MASK
 from utils import decode_with_proposals, make_args, raising, tiny_text_target, tiny_whisper
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel, speculative_generate
-from dflash_hf.generation import static_draft
-from dflash_hf.generation.static_draft import StaticDraftCache, clear_static_steps, graph_capacity, static_steps
+from dflash_hf.generation import fixed_draft
+from dflash_hf.generation.fixed_draft import FixedDraftCache, clear_fixed_draft_steps, fixed_capacity, fixed_draft_steps
 from dflash_hf.targets.builder import build_target_and_draft
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
@@ -27,9 +27,9 @@ from dflash_hf.testing import tiny
 def _same_decode(draft, target, max_new_tokens, fresh=True, **inputs):
     eager, eager_props = decode_with_proposals(draft, target, max_new_tokens, False, **inputs)
     if fresh:
-        clear_static_steps(draft)
+        clear_fixed_draft_steps(draft)
     static, static_props = decode_with_proposals(draft, target, max_new_tokens, True, **inputs)
-    assert static_steps(draft)  # the fixed-shape step ran, and says so
+    assert fixed_draft_steps(draft)  # the fixed-shape step ran, and says so
     assert (static.draft_step, eager.draft_step) == ("fixed-shape, no graph", "eager")
     assert torch.equal(static.sequences, eager.sequences)
     assert static.acceptance_lengths == eager.acceptance_lengths
@@ -87,7 +87,7 @@ def test_whisper_encoder_context_static_step_across_utterances(whisper, tmp_path
         audio = np.random.default_rng(seed).standard_normal(16000).astype(np.float32) * 0.1
         feats = processor.feature_extractor(audio, sampling_rate=16000, return_tensors="pt")["input_features"]
         _same_decode(draft, model, 24, fresh=seed == 0, input_features=feats)
-        steps = static_steps(draft)
+        steps = fixed_draft_steps(draft)
         if seed == 0:
             first = next(iter(steps.values()))
     assert list(steps.values()) == [first]  # one step (one capture on a GPU) serves both utterances
@@ -113,7 +113,7 @@ def test_dflash2_decodes_up_to_whispers_last_position(whisper, tmp_path):
 
 
 def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
-    cache = StaticDraftCache(
+    cache = FixedDraftCache(
         1, kv_heads=2, head_dim=3, capacity=10, ctx_rows=4, dtype=torch.float32, device=torch.device("cpu")
     )
     cache.write_index = torch.arange(4) + 5
@@ -126,22 +126,22 @@ def test_static_cache_writes_the_context_rows_and_returns_buffer_then_block():
 
 
 def test_capacity_covers_the_last_block_and_bounds_the_buffer():
-    assert graph_capacity(448, 8) == 512  # Whisper's 448 positions + two blocks, rounded to 128
-    assert graph_capacity(100, 16) == 256 and graph_capacity(96, 16) == 128
-    assert graph_capacity(16384, 8) is None
+    assert fixed_capacity(448, 8) == 512  # Whisper's 448 positions + two blocks, rounded to 128
+    assert fixed_capacity(100, 16) == 256 and fixed_capacity(96, 16) == 128
+    assert fixed_capacity(16384, 8) is None
 
 
 @pytest.mark.slow  # 119 s on 2 busy cores
 def test_steps_per_draft_are_bounded_least_recently_used_first(monkeypatch):
 
-    monkeypatch.setattr(static_draft, "MAX_STEPS_PER_DRAFT", 2)
+    monkeypatch.setattr(fixed_draft, "MAX_STEPS_PER_DRAFT", 2)
     model, tok = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
     ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     for new_tokens in (8, 200, 8, 400):  # capacities 128, 256, 128 (reused), 512
         speculative_generate(draft, ft, new_tokens, draft_cuda_graph=True, input_ids=ids)
-    assert [key[3] for key in static_steps(draft)] == [128, 512]  # 256 was the least recently used
+    assert [key[3] for key in fixed_draft_steps(draft)] == [128, 512]  # 256 was the least recently used
 
 
 @pytest.mark.slow  # 8 s on 2 busy cores
@@ -152,12 +152,12 @@ def test_a_step_keeps_neither_draft_nor_target_alive_and_follows_moved_weights()
     ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # a step made under inference mode serves decodes outside it too
         first = speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
-    (step,) = static_steps(draft).values()
+    (step,) = fixed_draft_steps(draft).values()
     again = speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
-    assert list(static_steps(draft).values()) == [step] and torch.equal(again.sequences, first.sequences)
+    assert list(fixed_draft_steps(draft).values()) == [step] and torch.equal(again.sequences, first.sequences)
     draft.to(torch.float64).to(torch.float32)  # the same dtype, new parameter storage: a new step
     speculative_generate(draft, ft, 12, draft_cuda_graph=True, input_ids=ids)
-    (moved,) = static_steps(draft).values()
+    (moved,) = fixed_draft_steps(draft).values()
     assert moved is not step
     refs = weakref.ref(draft), weakref.ref(model)
     del draft, model, ft, step, moved
@@ -171,19 +171,19 @@ def test_sampling_and_auto_on_the_cpu_keep_the_eager_draft():
     draft = _text_draft(ft, DFlashDraftModel, block=4)
     ids = torch.randint(4, ft.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     speculative_generate(draft, ft, 8, temperature=1.0, generator=torch.Generator().manual_seed(0), input_ids=ids)
-    assert not static_steps(draft)  # sampling: the eager draft forward
+    assert not fixed_draft_steps(draft)  # sampling: the eager draft forward
     with pytest.raises(ValueError, match=r"draft_cuda_graph=True: .* not sampling \(temperature > 0\)"):
         speculative_generate(draft, ft, 8, temperature=1.0, draft_cuda_graph=True, input_ids=ids)
     with pytest.raises(ValueError, match="more than the fixed step's 16384"):
         speculative_generate(draft, ft, 16384, draft_cuda_graph=True, input_ids=ids)
     speculative_generate(draft, ft, 8, input_ids=ids)  # auto on the CPU: eager
-    assert not static_steps(draft)
+    assert not fixed_draft_steps(draft)
 
 
 def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked_for(monkeypatch, caplog):
 
     calls = []
-    monkeypatch.setattr(static_draft, "static_draft_step", raising(calls, RuntimeError("capture failed")))
+    monkeypatch.setattr(fixed_draft, "draft_step_for", raising(calls, RuntimeError("capture failed")))
     model, _ = tiny_text_target(seed=3)
     ft = FrozenTarget(model)
     draft = _text_draft(ft, DFlashDraftModel, block=4)
@@ -195,15 +195,15 @@ def test_a_failing_draft_step_falls_back_under_the_default_and_raises_when_asked
     monkeypatch.setattr(draft, "parameters", lambda: iter(()))
     kw = dict(device=torch.device("cuda"), sample=False, max_positions=None, max_length=64, expansion=0)
     with caplog.at_level("WARNING", logger="dflash_hf.ops.cuda_graphs"):
-        assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+        assert fixed_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
     assert "RuntimeError: capture failed" in caplog.text and "eager draft forward" in caplog.text
-    assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
+    assert fixed_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 1
     with pytest.raises(RuntimeError, match="capture failed"):
-        static_draft.fixed_draft_step(True, draft, cuda, 4, None, **kw)
-    clear_static_steps(draft)  # forgets the failure
-    assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
-    monkeypatch.setattr(static_draft, "static_draft_step", raising(calls, torch.OutOfMemoryError("no room")))
-    clear_static_steps(draft)
+        fixed_draft.fixed_draft_step(True, draft, cuda, 4, None, **kw)
+    clear_fixed_draft_steps(draft)  # forgets the failure
+    assert fixed_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None and len(calls) == 3
+    monkeypatch.setattr(fixed_draft, "draft_step_for", raising(calls, torch.OutOfMemoryError("no room")))
+    clear_fixed_draft_steps(draft)
     for _ in range(2):  # out of memory: not remembered
-        assert static_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
+        assert fixed_draft.fixed_draft_step(None, draft, cuda, 4, None, **kw) is None
     assert len(calls) == 5

@@ -2,11 +2,11 @@
 
 At batch 1 a small draft's forward is launch-bound: on the H200 a 2-layer DFlash2 Whisper draft issued about 220
 kernels a cycle (`benchmarks/decode_ops.py`), each a few microseconds of work behind tens of microseconds of Python
-and launch overhead. :class:`StaticDraftStep` computes the same proposal with every shape fixed, so the whole step
+and launch overhead. :class:`FixedDraftStep` computes the same proposal with every shape fixed, so the whole step
 (embedding the block, the draft forward, the lm_head and the greedy proposal, DFlash2's selector walk included) can
 be captured once and replayed as one graph:
 
-- the draft's KV cache is a fixed-capacity buffer per layer (:class:`StaticDraftCache`); a cycle writes the keys and
+- the draft's KV cache is a fixed-capacity buffer per layer (:class:`FixedDraftCache`); a cycle writes the keys and
   values of ``S = block_size`` context rows at positions ``start .. start+S-1`` (the rows past the valid ones are
   written too and masked out: the next cycle overwrites them) and attends to the whole buffer through a mask that
   keeps positions ``< a``, the anchor's position, plus the block's own keys (the block is never written, as the eager
@@ -32,7 +32,7 @@ from dflash_hf.generation.verify_rules import propose_block
 from dflash_hf.ops.cuda_graphs import built_or_fallback, capture_graph, reused_step, weight_addresses
 
 # Context positions beyond this many keep the eager loop (a fixed buffer attends to every position every cycle).
-MAX_GRAPH_POSITIONS = 16384
+MAX_FIXED_POSITIONS = 16384
 CAPACITY_ROUNDING = 128  # capacities are rounded up so that prompts of similar length share a captured graph
 # Steps per draft, beside it rather than on it (a draft stays deep-copyable and its state dict untouched); at most
 # MAX_STEPS_PER_DRAFT, the least recently used dropped first (text prompts of many lengths make many capacities).
@@ -42,7 +42,7 @@ _FAILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafts whose
 logger = logging.getLogger(__name__)
 
 
-class StaticDraftCache:
+class FixedDraftCache:
     """Fixed-capacity keys/values `[1, kv_heads, capacity, head_dim]` per draft layer, with the `update(k, v, idx)`
     of a transformers cache: the first `ctx_rows` rows of `k`/`v` (the context) are written at `write_index`, and
     the whole buffer followed by the remaining rows (the block) is returned."""
@@ -64,9 +64,9 @@ class StaticDraftCache:
         self.rows = torch.arange(ctx_rows, device=device)  # a forward's context rows, 0-based
         self.write_index = self.rows  # their positions: set before each forward
 
-    def with_rows(self, ctx_rows: int) -> StaticDraftCache:
+    def with_rows(self, ctx_rows: int) -> FixedDraftCache:
         """The same buffers, taking `ctx_rows` context rows a forward (a long prompt's context in one forward)."""
-        other = object.__new__(StaticDraftCache)
+        other = object.__new__(FixedDraftCache)
         other.keys, other.values, other.ctx_rows = self.keys, self.values, ctx_rows
         other.rows = other.write_index = torch.arange(ctx_rows, device=self.keys[0].device)
         return other
@@ -79,11 +79,11 @@ class StaticDraftCache:
         return torch.cat([keys, key[:, :, s:]], dim=2), torch.cat([values, value[:, :, s:]], dim=2)
 
 
-class StaticDraftStep:
+class FixedDraftStep:
     """One decode's worth of fixed tensors and the fixed-shape greedy step over them (see the module docstring).
 
     Its buffers are shared by every decode with the same key: one decode at a time per draft (speculative decoding
-    here is batch 1 and sequential). Made by :func:`static_draft_step` (kept per draft, target, capacity and encoder
+    here is batch 1 and sequential). Made by :func:`draft_step_for` (kept per draft, target, capacity and encoder
     frame shape); call :meth:`start` once per utterance (the encoder frames' keys/values of encoder-context drafts)
     and :meth:`propose` once per cycle."""
 
@@ -104,7 +104,7 @@ class StaticDraftStep:
         device = target.device
         self.dtype, self.device = dtype, device
         s = self.block
-        self.cache = StaticDraftCache(
+        self.cache = FixedDraftCache(
             cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity, s, dtype, device
         )
         self.block_rows = torch.arange(s, device=device)
@@ -146,7 +146,7 @@ class StaticDraftStep:
     def _step(
         self,
         ft,
-        cache: StaticDraftCache,
+        cache: FixedDraftCache,
         pending: torch.Tensor,
         start_pos: torch.Tensor | int,
         anchor_pos: torch.Tensor | int,
@@ -188,9 +188,9 @@ class StaticDraftStep:
             return
         for layer in self._draft().layers:
             k, v = layer.encoder_attn.key_values(encoder_frames)
-            static_k, static_v = self.encoder_cache[layer.self_attn.layer_idx]
-            static_k.copy_(k)
-            static_v.copy_(v)
+            fixed_k, fixed_v = self.encoder_cache[layer.self_attn.layer_idx]
+            fixed_k.copy_(k)
+            fixed_v.copy_(v)
 
     def _run(self, ft, pending: torch.Tensor, start: int, anchor: torch.Tensor) -> torch.Tensor:
         n = pending.shape[1]
@@ -236,18 +236,18 @@ def fixed_draft_step(
     max_length: int | None,
     expansion: int,
     head=None,
-) -> StaticDraftStep | None:
-    """The decode's :class:`StaticDraftStep`, or None for the eager draft forward. `setting`: True = always (refused
-    for sampling, an unbounded decode, more than `MAX_GRAPH_POSITIONS` positions or weights on several devices; on
+) -> FixedDraftStep | None:
+    """The decode's :class:`FixedDraftStep`, or None for the eager draft forward. `setting`: True = always (refused
+    for sampling, an unbounded decode, more than `MAX_FIXED_POSITIONS` positions or weights on several devices; on
     the CPU without a graph), None = on a GPU where it can run (a step that fails to build or capture falls back to
-    the eager forward with a warning, for this draft from then on until `clear_static_steps`; out of memory: for
+    the eager forward with a warning, for this draft from then on until `clear_fixed_draft_steps`; out of memory: for
     this decode only), False = never. `device`: the decode's. `head`: what the step returns from the draft's block
     (None: the greedy proposal; `tree.TreeHead`: a token tree), hashable."""
     dev, setting = device, None if setting is None else bool(setting)
     if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
         return None
     limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
-    capacity = None if limit is None else graph_capacity(limit, block)
+    capacity = None if limit is None else fixed_capacity(limit, block)
     # a graph is captured on one device: the draft, the target's embedding and its lm_head must all be there
     spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {dev}
     if setting and (sample or capacity is None or spread):  # asked for explicitly: say why it cannot run
@@ -259,7 +259,7 @@ def fixed_draft_step(
                 if spread
                 else "a decode without a length bound"
                 if limit is None
-                else f"{limit} positions (more than the fixed step's {MAX_GRAPH_POSITIONS})"
+                else f"{limit} positions (more than the fixed step's {MAX_FIXED_POSITIONS})"
             )
         )
         raise ValueError(
@@ -272,27 +272,27 @@ def fixed_draft_step(
         setting,
         _FAILED,
         draft,
-        clear_static_steps,
-        lambda: static_draft_step(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda", head=head),
+        clear_fixed_draft_steps,
+        lambda: draft_step_for(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda", head=head),
         "the draft's fixed-shape step",
         "the eager draft forward",
         "draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt",
     )
 
 
-def graph_capacity(limit: int, block_size: int) -> int | None:
+def fixed_capacity(limit: int, block_size: int) -> int | None:
     """Buffer positions for a decode whose decoder positions stay below `limit`: every context write (`start + S`)
     and block fits, rounded up to `CAPACITY_ROUNDING`; None when the eager loop should run instead."""
-    if limit + 2 * block_size > MAX_GRAPH_POSITIONS:
+    if limit + 2 * block_size > MAX_FIXED_POSITIONS:
         return None
     need = limit + 2 * block_size
     return -(-need // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
 
 
-def static_draft_step(
+def draft_step_for(
     draft, target, capacity: int, encoder_frames: torch.Tensor | None, graph: bool, head=None
-) -> StaticDraftStep:
-    """The draft's :class:`StaticDraftStep` for this target, capacity, frame shape, mode and head, made once and kept
+) -> FixedDraftStep:
+    """The draft's :class:`FixedDraftStep` for this target, capacity, frame shape, mode and head, made once and kept
     on the draft (a capture costs a few draft forwards); `start` is called on it for these `encoder_frames`."""
     store = _STEPS.setdefault(draft, {})
     frames_shape = None if encoder_frames is None else tuple(encoder_frames.shape)
@@ -302,30 +302,30 @@ def static_draft_step(
         key,
         MAX_STEPS_PER_DRAFT,
         lambda s: s.serves(draft, target),
-        lambda: StaticDraftStep(draft, target, capacity, frames_shape, graph, head),
+        lambda: FixedDraftStep(draft, target, capacity, frames_shape, graph, head),
     )
     step.start(encoder_frames)
     return step
 
 
-def static_steps(draft) -> dict:
+def fixed_draft_steps(draft) -> dict:
     """The steps made for `draft` so far (keyed by target, device, dtype, capacity, frame shape, mode and head)."""
     return _STEPS.get(draft, {})
 
 
-def clear_static_steps(draft) -> None:
+def clear_fixed_draft_steps(draft) -> None:
     """Drop `draft`'s steps and their buffers (and CUDA graphs), and forget a failure under the default."""
     _STEPS.pop(draft, None)
     _FAILED.pop(draft, None)
 
 
 __all__ = [
-    "StaticDraftCache",
-    "StaticDraftStep",
+    "FixedDraftCache",
+    "FixedDraftStep",
     "fixed_draft_step",
-    "graph_capacity",
-    "static_draft_step",
-    "static_steps",
-    "clear_static_steps",
-    "MAX_GRAPH_POSITIONS",
+    "fixed_capacity",
+    "draft_step_for",
+    "fixed_draft_steps",
+    "clear_fixed_draft_steps",
+    "MAX_FIXED_POSITIONS",
 ]

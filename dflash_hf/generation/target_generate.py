@@ -1,10 +1,11 @@
-"""The target's own greedy decoding: the baseline speculative decoding must equal (`decode_benchmark`) and the
-generated labels (`dflash-generate-labels`).
+"""The target's own generate (greedy, the target alone): the baseline speculative decoding must equal
+(`decode_benchmark`) and the generated labels (`dflash-generate-labels`).
 
 - :func:`generate_inputs`: a prompt's processor outputs as the target's `generate` takes them.
-- :func:`target_greedy`: the target's greedy `generate` (a model-side single-placeholder target's own loop, Whisper's
-  plain `generate` where it gives the same tokens), prompt + new tokens.
-- :func:`target_greedy_new_tokens`: only the new tokens; :func:`greedy_labels`: those of batches of encoded prompts.
+- :func:`target_generate`: the target's own greedy `generate` (a model-side single-placeholder target's own loop,
+  Whisper's plain `generate` where it gives the same tokens), prompt + new tokens.
+- :func:`target_generate_new_tokens`: only the new tokens; :func:`generated_labels`: those of batches of encoded
+  prompts, the rows `dflash-generate-labels` writes.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ def generate_inputs(ft: FrozenTarget, inputs: dict) -> dict:
     return generate_kwargs(ft.family, ft.cast_features(on_device))
 
 
-def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
+def target_generate(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
     """The target's own greedy decoding: prompt + new tokens, as `generate(return_dict_in_generate=True)` gives them
     (rows padded with the end token). A model-side single-placeholder target decodes without `generate`, which cannot
-    run its audio merge. Whisper with its decoder prompt given takes its plain `generate` (`_whisper_greedy`).
+    run its audio merge. Whisper with its decoder prompt given takes its plain `generate` (`_whisper_generate`).
     `generate_options` go to `generate` (e.g. `cache_implementation="static"`: a static cache, compiled on a GPU)."""
     if ft.family.expansion == "model":
         if generate_options:
@@ -37,7 +38,7 @@ def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generat
         return model_side_greedy(ft, max_new_tokens, **inputs)
     with max_new_tokens_given():
         if ft.family.name == "whisper" and "decoder_input_ids" in inputs:
-            new = _whisper_greedy(ft, inputs, max_new_tokens, generate_options)
+            new = _whisper_generate(ft, inputs, max_new_tokens, generate_options)
             if new is not None:
                 return new
         out = ft.model.generate(
@@ -46,7 +47,7 @@ def target_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generat
     return out.sequences
 
 
-def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, options: dict) -> torch.Tensor | None:
+def _whisper_generate(ft: FrozenTarget, inputs: dict, max_new_tokens: int, options: dict) -> torch.Tensor | None:
     """Whisper's plain `generate` returns only the new tokens, its final end token dropped and rows padded with the
     pad token; with `return_dict_in_generate` it would copy every row's self- and cross-attention cache to the CPU and
     back (37 MB a row for Whisper-base), a cost neither a user's `generate` nor speculative decoding pays. The prompt
@@ -69,22 +70,23 @@ def _whisper_greedy(ft: FrozenTarget, inputs: dict, max_new_tokens: int, options
     return torch.cat([prompt.to(new.device), new], dim=1)
 
 
-def target_greedy_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
-    """The new tokens of `target_greedy` (`[b, new]`, padded with the end token), where only they are needed
+def target_generate_new_tokens(ft: FrozenTarget, inputs: dict, max_new_tokens: int, **generate_options) -> torch.Tensor:
+    """The new tokens of `target_generate` (`[b, new]`, padded with the end token), where only they are needed
     (generated labels)."""
     prompt = inputs["decoder_input_ids"] if ft.is_encoder_decoder else inputs["input_ids"]
-    return target_greedy(ft, inputs, max_new_tokens, **generate_options)[:, prompt.shape[1] :]
+    return target_generate(ft, inputs, max_new_tokens, **generate_options)[:, prompt.shape[1] :]
 
 
-def greedy_labels(target: FrozenTarget, encoded: list[dict], max_new_tokens: int, device) -> list[torch.Tensor]:
-    """The target's greedy new tokens (`target_greedy_new_tokens`), one row per prompt, of batches of encoded prompts
-    (processor outputs on the CPU, as `targets.families.registry.encode_batch` makes them): audio (features or
-    waveform) goes to the target's dtype, ids and masks as they are, all to `device`."""
+def generated_labels(target: FrozenTarget, encoded: list[dict], max_new_tokens: int, device) -> list[torch.Tensor]:
+    """The generated labels: the new tokens of the target's own generate (`target_generate_new_tokens`), one row
+    per prompt, of batches of encoded prompts (processor outputs on the CPU, as
+    `targets.families.registry.encode_batch` makes them): audio (features or waveform) goes to the target's dtype, ids
+    and masks as they are, all to `device`."""
     rows = []
     for inputs in encoded:
         inputs = {k: v.to(device, target.model.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
-        rows.extend(target_greedy_new_tokens(target, generate_kwargs(target.family, inputs), max_new_tokens))
+        rows.extend(target_generate_new_tokens(target, generate_kwargs(target.family, inputs), max_new_tokens))
     return rows
 
 
-__all__ = ["generate_inputs", "greedy_labels", "target_greedy", "target_greedy_new_tokens"]
+__all__ = ["generate_inputs", "generated_labels", "target_generate", "target_generate_new_tokens"]
