@@ -130,7 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=[1000, 200_000, 2_000_000], help="manifest sizes")
     parser.add_argument("--target", help="target directory or Hub id (default: a tiny random Qwen3-ASR target)")
     parser.add_argument("--mask_token_id", type=int, default=262, help="the draft's mask token (262: the tiny target)")
-    parser.add_argument("--work_dir", default="manifest_preflight_work", help="manifests, audio and run directories")
+    default_work = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache" / "dflash_hf_bench"))
+    parser.add_argument(
+        "--work_dir",
+        default=str(default_work / "manifest_preflight"),
+        help="manifests (1.7 GB for 20M rows), audio and run directories; default under $DFLASH_BENCH_CACHE",
+    )
     parser.add_argument("--skip_bad_samples", action="store_true", help="train with --skip_bad_samples true")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size (the table takes the fastest)")
     parser.add_argument("--out", help="write the results JSON here")

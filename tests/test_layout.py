@@ -222,10 +222,19 @@ def test_every_folder_init_exports_its_public_names_lazily():
                 problems.append(f"{folder}: no module {module}")
             else:
                 problems += [f"{folder}: {module} defines no {n}" for n in names if n not in top_level_names(file)]
-        imports = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        imports |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        if imports - {"__future__", "dflash_hf.lazy"}:
+        typed = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"]
+        typing_only = {id(n) for block in typed for n in ast.walk(block)}
+        runtime = [n for n in ast.walk(tree) if id(n) not in typing_only]
+        imports = {n.module for n in runtime if isinstance(n, ast.ImportFrom)}
+        imports |= {a.name for n in runtime if isinstance(n, ast.Import) for a in n.names}
+        if imports - {"__future__", "typing", "dflash_hf.lazy"}:
             problems.append(f"{folder}: imports {sorted(imports)} when imported")
+        # names imported for type checkers only are the exported ones, from the same modules
+        for n in (n for block in typed for n in ast.walk(block) if isinstance(n, ast.ImportFrom)):
+            for alias in n.names:
+                source = {name: m for m, names in exports.items() for name in names}.get(alias.name)
+                if source is None or not n.module.endswith(source.lstrip(".")):
+                    problems.append(f"{folder}: TYPE_CHECKING imports {alias.name} from {n.module}, not its export")
     assert not problems, "\n".join(problems)
 
 
