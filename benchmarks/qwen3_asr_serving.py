@@ -27,32 +27,20 @@ import argparse
 import json
 from pathlib import Path
 
+from train_step_parts.shapes import QWEN3_1_7B_TEXT, QWEN3_ASR_1_7B
+
+# set by `build_target` from the tokenizer (and the model type), not taken from the shape
+TOKENIZER_FIELDS = ("model_type", "tie_word_embeddings", "pad_token_id", "eos_token_id")
 INSTRUCTION = "Transcribe the audio."
 SHAPES = {
-    "1.7b": {
-        "audio": dict(
-            num_mel_bins=128,
-            encoder_layers=24,
-            encoder_attention_heads=16,
-            encoder_ffn_dim=4096,
-            d_model=1024,
-            output_dim=2048,
-            n_window=50,
-            n_window_infer=800,
-            downsample_hidden_size=480,
-        ),
-        "text": dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=65536,
-            rms_norm_eps=1e-6,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        ),
+    "1.7b": {  # the dimensions of train_step.py's qwen3-asr-1.7b shape; token ids come from the tokenizer
+        "audio": {
+            k: v
+            for k, v in QWEN3_ASR_1_7B["audio_config"].items()
+            if k not in ("model_type", "max_position_embeddings")
+        },
+        "text": {k: v for k, v in QWEN3_1_7B_TEXT.items() if k not in TOKENIZER_FIELDS}
+        | {"rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0}},
     },
     "tiny": {  # the smoke shape: every dimension small, head_dim 64 (what vLLM's attention backends take)
         "audio": dict(
