@@ -368,7 +368,7 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
         ft, _, prompts = profile.tiny_setup("whisper", args.num_prompts, workdir)
         mask, name = profile.TINY_WHISPER_MASK, "tiny-whisper"
     else:
-        from dflash_hf.targets.families.registry import get_tokenizer
+        from dflash_hf.targets.families.base import get_tokenizer
         from dflash_hf.targets.processor import load_processor
 
         ft = FrozenTarget(load_target(args.target, "fp32"))

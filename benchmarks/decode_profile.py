@@ -72,7 +72,8 @@ from dflash_hf.generation import evaluation, fixed_draft, fixed_verify, speculat
 from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
 from dflash_hf.settings.decode import DecodeSettings  # noqa: E402
-from dflash_hf.targets.families.registry import generate_kwargs, get_tokenizer  # noqa: E402
+from dflash_hf.targets.families.base import get_tokenizer  # noqa: E402
+from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
 from dflash_hf.targets.processor import check_model_dir  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402

@@ -36,7 +36,7 @@ from dflash_hf.generation import speculative  # noqa: E402
 from dflash_hf.generation.target_generate import generate_inputs  # noqa: E402
 from dflash_hf.generation.verify_rules import eos_token_ids  # noqa: E402
 from dflash_hf.settings.checks import check_paths_exist  # noqa: E402
-from dflash_hf.targets.families.registry import get_tokenizer  # noqa: E402
+from dflash_hf.targets.families.base import get_tokenizer  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype  # noqa: E402
 from dflash_hf.targets.processor import check_model_dir, load_processor  # noqa: E402
 

@@ -170,7 +170,7 @@ def held_out(target, processor, data_args, dev_manifest: Path) -> list[tuple[dic
     """(prompt inputs, reference transcript) of each held-out utterance: the audio and instruction without the
     response, and the response's text."""
     from dflash_hf.data import build_train_dataloader
-    from dflash_hf.targets.families.registry import get_tokenizer
+    from dflash_hf.targets.families.base import get_tokenizer
 
     tokenizer = get_tokenizer(processor)
     loader = build_train_dataloader(
@@ -193,7 +193,7 @@ def held_out(target, processor, data_args, dev_manifest: Path) -> list[tuple[dic
 
 def target_transcripts(target, processor, prompts: list[dict], max_new_tokens: int) -> list[str]:
     """The target's own greedy transcript of each prompt."""
-    from dflash_hf.targets.families.registry import get_tokenizer
+    from dflash_hf.targets.families.base import get_tokenizer
 
     tokenizer = get_tokenizer(processor)
     out = []

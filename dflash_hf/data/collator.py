@@ -28,7 +28,8 @@ from dflash_hf.data.bad_samples import (
 )
 from dflash_hf.data.conversation import ConversationRenderer, RenderedSample
 from dflash_hf.data.generated import splice_rows
-from dflash_hf.targets.families.registry import TargetFamily, encode_batch
+from dflash_hf.targets.families.base import TargetFamily
+from dflash_hf.targets.families.registry import encode_batch
 from dflash_hf.targets.families.whisper_features import is_standard_extractor, with_fast_features
 
 PLAIN_AUDIO_SUFFIXES = (".wav", ".flac")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from dflash_hf.data.generated import generated_fields, splice_response
-from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer
+from dflash_hf.targets.families.base import TargetFamily, get_tokenizer
 
 MAX_REMEMBERED_PROMPTS = 4096  # distinct user turns whose rendered prompt is kept (cleared when full)
 RENDERED_TEXT_KEY = "dflash_rendered_text"  # `cut.custom`: (`conversation_key`, the validator's rendered text)

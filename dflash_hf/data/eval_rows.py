@@ -24,7 +24,8 @@ from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, open_source
 from dflash_hf.data.text_prompts import first_record, text_prompts
 from dflash_hf.settings import DataSettings
-from dflash_hf.targets.families.registry import get_tokenizer, resolve_family
+from dflash_hf.targets.families.base import get_tokenizer
+from dflash_hf.targets.families.registry import resolve_family
 from dflash_hf.targets.frozen import NON_TARGET_KEYS
 
 

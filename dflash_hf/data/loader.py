@@ -22,7 +22,8 @@ from dflash_hf.data.sample_checks import NUM_TOKENS_KEY, validated_cutset
 from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, mix_sources
 from dflash_hf.settings import LoaderSettings
-from dflash_hf.targets.families.registry import TargetFamily, get_tokenizer, resolve_family
+from dflash_hf.targets.families.base import TargetFamily, get_tokenizer
+from dflash_hf.targets.families.registry import resolve_family
 
 
 @dataclass

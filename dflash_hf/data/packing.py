@@ -29,7 +29,7 @@ from lhotse.utils import streaming_shuffle
 from dflash_hf.data.collator import SKIPPED_KEY
 from dflash_hf.data.sample_checks import NUM_TOKENS_KEY
 from dflash_hf.settings import LoaderSettings
-from dflash_hf.targets.families.registry import TargetFamily
+from dflash_hf.targets.families.base import TargetFamily
 
 logger = logging.getLogger("dflash_hf.data")
 

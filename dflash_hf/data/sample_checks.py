@@ -19,8 +19,7 @@ from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
 from dflash_hf.data.sources import make_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings import LoaderSettings
-from dflash_hf.targets.families.base import add_special_tokens_for, special_prefix
-from dflash_hf.targets.families.registry import TargetFamily, audio_token_id
+from dflash_hf.targets.families.base import TargetFamily, add_special_tokens_for, audio_token_id, special_prefix
 from dflash_hf.targets.mask_token import mask_token_fix, mask_token_role
 
 NUM_TOKENS_KEY = "dflash_num_tokens"

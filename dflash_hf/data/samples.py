@@ -11,7 +11,8 @@ from dflash_hf.data.collator import PaddedCollator
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.sample_checks import SampleValidator
 from dflash_hf.settings import LoaderSettings
-from dflash_hf.targets.families.registry import TargetFamily, resolve_family
+from dflash_hf.targets.families.base import TargetFamily
+from dflash_hf.targets.families.registry import resolve_family
 
 
 @dataclass

@@ -30,8 +30,8 @@ from dflash_hf.targets.draft_checks import (
     check_warm_start_sizes,
     require_encoder,
 )
+from dflash_hf.targets.families.base import get_tokenizer
 from dflash_hf.targets.families.qwen3_asr import warn_missing_vllm_serving_fields
-from dflash_hf.targets.families.registry import get_tokenizer
 from dflash_hf.targets.forward_graph import forward_graphs
 from dflash_hf.targets.frozen import FrozenTarget, TargetModel, load_target, resolve_dtype
 from dflash_hf.targets.mask_token import mask_token_candidates, missing_mask_token_message

@@ -22,8 +22,8 @@ from dflash_hf.targets.decoder_masks import (
     padded_causal_mask,
     without_packed_detection,
 )
+from dflash_hf.targets.families.base import DecoderStreams
 from dflash_hf.targets.families.registry import (
-    DecoderStreams,
     decoder_positions,
     decoder_stream_kwargs,
     decoder_streams,

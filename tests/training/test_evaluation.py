@@ -196,7 +196,7 @@ def test_real_tau_prompts_use_the_trainers_family_and_padding_side(tmp_path):
     with loaded_script(TESTS_DIR / "targets" / "test_families.py") as families:  # a helper of another folder
         build_qwen2_audio = families.build_qwen2_audio
 
-    from dflash_hf.targets.families.registry import audio_token_id
+    from dflash_hf.targets.families.base import audio_token_id
     from dflash_hf.training.training_args import DFlashDataArguments
 
     tok = tiny.build_tokenizer()

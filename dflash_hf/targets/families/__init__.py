@@ -7,13 +7,12 @@ from dflash_hf.lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".base": ["EncoderDecoderFamily", "TargetFamily"],
+        ".base": ["EncoderDecoderFamily", "TargetFamily", "get_tokenizer"],
         ".registry": [
             "FAMILIES",
             "FAMILY_CLASSES",
             "encode_batch",
             "generate_kwargs",
-            "get_tokenizer",
             "resolve_family",
         ],
     },

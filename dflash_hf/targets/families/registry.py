@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dflash_hf.targets.families.base import DecoderStreams, TargetFamily, audio_token_id, get_tokenizer
+from dflash_hf.targets.families.base import DecoderStreams, TargetFamily, audio_token_id
 from dflash_hf.targets.families.decoder_only import (
     AudioFlamingo3Family,
     GLMASRFamily,
@@ -208,15 +208,11 @@ def _expand_single_placeholder(target_model, batch: dict, audio_id: int) -> Deco
 __all__ = [
     "FAMILIES",
     "FAMILY_CLASSES",
-    "DecoderStreams",
-    "TargetFamily",
-    "audio_token_id",
     "decoder_positions",
     "decoder_stream_kwargs",
     "decoder_streams",
     "encode_batch",
     "generate_kwargs",
-    "get_tokenizer",
     "resolve_family",
     "supported_families",
 ]
