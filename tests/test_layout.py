@@ -238,6 +238,17 @@ def test_every_folder_init_exports_its_public_names_lazily():
     assert not problems, "\n".join(problems)
 
 
+def test_no_folder_exports_a_name_of_its_own_submodules():
+    """A lazily exported name that is also a submodule's name makes `package.name` the module or the object
+    depending on import order (importing the submodule sets the package attribute)."""
+    clashes = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        exports = _lazy_map(ast.parse(init.read_text())) or {}
+        submodules = {p.stem for p in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        clashes += [f"{init.parent.name}.{n}" for names in exports.values() for n in names if n in submodules]
+    assert not clashes, clashes
+
+
 def test_importing_every_folder_loads_no_torch():
     folders = sorted(
         p.parent.relative_to(REPO_ROOT).as_posix().replace("/", ".")

@@ -99,6 +99,8 @@ def decode_benchmark(
     total: int | None = None,
     options: DecodeOptions | None = None,
     tree_budgets: Sequence[int] = (),
+    draft_cuda_graph: bool | None = None,
+    verify_cuda_graph: bool | None = None,
 ) -> DecodeStats:
     """Greedy speculative decoding of every prompt (target inputs of one prompt each). With
     `compare_greedy`, the target's own `generate(do_sample=False)` decodes the same prompt and the two
@@ -108,8 +110,9 @@ def decode_benchmark(
     one pass over the same prompts per budget with tree verification (`options.with_tree(budget)`; its own untimed
     warm-up: each budget captures its own fixed-shape steps), compared with the chain pass's greedy decodes; their
     figures are the returned stats' `trees`. A budget or a target that tree verification cannot take is refused
-    before any decoding."""
-    options = DecodeOptions() if options is None else options
+    before any decoding. `draft_cuda_graph` / `verify_cuda_graph`: the two step modes as keywords, instead of
+    `options` (as `speculative_generate` takes them)."""
+    options = DecodeOptions.of(options, draft_cuda_graph, verify_cuda_graph)
     if options.tree_budget is not None:
         raise ValueError(
             f"decode_benchmark: options.tree_budget={options.tree_budget}, but its first pass verifies the chain; "
