@@ -25,7 +25,7 @@ from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leadi
 from dflash_hf.targets.processor import load_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_profile import git_commit  # noqa: E402
+from decode_profile_parts.record import git_commit  # noqa: E402
 from quality_steps.common import write_json  # noqa: E402
 
 

@@ -23,11 +23,11 @@ Per prompt, two decodes of the same target inputs at batch 1, greedy:
    processors, stopping criteria, the rest of `generate`'s loop) until the next forward. Reported: the mean over
    steps 2.. (`greedy_step`; step 1 is the prompt's forward) and the prefill step. Phases: `forward`, `scores`
    (`LogitsProcessorList`), `stop` (`StoppingCriteriaList`), `other`.
-2. `speculative_generate` with each draft, wrapped as `benchmarks/decode_profile.py` wraps it (its `instrumented`,
-   with an operator counter in place of its clock). A cycle runs from one draft forward to the next. Phases:
-   `draft` (draft forward), `proposal` (`propose_block`), `verify` (target forward), `scores` (logits
-   processors), `accept`, `stop`, `crop` (cache crop), `other` (the rest of the loop). The prefill (prompt forward
-   and the first token) is reported apart.
+2. `speculative_generate` with each draft, wrapped as `benchmarks/decode_profile.py` wraps it (`instrumented` of
+   `decode_profile_parts/instrument.py`, with an operator counter in place of its clock). A cycle runs from one
+   draft forward to the next. Phases: `draft` (draft forward), `proposal` (`propose_block`), `verify` (target
+   forward), `scores` (logits processors), `accept`, `stop`, `crop` (cache crop), `other` (the rest of the loop).
+   The prefill (prompt forward and the first token) is reported apart.
 
 `setup` (before the first decoder forward: `generate`'s preparation, Whisper's encoder) is counted once per prompt
 and reported per prompt. Drafts are random (DFlash and DFlash2, `--num_draft_layers`, `--block_size`; with encoder
@@ -62,18 +62,11 @@ from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
 
-
-def _load_script(name: str):
-    """A sibling script of benchmarks/ imported as a module (once per process)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses resolve annotations through the module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-profile = _load_script("decode_profile")  # its wrapping of the decode loop, prompt readers and reporting helpers
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere (tests): decode_profile's parts
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile_parts.inputs import TINY_WHISPER_MASK, speech_prompts, text_prompts, tiny_setup  # noqa: E402
+from decode_profile_parts.instrument import instrumented  # noqa: E402
+from decode_profile_parts.record import command_line, device_name, git_commit, write_results  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
 SCRIPT_PATH = Path(__file__).resolve()
@@ -319,7 +312,7 @@ def count_speculative(
     draft step and verify (False: the package's default on the CPU, the eager draft and the growing cache)."""
     counter = OpCounter(starts="draft", ends="decode", phases=SPEC_PHASES)
     accepted, sequences = [], []
-    with profile.instrumented(draft, counter), counting(counter):
+    with instrumented(draft, counter), counting(counter):
         for inputs in prompts:
             counter.new_prompt()
             out = speculative.speculative_generate(
@@ -361,12 +354,12 @@ def random_draft(ft: FrozenTarget, variant: str, mask_token_id: int, num_layers:
 def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], int, str]:
     """(target, generate keywords per prompt, mask id, run name)."""
     if args.tiny == "text":
-        ft, _, prompts = profile.tiny_setup("text", args.num_prompts, workdir)
+        ft, _, prompts = tiny_setup("text", args.num_prompts, workdir)
         mask = tiny.build_tokenizer().convert_tokens_to_ids(tiny.MASK_TOKEN)
         name = "tiny-text"
     elif args.tiny == "whisper":
-        ft, _, prompts = profile.tiny_setup("whisper", args.num_prompts, workdir)
-        mask, name = profile.TINY_WHISPER_MASK, "tiny-whisper"
+        ft, _, prompts = tiny_setup("whisper", args.num_prompts, workdir)
+        mask, name = TINY_WHISPER_MASK, "tiny-whisper"
     else:
         from dflash_hf.targets.families.base import get_tokenizer
         from dflash_hf.targets.processor import load_processor
@@ -374,9 +367,9 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
         ft = FrozenTarget(load_target(args.target, "fp32"))
         processor = load_processor(args.target)
         if ft.family.has_audio:
-            prompts = profile.speech_prompts(args.data, processor, ft.model.config, args.num_prompts, ft.family.name)
+            prompts = speech_prompts(args.data, processor, ft.model.config, args.num_prompts, ft.family.name)
         else:
-            prompts = profile.text_prompts(args.data, get_tokenizer(processor), "text", args.num_prompts)
+            prompts = text_prompts(args.data, get_tokenizer(processor), "text", args.num_prompts)
         mask = WHISPER_MASK if ft.family.name == "whisper" else None
         path = Path(args.target).expanduser()
         name = path.resolve().name if path.is_dir() else args.target.replace("/", "--")  # a directory or a Hub id
@@ -389,7 +382,7 @@ def setup(args: OpsArguments, workdir: Path) -> tuple[FrozenTarget, list[dict], 
 
 @torch.no_grad()
 def run(args: OpsArguments, command: str) -> dict:
-    commit = profile.git_commit()
+    commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         ft, prompts, mask, name = setup(args, Path(tmp))
     name += "-fixed-steps" if args.fixed_steps else ""
@@ -398,7 +391,7 @@ def run(args: OpsArguments, command: str) -> dict:
         "name": name,
         "commit": commit,
         "command": command,
-        "device": profile.device_name(torch.device("cpu")),
+        "device": device_name(torch.device("cpu")),
         "torch": torch.__version__,
         "family": ft.family.name,
         "prompts": len(prompts),
@@ -438,9 +431,9 @@ def results_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = make_parser().parse_args_into_dataclasses(args=argv)
-    results = run(args, profile.command_line(SCRIPT_PATH, argv))
+    results = run(args, command_line(SCRIPT_PATH, argv))
     out = Path(args.output_json) if args.output_json else RESULTS_DIR / f"decode_ops_{results['name']}_cpu.json"
-    profile.write_results(results, out, results_table(results))
+    write_results(results, out, results_table(results))
     return results
 
 

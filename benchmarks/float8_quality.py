@@ -28,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from decode_profile import git_commit  # noqa: E402
+from decode_profile_parts.record import git_commit  # noqa: E402
 from quality_steps.common import cli, read_jsonl, write_json, write_jsonl  # noqa: E402
 from quality_steps.prompts import to_text_cuts  # noqa: E402
 from quality_steps.report import training_log  # noqa: E402

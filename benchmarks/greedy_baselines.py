@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the checkout's p
     sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from decode_profile import git_commit  # noqa: E402
+from decode_profile_parts.record import git_commit  # noqa: E402
 
 from dflash_hf.export.evaluation_setup import load_evaluation  # noqa: E402
 from dflash_hf.generation.evaluation import decode_benchmark, synced_clock  # noqa: E402

@@ -49,19 +49,19 @@ def test_build_writes_a_target_that_serves_and_loads(built):
 
 def test_prompts_are_the_training_conversation_and_read_as_requests(qs, built):
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import vllm_parity
+    from vllm_parity_parts.request_rows import load_processor, read_requests, render
 
     path = qs.prompts(built, 2)
-    rows = vllm_parity.read_requests(path)
+    rows = read_requests(path)
     assert len(rows) == 2 and all(r["audio"].endswith(".wav") for r in rows)
     user = rows[0]["messages"][0]
     assert user["role"] == "user" and user["content"] == [{"type": "text", "text": qs.INSTRUCTION}, {"type": "audio"}]
-    processor, tokenizer = vllm_parity.load_processor(str(built / "target"))
-    text = vllm_parity.render(rows[0], tokenizer, processor)
+    processor, tokenizer = load_processor(str(built / "target"))
+    text = render(rows[0], tokenizer, processor)
     assert text.endswith("<|im_start|>assistant\n") and "Transcribe the audio.<|audio_start|><|audio_pad|>" in text
     # where processor and tokenizer differ, the processor's template renders audio requests
     processor.chat_template = tokenizer.chat_template.replace("<|audio_pad|>", "<|audio_pad|> ")
-    assert "<|audio_pad|> <|audio_end|>" in vllm_parity.render(rows[0], tokenizer, processor)
+    assert "<|audio_pad|> <|audio_end|>" in render(rows[0], tokenizer, processor)
 
 
 @pytest.mark.slow  # dflash-train on the CPU, two steps, then decoding
@@ -73,14 +73,16 @@ def test_train_exports_a_draft_that_vllm_parity_decodes_on_the_speech_prompts(qs
     # the reference side of vllm_parity.py on these prompts: transformers' greedy and dflash_hf's decode agree
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     import serving_checks
-    import vllm_parity
+    from vllm_parity_parts.arguments import make_parser
+    from vllm_parity_parts.comparison import eos_ids
+    from vllm_parity_parts.reference import load_reference, run_dflash_hf
 
     qs.main(["prompts", "--out", str(built), "--num_prompts", "2"])
     argv = ["--target", str(built / "target"), "--draft", str(built / "draft")]
     argv += ["--prompts", str(built / "speech.jsonl"), "--precision", "fp32", "--max_new_tokens", "6"]
-    (args,) = vllm_parity.make_parser().parse_args_into_dataclasses(argv)
-    reference = vllm_parity.load_reference(args)
-    greedy = serving_checks.transformers_greedy(reference[0].model, reference[1], 6, vllm_parity.eos_ids(args.target))
-    ours = vllm_parity.run_dflash_hf(args, reference)
+    (args,) = make_parser().parse_args_into_dataclasses(argv)
+    reference = load_reference(args)
+    greedy = serving_checks.transformers_greedy(reference[0].model, reference[1], 6, eos_ids(args.target))
+    ours = run_dflash_hf(args, reference)
     assert len(greedy) == 2 and [g["token_ids"] for g in greedy] == [o["token_ids"] for o in ours]
     assert all(len(g["logits_at"]) == len(g["token_ids"]) for g in greedy)

@@ -21,6 +21,7 @@ from dflash_hf.testing import tiny
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import serving_checks  # noqa: E402
 import vllm_parity  # noqa: E402
+from vllm_parity_parts import arguments, comparison, engine, reference, request_rows  # noqa: E402
 
 SERVED_BY = {"architecture": "Qwen3ForCausalLM", "class": "vllm.model_executor.models.qwen3.Qwen3ForCausalLM"}
 
@@ -95,18 +96,18 @@ def test_bad_request_rows_name_their_line(tmp_path, line, match):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "fine"}\n' + line + "\n")
     with pytest.raises(DFlashUserError, match=match):
-        vllm_parity.read_requests(path)
+        request_rows.read_requests(path)
 
 
 def test_requests_render_as_the_chat_template_does(setup):
     tok = tiny.build_tokenizer()
-    rows = vllm_parity.read_requests(setup[2])
-    assert len(vllm_parity.read_requests(setup[2], limit=2)) == 2
+    rows = request_rows.read_requests(setup[2])
+    assert len(request_rows.read_requests(setup[2], limit=2)) == 2
     expected = tok.apply_chat_template([{"role": "user", "content": "yes no up"}], add_generation_prompt=True)
     expected = expected["input_ids"] if hasattr(expected, "keys") else expected
-    assert vllm_parity.render(rows[0], tok) == list(expected)
-    assert vllm_parity.render(rows[2], tok) == tok("on off", add_special_tokens=False)["input_ids"]
-    assert vllm_parity.vllm_prompts(rows, str(setup[0]))[0] == {"prompt_token_ids": list(expected)}
+    assert request_rows.render(rows[0], tok) == list(expected)
+    assert request_rows.render(rows[2], tok) == tok("on off", add_special_tokens=False)["input_ids"]
+    assert request_rows.vllm_prompts(rows, str(setup[0]))[0] == {"prompt_token_ids": list(expected)}
 
 
 def _recorded(requests: list[dict], seconds: float, drafts: int = 0, accepted: int = 0) -> dict:
@@ -123,7 +124,7 @@ def _recorded(requests: list[dict], seconds: float, drafts: int = 0, accepted: i
 
 @pytest.mark.slow  # decodes three requests with the tiny target on the CPU
 def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_path, monkeypatch):
-    ours = vllm_parity.run_dflash_hf(vllm_parity.make_parser().parse_args_into_dataclasses(_argv(setup))[0])
+    ours = reference.run_dflash_hf(arguments.make_parser().parse_args_into_dataclasses(_argv(setup))[0])
     assert len(ours) == 3 and all(1 <= n <= 4 for r in ours for n in r["acceptance_lengths"])
     configs = []
 
@@ -146,7 +147,7 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
         Path(config["result"]).write_text(json.dumps(result))
         return 0
 
-    monkeypatch.setattr(vllm_parity, "launch", recorded_worker)
+    monkeypatch.setattr(engine, "launch", recorded_worker)
     out = tmp_path / "parity.json"
     results = vllm_parity.main(_argv(setup, "--concurrency", "1", "8", "--out", str(out), "--precision", "fp32"))
     assert json.loads(out.read_text())["parity"] == results["parity"]
@@ -177,9 +178,9 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
 def test_comparison_strips_one_final_end_token():
     alone = _recorded([{"token_ids": [5, 6, 2], "acceptance_lengths": None}], 1.0)
     drafted = _recorded([{"token_ids": [5, 6], "acceptance_lengths": [2, 1]}], 1.0, drafts=2, accepted=1)
-    parity = vllm_parity.compare(alone, drafted, None, eos={2})
+    parity = comparison.compare(alone, drafted, None, eos={2})
     assert parity["outputs_equal_to_vllm_greedy"] == 1 and parity["tau_vllm"] == 1.5 == parity["tau_vllm_counters"]
-    assert vllm_parity.compare(alone, drafted, None, eos=set())["mismatched_requests"] == [0]
+    assert comparison.compare(alone, drafted, None, eos=set())["mismatched_requests"] == [0]
 
 
 def _greedy(tokens: list[int], logits: dict[int, dict[int, float]] | None = None) -> dict:
@@ -222,7 +223,7 @@ def test_a_target_that_differs_stops_the_run_before_any_draft(setup, tmp_path, m
         Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
         return 0
 
-    monkeypatch.setattr(vllm_parity, "launch", differing_target)
+    monkeypatch.setattr(engine, "launch", differing_target)
     out = tmp_path / "parity.json"
     with pytest.raises(SystemExit, match="stopped: the target alone differs from transformers"):
         vllm_parity.main(_argv(setup, "--out", str(out), "--precision", "fp32", "--max_new_tokens", "3"))

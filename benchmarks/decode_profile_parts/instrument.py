@@ -1,0 +1,142 @@
+"""The instrumented decode of `decode_profile.py`: a clock per phase and the package's decode loop wrapped in it."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+from dflash_hf.generation import fixed_draft, fixed_verify, speculative
+
+MEASURED = ("prefill", "draft", "proposal", "verify")
+HOST_PARTS = ("scores", "accept", "stop", "crop")
+PHASES = ("setup", *MEASURED, "host")
+# Functions the decode loop of dflash_hf.generation.speculative looks up in its module, timed as host parts
+# (`accept_prefix` calls the greedy or the sampling acceptance rule).
+HOST_FUNCTIONS = {"processed_scores": "scores", "accept_prefix": "accept", "crop_cache": "crop"}
+
+
+class PhaseClock:
+    """Accumulated seconds per name. Each measurement ends with a device synchronize; on CUDA it is the span
+    between two CUDA events recorded around it, on the CPU `time.perf_counter`. Measurements may nest."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def measure(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                end.synchronize()
+                self.seconds[name] += start.elapsed_time(end) / 1000.0
+        else:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+    def timed(self, name: str, fn):
+        """`fn` measured under `name` at every call."""
+
+        def wrapper(*args, **kwargs):
+            with self.measure(name):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+@contextmanager
+def instrumented(draft, clock: PhaseClock):
+    """Wrap the draft's forward, `propose_block`, the target's forwards (`TargetVerifier.__call__`: its first call in a
+    decode is the prefill), the decode loop (`decode_loop`, with its stop check) and the host parts of
+    `dflash_hf.generation.speculative`, restoring everything afterwards."""
+    sp = speculative
+    fixed_propose = fixed_draft.FixedDraftStep.propose  # the fixed-shape draft step (a CUDA graph on a GPU)
+    fixed_verify_call = fixed_verify.FixedVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
+    inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
+    hosts = HOST_FUNCTIONS
+    originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
+    verifier_call = sp.TargetVerifier.__call__
+    decode = originals["decode_loop"]
+
+    def fixed_verify_timed(self, *args, **kwargs):
+        with clock.measure("verify"):
+            return fixed_verify_call(self, *args, **kwargs)
+
+    def verifier_timed(self, **kwargs):
+        with clock.measure("prefill" if self.forwards == 0 else "verify"):
+            return verifier_call(self, **kwargs)
+
+    def decode_timed(*args, first_stop, **kwargs):
+        with clock.measure("decode"):
+            return decode(*args, first_stop=clock.timed("stop", first_stop), **kwargs)
+
+    starts: list = []
+
+    def draft_start(_module, _args):
+        if inside_fixed_step:
+            return
+        starts.append(clock.measure("draft"))
+        starts[-1].__enter__()
+
+    def draft_end(_module, _args, _output):
+        if not inside_fixed_step:
+            starts.pop().__exit__(None, None, None)
+
+    def fixed_propose_timed(self, *args, **kwargs):
+        inside_fixed_step.append(True)
+        try:
+            with clock.measure("draft"):
+                return fixed_propose(self, *args, **kwargs)
+        finally:
+            inside_fixed_step.pop()
+
+    with ExitStack() as stack:
+        stack.callback(setattr, sp.TargetVerifier, "__call__", verifier_call)
+        for name, fn in originals.items():
+            stack.callback(setattr, sp, name, fn)
+        sp.TargetVerifier.__call__ = verifier_timed
+        sp.decode_loop = decode_timed
+        sp.propose_block = clock.timed("proposal", originals["propose_block"])
+        for name, part in hosts.items():
+            setattr(sp, name, clock.timed(part, originals[name]))
+        stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
+        fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
+        stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)
+        fixed_draft.FixedDraftStep.propose = fixed_propose_timed
+        stack.callback(draft.register_forward_pre_hook(draft_start).remove)
+        stack.callback(draft.register_forward_hook(draft_end).remove)
+        yield
+
+
+def breakdown(seconds: dict[str, float], cycles: int, tokens: int) -> dict:
+    """Phase seconds (the measured ones; `host` and `setup` as what the decode loop and the whole call leave),
+    their fractions of the total and ms per cycle."""
+    total, decode = seconds["total"], seconds["decode"]
+    phases = {name: seconds[name] for name in MEASURED}
+    phases["host"] = decode - sum(phases.values())
+    phases["setup"] = total - decode
+    parts = {name: seconds[name] for name in HOST_PARTS}
+    parts["host_other"] = phases["host"] - sum(parts.values())
+    return {
+        "total_s": total,
+        "tokens": tokens,
+        "cycles": cycles,
+        "tokens_per_s": tokens / max(total, 1e-12),
+        "seconds": {name: phases[name] for name in PHASES},
+        "fraction": {name: phases[name] / max(total, 1e-12) for name in PHASES},
+        "ms_per_cycle": {name: 1000.0 * phases[name] / max(cycles, 1) for name in PHASES},
+        "host_parts_seconds": parts,
+        "host_parts_ms_per_cycle": {name: 1000.0 * v / max(cycles, 1) for name, v in parts.items()},
+    }
