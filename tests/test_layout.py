@@ -7,7 +7,8 @@
   `export` reads draft exports and their records and sets up what `dflash-eval` decodes (a draft on its target and
   the prompts `data` makes). `dflash-eval` and `dflash-generate-labels` import nothing of `training`
   (tests/cli/test_command_imports.py). `errors` (user errors) may be imported from anywhere,
-  `testing` (tiny targets, which takes the serving fields of a target family from `targets`) only from cli;
+  `testing` (tiny targets, which takes the serving fields of a target family from `targets`, and the demo's
+  assets, whose target is taught on `data`'s loader) only from cli;
   `serving` (engine plugins, loaded by the engine) imports nothing of the package; only `export` imports it (the model
   card names what the plugin refuses, by the plugin's own rule). `lazy` (the standard-library helper every folder's
   `__init__` exports its names with, imported on first use) imports nothing of the package.
@@ -38,7 +39,7 @@ ALLOWED = {
     "lazy": set(),
     "models": set(),
     "ops": set(),
-    "testing": {"targets"},  # the tiny targets carry their family's serving fields
+    "testing": {"targets", "data"},  # tiny targets carry their family's serving fields; the demo's learns on a loader
     "serving": set(),  # engine plugins: imported by the engine (an entry point) and by the model card (export)
     "settings": {"models"},  # only models/draft_fields.py (test_settings_read_only_the_pure_python_draft_fields)
     "targets": {"settings", "models", "ops", "errors"},

@@ -2,7 +2,8 @@
 
 1. builds a tiny Qwen3-ASR-style target and its byte-level tokenizer/processor locally;
 2. synthesizes a speech set (tone "words") with soundfile, writes NeMo manifests, and teaches the tiny target to
-   transcribe it (a plain causal-LM loss on the transcripts), so that it writes what it hears, like a small ASR model;
+   transcribe it (a plain causal-LM loss on the transcripts), so that it writes what it hears, like a small ASR model
+   (`dflash_hf.testing.demo_assets`);
 3. trains a DFlash draft against the frozen target with `DFlashTrainer` (`dflash-train` settings from
    `examples/configs/demo.yaml`, overridable on the command line);
 4. exports it with `save_pretrained`, measures the target's word error rate and real speculative decoding on held-out
@@ -12,38 +13,27 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import shlex
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from dflash_hf.cli.config import apply_config, option_actions, parse_with_config
 from dflash_hf.cli.train import train
-from dflash_hf.data.eval_rows import prompt_inputs
+from dflash_hf.data.eval_rows import prompts_and_references
 from dflash_hf.data.wer import corpus_wer
 from dflash_hf.generation.evaluation import decode_benchmark
-from dflash_hf.generation.target_generate import generate_inputs, target_generate_new_tokens
+from dflash_hf.generation.target_generate import target_transcripts
 from dflash_hf.ops.cpu_threads import configure_cpu_threads
-from dflash_hf.testing import tiny
+from dflash_hf.testing.demo_assets import build_demo_assets
 from dflash_hf.training.launch import no_hf_progress_bars
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 DEMO_THREADS = 1
-# Channels of the tiny target's audio convolutions: with 8 (the tiny builder's default) the random encoder's frames of
-# different words differed by 0.4% of their energy and the target did not learn to tell the words apart in the demo's
-# budget; with 32, by 31%.
-TARGET_AUDIO_CONV_CHANNELS = 32
-# Silence before each tone word (s): 0.1 leaves about one encoder frame (80 ms) between words; against 0.05 it cut the
-# taught target's word errors (words dropped, repeated or swapped) from 42% to 28% (300 teaching steps).
-SPEECH_WORD_GAP = 0.1
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "demo.yaml"
 
 
@@ -87,122 +77,6 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser((DemoArguments, DFlashTrainingArguments, DFlashDataArguments))
 
 
-def teach_target(
-    model, processor, manifest: Path, steps: int, prompt: str | None, lr: float = 3e-3, max_tokens: int = 1500
-) -> float:
-    """Teach the random tiny target to transcribe the synthetic speech (plain causal-LM loss on the response; AdamW,
-    linear warm-up over the first tenth of the steps, then cosine decay), so it behaves like a small ASR model.
-    Returns the mean loss of the last ten steps."""
-    from transformers import get_cosine_schedule_with_warmup
-
-    from dflash_hf.data import ConversationConfig, build_train_dataloader
-
-    loader = build_train_dataloader(
-        str(manifest), processor, model.config, max_tokens=max_tokens, conversation=ConversationConfig(prompt=prompt)
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    schedule = get_cosine_schedule_with_warmup(opt, max(1, steps // 10), steps)
-    model.train()
-    losses: list[float] = []
-    with tqdm(total=steps, desc="teaching the tiny target") as bar:
-        for batch in itertools.islice(replayed_epochs(loader), steps):
-            labels = torch.where(batch["loss_mask"], batch["input_ids"], -100)
-            loss = model(**{k: v for k, v in batch.items() if k != "loss_mask"}, labels=labels).loss
-            loss.backward()
-            opt.step()
-            schedule.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
-    return sum(losses[-10:]) / max(1, len(losses[-10:]))
-
-
-def replayed_epochs(loader) -> Iterator[dict]:
-    """The loader's first epoch, then its batches again in a new order each epoch, endlessly: reading and
-    featurizing the audio again took a third of each teaching step."""
-    first: list[dict] = []
-    for batch in loader:
-        first.append(batch)
-        yield batch
-    if not first:
-        raise ValueError("the demo's training manifest gave no batch to teach the target with")
-    order = torch.Generator().manual_seed(0)
-    while True:
-        for i in torch.randperm(len(first), generator=order).tolist():
-            yield first[i]
-
-
-def build_assets(demo: DemoArguments, root: Path, prompt: str | None) -> tuple[Path, Path, Path, int]:
-    """Tiny target directory, train and dev manifests, and the reserved mask token id."""
-    tokenizer = tiny.build_tokenizer()
-    model, processor = tiny.build_qwen3_asr_target(
-        tokenizer,
-        hidden_size=demo.target_hidden_size,
-        num_layers=demo.target_num_layers,
-        num_heads=demo.target_num_heads,
-        num_kv_heads=max(1, demo.target_num_heads // 2),
-        audio_conv_channels=TARGET_AUDIO_CONV_CHANNELS,
-        seed=0,
-    )
-    train = tiny.synthesize_speech(root / "speech_train", demo.num_train_utterances, seed=0, word_gap=SPEECH_WORD_GAP)
-    dev = tiny.synthesize_speech(root / "speech_dev", demo.num_dev_utterances, seed=1, word_gap=SPEECH_WORD_GAP)
-    if demo.target_teach_steps:
-        torch.manual_seed(0)
-        teach_target(
-            model,
-            processor,
-            train,
-            demo.target_teach_steps,
-            prompt,
-            lr=demo.target_teach_learning_rate,
-            max_tokens=demo.target_teach_max_tokens,
-        )
-    target_dir = root / "target"
-    with no_hf_progress_bars():
-        model.save_pretrained(target_dir)
-    processor.save_pretrained(target_dir)
-    return target_dir, train, dev, tokenizer.convert_tokens_to_ids(tiny.MASK_TOKEN)
-
-
-def held_out(target, processor, data_args, dev_manifest: Path) -> list[tuple[dict, str]]:
-    """(prompt inputs, reference transcript) of each held-out utterance: the audio and instruction without the
-    response, and the response's text."""
-    from dflash_hf.data import build_train_dataloader
-    from dflash_hf.targets.families.base import get_tokenizer
-
-    tokenizer = get_tokenizer(processor)
-    loader = build_train_dataloader(
-        str(dev_manifest),
-        processor,
-        target.model.config,
-        max_tokens=data_args.max_tokens,
-        max_batch_size=1,
-        conversation=data_args.conversation(),
-        shuffle=False,
-    )
-    rows = []
-    for batch in loader:
-        prompt = prompt_inputs(batch)
-        if prompt is not None:
-            response = batch["input_ids"][0][batch["loss_mask"][0].bool()]
-            rows.append((prompt, tokenizer.decode(response, skip_special_tokens=True)))
-    return rows
-
-
-def target_transcripts(target, processor, prompts: list[dict], max_new_tokens: int) -> list[str]:
-    """The target's own greedy transcript of each prompt."""
-    from dflash_hf.targets.families.base import get_tokenizer
-
-    tokenizer = get_tokenizer(processor)
-    out = []
-    for prompt in prompts:
-        new = target_generate_new_tokens(target, generate_inputs(target, prompt), max_new_tokens)
-        out.append(tokenizer.decode(new[0], skip_special_tokens=True))
-    return out
-
-
 def with_default_config(argv: list[str] | None) -> list[str]:
     """`argv` with `--config examples/configs/demo.yaml` first unless it names a config."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -225,8 +99,20 @@ def run(argv: list[str] | None = None) -> dict:
     argv = with_default_config(argv)
     demo, args, data_args = parse_with_config(make_parser(), argv)
     root = Path(args.output_dir)
-    target_dir, train_manifest, dev_manifest, mask_id = build_assets(demo, root / "assets", data_args.prompt)
-    use_assets(args, data_args, target_dir, train_manifest, dev_manifest, mask_id)
+    with no_hf_progress_bars():  # save_pretrained's "Writing model shards" bar
+        assets = build_demo_assets(
+            root / "assets",
+            num_train_utterances=demo.num_train_utterances,
+            num_dev_utterances=demo.num_dev_utterances,
+            hidden_size=demo.target_hidden_size,
+            num_layers=demo.target_num_layers,
+            num_heads=demo.target_num_heads,
+            teach_steps=demo.target_teach_steps,
+            teach_learning_rate=demo.target_teach_learning_rate,
+            teach_max_tokens=demo.target_teach_max_tokens,
+            prompt=data_args.prompt,
+        )
+    use_assets(args, data_args, assets.target_dir, assets.train_manifest, assets.dev_manifest, assets.mask_token_id)
     command = train_command(argv, args, data_args)  # before the run: train() changes a few settings it acts on
     metrics = train(args, data_args)
 
@@ -237,7 +123,13 @@ def run(argv: list[str] | None = None) -> dict:
     draft = load_draft_strict(args.resolved_export_dir).eval()
     target = FrozenTarget(load_target(args.target_name_or_path))
     processor = load_processor(args.target_name_or_path)
-    rows = held_out(target, processor, data_args, dev_manifest)
+    rows = prompts_and_references(
+        assets.dev_manifest,
+        processor,
+        target.model.config,
+        max_tokens=data_args.max_tokens,
+        conversation=data_args.conversation(),
+    )
     prompts = [prompt for prompt, _ in rows]
     transcripts = target_transcripts(target, processor, prompts, demo.decode_max_new_tokens)
     references = [reference for _, reference in rows]
@@ -255,10 +147,10 @@ def run(argv: list[str] | None = None) -> dict:
         "target_wer": corpus_wer(references, transcripts),
         "target_wer_utterances": len(rows),
         "target_example": {"reference": references[0], "transcript": transcripts[0]},
-        "target_dir": str(target_dir),
-        "train_manifest": str(train_manifest),
-        "dev_manifest": str(dev_manifest),
-        "mask_token_id": mask_id,
+        "target_dir": str(assets.target_dir),
+        "train_manifest": str(assets.train_manifest),
+        "dev_manifest": str(assets.dev_manifest),
+        "mask_token_id": assets.mask_token_id,
         "train_command": shlex.join(command),
     }
     (root / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -5,6 +5,7 @@ the benchmarks), made from the same rows and rendering as training's.
   a user sends at inference.
 - :func:`speech_rows_and_collator`: validated cuts of a speech source and the collator that renders one of them.
 - :func:`evaluation_prompts`: the prompts of a file, a manifest or JSON lines of text prompts (`dflash-eval --data`).
+- :func:`prompts_and_references`: the prompts of a manifest with the text of their responses (a target's WER).
 
 `dflash_hf.generation.evaluation.decode_benchmark` decodes what these give (plain dicts of tensors).
 """
@@ -19,6 +20,7 @@ import torch
 
 from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.conversation import ConversationConfig
+from dflash_hf.data.loader import build_train_dataloader
 from dflash_hf.data.sample_checks import ValidatedCuts
 from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, open_source
@@ -141,12 +143,38 @@ def evaluation_prompts(
     return iter_prompts(rows, collate)
 
 
+def prompts_and_references(
+    manifest: str | Path, processor, target_config, *, max_tokens: int, conversation: ConversationConfig
+) -> list[tuple[dict, str]]:
+    """(prompt inputs, reference transcript) of each row of `manifest` that has a response, in order: the audio and
+    instruction without the response (`prompt_inputs`), and the response's text. The rows are read as training reads
+    them (`build_train_dataloader`, one row a batch, `max_tokens` its token budget), unshuffled."""
+    tokenizer = get_tokenizer(processor)
+    loader = build_train_dataloader(
+        str(manifest),
+        processor,
+        target_config,
+        max_tokens=max_tokens,
+        max_batch_size=1,
+        conversation=conversation,
+        shuffle=False,
+    )
+    rows = []
+    for batch in loader:
+        prompt = prompt_inputs(batch)
+        if prompt is not None:
+            response = batch["input_ids"][0][batch["loss_mask"][0].bool()]
+            rows.append((prompt, tokenizer.decode(response, skip_special_tokens=True)))
+    return rows
+
+
 __all__ = [
     "dataset_rows",
     "evaluation_prompts",
     "iter_prompts",
     "prompt_inputs",
     "prompt_source",
+    "prompts_and_references",
     "prompts_from",
     "recorded_conversation",
     "speech_rows_and_collator",

@@ -15,6 +15,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".speculative": ["DFlashCustomGenerate", "dflash_custom_generate", "speculative_generate"],
         # `target_generate` the function stays in its module: a package attribute of a submodule's name would
         # shadow the submodule
-        ".target_generate": ["generate_inputs", "target_generate_new_tokens"],
+        ".target_generate": ["generate_inputs", "target_generate_new_tokens", "target_transcripts"],
     },
 )

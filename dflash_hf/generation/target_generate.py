@@ -6,6 +6,7 @@
   Whisper's plain `generate` where it gives the same tokens), prompt + new tokens.
 - :func:`target_generate_new_tokens`: only the new tokens; :func:`generated_labels`: those of batches of encoded
   prompts, the rows `dflash-generate-labels` writes.
+- :func:`target_transcripts`: the decoded text of the target's greedy answer to each prompt (a target's WER).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from dflash_hf.generation.model_side import model_side_greedy
 from dflash_hf.generation.verify_rules import max_new_tokens_given
+from dflash_hf.targets.families.base import get_tokenizer
 from dflash_hf.targets.families.registry import generate_kwargs
 from dflash_hf.targets.frozen import FrozenTarget
 
@@ -89,4 +91,20 @@ def generated_labels(target: FrozenTarget, encoded: list[dict], max_new_tokens: 
     return rows
 
 
-__all__ = ["generate_inputs", "generated_labels", "target_generate", "target_generate_new_tokens"]
+def target_transcripts(ft: FrozenTarget, processor, prompts: list[dict], max_new_tokens: int) -> list[str]:
+    """The target's own greedy transcript of each prompt (`prompt_inputs` rows), special tokens skipped."""
+    tokenizer = get_tokenizer(processor)
+    out = []
+    for prompt in prompts:
+        new = target_generate_new_tokens(ft, generate_inputs(ft, prompt), max_new_tokens)
+        out.append(tokenizer.decode(new[0], skip_special_tokens=True))
+    return out
+
+
+__all__ = [
+    "generate_inputs",
+    "generated_labels",
+    "target_generate",
+    "target_generate_new_tokens",
+    "target_transcripts",
+]

@@ -23,7 +23,7 @@ OPTION_SETTINGS = (*TRAINING_SETTINGS, DataSettings)
 OTHER_MEANING = {
     ("dflash_hf/targets/families/registry.py", "padding_side"): "encode_batch pads the batch it is handed",
     ("dflash_hf/data/eval_rows.py", "padding_side"): "prompts are decoded one at a time",
-    ("dflash_hf/cli/demo.py", "max_tokens"): "the demo's budget for teaching its tiny target, not a training batch",
+    ("dflash_hf/testing/demo_assets.py", "max_tokens"): "teaching the demo's tiny target, not a training batch",
 }
 
 
