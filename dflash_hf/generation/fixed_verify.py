@@ -52,6 +52,11 @@ ROW_ROUNDING = 128  # a decoder-only target's buffer rows are rounded up to this
 AUTO_MAX_BUFFER_BYTES = 1 << 30
 
 
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`keep` `[q, k]` as an additive mask `[1, 1, q, k]`: 0 where kept, else the lowest value of `dtype`."""
+    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+
+
 class FixedSelfCache(DynamicCache):
     """Self-attention keys/values in fixed buffers `[1, heads, positions, head_dim]` per decoder layer (views of one
     `storage` tensor `[2, layers, 1, heads, positions, head_dim]`), written at `write_index` (a fixed tensor updated
@@ -79,8 +84,7 @@ class FixedSelfCache(DynamicCache):
     def keep_mask(self, query_positions: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor) -> torch.Tensor:
         """Additive `[1, 1, q, positions]`: 0 where a row's position is at or before the query's and the row is
         `valid` (not a padded prompt position), else the lowest value of `dtype`."""
-        keep = (self.columns[None, :] <= query_positions[:, None]) & valid[None, :]
-        return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        return additive_mask((self.columns[None, :] <= query_positions[:, None]) & valid[None, :], dtype)
 
 
 class FixedVerifyStep:
@@ -185,6 +189,10 @@ class FixedVerifyStep:
         fixed tensors that the next call overwrites."""
         self.ids.copy_(ids)
         torch.add(self.base, a, out=self.pos)
+        return self._run(ft)
+
+    def _run(self, ft) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward over the fixed inputs as they are now: the graph's replay, or the eager fixed-shape forward."""
         if self.graph is None:
             return self._forward(ft)
         with torch.cuda.device(ft.device):
@@ -413,6 +421,7 @@ __all__ = [
     "AUTO_MAX_BUFFER_BYTES",
     "FixedSelfCache",
     "FixedVerifyStep",
+    "additive_mask",
     "buffer_bytes",
     "check_verify_step",
     "clear_fixed_verify_steps",

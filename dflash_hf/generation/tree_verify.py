@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_hf.generation.fixed_verify import FixedVerifyStep
+from dflash_hf.generation.fixed_verify import FixedVerifyStep, additive_mask
 from dflash_hf.models.configuration_dflash import decoder_attends_fully
 
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a 4-D additive mask as given
@@ -53,12 +53,7 @@ def tree_mask(context: torch.Tensor | None, ancestors: torch.Tensor, rows: int, 
     all if None) and to its `ancestors` `[N+1, N+1]` row."""
     n = ancestors.shape[0]
     keep_context = ancestors.new_ones(n, rows) if context is None else context[:rows].bool()[None, :].expand(n, rows)
-    return _additive(torch.cat([keep_context, ancestors], dim=1), dtype)
-
-
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`keep` `[q, k]` as an additive mask `[1, 1, q, k]`: 0 where kept, else the lowest value of `dtype`."""
-    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+    return additive_mask(torch.cat([keep_context, ancestors], dim=1), dtype)
 
 
 def verify_tree(verifier, ids: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor, a: int):
@@ -116,7 +111,7 @@ class FixedTreeVerifyStep(FixedVerifyStep):
         inside = (relative >= 0) & (relative < n)
         tree = self.tree.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
         keep = ((columns < self.root) & self.valid)[None, :] | tree
-        return self.root + self.base, self.first + self.depth, _additive(keep, self.dtype)
+        return self.root + self.base, self.first + self.depth, additive_mask(keep, self.dtype)
 
     def _capture(self, ft, at: int) -> None:
         self.root.fill_(at)
@@ -131,11 +126,7 @@ class FixedTreeVerifyStep(FixedVerifyStep):
         self.tree.copy_(ancestors)
         self.root.fill_(a)
         self.first.fill_(a)
-        if self.graph is None:
-            return self._forward(ft)
-        with torch.cuda.device(ft.device):
-            self.graph.replay()
-        return self.out
+        return self._run(ft)
 
     def key_values(self) -> list[torch.Tensor]:
         """The fixed buffers: one tensor `[2, layers, 1, heads, rows, head_dim]` (a path's rows move in one copy)."""
