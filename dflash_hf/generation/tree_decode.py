@@ -39,8 +39,7 @@ class TreeDecode:
     step_kind = FixedTreeVerifyStep  # the fixed-shape verify's class
 
     def __init__(self, draft, ft, budget: int, *, sample: bool, draft_temperature: float):
-        check_tree_budget(budget)
-        check_tree_target(ft)
+        check_tree_target(ft)  # `budget` was checked with the decode's options (`DecodeOptions`)
         self.ft, self.sample, self.temperature = ft, sample, draft_temperature
         self.depth = draft.config.block_size - 1
         self.width = candidate_width(draft, budget, ft.vocab_size)
@@ -75,7 +74,8 @@ class TreeDecode:
         decoder's positions: never accepted), accept, and keep the path in the target's cache. Returns the outcome,
         the scores each new token was chosen from `[k+1, V]` and the path's taps `[1, k+1, T*H]`."""
         ids = torch.cat([seq[:, -1:], tree.tokens[None].to(seq.dtype)], dim=1)
-        depth = tree.depth.clamp(max=max_depth)
+        # nodes are at most `self.depth` deep: capped only where the decoder's positions end within the block
+        depth = tree.depth if max_depth >= self.depth else tree.depth.clamp(max=max_depth)
         if fixed is None:
             logits, feats = verify_tree(verifier, ids, depth, tree.ancestors, a)
             check_block_cached(verifier.cache, a + ids.shape[1], self.ft.model)
