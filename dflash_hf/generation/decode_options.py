@@ -48,8 +48,12 @@ class DecodeOptions:
         """`options`, or the options of the keywords when it is None; both given is an error naming the keywords."""
         if options is None:
             return cls(draft_cuda_graph, verify_cuda_graph, tree_budget)
-        given = {"draft_cuda_graph": draft_cuda_graph, "verify_cuda_graph": verify_cuda_graph}
-        given = [name for name, value in {**given, "tree_budget": tree_budget}.items() if value is not None]
+        keywords = {
+            "draft_cuda_graph": draft_cuda_graph,
+            "verify_cuda_graph": verify_cuda_graph,
+            "tree_budget": tree_budget,
+        }
+        given = [name for name, value in keywords.items() if value is not None]
         if given:
             raise ValueError(
                 f"{', '.join(given)} given beside options=DecodeOptions(...): set them in the options, or pass the "
