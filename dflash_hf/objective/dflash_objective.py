@@ -110,13 +110,11 @@ def resolve_fused_ce(settings, variant: str) -> bool:
     return conflict is None if settings.use_fused_linear_ce is None else bool(settings.use_fused_linear_ce)
 
 
-def check_float8_lm_head(settings, config: DFlashConfig) -> bool:
+def check_float8_lm_head(settings, config: DFlashConfig) -> None:
     """`settings.float8_lm_head` (the training arguments refuse it without the fused CE), refused where `_scaled_mm`
     cannot take the lm_head: its vocabulary and hidden size must be multiples of 16."""
-    if not settings.float8_lm_head:
-        return False
-    check_lm_head_shape(config.vocab_size, config.hidden_size)
-    return True
+    if settings.float8_lm_head:
+        check_lm_head_shape(config.vocab_size, config.hidden_size)
 
 
 def _scalar_on(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
