@@ -243,7 +243,7 @@ def fixed_draft_step(
     the eager forward with a warning, for this draft from then on until `clear_fixed_draft_steps`; out of memory: for
     this decode only), False = never. `device`: the decode's. `head`: what the step returns from the draft's block
     (None: the greedy proposal; `tree.TreeHead`: a token tree), hashable."""
-    dev, setting = device, None if setting is None else bool(setting)
+    dev = device  # `setting`: True, None or False (`DecodeOptions` checked it)
     if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
         return None
     limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion

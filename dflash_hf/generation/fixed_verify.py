@@ -338,7 +338,6 @@ def fixed_verify_rows(
     (refused before the prefill by :func:`check_verify_step` where it cannot run), None = on a GPU where it can run
     and its buffers hold at most `MAX_FIXED_POSITIONS` rows, False = never. `nodes`: rows a verify writes when they
     are not the block's (a token tree's nodes, at rows past its anchor whatever their positions)."""
-    setting = None if setting is None else bool(setting)
     if setting is False or (setting is None and ft.device.type != "cuda"):
         return None
     if (
