@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
+
 LABEL_IDS_KEY = "label_ids"
 TRUNCATED_KEY = "truncated"
 REGENERATE_FIX = "write the row again with dflash-generate-labels, or remove 'label_ids' to train on the text's tokens"
@@ -35,6 +37,22 @@ def rate_checked(fields: Mapping) -> bool:
     """Whether a row (a manifest line, or a cut's custom fields) takes the characters-per-second check: not where it
     is marked ``truncated`` (the target's own output cut by a token limit, not a transcript of a wrong duration)."""
     return fields.get(TRUNCATED_KEY) is not True
+
+
+def rate_problem(fields: Mapping, text, duration, max_chars_per_second: float | None) -> tuple[str, str, str] | None:
+    """``("text", problem, fix)`` where a row's `text` is implausibly long for `duration` seconds of audio
+    (`json_rows.text_rate_problem`), else None; never for a row marked ``truncated`` (:func:`rate_checked`)."""
+    if not rate_checked(fields):
+        return None
+    problem = text_rate_problem(text, duration, max_chars_per_second)
+    return ("text", problem, RATE_FIX) if problem else None
+
+
+def row_problem(fields: Mapping, text, duration, max_chars_per_second: float | None) -> tuple[str, str, str] | None:
+    """``(field, problem, fix)`` of the checks a manifest or cuts reader makes of a row's text and generated-label
+    fields (`fields`: a manifest line, or a cut's custom fields): their types (:func:`generated_field_problem`), then
+    the characters per second (:func:`rate_problem`); None when it passes."""
+    return generated_field_problem(fields) or rate_problem(fields, text, duration, max_chars_per_second)
 
 
 def decoded_response(tokenizer, ids: Sequence[int]) -> str:
@@ -167,6 +185,8 @@ __all__ = [
     "generated_fields",
     "generated_problem",
     "rate_checked",
+    "rate_problem",
+    "row_problem",
     "splice_response",
     "splice_rows",
 ]

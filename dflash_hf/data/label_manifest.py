@@ -28,7 +28,6 @@ from dflash_hf.data.label_rows import (
     LabelCounts,
     check_manifest,
     check_output,
-    done_ids,
     earlier_lines,
     generated_line,
     partial_path,
@@ -141,8 +140,7 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     if job.num_shards > 1:
         total, records = len(records), shard_of(records, job.num_shards, job.shard_index)
         logger.info("shard %d of %d: %d of the %d lines", job.shard_index, job.num_shards, len(records), total)
-    earlier = earlier_lines(output)
-    done = done_ids(earlier)
+    earlier, done = earlier_lines(output)
     todo = [(i, o, r) for i, o, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
 

@@ -60,17 +60,18 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def earlier_lines(output: Path) -> list[str]:
-    """The complete lines an earlier run wrote: of ``<output>.partial`` when an interrupted run left one, else of the
-    output. A last line without its newline (an interrupted write) is left out, its row labelled again; a line that
-    is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
+def earlier_lines(output: Path) -> tuple[list[str], set[str]]:
+    """The complete lines an earlier run wrote, and the ids of their rows: of ``<output>.partial`` when an interrupted
+    run left one, else of the output. A last line without its newline (an interrupted write) is left out, its row
+    labelled again; a line that is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
     source = partial_path(output) if partial_path(output).exists() else output
     if not source.exists():
-        return []
+        return [], set()
     lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
         lines.pop()
+    ids = set()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -83,11 +84,8 @@ def earlier_lines(output: Path) -> list[str]:
                 f"field 'output': {str(source)!r} line {number} is not a row dflash-generate-labels wrote (a JSON "
                 "object with a string 'id'); give a new --output (the file is left as it is)"
             )
-    return lines
-
-
-def done_ids(lines: list[str]) -> set[str]:
-    return {json.loads(line)["id"] for line in lines if line.strip()}
+        ids.add(record["id"])
+    return lines, ids
 
 
 def start_partial(output: Path, lines: list[str]) -> Path:
@@ -189,7 +187,6 @@ __all__ = [
     "LabelCounts",
     "check_manifest",
     "check_output",
-    "done_ids",
     "earlier_lines",
     "generated_line",
     "partial_path",

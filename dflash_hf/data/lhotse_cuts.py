@@ -11,8 +11,8 @@ from lhotse import MonoCut
 
 from dflash_hf.data.audio_files import OPT_IN_FLAG, mark_programs
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples, bad_sample_message
-from dflash_hf.data.generated import generated_field_problem, rate_checked
-from dflash_hf.data.json_rows import RATE_FIX, Span, describe_value, json_rows, seconds_problem, text_rate_problem
+from dflash_hf.data.generated import row_problem
+from dflash_hf.data.json_rows import Span, describe_value, json_rows, seconds_problem
 from dflash_hf.settings import DataSettings
 
 GATED_SOURCE_TYPES = {
@@ -79,15 +79,10 @@ class LhotseCuts:
                 )
                 return None
         self._check_sources(cut, origin)  # a refusal (security) comes before any skip below
-        problem = generated_field_problem(cut.custom or {})  # `label_ids` / `truncated` of generated labels
+        text = cut.supervisions[0].text if timed and cut.supervisions else None
+        problem = row_problem(cut.custom or {}, text, cut.duration, self.max_chars_per_second)
         if problem:
             report(cut.id, *problem, origin=origin)
-            return None
-        text = cut.supervisions[0].text if timed and cut.supervisions else None
-        rate = self.max_chars_per_second if rate_checked(cut.custom or {}) else None  # truncated: the target's own
-        problem = text_rate_problem(text, cut.duration, rate)
-        if problem:
-            report(cut.id, "text", problem, RATE_FIX, origin=origin)
             return None
         cut.custom = mark_programs({**(cut.custom or {}), ORIGIN_KEY: origin}, self.allowed[OPT_IN_FLAG])
         return cut

@@ -14,8 +14,7 @@ from lhotse import CutSet
 from dflash_hf.data.audio_files import audio_path_problem
 from dflash_hf.data.bad_samples import BadSamples, origin_of, sample_label
 from dflash_hf.data.conversation import RENDERED_TEXT_KEY, ConversationRenderer, conversation_key, cut_to_messages
-from dflash_hf.data.generated import generated_fields, generated_problem, rate_checked
-from dflash_hf.data.json_rows import RATE_FIX, text_rate_problem
+from dflash_hf.data.generated import generated_fields, generated_problem, rate_problem
 from dflash_hf.data.sources import make_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings import LoaderSettings
@@ -118,10 +117,10 @@ class SampleValidator:
             self._report_too_long(cut, text_tokens, audio_positions)
             return None
         # after the budget (a text too long for both is named by its token count); not for a truncated generated row
-        if self.family.has_audio and rate_checked(cut.custom or {}):
-            problem = text_rate_problem(cut.supervisions[0].text, cut.duration, self.max_chars_per_second)
+        if self.family.has_audio:
+            problem = rate_problem(cut.custom or {}, cut.supervisions[0].text, cut.duration, self.max_chars_per_second)
             if problem:
-                self._report(cut, "text", problem, RATE_FIX)
+                self._report(cut, *problem)
                 return None
         cut.custom = dict(cut.custom or {})
         cut.custom[NUM_TOKENS_KEY] = num_tokens

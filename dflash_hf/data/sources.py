@@ -37,17 +37,8 @@ from dflash_hf.data.audio_files import (
     recording_from_file,
 )
 from dflash_hf.data.bad_samples import ORIGIN_KEY, BadSampleError, BadSamples
-from dflash_hf.data.generated import generated_field_problem, rate_checked
-from dflash_hf.data.json_rows import (
-    RATE_FIX,
-    Span,
-    describe_value,
-    detect_kind,
-    json_rows,
-    manifest_stem,
-    seconds_problem,
-    text_rate_problem,
-)
+from dflash_hf.data.generated import row_problem
+from dflash_hf.data.json_rows import Span, describe_value, detect_kind, json_rows, manifest_stem, seconds_problem
 from dflash_hf.data.lhotse_cuts import LhotseCuts
 from dflash_hf.data.row_scan import check_rows
 from dflash_hf.settings import DataSettings
@@ -121,12 +112,8 @@ def check_nemo_record(
         return fail("lang", f"is {describe_value(record['lang'])}, not a string", 'write a language code such as "en"')
     if "id" in record and _nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
-    problem = generated_field_problem(record)  # `label_ids` / `truncated` of generated labels
-    if problem:
-        return fail(*problem)
-    rate = max_chars_per_second if rate_checked(record) else None  # a truncated generated row: the target's output
-    problem = text_rate_problem(record["text"], record.get("duration"), rate)
-    return fail("text", problem, RATE_FIX) if problem else True
+    problem = row_problem(record, record["text"], record.get("duration"), max_chars_per_second)
+    return fail(*problem) if problem else True
 
 
 def nemo_line_to_cut(
