@@ -65,7 +65,7 @@ from dflash_hf.testing import tiny  # noqa: E402
 if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere (tests): decode_profile's parts
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile_parts.inputs import TINY_WHISPER_MASK, speech_prompts, text_prompts, tiny_setup  # noqa: E402
-from decode_profile_parts.instrument import instrumented  # noqa: E402
+from decode_profile_parts.instrument import instrumented, timed  # noqa: E402
 from decode_profile_parts.record import command_line, device_name, git_commit, write_results  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
@@ -160,8 +160,8 @@ class OpCounter(TorchDispatchMode):
     """Counts dispatched operators, host reads and host tensors per (stage, iteration, phase). The stage is
     "setup" (before a prompt's first decoder forward), "prefill" (from it to the first step/cycle) or "loop";
     `next_iteration()` starts a step or cycle of the loop. `measure(name)` sets the phase of what runs inside it
-    (innermost wins); with `timed` it is the interface of decode_profile's `PhaseClock`, so decode_profile's
-    `instrumented` drives it. `starts` names the phase whose entry starts an iteration, `ends` the one whose exit
+    (innermost wins); it is the interface of decode_profile's `PhaseClock`, so decode_profile's `instrumented`
+    drives it. `starts` names the phase whose entry starts an iteration, `ends` the one whose exit
     ends the loop."""
 
     def __init__(self, starts: str, ends: str, phases: tuple[str, ...]):
@@ -217,13 +217,6 @@ class OpCounter(TorchDispatchMode):
             self.phases.pop()
             if name == self.ends:  # what follows the loop (generate's epilogue) is setup work
                 self.stage = "setup"
-
-    def timed(self, name: str, fn):
-        def wrapper(*args, **kwargs):
-            with self.measure(name):
-                return fn(*args, **kwargs)
-
-        return wrapper
 
     def summary(self) -> dict:
         """Per loop iteration: mean counts by phase (`other` for unlisted ones) and the min/max operator total;
@@ -293,10 +286,10 @@ def count_greedy(ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> 
         stack.callback(ft.model.register_forward_hook(forward_end).remove)
         for cls, phase in ((LogitsProcessorList, "scores"), (StoppingCriteriaList, "stop")):
             stack.callback(setattr, cls, "__call__", cls.__call__)
-            cls.__call__ = counter.timed(phase, cls.__call__)
+            cls.__call__ = timed(counter, phase, cls.__call__)
         sample = ft.model._sample  # generate's decoding loop (greedy and sampling)
         stack.callback(delattr, ft.model, "_sample")
-        ft.model._sample = counter.timed("sample", sample)
+        ft.model._sample = timed(counter, "sample", sample)
         with counting(counter):
             for inputs in prompts:
                 counter.new_prompt()

@@ -71,12 +71,13 @@ def convert_gguf(gguf: Path, dtype: str) -> tuple:
     return model, tokenizer
 
 
-def save_converted(model, tokenizer, hf: Path) -> None:
-    """``save_pretrained`` both into ``hf`` (atomically: a sibling ``.tmp`` directory renamed)."""
+def save_converted(model, processor, hf: Path) -> None:
+    """``save_pretrained`` both (``processor``: a tokenizer or a processor) into ``hf`` (atomically: a sibling
+    ``.tmp`` directory renamed)."""
     tmp = hf.with_name(hf.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
     shutil.rmtree(hf, ignore_errors=True)
     tmp.replace(hf)
 

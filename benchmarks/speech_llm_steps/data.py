@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from quality_steps.common import SAMPLING_RATE
 
-from .presets import INSTRUCTION, SAMPLING_RATE
+from .presets import INSTRUCTION
 
 
 def read_manifest(path: Path) -> list[dict]:

@@ -7,11 +7,12 @@ import time
 from pathlib import Path
 
 import torch
+from quality_steps.common import RESULTS_DIR, write_json
 
 from dflash_hf.data.wer import corpus_wer, normalize, word_errors
 
 from .data import load_audio, messages_for, read_manifest
-from .presets import INSTRUCTION, RESULTS_DIR, resolve_device, tqdm, write_json
+from .presets import INSTRUCTION, resolve_device, tqdm
 
 
 @torch.no_grad()

@@ -9,10 +9,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS_DIR = REPO / "docs" / "results"
-SAMPLING_RATE = 16000
-
 INSTRUCTION = "Transcribe the audio."
 DFLASH_MASK_ID = 8  # SmolLM2's `<issue_start>`: kept free for the DFlash mask token
 # SmolLM2's own special tokens reused as the audio markers (its tokenizer fills the whole embedding: no resize)

@@ -16,6 +16,8 @@ from transformers import (
 
 from dflash_hf.targets.frozen import FrozenTarget, TargetFeatures
 
+from .shapes import DECODER_DIMS
+
 
 def _random_init(cls, config, dtype: torch.dtype, device: torch.device):
     """`cls(config)` with random weights, built directly in `dtype` on `device`, frozen (eval, no grad)."""
@@ -34,13 +36,7 @@ def build_target(shape: dict, dtype: torch.dtype, device: torch.device):
     kind = shape.get("kind", "qwen3")
     if kind == "qwen3":
         tcfg = Qwen3Config(
-            hidden_size=shape["hidden_size"],
-            num_hidden_layers=shape["num_hidden_layers"],
-            num_attention_heads=shape["num_attention_heads"],
-            num_key_value_heads=shape["num_key_value_heads"],
-            head_dim=shape["head_dim"],
-            intermediate_size=shape["intermediate_size"],
-            vocab_size=shape["vocab_size"],
+            **{k: shape[k] for k in DECODER_DIMS},
             max_position_embeddings=32768,
             tie_word_embeddings=False,
             pad_token_id=0,

@@ -97,6 +97,22 @@ TINY_WHISPER = dict(
     eos_token_id=500,
     decoder_start_token_id=501,
 )
+# The decoder dimensions a text-only `qwen3` shape takes (`models.build_target`).
+DECODER_DIMS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def _decoder_dims(config: dict) -> dict:
+    return {k: config[k] for k in DECODER_DIMS}
+
+
 TINY_LLAMA = dict(
     SMOLLM2_135M,
     vocab_size=512,
@@ -119,18 +135,7 @@ TINY_QWEN3_ASR = dict(
         n_window_infer=100,
         downsample_hidden_size=8,
     ),
-    text_config=dict(
-        QWEN3_1_7B_TEXT,
-        vocab_size=600,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=510,
-        eos_token_id=510,
-    ),
+    text_config=QWEN3_1_7B_TEXT | _decoder_dims(TINY_LLAMA) | dict(vocab_size=600, pad_token_id=510, eos_token_id=510),
     audio_token_id=520,
     pad_token_id=510,
     eos_token_id=510,
@@ -144,15 +149,7 @@ TINY_QWEN3_ASR = dict(
 _WHISPER_ROWS = dict(durations=(5.0, 20.0), tokens=(20, 40), num_anchors=16)
 _ASR_ROWS = dict(durations=(5.0, 20.0), num_batches=4, max_tokens=8192, num_anchors=32, tokens_per_second=3.0)
 _TINY_ASR_ROWS = dict(_ASR_ROWS, durations=(0.5, 2.0), max_tokens=384, num_anchors=8, tokens_per_second=6.0)
-_QWEN3_1_7B = dict(
-    hidden_size=2048,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=6144,
-    vocab_size=151936,
-)
+_QWEN3_1_7B = _decoder_dims(QWEN3_1_7B_TEXT)
 SHAPES = {
     "qwen3-1.7b": dict(_QWEN3_1_7B, seq_len=1024, num_anchors=256),
     # the "speech-like" text row: 64 rows of 256 tokens (the first eighth prompt), 40 anchors a row
@@ -168,17 +165,7 @@ SHAPES = {
         seq_len=3072,
         num_anchors=512,
     ),
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=512,
-        seq_len=96,
-        num_anchors=16,
-    ),
+    "tiny": dict(_decoder_dims(TINY_LLAMA), seq_len=96, num_anchors=16),
     "smollm2-135m": dict(kind="llama", config=SMOLLM2_135M, seq_len=1024, num_anchors=256, batch_size=8),
     "whisper-base": dict(kind="whisper", config=WHISPER_BASE, batch_size=64, **_WHISPER_ROWS),
     "qwen3-asr-1.7b": dict(kind="qwen3_asr", config=QWEN3_ASR_1_7B, packed=False, **_ASR_ROWS),
