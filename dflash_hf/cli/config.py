@@ -186,13 +186,12 @@ def check_option_names(parser: argparse.ArgumentParser, args: list[str]) -> None
         parser.error(f"unknown option {name}{spelled_out}{_did_you_mean(name, options)}")
 
 
-def read_config(parser: argparse.ArgumentParser, config: str) -> dict[str, Any]:
-    """Field values of a `--config` file, each checked against the parser's option of the same name."""
+def read_config(actions: dict[str, argparse.Action], config: str) -> dict[str, Any]:
+    """Field values of a `--config` file, each checked against the option of the same name (`option_actions`)."""
     path = Path(config)
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigFileError(f"--config {config} {what}; give a YAML file of `field: value` lines")
-    actions = option_actions(parser)
     raw = _load_mapping(path, config)
     unknown = sorted(k for k in raw if k not in actions)
     if unknown:
@@ -211,8 +210,8 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> lis
     config, rest = split_config(argv)
     check_option_names(parser, rest)
     if config:
-        values = read_config(parser, config)
         actions = option_actions(parser)
+        values = read_config(actions, config)
         for key in values:
             actions[key].required = False
         parser.set_defaults(**values)

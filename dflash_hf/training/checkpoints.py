@@ -80,6 +80,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """The Trainer's `checkpoint-N` directory of `step` in `run_dir`."""
+    return Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+
+
 def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     """The `checkpoint-N` directories of `output_dir`, newest (highest N) first."""
     root = Path(output_dir)

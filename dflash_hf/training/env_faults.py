@@ -31,16 +31,20 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dflash_hf.data.epochs import ResumableEpochs
 from dflash_hf.errors import EnvironmentFault, debug_enabled
 from dflash_hf.training.assembly import is_speech_source
-from dflash_hf.training.checkpoints import DiskFullError, is_complete, is_full_disk, last_complete_checkpoint
+from dflash_hf.training.checkpoints import (
+    DiskFullError,
+    checkpoint_dir,
+    is_complete,
+    is_full_disk,
+    last_complete_checkpoint,
+)
 
 logger = logging.getLogger("dflash_hf")
 
@@ -229,7 +233,7 @@ class StepFaults:
             fault.checkpoint = self.last_checkpoint()
             return
         step = trainer.state.global_step
-        folder = Path(trainer._get_output_dir(trial=None)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        folder = checkpoint_dir(trainer._get_output_dir(trial=None), step)
         if step == 0 or is_complete(folder):
             fault.checkpoint = self.last_checkpoint()
             return

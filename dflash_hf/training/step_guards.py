@@ -17,12 +17,11 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from dflash_hf.errors import DFlashUserError
+from dflash_hf.training.checkpoints import checkpoint_dir
 
 logger = logging.getLogger("dflash_hf")
 
@@ -158,7 +157,7 @@ class StopSignals:
         if the signal came after it (e.g. during the final evaluation) while the weights are still that step's (None
         after the best checkpoint was loaded by `load_best_model_at_end`: they are not, and the last complete
         checkpoint, `faults.last_checkpoint()`, is named instead)."""
-        saved = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        saved = checkpoint_dir(output_dir, step)
         if not saved.is_dir() and save is None:
             return TrainingInterrupted(self.signum, step, faults.last_checkpoint(), saved=False)
         if not saved.is_dir():

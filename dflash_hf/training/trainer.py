@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, has_length
+from transformers.trainer_utils import has_length
 
 from dflash_hf.data.epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
 from dflash_hf.export.run_record import target_identity, write_record
@@ -32,6 +32,7 @@ from dflash_hf.training.assembly import (
 )
 from dflash_hf.training.callbacks import add_dflash_callbacks
 from dflash_hf.training.checkpoints import (
+    checkpoint_dir,
     complete_only_save,
     load_data_state,
     mark_complete,
@@ -183,7 +184,7 @@ class DFlashTrainer(Trainer):
         written its part; older checkpoints are rotated away only after that (docs/RELIABILITY.md)."""
         self.finite_guard.settle()  # never save a step whose loss or gradient norm is not finite
         run_dir = self._get_output_dir(trial=trial)
-        folder = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder = checkpoint_dir(run_dir, self.state.global_step)
         self._checkpoint_completed = False
         with complete_only_save(run_dir, folder, self.args, self.state, self.accelerator):
             super()._save_checkpoint(model, trial)

@@ -382,9 +382,9 @@ def test_python_dash_m_runs_the_command(module):
 
 def test_early_stopping_without_a_reported_metric_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    import dflash_hf.targets.frozen
+    import dflash_hf.targets.builder
 
-    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(dflash_hf.targets.builder, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     for name in ("train.json", "dev.json"):
         (tmp_path / name).write_text("")
     (tmp_path / "target").mkdir()
@@ -463,9 +463,9 @@ def test_a_target_with_its_own_code_is_refused_unless_trusted(tmp_path, monkeypa
 def test_a_run_writing_into_the_target_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys, where):
     """Before: `--export_dir` set to the target's directory wrote the draft over the target, exit 0."""
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    import dflash_hf.targets.frozen
+    import dflash_hf.targets.builder
 
-    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(dflash_hf.targets.builder, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text("{}")
@@ -477,10 +477,10 @@ def test_a_run_writing_into_the_target_is_refused_before_the_target_loads(tmp_pa
 def test_missing_audio_in_the_validation_set_is_found_before_the_target_loads(tmp_path, monkeypatch, capsys):
     """Before: it was found at the first evaluation, after the training so far."""
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
-    import dflash_hf.targets.frozen
+    import dflash_hf.targets.builder
     from dflash_hf.testing import tiny
 
-    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(dflash_hf.targets.builder, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     manifest = tiny.synthesize_speech(tmp_path / "speech", 2, seed=0)
     dev = tmp_path / "dev.jsonl"
     dev.write_text(json.dumps({"audio_filepath": "missing.wav", "duration": 1.0, "text": "yes"}) + "\n")
@@ -497,11 +497,11 @@ def test_a_damaged_checkpoint_given_by_path_is_refused_before_the_target_loads(t
     monkeypatch.delenv("DFLASH_DEBUG", raising=False)
     from safetensors.torch import save_file
 
-    import dflash_hf.targets.frozen
+    import dflash_hf.targets.builder
     from dflash_hf.testing import tiny
     from dflash_hf.training.checkpoints import COMPLETE_MARKER
 
-    monkeypatch.setattr(dflash_hf.targets.frozen, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(dflash_hf.targets.builder, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     checkpoint = tmp_path / "out" / "checkpoint-2"
     checkpoint.mkdir(parents=True)
     save_file({"w": torch.zeros(2)}, checkpoint / "model.safetensors")

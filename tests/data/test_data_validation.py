@@ -285,7 +285,7 @@ def test_hf_dataset_rows_are_named_by_row(root):
 def test_dflash_train_names_a_bad_row_before_the_target_loads(root, tmp_path, monkeypatch):
     """Strict mode: `dflash-train` reads the data's rows before it loads the (expensive) target."""
     from dflash_hf.cli import train as cli_train
-    from dflash_hf.targets import frozen as target_module
+    from dflash_hf.targets import builder as target_module
     from dflash_hf.training.training_args import DFlashTrainingArguments
 
     def no_load(*args, **kwargs):
