@@ -80,6 +80,8 @@ _CONTRACT_SERVING = (
 )
 # Target kinds with a measured serving row (docs/SERVING.md): the card prints their command. Others say what is known.
 MEASURED_SERVING = {"text": "vLLM 0.34"}
+# the text-target architectures with a measured vLLM row (docs/SERVING.md: a Qwen3 text target, DFlash and DFlash2)
+MEASURED_TEXT_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QWEN3_ASR = "Qwen3ASRForConditionalGeneration"
 
 _ENCODER_CONTEXT_SERVING = (
@@ -110,22 +112,23 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
         return None, "No serving engine loads this draft (outside the published DFlash contract)."
     if arch is None:
         return None, "The target's architecture was not given, so this card names no engine that serves the draft."
-    if arch.endswith("ForCausalLM"):
+    if arch in MEASURED_TEXT_ARCHITECTURES:
         where = "a measured pair: dflash_hf's docs/SERVING.md"
         return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({where})."
     if arch == QWEN3_ASR:
         return None, (
-            "vLLM 0.34 serves Qwen3-ASR targets natively (their config needs the fields\n"
-            "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes); this pair has not been measured\n"
-            "yet, so no command is given here."
+            "vLLM 0.34 has a Qwen3-ASR model class (its config needs the fields\n"
+            "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes); serving this pair has not been\n"
+            "measured yet, so no command is given here."
         )
     if arch in HIDDEN_STATE_VARIANTS:
         reason = refusal(arch, SimpleNamespace(text_config=SimpleNamespace(model_type=info.target_text_model_type)))
         if reason is not None:
             return None, f"vLLM cannot serve this target: {reason}."
         return None, (
-            f"vLLM 0.34 serves {arch} targets with the dflash_hf plugin (the serving environment of dflash_hf's\n"
-            "README); this pair has not been measured yet, so no command is given here."
+            f"The dflash_hf plugin registers a hidden-state variant of vLLM 0.34's {arch} class (the\n"
+            "serving environment of dflash_hf's README); serving this pair has not been measured yet, so no command\n"
+            "is given here."
         )
     return None, f"No serving engine has been measured with {arch} targets: decode with dflash_hf."
 

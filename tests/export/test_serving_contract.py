@@ -183,12 +183,14 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
     config.dflash_config.pop("outside_published_contract")
     config.architectures = ["DFlash2DraftModel"]
     config.set_block_size(8)
-    text = DraftCardInfo(target_id="HuggingFaceTB/SmolLM2-135M-Instruct", target_architecture="LlamaForCausalLM")
+    unmeasured = DraftCardInfo(target_id="HuggingFaceTB/SmolLM2-135M-Instruct", target_architecture="LlamaForCausalLM")
+    assert serving_commands(config, "me/draft", unmeasured.target_id, info=unmeasured) == {}  # no measured row
+    text = DraftCardInfo(target_id="Qwen/Qwen3-0.6B", target_architecture="Qwen3ForCausalLM")
     commands = serving_commands(config, "me/draft", text.target_id, info=text)
-    assert list(commands) == ["vllm"]  # the measured pair only: vLLM with a text target; no SGLang command
+    assert list(commands) == ["vllm"]  # the measured pair only: vLLM with a Qwen3 text target; no SGLang command
     spec = json.loads(commands["vllm"].split("--speculative-config '")[1].rstrip("'"))
     assert spec == {"method": "dflash", "model": "me/draft", "num_speculative_tokens": 7}
-    assert commands["vllm"].startswith("vllm serve HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert commands["vllm"].startswith("vllm serve Qwen/Qwen3-0.6B")
     card = build_model_card(config, "me/draft", text)
     assert commands["vllm"] in card and "vLLM 0.34 serves this draft with its text target" in card
     assert "block_size" not in commands["vllm"] and "num-draft-tokens" not in card and "sglang" not in card.lower()
@@ -199,8 +201,9 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "text_type", "says"),
     [
-        ("Qwen3ASRForConditionalGeneration", "qwen3", "serves Qwen3-ASR targets natively"),
-        ("Qwen2AudioForConditionalGeneration", "qwen2", "with the dflash_hf plugin"),
+        ("Qwen3ASRForConditionalGeneration", "qwen3", "has a Qwen3-ASR model class"),
+        ("Qwen2AudioForConditionalGeneration", "qwen2", "The dflash_hf plugin registers a hidden-state variant"),
+        ("LlamaForCausalLM", None, "No serving engine has been measured with LlamaForCausalLM"),
         ("Qwen2AudioForConditionalGeneration", "llama", "vLLM cannot serve this target: vLLM's Qwen2Audio"),
         ("VoxtralForConditionalGeneration", "llama", "loads Mistral-format checkpoints only"),
         ("WhisperForConditionalGeneration", None, "No serving engine has been measured with Whisper"),
