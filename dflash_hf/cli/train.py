@@ -55,20 +55,8 @@ def train(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> dict
         metrics["hub_commit_url"] = publish_draft(args, data_args, export_dir, publish_to, metrics)
         print(f"draft published: {metrics['hub_commit_url']}")
     print("measure real tau and speed of the export against the target's greedy decoding (docs/EVALUATION.md):")
-    print("  " + eval_command(args, data_args, export_dir))
+    print("  " + outcome.eval_command)
     return metrics
-
-
-def eval_command(args, data_args: DFlashDataArguments, export_dir: str) -> str:
-    """The `dflash-eval` command of an export: its target, precision and first validation set (a placeholder to
-    replace when the run had none); the conversation settings come from the export's record."""
-    sources = data_args.eval_sources()
-    data = next(iter(sources.values())).path if sources else "HELD_OUT_MANIFEST.jsonl"
-    words = ["dflash-eval", "--draft", export_dir, "--target", args.target_name_or_path, "--data", str(data)]
-    words += ["--precision", args.precision]
-    if data_args.allow_command_audio_sources:
-        words += ["--allow_command_audio_sources", "true"]
-    return shlex.join(words) + ("" if sources else "  # a held-out manifest: the run had no --eval_data")
 
 
 def option_names() -> list[str]:

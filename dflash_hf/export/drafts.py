@@ -13,6 +13,7 @@ non-finite weights is never exported, and loading one is an error naming the ten
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,12 @@ from torch import nn
 
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.atomic_write import staging_siblings, write_atomically
-from dflash_hf.export.training_record import LEGACY_KEYS, TRAINING_RECORD_FILE, read_json_object
+from dflash_hf.export.training_record import (
+    LEGACY_KEYS,
+    TRAINING_RECORD_FILE,
+    read_json_object,
+    read_training_record,
+)
 from dflash_hf.models.configuration_dflash import DRAFT_ARCHITECTURES, DFlashConfig
 from dflash_hf.models.modeling_dflash import DFlashDraftModel
 from dflash_hf.targets.builder import draft_class_for
@@ -217,6 +223,20 @@ def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlas
     return config
 
 
+def recorded_settings(path: str | Path) -> dict[str, int]:
+    """`block_size` of a draft export's config.json and, when the training run recorded it, its `num_anchors` (the
+    export's training record). An unreadable export gives {}: `check_draft_export` (run first) names the problem."""
+    try:
+        directory = resolve_draft_dir(path)
+        raw = json.loads((directory / "config.json").read_text())
+        num_anchors = read_training_record(directory).num_anchors
+    except (OSError, ValueError):  # (json.JSONDecodeError is a ValueError)
+        return {}
+    dflash_config = raw.get("dflash_config") or {}
+    found = {"block_size": raw.get("block_size", dflash_config.get("block_size")), "num_anchors": num_anchors}
+    return {k: v for k, v in found.items() if isinstance(v, int)}
+
+
 def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlashDraftModel:
     """Weights-only warm start from a draft export (a `save_pretrained` directory or a cached Hub id).
 
@@ -328,6 +348,7 @@ __all__ = [
     "export_draft",
     "check_exportable",
     "non_finite_tensors",
+    "recorded_settings",
     "resolve_draft_dir",
     "weight_file_paths",
 ]

@@ -13,6 +13,8 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -139,12 +141,16 @@ def serving_commands(
     """The engine commands that serve `target` with the draft `draft` (a Hub id or a local directory), by engine
     (`"vllm"`), for target kinds with a measured row only (`serving_status`); none for a draft outside the published
     contract (no engine serves it) or an unmeasured pair."""
+    command = _vllm_command(config, draft, target, revision)
     info = info or DraftCardInfo(target_id=target, target_revision=revision)
-    if serving_status(config, info)[0] is None:
-        return {}
+    return {} if serving_status(config, info)[0] is None else {"vllm": command}
+
+
+def _vllm_command(config: DFlashConfig, draft: str, target: str, revision: str | None) -> str:
+    """`vllm serve` of `target` with the draft `draft` as its speculative model."""
     revision_flag = f" --revision {revision}" if revision else ""
     spec = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": config.block_size - 1})
-    return {"vllm": f"vllm serve {target}{revision_flag} \\\n  --speculative-config '{spec}'"}
+    return f"vllm serve {target}{revision_flag} \\\n  --speculative-config '{spec}'"
 
 
 def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) -> str:
@@ -179,11 +185,12 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     draft_table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     measured_on = f" ({info.eval_name})" if info.eval_name else ""
     spec_tokens = config.block_size - 1
+    command = _vllm_command(config, repo_id, info.target_id, info.target_revision)
+    served_kind, serving_sentence = serving_status(config, info)  # (outside the contract: no kind, no command)
     serving = _CONTRACT_SERVING if config.in_published_contract else _ENCODER_CONTEXT_SERVING
     if config.in_published_contract:
-        serving += "\n\n" + serving_status(config, info)[1]
-    commands = serving_commands(config, repo_id, info.target_id, info.target_revision, info)
-    engines = f"\n\nvLLM:\n\n```bash\n{commands['vllm']}\n```" if "vllm" in commands else ""
+        serving += "\n\n" + serving_sentence
+    engines = f"\n\nvLLM:\n\n```bash\n{command}\n```" if served_kind is not None else ""
     return f"""{header}
 
 # {repo_id.split("/")[-1]}
@@ -270,6 +277,19 @@ def _stage_upload(export_dir: Path, staging: Path, config: DFlashConfig, repo_id
     (staging / "README.md").write_text(build_model_card(config, repo_id, info))
 
 
+@contextmanager
+def _staging_folder(dry_run_dir: str | Path | None) -> Iterator[Path]:
+    """Where the upload is staged: `dry_run_dir` (new or empty, kept), else a temporary folder."""
+    if dry_run_dir is not None:
+        dry_run_dir = Path(dry_run_dir)
+        if dry_run_dir.exists() and any(dry_run_dir.iterdir()):
+            raise FileExistsError(f"dry_run_dir={str(dry_run_dir)!r} is not empty; give a new or empty folder")
+        yield dry_run_dir
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp)
+
+
 def push_draft_to_hub(
     export_dir: str | Path,
     repo_id: str,
@@ -296,19 +316,15 @@ def push_draft_to_hub(
         raise FileNotFoundError(f"export_dir={str(export_dir)!r} is not a directory; run export_draft first")
     config = load_draft_strict(export_dir).config
     card_info.validate(config.block_size)
-    if dry_run_dir is not None:
-        dry_run_dir = Path(dry_run_dir)
-        if dry_run_dir.exists() and any(dry_run_dir.iterdir()):
-            raise FileExistsError(f"dry_run_dir={str(dry_run_dir)!r} is not empty; give a new or empty folder")
-        _stage_upload(export_dir, dry_run_dir, config, repo_id, card_info)
-        return str(dry_run_dir)
-    api = HfApi(token=token)
-    with tempfile.TemporaryDirectory() as tmp:
-        _stage_upload(export_dir, Path(tmp), config, repo_id, card_info)
+    api = None if dry_run_dir is not None else HfApi(token=token)
+    with _staging_folder(dry_run_dir) as staging:
+        _stage_upload(export_dir, staging, config, repo_id, card_info)
+        if api is None:
+            return str(staging)
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         commit = api.upload_folder(
             repo_id=repo_id,
-            folder_path=tmp,
+            folder_path=str(staging),
             repo_type="model",
             commit_message=commit_message or f"Upload {ARCHITECTURES[config.variant]} for {card_info.target_id}",
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ class TrainingOutcome:
     metrics: dict
     export_dir: str | None
     reports: bool
+    eval_command: str | None = None  # the `dflash-eval` command of the export (`eval_command`)
 
 
 def run_training(args: DFlashTrainingArguments, data_args: DFlashDataArguments) -> TrainingOutcome:
@@ -75,7 +77,20 @@ def run_training(args: DFlashTrainingArguments, data_args: DFlashDataArguments) 
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
-    return TrainingOutcome(metrics, export_dir, trainer.is_world_process_zero())
+    command = eval_command(args, data_args, export_dir)
+    return TrainingOutcome(metrics, export_dir, trainer.is_world_process_zero(), command)
+
+
+def eval_command(args, data_args: DFlashDataArguments, export_dir: str) -> str:
+    """The `dflash-eval` command of an export: its target, precision and first validation set (a placeholder to
+    replace when the run had none); the conversation settings come from the export's record."""
+    sources = data_args.eval_sources()
+    data = next(iter(sources.values())).path if sources else "HELD_OUT_MANIFEST.jsonl"
+    words = ["dflash-eval", "--draft", export_dir, "--target", args.target_name_or_path, "--data", str(data)]
+    words += ["--precision", args.precision]
+    if data_args.allow_command_audio_sources:
+        words += ["--allow_command_audio_sources", "true"]
+    return shlex.join(words) + ("" if sources else "  # a held-out manifest: the run had no --eval_data")
 
 
 def _is_hub_id(name: str) -> bool:
@@ -136,4 +151,4 @@ def publish_draft(args, data_args: DFlashDataArguments, export_dir: str, repo_id
         ) from err
 
 
-__all__ = ["TrainingOutcome", "card_target_id", "publish_draft", "run_training"]
+__all__ = ["TrainingOutcome", "card_target_id", "eval_command", "publish_draft", "run_training"]

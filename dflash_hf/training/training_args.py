@@ -9,7 +9,6 @@ device or a file.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,8 +17,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
-from dflash_hf.export.drafts import check_draft_export, resolve_draft_dir
-from dflash_hf.export.training_record import read_training_record
+from dflash_hf.export.drafts import check_draft_export, recorded_settings
 from dflash_hf.models.draft_fields import check_block_size
 from dflash_hf.settings import (
     DEFAULT_BLOCK_SIZE,
@@ -43,21 +41,6 @@ if TYPE_CHECKING:  # lhotse is imported only when speech data is used
     from dflash_hf.data import ConversationConfig, DataSource
 
 __all__ = ["DFlashDataArguments", "DFlashTrainingArguments"]
-
-
-def _export_settings(path: str) -> dict[str, int]:
-    """`block_size` of a draft export's config.json and, when the training run recorded it, its `num_anchors` (the
-    export's training record). An unreadable export gives {}: `export.check_draft_export` (in `check_files`, first)
-    names the problem."""
-    try:
-        directory = resolve_draft_dir(path)
-        raw = json.loads((directory / "config.json").read_text())
-        num_anchors = read_training_record(directory).num_anchors
-    except (OSError, ValueError):  # (json.JSONDecodeError is a ValueError)
-        return {}
-    dflash_config = raw.get("dflash_config") or {}
-    found = {"block_size": raw.get("block_size", dflash_config.get("block_size")), "num_anchors": num_anchors}
-    return {k: v for k, v in found.items() if isinstance(v, int)}
 
 
 def _override(name: str):
@@ -149,7 +132,7 @@ class DFlashTrainingArguments(
             check_checkpoint_dir(self.resume_from_checkpoint)
         if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
             check_draft_export(self.init_from_pretrained)
-        recorded = _export_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
+        recorded = recorded_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
         if self.block_size is None:
             self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
             check_block_size(self.block_size)

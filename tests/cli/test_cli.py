@@ -25,6 +25,7 @@ from dflash_hf.cli import train as cli_train
 from dflash_hf.cli.config import add_config_option
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.training import argument_groups
+from dflash_hf.training.run import eval_command
 from dflash_hf.training.training_args import DFlashDataArguments
 
 
@@ -312,7 +313,7 @@ def test_a_training_run_ends_with_the_eval_command_of_its_export(tmp_path, monke
     )
     assert args.precision == "fp32"
     # a run without validation data: the data is a placeholder, said so
-    no_dev = cli_train.eval_command(
+    no_dev = eval_command(
         args=SimpleNamespace(target_name_or_path="t", precision="bf16"),
         data_args=DFlashDataArguments(train_data=["a.jsonl"]),
         export_dir="runs/x/draft",
