@@ -148,9 +148,10 @@ class DFlashObjective:
         lm_head and the label source checked against the draft's dimensions)."""
         if settings.use_fused_linear_ce is None:  # (a value given is checked where it is given: the arguments)
             settings = replace(settings, use_fused_linear_ce=resolve_fused_ce(settings, config.variant))
-        check_float8_lm_head(settings, config)
         label_source = make_label_source(settings)
         label_source.check(config.vocab_size)
+        slot_loss = make_loss(settings)
+        check_float8_lm_head(settings, config)
         return cls(
             settings=settings,
             block_size=config.block_size,
@@ -158,7 +159,7 @@ class DFlashObjective:
             target_layer_ids=config.target_layer_ids,
             variant=config.variant,
             gamma=config.loss_gamma(settings.gamma),
-            slot_loss=make_loss(settings),
+            slot_loss=slot_loss,
             label_source=label_source,
             encoder_context=config.encoder_context,
         )
@@ -185,6 +186,7 @@ class DFlashObjective:
         self._check_layout(batch)
         self._check_mask_token(batch)
         streams = target.streams(batch)  # decoder-aligned (model-side audio expansion applied)
+        target_host = target.host_facts(batch)  # what the target's forward would read back from the device
         am = streams.attention_mask.cpu()
         shifts = leading_padding(am) if pos_ids is None else torch.zeros(am.shape[0], dtype=torch.long)
         am_rows = move_leading_padding(am, shifts)
@@ -216,7 +218,7 @@ class DFlashObjective:
             valid=valid,
             valid_index=valid.flatten().nonzero().squeeze(1),
             flex_layout=flex_block_layout(anchors, doc_ids, self.block_size) if flex else None,
-            target_host=target.host_facts(batch),
+            target_host=target_host,
         )
 
     def _check_layout(self, batch: dict) -> None:
