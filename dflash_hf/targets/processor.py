@@ -1,9 +1,11 @@
-"""Where a target's files come from: a model given as a local directory or a Hub id (`check_model_dir`), its processor
-or tokenizer (`load_processor`), and the model with its processor as `dflash-generate-labels` decodes with them
-(`load_label_target`). Light at import: transformers loads when a function runs."""
+"""Where a target's files come from: a model given as a local directory or a Hub id (`check_model_dir`), whose own code
+runs only when trusted (`check_remote_code`), its processor or tokenizer (`load_processor`), and the model with its
+processor as `dflash-generate-labels` decodes with them (`load_label_target`). Light at import: transformers loads when
+a function runs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dflash_hf.settings import ModelSettings
@@ -29,6 +31,31 @@ def check_model_dir(name: str, field: str, what: str) -> None:
             f"{field}={name}: the directory does not exist; give the directory of {what} "
             "(a model saved with save_pretrained) or a Hub model id"
         )
+
+
+# The target directory's files whose `auto_map` names code shipped with it (model, processor, tokenizer).
+REMOTE_CODE_CONFIGS = ("config.json", "processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def check_remote_code(target: str, trusted: bool) -> None:
+    """A target directory whose config.json (or processor / tokenizer config) has an `auto_map` ships its own code,
+    which loading it would run in this process: refused unless `--trust_remote_code true`."""
+    for name in REMOTE_CODE_CONFIGS:
+        config = Path(target).expanduser() / name
+        if not config.is_file():
+            continue
+        try:
+            raw = json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"--target_name_or_path {target}: {config} is not readable JSON ({err})") from err
+        auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
+        if auto_map and not trusted:
+            names = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else str(auto_map)
+            raise ValueError(
+                f"--target_name_or_path {target}: its {name} has an auto_map ({names}), code of its own that "
+                "loading it would run; pass --trust_remote_code true only if you trust that directory's code, else "
+                "use a target that transformers implements"
+            )
 
 
 def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remote_code):
@@ -69,4 +96,4 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
     return model.to(device).eval(), processor, fam
 
 
-__all__ = ["check_model_dir", "load_label_target", "load_processor"]
+__all__ = ["REMOTE_CODE_CONFIGS", "check_model_dir", "check_remote_code", "load_label_target", "load_processor"]

@@ -39,32 +39,34 @@ def run_training(args: DFlashTrainingArguments, data_args: DFlashDataArguments) 
     from dflash_hf.training.row_preflight import check_data_rows, share_data_rows
     from dflash_hf.training.run_inputs import check_resume_path, check_run_inputs
     from dflash_hf.training.trainer import DFlashTrainer
+    from dflash_hf.training.validate_only import check_validation, evaluate_and_report
 
-    check_run_inputs(args, data_args)
+    # training's own checks first (the files the arguments name, the best-model metric, the resume checkpoint),
+    # then the run's inputs down to the target's directory (`check_run_inputs`, which the command line ran already)
     args.check_files()
     eval_sets = data_args.eval_sources()  # the named validation sets, once: checked here, evaluated by the trainer
     check_best_model_args(args, eval_prefixes(eval_sets))
+    check_resume_path(args.resume_from_checkpoint)
+    check_run_inputs(args, data_args)
     if args.process_index == 0:  # the other ranks load their target meanwhile, then reuse rank 0's checks
         check_data_rows(data_args)
-    check_resume_path(args.resume_from_checkpoint)
     target = load_frozen_target(args.target_name_or_path, args)  # its draft is built with the trainer
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
-    if args.validate_only:
-        from dflash_hf.training.validate_only import validate
-
-        metrics = validate(args, eval_sets, target=target, processor=processor, data_args=data_args)
-        return TrainingOutcome(metrics, None, args.process_index == 0)
-
+    if args.validate_only:  # (the trainer only evaluates the export: `validate_only.validate`)
+        check_validation(args, eval_sets)
     args.push_to_hub = False  # `--push_to_hub` publishes the exported draft (`publish_draft`), not the checkpoints
     trainer = DFlashTrainer(
         args=args,
         target=target,
         processor=processor,
         data_args=data_args,
-        train_dataset=data_args.train_sources(),
+        train_dataset=None if args.validate_only else data_args.train_sources(),
         eval_dataset=eval_sets,
     )
+    if args.validate_only:
+        metrics = evaluate_and_report(trainer, list(eval_sets))
+        return TrainingOutcome(metrics, None, args.process_index == 0)
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # TrainingInterrupted on SIGTERM
     metrics = dict(result.metrics)
     metrics["global_step"] = trainer.state.global_step  # fewer than max_steps when max_train_minutes stopped it

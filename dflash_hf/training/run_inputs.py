@@ -4,11 +4,8 @@ line's light parser calls `check_run_inputs` before torch loads, `run_training` 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from dflash_hf.settings import ModelSettings, RunSettings
-from dflash_hf.targets.processor import check_model_dir
+from dflash_hf.targets.processor import check_model_dir, check_remote_code
 from dflash_hf.training.argument_groups import check_data_paths
 
 
@@ -17,6 +14,7 @@ def check_run_inputs(args, data_args) -> None:
     validate on. `args` / `data_args`: the parsed arguments (or the light parser's namespace for both)."""
     if not args.target_name_or_path:
         raise ValueError("--target_name_or_path is required: the directory of the frozen target model")
+    check_run_dirs(args)  # the run's own directories, then the target's and the data's
     check_model_dir(args.target_name_or_path, "target_name_or_path", "the frozen target")
     if args.validate_only:
         if not data_args.eval_data:
@@ -26,32 +24,6 @@ def check_run_inputs(args, data_args) -> None:
     check_data_paths(data_args)
     trust = getattr(args, "trust_remote_code", ModelSettings.trust_remote_code)
     check_remote_code(args.target_name_or_path, bool(trust))
-    check_run_dirs(args)
-
-
-# The target directory's files whose `auto_map` names code shipped with it (model, processor, tokenizer).
-REMOTE_CODE_CONFIGS = ("config.json", "processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
-
-
-def check_remote_code(target: str, trusted: bool) -> None:
-    """A target directory whose config.json (or processor / tokenizer config) has an `auto_map` ships its own code,
-    which loading it would run in this process: refused unless `--trust_remote_code true`."""
-    for name in REMOTE_CODE_CONFIGS:
-        config = Path(target).expanduser() / name
-        if not config.is_file():
-            continue
-        try:
-            raw = json.loads(config.read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as err:
-            raise ValueError(f"--target_name_or_path {target}: {config} is not readable JSON ({err})") from err
-        auto_map = raw.get("auto_map") if isinstance(raw, dict) else None
-        if auto_map and not trusted:
-            names = ", ".join(sorted(auto_map)) if isinstance(auto_map, dict) else str(auto_map)
-            raise ValueError(
-                f"--target_name_or_path {target}: its {name} has an auto_map ({names}), code of its own that "
-                "loading it would run; pass --trust_remote_code true only if you trust that directory's code, else "
-                "use a target that transformers implements"
-            )
 
 
 def check_run_dirs(args) -> None:
@@ -84,4 +56,4 @@ def check_resume_path(resume) -> None:
         check_checkpoint_readable(resume)
 
 
-__all__ = ["REMOTE_CODE_CONFIGS", "check_remote_code", "check_resume_path", "check_run_dirs", "check_run_inputs"]
+__all__ = ["check_resume_path", "check_run_dirs", "check_run_inputs"]

@@ -29,12 +29,7 @@ def validate(
     `args.init_from_pretrained`; the target is `target` (HF model or `FrozenTarget`) or else loaded from
     `args.target_name_or_path`; `trainer_kwargs` (e.g. `processor`, `data_args`) go to `DFlashTrainer`.
     Returns `eval_{name}_{tau,loss,tau_est,accuracy,acc_slot{k},runtime}` (`tau` with `args.eval_real_tau`)."""
-    if not eval_datasets:
-        raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
-    if draft is None and not args.init_from_pretrained:
-        raise ValueError(
-            "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
-        )
+    check_validation(args, eval_datasets, draft)
     args.check_files()  # before the target loads
     if target is None:
         if not args.target_name_or_path:
@@ -48,12 +43,28 @@ def validate(
         data_collator=data_collator,
         **trainer_kwargs,
     )
+    return evaluate_and_report(trainer, list(eval_datasets))
+
+
+def check_validation(args, eval_datasets: Mapping[str, object] | None, draft=None) -> None:
+    """A validation needs validation sets and a trained draft (`draft`, else the export `args.init_from_pretrained`)."""
+    if not eval_datasets:
+        raise ValueError("validate needs at least one validation set: pass eval_datasets={name: dataset}")
+    if draft is None and not args.init_from_pretrained:
+        raise ValueError(
+            "validate_only evaluates a trained draft: set init_from_pretrained to a draft export directory"
+        )
+
+
+def evaluate_and_report(trainer: DFlashTrainer, names: list[str]) -> dict[str, float]:
+    """`trainer.evaluate()` of its validation sets `names`; the main process writes
+    `<output_dir>/validation_metrics.json` and prints `metrics_table`."""
     metrics = trainer.evaluate()
     if trainer.is_world_process_zero():
-        out = Path(args.output_dir)
+        out = Path(trainer.args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / VALIDATION_METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        print(metrics_table(metrics, list(eval_datasets)))
+        print(metrics_table(metrics, names))
     return metrics
 
 
@@ -73,4 +84,4 @@ def metrics_table(metrics: Mapping[str, float], names: list[str], prefix: str = 
     return "\n".join(lines)
 
 
-__all__ = ["VALIDATION_METRICS_FILE", "metrics_table", "validate"]
+__all__ = ["VALIDATION_METRICS_FILE", "check_validation", "evaluate_and_report", "metrics_table", "validate"]
