@@ -94,15 +94,15 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 class FixedTreeVerifyStep(FixedVerifyStep):
     """The fixed-shape verify of a token tree of `block` nodes (the root included; `fixed_verify`'s step for its
     buffers, prompt rows and CUDA graph): the nodes' ids, depths and ancestors and the root's row are copied into
-    fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `first + depth` (`first`
-    the root's position: its row, but for the capture, which writes the last rows at the first positions, within
-    Whisper's learned ones)."""
+    fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `root + shift + depth`
+    (`shift` 0: the root's position is its row; but for the capture, which writes the last rows at the first
+    positions, within Whisper's learned ones)."""
 
     def _build(self, ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph) -> None:
         self.depth = torch.zeros(block, dtype=torch.long, device=ft.device)
         self.tree = torch.eye(block, dtype=torch.bool, device=ft.device)
         self.root = torch.zeros((), dtype=torch.long, device=ft.device)
-        self.first = torch.zeros((), dtype=torch.long, device=ft.device)
+        self.shift = torch.zeros((), dtype=torch.long, device=ft.device)
         super()._build(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,12 +111,13 @@ class FixedTreeVerifyStep(FixedVerifyStep):
         inside = (relative >= 0) & (relative < n)
         tree = self.tree.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
         keep = ((columns < self.root) & self.valid)[None, :] | tree
-        return self.root + self.base, self.first + self.depth, additive_mask(keep, self.dtype)
+        return self.root + self.base, self.root + self.shift + self.depth, additive_mask(keep, self.dtype)
 
     def _capture(self, ft, at: int) -> None:
         self.root.fill_(at)
-        self.first.fill_(0)
+        self.shift.fill_(-at)
         super()._capture(ft, at)
+        self.shift.fill_(0)
 
     def verify_tree(self, ft, ids: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor, a: int):
         """Logits `[N+1, V]` and taps `[1, N+1, T*H]` of the tree at rows `a ..` (fixed tensors the next call
@@ -125,7 +126,6 @@ class FixedTreeVerifyStep(FixedVerifyStep):
         self.depth.copy_(depth)
         self.tree.copy_(ancestors)
         self.root.fill_(a)
-        self.first.fill_(a)
         return self._run(ft)
 
     def key_values(self) -> list[torch.Tensor]:
