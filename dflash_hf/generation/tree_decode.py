@@ -86,12 +86,15 @@ class TreeDecode:
         if self.sample:
             accepted = accept_sampled(tree, q, scores, max_depth, generator)
         else:
-            accepted = accept_greedy(tree, scores, max_depth)
-        if accepted.path[1:] != list(range(1, accepted.k + 1)):  # off the chain: gather the path's rows
-            keep_path(cache_tensors(verifier.cache) if fixed is None else fixed.key_values(), a, accepted.nodes)
+            accepted = accept_greedy(tree, scores, None if max_depth >= self.depth else max_depth)
+        k = accepted.k
+        if not accepted.on_chain:  # gather the path's rows
+            keep_path(cache_tensors(verifier.cache) if fixed is None else fixed.key_values(), a, accepted.off_chain)
         if fixed is None:  # fixed buffers: the next tree overwrites the rows past the path
-            crop_cache(verifier.cache, a + accepted.k + 1)
-        return accepted, scores.index_select(0, accepted.nodes), feats.index_select(1, accepted.nodes)
+            crop_cache(verifier.cache, a + k + 1)
+        if accepted.on_chain:  # the path's rows are the first ones, as a chain's
+            return accepted, scores[: k + 1], feats[:, : k + 1]
+        return accepted, scores.index_select(0, accepted.off_chain), feats.index_select(1, accepted.off_chain)
 
 
 __all__ = ["TreeDecode", "check_tree_budget"]
