@@ -166,12 +166,13 @@ def build_tree(candidates: torch.Tensor, logq: torch.Tensor, greedy: torch.Tenso
     entry = torch.arange(nodes, device=dev)
     score = torch.where(entry == 0, 0.0, float("-inf")).double()  # the beam at depth 0: the root alone
     chain, choice = entry == 0, torch.zeros_like(entry)
-    columns = torch.arange(width, device=dev)
+    on_greedy = torch.arange(width, device=dev) == greedy[:, :, None]  # [D, R, K]: the chain's candidate
+    shared = lq.shape[1] == 1  # every predecessor alike: slot d's one row, broadcast over the beam
     keys, parents, choices = [], [], []
     for d in range(depth):
-        rows = choice if lq.shape[1] > 1 else torch.zeros_like(choice)
-        child = score[:, None] + lq[d, rows]  # [nodes, K]; -inf below an empty beam entry
-        child_chain = chain[:, None] & (columns[None, :] == greedy[d, rows][:, None])
+        row_q, row_greedy = (lq[d, :1], on_greedy[d, :1]) if shared else (lq[d, choice], on_greedy[d, choice])
+        child = score[:, None] + row_q  # [nodes, K]; -inf below an empty beam entry
+        child_chain = chain[:, None] & row_greedy
         key = child + CHAIN_BOOST * child_chain - DEPTH_TIE * (d + 1)
         top, index = key.flatten().topk(nodes)
         score, chain = child.flatten()[index], child_chain.flatten()[index]
