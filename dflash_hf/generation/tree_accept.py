@@ -91,7 +91,7 @@ def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int | None) 
     """The longest root path whose every node is the target's argmax after its parent, nodes deeper than
     `max_depth` excluded (past the decoder's positions; None: no node is). Two operators on the device (the argmax
     and one concatenation) and one read, as the chain's acceptance: the walk runs on the host over the tree read back
-    with the argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, two
+    with the argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, three
     more: the path's nodes (its deepest node's ancestors, in node order: parents come before children) and their
     argmax."""
     target = scores.argmax(-1)  # [N+1]
@@ -109,7 +109,9 @@ def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int | None) 
     new_ids = [argmax[node] for node in path]
     if _on_chain(path):
         return Accepted(k=k, path=path, new=target[: k + 1], new_ids=new_ids)
-    nodes = tree.ancestors[path[-1]].sort(descending=True, stable=True).indices[: k + 1]
+    # the deepest node's ancestors in node order, then the other nodes (a long key: not every torch release sorts
+    # bool tensors on CUDA)
+    nodes = tree.ancestors[path[-1]].long().sort(descending=True, stable=True).indices[: k + 1]
     return Accepted(k=k, path=path, new=target[nodes], new_ids=new_ids, off_chain=nodes)
 
 
