@@ -79,9 +79,8 @@ def keep_path(tensors: list[torch.Tensor], a: int, nodes: torch.Tensor) -> None:
     of every key/value tensor `[..., rows, head_dim]`."""
     k = nodes.shape[0] - 1
     if k:
-        rows = nodes[1:] + a
-        for t in tensors:
-            t[..., a + 1 : a + 1 + k, :] = t.index_select(-2, rows)
+        for t in tensors:  # node n's row is row n of the rows from `a` (a view: no offset added)
+            t[..., a + 1 : a + 1 + k, :] = t[..., a:, :].index_select(-2, nodes[1:])
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
