@@ -4,6 +4,7 @@
         --num_prompts 3
     python benchmarks/decode_ops.py --tiny text       # tiny random text target
     python benchmarks/decode_ops.py --tiny whisper    # tiny random Whisper (CPU smoke run)
+    python benchmarks/decode_ops.py --tiny whisper --fixed_steps --tree_budget 32   # token trees, both steps fixed
 
 At batch 1 a small target on a GPU is launch bound: a decoding step costs about what its dispatched operators and
 its device-to-host reads cost, not its arithmetic. Those counts do not depend on the device, so they are measured
@@ -16,6 +17,9 @@ here on the CPU, exactly (they are deterministic for given weights and inputs):
 - **host reads** (device-to-host, each a stream synchronize on a GPU): `.item()`/`int()`/`bool()` of a tensor,
   ops with data-dependent output (`nonzero`, `equal`, ...), and `Tensor.tolist()`.
 - **host tensors** (host-to-device copies on a GPU): tensors made from Python data (`torch.tensor`).
+- **graph operators** (`--fixed_steps`): the operators of what the fixed-shape steps capture as CUDA graphs on a GPU
+  (`FixedDraftStep._fixed_step`, `FixedVerifyStep._forward`; on the CPU they run eagerly, as here); a cycle's
+  operators less these are the ones launched outside the graphs (`outside graphs`).
 
 Per prompt, two decodes of the same target inputs at batch 1, greedy:
 
@@ -40,13 +44,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 import tempfile
-from collections import Counter, defaultdict
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import HfArgumentParser, LogitsProcessorList, StoppingCriteriaList
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,7 @@ from dflash_hf import DFlashConfig  # noqa: E402
 from dflash_hf.generation import speculative  # noqa: E402
 from dflash_hf.generation.decode_options import DecodeOptions  # noqa: E402
 from dflash_hf.generation.target_generate import target_generate  # noqa: E402
+from dflash_hf.generation.tree_decode import check_tree_budget  # noqa: E402
 from dflash_hf.targets.builder import draft_class_for, init_encoder_context  # noqa: E402
 from dflash_hf.targets.families.registry import generate_kwargs  # noqa: E402
 from dflash_hf.targets.frozen import FrozenTarget, load_target  # noqa: E402
@@ -66,6 +69,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewh
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile_parts.inputs import TINY_WHISPER_MASK, speech_prompts, text_prompts, tiny_setup  # noqa: E402
 from decode_profile_parts.instrument import instrumented, timed  # noqa: E402
+from decode_profile_parts.op_count import OpCounter, counting, graph_regions  # noqa: E402
 from decode_profile_parts.record import command_line, device_name, git_commit, write_results  # noqa: E402
 
 RESULTS_DIR = REPO / "docs" / "results"
@@ -74,8 +78,6 @@ TINY_KINDS = ("text", "whisper")
 WHISPER_MASK = importlib.import_module("quality_steps.configs").WHISPER_MASK_ID  # real_targets.py's Whisper drafts
 SPEC_PHASES = ("draft", "proposal", "verify", "scores", "accept", "stop", "crop", "other")
 GREEDY_PHASES = ("forward", "scores", "stop", "other")
-_METADATA_OPS = {torch.ops.aten._unsafe_view.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.detach.default}
-_SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
 @dataclass
@@ -107,6 +109,13 @@ class OpsArguments:
             "host work left per cycle."
         },
     )
+    tree_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "Verify token trees of this many nodes a cycle (speculative_generate's tree_budget) instead of "
+            "the chain; on a target whose decoder can take a tree's mask (SDPA or eager attention)."
+        },
+    )
 
     def __post_init__(self):
         if (self.tiny is None) == (self.target is None):
@@ -117,149 +126,11 @@ class OpsArguments:
             raise ValueError("--target needs --data")
         if self.num_prompts < 1 or self.max_new_tokens < 2:
             raise ValueError("--num_prompts must be >= 1 and --max_new_tokens >= 2")
+        check_tree_budget(self.tree_budget)
 
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser(OpsArguments)
-
-
-# ------------------------------------------------------------------------------------------------ counting
-def _kind(func, args) -> str | None:
-    """What one dispatched operator is: "op", "read" (device-to-host), "host_tensor" or None (metadata only).
-    Indexing is a read only with a boolean index (its nonzero); integer indexing is a gather."""
-    if func is torch.ops.aten.lift_fresh.default:
-        return "host_tensor"
-    if func is torch.ops.aten.index.Tensor:
-        boolean = any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1])
-        return "read" if boolean else "op"
-    if any(tag in func.tags for tag in _SYNC_TAGS):
-        return "read"
-    if func.is_view or func in _METADATA_OPS:
-        return None
-    return "op"
-
-
-_TORCH_DIR = str(Path(torch.__file__).parent)
-_HERE = str(SCRIPT_PATH)
-
-
-def _caller() -> str:
-    """file:line (function) of the innermost frame outside torch and this script."""
-    frame = sys._getframe(1)
-    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == _HERE):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
-    path = frame.f_code.co_filename
-    for root in (str(REPO) + "/", str(Path(sys.modules["transformers"].__file__).parents[1]) + "/"):
-        path = path.removeprefix(root)
-    return f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts dispatched operators, host reads and host tensors per (stage, iteration, phase). The stage is
-    "setup" (before a prompt's first decoder forward), "prefill" (from it to the first step/cycle) or "loop";
-    `next_iteration()` starts a step or cycle of the loop. `measure(name)` sets the phase of what runs inside it
-    (innermost wins); it is the interface of decode_profile's `PhaseClock`, so decode_profile's `instrumented`
-    drives it. `starts` names the phase whose entry starts an iteration, `ends` the one whose exit
-    ends the loop."""
-
-    def __init__(self, starts: str, ends: str, phases: tuple[str, ...]):
-        super().__init__()
-        self.starts, self.ends, self.known = starts, ends, phases
-        self.phases: list[str] = []
-        self.stage, self.iteration, self.prompts = "setup", 0, 0
-        self.counts: dict[tuple[str, int, str], Counter] = defaultdict(Counter)  # -> ops, reads, host_tensors
-        self.ops: dict[str, Counter] = defaultdict(Counter)  # loop phase -> op name -> count
-        self.read_sites: Counter = Counter()  # "phase: op at file:line" of the loop's host reads and host tensors
-
-    def new_prompt(self) -> None:
-        self.stage = "setup"
-        self.prompts += 1
-
-    def next_iteration(self) -> None:
-        self.stage = "loop"
-        self.iteration += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = _kind(func, args)
-        if kind is not None:
-            phase = self.phase
-            self.counts[self.stage, self.iteration, phase][kind] += 1
-            if kind == "op" and self.stage == "loop":
-                self.ops[phase][str(func)] += 1
-            elif kind != "op" and self.stage == "loop":
-                self.read_sites[f"{phase}: {func} at {_caller()}"] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def phase(self) -> str:
-        """The innermost measured phase, `other` for one not in the reported phases."""
-        phase = self.phases[-1] if self.phases else "other"
-        return phase if phase in self.known else "other"
-
-    def count_tolist(self) -> None:
-        phase = self.phase
-        self.counts[self.stage, self.iteration, phase]["read"] += 1
-        if self.stage == "loop":
-            self.read_sites[f"{phase}: tolist at {_caller()}"] += 1
-
-    @contextmanager
-    def measure(self, name: str):
-        if name == self.starts:
-            self.next_iteration()
-        elif name == "prefill":
-            self.stage = "prefill"
-        self.phases.append(name)
-        try:
-            yield
-        finally:
-            self.phases.pop()
-            if name == self.ends:  # what follows the loop (generate's epilogue) is setup work
-                self.stage = "setup"
-
-    def summary(self) -> dict:
-        """Per loop iteration: mean counts by phase (`other` for unlisted ones) and the min/max operator total;
-        per prompt: the setup and prefill totals."""
-        kinds = {"op": "ops", "read": "reads", "host_tensor": "host_tensors"}
-        loop = {key: dict.fromkeys((*self.known, "total"), 0) for key in kinds.values()}
-        once = {stage: dict.fromkeys(kinds.values(), 0) for stage in ("setup", "prefill")}
-        totals: Counter = Counter()
-        for (stage, it, phase), counts in self.counts.items():
-            for kind, key in kinds.items():
-                if stage == "loop":
-                    loop[key][phase] += counts[kind]
-                    loop[key]["total"] += counts[kind]
-                else:
-                    once[stage][key] += counts[kind]
-            if stage == "loop":
-                totals[it] += counts["op"]
-        n, prompts = max(self.iteration, 1), max(self.prompts, 1)
-        return {
-            "iterations": self.iteration,
-            "per_iteration": {key: {p: v / n for p, v in table.items()} for key, table in loop.items()},
-            "ops_per_iteration_min_max": [min(totals.values(), default=0), max(totals.values(), default=0)],
-            "per_prompt": {stage: {k: v / prompts for k, v in t.items()} for stage, t in once.items()},
-            "top_ops": {p: dict(c.most_common(15)) for p, c in sorted(self.ops.items())},
-            "read_sites_per_iteration": {k: v / n for k, v in self.read_sites.most_common()},
-        }
-
-
-@contextmanager
-def counting(counter: OpCounter):
-    """`counter` active, with `Tensor.tolist` counted as a host read."""
-    tolist = torch.Tensor.tolist
-
-    def counted(self):
-        counter.count_tolist()
-        return tolist(self)
-
-    torch.Tensor.tolist = counted
-    try:
-        with counter:
-            yield
-    finally:
-        torch.Tensor.tolist = tolist
 
 
 # ------------------------------------------------------------------------------------------------ the two decodes
@@ -299,20 +170,28 @@ def count_greedy(ft: FrozenTarget, prompts: list[dict], max_new_tokens: int) -> 
 
 
 def count_speculative(
-    draft, ft: FrozenTarget, prompts: list[dict], max_new_tokens: int, fixed_steps: bool = False
+    draft,
+    ft: FrozenTarget,
+    prompts: list[dict],
+    max_new_tokens: int,
+    fixed_steps: bool = False,
+    tree_budget: int | None = None,
 ) -> tuple[dict, list]:
     """`speculative_generate`: counts per cycle (a cycle starts at a draft forward). `fixed_steps`: the fixed-shape
-    draft step and verify (False: the package's default on the CPU, the eager draft and the growing cache)."""
+    draft step and verify (False: the package's default on the CPU, the eager draft and the growing cache);
+    `tree_budget`: token trees of that many nodes verified instead of the chain."""
     counter = OpCounter(starts="draft", ends="decode", phases=SPEC_PHASES)
     accepted, sequences = [], []
-    with instrumented(draft, counter), counting(counter):
+    with instrumented(draft, counter), counting(counter), graph_regions(counter):
         for inputs in prompts:
             counter.new_prompt()
             out = speculative.speculative_generate(
                 draft,
                 ft,
                 max_new_tokens,
-                options=DecodeOptions(draft_cuda_graph=fixed_steps or None, verify_cuda_graph=fixed_steps or None),
+                options=DecodeOptions(
+                    draft_cuda_graph=fixed_steps or None, verify_cuda_graph=fixed_steps or None, tree_budget=tree_budget
+                ),
                 **inputs,
             )
             sequences.append(out.sequences)
@@ -379,6 +258,7 @@ def run(args: OpsArguments, command: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ft, prompts, mask, name = setup(args, Path(tmp))
     name += "-fixed-steps" if args.fixed_steps else ""
+    name += f"-tree{args.tree_budget}" if args.tree_budget is not None else ""
     greedy, reference = count_greedy(ft, prompts, args.max_new_tokens)
     results = {
         "name": name,
@@ -394,7 +274,7 @@ def run(args: OpsArguments, command: str) -> dict:
     }
     for variant in args.variants.split(","):
         draft = random_draft(ft, variant, mask, args.num_draft_layers, args.block_size)
-        spec, sequences = count_speculative(draft, ft, prompts, args.max_new_tokens, args.fixed_steps)
+        spec, sequences = count_speculative(draft, ft, prompts, args.max_new_tokens, args.fixed_steps, args.tree_budget)
         spec["outputs_identical"] = all(torch.equal(a, b) for a, b in zip(sequences, reference))
         spec["draft"] = {
             "class": type(draft).__name__,
@@ -415,6 +295,8 @@ def results_table(results: dict) -> str:
         per = summary["per_iteration"]
         ops = ", ".join(f"{p} {per['ops'][p]:.1f}" for p in phases)
         extra = f", tau {summary['tau']:.2f}, identical {summary['outputs_identical']}" if "tau" in summary else ""
+        if per["graph_ops"]["total"]:
+            extra = f"; outside graphs {per['outside_graphs']['total']:.1f}" + extra
         lines.append(
             f"{label:<16} ops {per['ops']['total']:.1f} ({ops}); host reads {per['reads']['total']:.2f}, "
             f"host tensors {per['host_tensors']['total']:.2f}; n={summary['iterations']}{extra}"

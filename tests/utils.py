@@ -305,6 +305,19 @@ def row_inputs(ft: FrozenTarget, batch: dict):
     return final, ids, loss_mask, doc_ids, shifts
 
 
+class DispatchedOps(TorchDispatchMode):
+    """Non-view operators dispatched, by name (`names`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class LargestAllocation(TorchDispatchMode):
     """Records the largest freshly allocated tensor (in elements) produced by any op; views of existing
     storage do not count."""

@@ -8,7 +8,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from dflash_hf.generation import fixed_draft, fixed_verify, speculative
+from dflash_hf.generation import fixed_draft, fixed_verify, speculative, tree_decode, tree_verify
 
 MEASURED = ("prefill", "draft", "proposal", "verify")
 HOST_PARTS = ("scores", "accept", "stop", "crop")
@@ -16,6 +16,17 @@ PHASES = ("setup", *MEASURED, "host")
 # Functions the decode loop of dflash_hf.generation.speculative looks up in its module, timed as host parts
 # (`accept_prefix` calls the greedy or the sampling acceptance rule).
 HOST_FUNCTIONS = {"processed_scores": "scores", "accept_prefix": "accept", "crop_cache": "crop"}
+# The same phases of a tree cycle (`tree_budget`), looked up in dflash_hf.generation.tree_decode: the eager tree's
+# build is the proposal, the path's cache rows kept (or cropped) the crop.
+TREE_FUNCTIONS = {
+    "draft_scores": "proposal",
+    "build_tree": "proposal",
+    "tree_processed": "scores",
+    "accept_greedy": "accept",
+    "accept_sampled": "accept",
+    "keep_path": "crop",
+    "crop_cache": "crop",
+}
 
 
 class PhaseClock:
@@ -61,13 +72,17 @@ def timed(clock, name: str, fn):
 def instrumented(draft, clock: PhaseClock):
     """Wrap the draft's forward, `propose_block`, the target's forwards (`TargetVerifier.__call__`: its first call in a
     decode is the prefill), the decode loop (`decode_loop`, with its stop check) and the host parts of
-    `dflash_hf.generation.speculative`, restoring everything afterwards."""
+    `dflash_hf.generation.speculative` and of a tree cycle (`dflash_hf.generation.tree_decode`), restoring everything
+    afterwards."""
     sp = speculative
     fixed_propose = fixed_draft.FixedDraftStep.propose  # the fixed-shape draft step (a CUDA graph on a GPU)
     fixed_verify_call = fixed_verify.FixedVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
+    tree_step = tree_verify.FixedTreeVerifyStep  # the same, over a token tree
+    fixed_tree_calls = {name: getattr(tree_step, name) for name in ("verify_tree", "verify_tree_inputs")}
     inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = HOST_FUNCTIONS
     originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
+    tree_originals = {name: getattr(tree_decode, name) for name in TREE_FUNCTIONS}
     verifier_call = sp.TargetVerifier.__call__
     decode = originals["decode_loop"]
 
@@ -112,8 +127,14 @@ def instrumented(draft, clock: PhaseClock):
         sp.propose_block = timed(clock, "proposal", originals["propose_block"])
         for name, part in hosts.items():
             setattr(sp, name, timed(clock, part, originals[name]))
+        for name, part in TREE_FUNCTIONS.items():
+            stack.callback(setattr, tree_decode, name, tree_originals[name])
+            setattr(tree_decode, name, timed(clock, part, tree_originals[name]))
         stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
         fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
+        for name, call in fixed_tree_calls.items():
+            stack.callback(setattr, tree_step, name, call)
+            setattr(tree_step, name, timed(clock, "verify", call))
         stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)
         fixed_draft.FixedDraftStep.propose = fixed_propose_timed
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)

@@ -23,6 +23,7 @@ nodes `1..D`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -37,20 +38,23 @@ CHAIN_BOOST = 1e6  # the draft's greedy chain ranks before every other path
 class DraftTree:
     """A token tree of `N` nodes below its root (node 0, the anchor). `tokens` `[N]` of nodes `1..N`; `parents` `[N]`
     their parent's node index; `depth` `[N+1]` (the root's 0); `ancestors` `[N+1, N+1]` bool, row `n` the ancestors
-    of node `n` and `n` itself (the root included); `choice` `[N]` the node's candidate index in its slot."""
+    of node `n` and `n` itself (the root included); `choice` `[N]` the node's candidate index in its slot;
+    `verify_inputs` (made by the fixed-shape draft step, else None) what a fixed-shape verify of the tree reads, in one
+    tensor (:func:`verify_inputs`)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depth: torch.Tensor
     ancestors: torch.Tensor
     choice: torch.Tensor
+    verify_inputs: torch.Tensor | None = None
 
     @property
     def nodes(self) -> int:
         return self.tokens.shape[0]
 
-    def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return self.tokens, self.parents, self.depth, self.ancestors, self.choice
+    def as_tuple(self) -> tuple[torch.Tensor | None, ...]:
+        return self.tokens, self.parents, self.depth, self.ancestors, self.choice, self.verify_inputs
 
     def sibling_rank(self) -> torch.Tensor:
         """`[N]`: how many siblings come before each node (nodes come in decreasing path score)."""
@@ -162,12 +166,13 @@ def build_tree(candidates: torch.Tensor, logq: torch.Tensor, greedy: torch.Tenso
     entry = torch.arange(nodes, device=dev)
     score = torch.where(entry == 0, 0.0, float("-inf")).double()  # the beam at depth 0: the root alone
     chain, choice = entry == 0, torch.zeros_like(entry)
-    columns = torch.arange(width, device=dev)
+    on_greedy = torch.arange(width, device=dev) == greedy[:, :, None]  # [D, R, K]: the chain's candidate
+    shared = lq.shape[1] == 1  # every predecessor alike: slot d's one row, broadcast over the beam
     keys, parents, choices = [], [], []
     for d in range(depth):
-        rows = choice if lq.shape[1] > 1 else torch.zeros_like(choice)
-        child = score[:, None] + lq[d, rows]  # [nodes, K]; -inf below an empty beam entry
-        child_chain = chain[:, None] & (columns[None, :] == greedy[d, rows][:, None])
+        row_q, row_greedy = (lq[d, :1], on_greedy[d, :1]) if shared else (lq[d, choice], on_greedy[d, choice])
+        child = score[:, None] + row_q  # [nodes, K]; -inf below an empty beam entry
+        child_chain = chain[:, None] & row_greedy
         key = child + CHAIN_BOOST * child_chain - DEPTH_TIE * (d + 1)
         top, index = key.flatten().topk(nodes)
         score, chain = child.flatten()[index], child_chain.flatten()[index]
@@ -203,17 +208,26 @@ def _ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
     return reach > 0
 
 
+def verify_inputs(anchor: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """`[N+1, N+3]` long: the verify's ids (column 0: `anchor`, the root's token, then the nodes'), the nodes'
+    depths (column 1) and ancestors (columns 2..), so that a fixed-shape verify takes them in one copy."""
+    ids = torch.cat([anchor.reshape(1).to(tree.tokens.dtype), tree.tokens])
+    return torch.cat([ids[:, None], tree.depth[:, None], tree.ancestors.long()], dim=1)
+
+
 @dataclass(frozen=True)
 class TreeHead:
     """The draft step's head for tree decoding (greedy): the tree of `nodes` nodes over `width` candidates a slot,
-    as a tuple of tensors (`DraftTree.as_tuple`; a fixed-shape step returns it from its CUDA graph)."""
+    with its verify's inputs, as a tuple of tensors (`DraftTree.as_tuple`; a fixed-shape step returns it from its
+    CUDA graph). `anchor`: the root's token on the device."""
 
     nodes: int
     width: int
 
     def __call__(self, draft, hidden: torch.Tensor, lm_head: torch.nn.Module, anchor) -> tuple[torch.Tensor, ...]:
         scores = draft_scores(draft, hidden, lm_head, anchor)
-        return build_tree(*scores.candidates(self.width), self.nodes).as_tuple()
+        tree = build_tree(*scores.candidates(self.width), self.nodes)
+        return dataclasses.replace(tree, verify_inputs=verify_inputs(anchor, tree)).as_tuple()
 
 
 __all__ = [
@@ -225,4 +239,5 @@ __all__ = [
     "candidate_width",
     "draft_scores",
     "tree_nodes",
+    "verify_inputs",
 ]

@@ -2,9 +2,9 @@
 every node's row, the accepted root path and the token after it.
 
 - Greedy (:func:`accept_greedy`): from the root, follow the child whose token is the target's argmax; the path's
-  tokens are the target's argmax at the root and at each accepted node, the last one the bonus token. Computed on the
-  device for every node at once (a node is accepted when it and each of its ancestors equal the argmax of their
-  parent) and read back to the host once.
+  tokens are the target's argmax at the root and at each accepted node, the last one the bonus token. The argmax and
+  the tree are read back to the host once and walked there, so the device runs what the chain's acceptance runs (an
+  argmax and one concatenation), whatever the tree's shape; a path off the tree's chain adds its nodes' gather.
 - Sampling (:func:`accept_sampled`): recursive rejection over siblings (SpecInfer's multi-candidate rule, its
   without-replacement form as in Recursive Speculative Decoding): at a node whose children were drawn without
   replacement from `q`, child `i` is accepted with probability `min(1, p_i(x_i) / q_i(x_i))`; on rejection
@@ -27,15 +27,30 @@ from dflash_hf.generation.verify_rules import BEGIN_INDEX_PROCESSORS, ROW_WISE_P
 
 @dataclass
 class Accepted:
-    """One cycle's outcome: `k` accepted draft tokens; `nodes` `[k+1]` the path's nodes (the root first) on the
-    device and `path` on the host; `new` `[k+1]` the new tokens (accepted ones, then the bonus or resampled one) on
-    the device and `new_ids` on the host."""
+    """One cycle's outcome: `k` accepted draft tokens; `path` `[k+1]` the path's nodes (the root first) on the host;
+    `new` `[k+1]` the new tokens (accepted ones, then the bonus or resampled one) on the device and `new_ids` on the
+    host; `off_chain` the path's nodes on the device where the path leaves the tree's chain (None for nodes `0..k`:
+    the rows of a chain's verify, nothing to gather)."""
 
     k: int
-    nodes: torch.Tensor
     path: list[int]
     new: torch.Tensor
     new_ids: list[int]
+    off_chain: torch.Tensor | None = None
+
+    @property
+    def on_chain(self) -> bool:
+        """Whether the path is nodes `0..k` (the chain's first `k` nodes)."""
+        return self.off_chain is None
+
+    @property
+    def nodes(self) -> torch.Tensor:
+        """`[k+1]` the path's nodes on the device."""
+        return torch.arange(self.k + 1, device=self.new.device) if self.off_chain is None else self.off_chain
+
+
+def _on_chain(path: list[int]) -> bool:
+    return path == list(range(len(path)))
 
 
 def tree_processed(
@@ -72,21 +87,32 @@ def node_ids(prefix: torch.Tensor, tree: DraftTree) -> list[torch.Tensor]:
     return [torch.cat([prefix, prefix.new_tensor([path])], dim=1) for path in paths]
 
 
-def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Accepted:
+def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int | None) -> Accepted:
     """The longest root path whose every node is the target's argmax after its parent, nodes deeper than
-    `max_depth` excluded (past the decoder's positions), with one read of the device."""
+    `max_depth` excluded (past the decoder's positions; None: no node is). Two operators on the device (the argmax
+    and one concatenation) and one read, as the chain's acceptance: the walk runs on the host over the tree read back
+    with the argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, three
+    more: the path's nodes (its deepest node's ancestors, in node order: parents come before children) and their
+    argmax."""
     target = scores.argmax(-1)  # [N+1]
-    agree = (tree.tokens == target[tree.parents]) & (tree.depth[1:] <= max_depth)
-    agree = torch.cat([agree.new_ones(1), agree])
-    accepted = ~(tree.ancestors & ~agree[None, :]).any(-1)  # [N+1]: the root and one node per accepted depth
-    levels = torch.arange(1, int(tree.depth.shape[0]), device=scores.device)[:, None]  # at most N depths
-    at = accepted[None, 1:] & (tree.depth[None, 1:] == levels)  # [N, N]: the accepted node of each depth
-    nodes = torch.cat([levels.new_zeros(1), at.long().argmax(-1) + 1])  # the root, then by depth (past k: unused)
-    new = target[nodes]
-    host = torch.cat([accepted[1:].sum().view(1), nodes, new]).tolist()
-    k, width = host[0], nodes.shape[0]
-    path, new_ids = host[1 : 2 + k], host[1 + width : 2 + width + k]
-    return Accepted(k=k, nodes=nodes[: k + 1], path=path, new=new[: k + 1], new_ids=new_ids)
+    n = tree.nodes
+    host = torch.cat([target, tree.tokens.to(target.dtype), tree.parents.to(target.dtype)]).tolist()
+    argmax, tokens, parents = host[: n + 1], host[n + 1 : 2 * n + 1], host[2 * n + 1 :]
+    limit = n if max_depth is None else max_depth
+    path = [0]
+    for node in range(1, n + 1):  # parents come before their children: one pass finds the path's next node
+        if len(path) > limit:
+            break
+        if parents[node - 1] == path[-1] and tokens[node - 1] == argmax[path[-1]]:
+            path.append(node)
+    k = len(path) - 1
+    new_ids = [argmax[node] for node in path]
+    if _on_chain(path):
+        return Accepted(k=k, path=path, new=target[: k + 1], new_ids=new_ids)
+    # the deepest node's ancestors in node order, then the other nodes (a long key: not every torch release sorts
+    # bool tensors on CUDA)
+    nodes = tree.ancestors[path[-1]].long().sort(descending=True, stable=True).indices[: k + 1]
+    return Accepted(k=k, path=path, new=target[nodes], new_ids=new_ids, off_chain=nodes)
 
 
 def accept_sampled(
@@ -120,9 +146,12 @@ def accept_sampled(
         node = nxt
         path.append(node)
         new_ids.append(drawn[node - 1])
-    nodes = torch.tensor(path, device=scores.device)
     return Accepted(
-        k=len(path) - 1, nodes=nodes, path=path, new=torch.tensor(new_ids, device=scores.device), new_ids=new_ids
+        k=len(path) - 1,
+        path=path,
+        new=torch.tensor(new_ids, device=scores.device),
+        new_ids=new_ids,
+        off_chain=None if _on_chain(path) else torch.tensor(path, device=scores.device),
     )
 
 

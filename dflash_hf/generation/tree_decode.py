@@ -13,7 +13,15 @@ import torch
 
 from dflash_hf.generation.decode_state import crop_cache
 from dflash_hf.generation.target_cache import check_block_cached
-from dflash_hf.generation.tree import DraftTree, TreeHead, build_tree, candidate_width, draft_scores, tree_nodes
+from dflash_hf.generation.tree import (
+    DraftTree,
+    TreeHead,
+    build_tree,
+    candidate_width,
+    draft_scores,
+    tree_nodes,
+    verify_inputs,
+)
 from dflash_hf.generation.tree_accept import Accepted, accept_greedy, accept_sampled, tree_processed
 from dflash_hf.generation.tree_verify import (
     FixedTreeVerifyStep,
@@ -73,25 +81,29 @@ class TreeDecode:
         """Verify `tree` (root: `seq`'s last token, at decoder row `a`; nodes deeper than `max_depth` are past the
         decoder's positions: never accepted), accept, and keep the path in the target's cache. Returns the outcome,
         the scores each new token was chosen from `[k+1, V]` and the path's taps `[1, k+1, T*H]`."""
-        ids = torch.cat([seq[:, -1:], tree.tokens[None].to(seq.dtype)], dim=1)
-        # nodes are at most `self.depth` deep: capped only where the decoder's positions end within the block
-        depth = tree.depth if max_depth >= self.depth else tree.depth.clamp(max=max_depth)
         if fixed is None:
+            ids = torch.cat([seq[:, -1:], tree.tokens[None].to(seq.dtype)], dim=1)
+            # nodes are at most `self.depth` deep: capped only where the decoder's positions end within the block
+            depth = tree.depth if max_depth >= self.depth else tree.depth.clamp(max=max_depth)
             logits, feats = verify_tree(verifier, ids, depth, tree.ancestors, a)
             check_block_cached(verifier.cache, a + ids.shape[1], self.ft.model)
-        else:
-            logits, feats = fixed.verify_tree(self.ft, ids, depth, tree.ancestors, a)
+        else:  # inputs made by the fixed-shape draft step; blocks within the decoder's positions (no depth cap)
+            inputs = tree.verify_inputs if tree.verify_inputs is not None else verify_inputs(seq[0, -1], tree)
+            logits, feats = fixed.verify_tree_inputs(self.ft, inputs, a)
             verifier.forwards += 1
         scores = tree_processed(processors, seq, logits, tree)
         if self.sample:
             accepted = accept_sampled(tree, q, scores, max_depth, generator)
         else:
-            accepted = accept_greedy(tree, scores, max_depth)
-        if accepted.path[1:] != list(range(1, accepted.k + 1)):  # off the chain: gather the path's rows
-            keep_path(cache_tensors(verifier.cache) if fixed is None else fixed.key_values(), a, accepted.nodes)
+            accepted = accept_greedy(tree, scores, None if max_depth >= self.depth else max_depth)
+        k = accepted.k
+        if not accepted.on_chain:  # gather the path's rows
+            keep_path(cache_tensors(verifier.cache) if fixed is None else fixed.key_values(), a, accepted.off_chain)
         if fixed is None:  # fixed buffers: the next tree overwrites the rows past the path
-            crop_cache(verifier.cache, a + accepted.k + 1)
-        return accepted, scores.index_select(0, accepted.nodes), feats.index_select(1, accepted.nodes)
+            crop_cache(verifier.cache, a + k + 1)
+        if accepted.on_chain:  # the path's rows are the first ones, as a chain's
+            return accepted, scores[: k + 1], feats[:, : k + 1]
+        return accepted, scores.index_select(0, accepted.off_chain), feats.index_select(1, accepted.off_chain)
 
 
 __all__ = ["TreeDecode", "check_tree_budget"]

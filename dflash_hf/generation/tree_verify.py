@@ -79,9 +79,8 @@ def keep_path(tensors: list[torch.Tensor], a: int, nodes: torch.Tensor) -> None:
     of every key/value tensor `[..., rows, head_dim]`."""
     k = nodes.shape[0] - 1
     if k:
-        rows = nodes[1:] + a
-        for t in tensors:
-            t[..., a + 1 : a + 1 + k, :] = t.index_select(-2, rows)
+        for t in tensors:  # node n's row is row n of the rows from `a` (a view: no offset added)
+            t[..., a + 1 : a + 1 + k, :] = t[..., a:, :].index_select(-2, nodes[1:])
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
@@ -93,39 +92,50 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 
 class FixedTreeVerifyStep(FixedVerifyStep):
     """The fixed-shape verify of a token tree of `block` nodes (the root included; `fixed_verify`'s step for its
-    buffers, prompt rows and CUDA graph): the nodes' ids, depths and ancestors and the root's row are copied into
-    fixed tensors before each replay; the nodes are written at rows `root ..`, at positions `first + depth` (`first`
-    the root's position: its row, but for the capture, which writes the last rows at the first positions, within
-    Whisper's learned ones)."""
+    buffers, prompt rows and CUDA graph): the nodes' ids, depths and ancestors (one tensor, `tree.verify_inputs`) and
+    the root's row are copied into fixed tensors before each replay; the nodes are written at rows `root ..`, at
+    positions `root + shift + depth` (`shift` 0: the root's position is its row; but for the capture, which writes the
+    last rows at the first positions, within Whisper's learned ones). Its decodes' blocks stay within the decoder's
+    positions (`fixed_verify.verify_step_blocker`): the depths need no cap."""
 
     def _build(self, ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph) -> None:
-        self.depth = torch.zeros(block, dtype=torch.long, device=ft.device)
-        self.tree = torch.eye(block, dtype=torch.bool, device=ft.device)
-        self.root = torch.zeros((), dtype=torch.long, device=ft.device)
-        self.first = torch.zeros((), dtype=torch.long, device=ft.device)
+        dev = ft.device
+        self.inputs = torch.cat(  # [N+1, N+3]: ids, depth, ancestors (`tree.verify_inputs`)
+            [torch.zeros(block, 2, dtype=torch.long, device=dev), torch.eye(block, dtype=torch.long, device=dev)], 1
+        )
+        self.root = torch.zeros((), dtype=torch.long, device=dev)
+        self.shift = torch.zeros((), dtype=torch.long, device=dev)
         super()._build(ft, layer_ids, block, rows, prefill_cache, encoder_hidden, graph)
 
     def _inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         columns, n = self.self_cache.columns, self.block
+        self.ids.copy_(self.inputs[None, :, 0])
+        ancestors = self.inputs[:, 2:] != 0
         relative = columns - self.root
         inside = (relative >= 0) & (relative < n)
-        tree = self.tree.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
+        tree = ancestors.gather(1, relative.clamp(0, n - 1)[None, :].expand(n, -1)) & inside[None, :]
         keep = ((columns < self.root) & self.valid)[None, :] | tree
-        return self.root + self.base, self.first + self.depth, additive_mask(keep, self.dtype)
+        return self.root + self.base, self.root + self.shift + self.inputs[:, 1], additive_mask(keep, self.dtype)
 
     def _capture(self, ft, at: int) -> None:
         self.root.fill_(at)
-        self.first.fill_(0)
+        self.shift.fill_(-at)
         super()._capture(ft, at)
+        self.shift.fill_(0)
+
+    def verify_tree_inputs(self, ft, inputs: torch.Tensor, a: int):
+        """Logits `[N+1, V]` and taps `[1, N+1, T*H]` of the tree whose `inputs` (`tree.verify_inputs`) are given, at
+        rows `a ..` (fixed tensors the next call overwrites)."""
+        self.inputs.copy_(inputs)
+        self.root.fill_(a)
+        return self._run(ft)
 
     def verify_tree(self, ft, ids: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor, a: int):
-        """Logits `[N+1, V]` and taps `[1, N+1, T*H]` of the tree at rows `a ..` (fixed tensors the next call
-        overwrites)."""
-        self.ids.copy_(ids)
-        self.depth.copy_(depth)
-        self.tree.copy_(ancestors)
+        """:meth:`verify_tree_inputs` of the tree's `ids` `[1, N+1]`, `depth` `[N+1]` and `ancestors` `[N+1, N+1]`."""
+        self.inputs[:, 0].copy_(ids[0])
+        self.inputs[:, 1].copy_(depth)
+        self.inputs[:, 2:].copy_(ancestors)
         self.root.fill_(a)
-        self.first.fill_(a)
         return self._run(ft)
 
     def key_values(self) -> list[torch.Tensor]:

@@ -108,3 +108,26 @@ def test_with_the_fixed_steps_the_loop_outside_them_stays_small(ops, tmp_path):
     assert per["ops"]["scores"] == 1 and per["ops"]["accept"] == 2 and per["ops"]["crop"] == 0
     assert per["ops"]["other"] <= 2 and per["reads"]["total"] == 1
     assert all(v == 0 for phase, v in per["host_tensors"].items() if phase not in ("draft", "verify", "total"))
+
+
+def test_tree_cycles_are_counted_with_the_operators_outside_the_graphs(ops, tmp_path):
+    """--tree_budget: token trees verified instead of the chain; with --fixed_steps the captured forwards' operators
+    are counted apart, the rest of a cycle is what a GPU launches outside its CUDA graphs (regression bounds)."""
+    args = ["--tiny", "whisper", "--num_prompts", "1", "--max_new_tokens", "6", "--variants", "dflash"]
+    results = ops.main(
+        [*args, "--fixed_steps", "true", "--tree_budget", "8", "--output_json", str(tmp_path / "t.json")]
+    )
+    assert results["name"] == "tiny-whisper-fixed-steps-tree8"
+    spec = results["speculative"]["dflash"]
+    per = spec["per_iteration"]
+    assert spec["outputs_identical"] and per["reads"]["total"] == 1
+    assert 0 < per["graph_ops"]["total"] < per["ops"]["total"]
+    assert per["graph_ops"]["accept"] == per["graph_ops"]["scores"] == 0  # both run outside the graphs
+    assert per["outside_graphs"]["total"] == pytest.approx(per["ops"]["total"] - per["graph_ops"]["total"])
+    # the random draft's trees are accepted on their chain here: the chain's acceptance (argmax, one concatenation),
+    # no gather of the path's rows, the verify's two (its inputs as the draft step made them, the root's row) and the
+    # sequence's growth
+    outside = per["outside_graphs"]
+    assert outside["accept"] == 2 and outside["crop"] == 0 and outside["other"] == 1 and outside["verify"] == 2
+    with pytest.raises(ValueError, match="tree_budget must be >= 1"):
+        ops.main([*args, "--tree_budget", "0"])

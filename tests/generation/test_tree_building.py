@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SuppressTokensAtBeginLogitsProcessor
-from utils import chi_square_p_value
+from utils import DispatchedOps, chi_square_p_value
 
 from dflash_hf import DFlash2DraftModel, DFlashConfig, DFlashDraftModel
 from dflash_hf.generation.tree import SelectorScores, SlotScores, build_tree, draft_scores, tree_nodes
@@ -137,6 +137,40 @@ def test_greedy_acceptance_walks_the_argmax_and_never_accepts_less_than_the_chai
         assert out.new_ids == [target[n] for n in path] and out.new.tolist() == out.new_ids
         chain_k = next((d for d in range(min(4, max_depth)) if int(tree.tokens[d]) != target[d]), min(4, max_depth))
         assert out.k >= chain_k
+
+
+def test_greedy_acceptance_runs_the_chains_operators_on_any_tree_with_ties():
+    """Random trees of every budget, target scores full of ties (the argmax is the first maximum, as `generate`'s):
+    the path is the reference walk's, the new tokens the first maxima along it, and the device runs the chain's two
+    operators (argmax, one concatenation read back once) on the chain, three more off it (the path's nodes, their
+    argmax)."""
+    g = torch.Generator().manual_seed(7)
+    seen = Counter()
+    for trial in range(60):
+        depth, vocab = 5, 6
+        scores = _scores("slots" if trial % 2 else "selector", trial, depth=depth, vocab=vocab)
+        width = 3 if trial % 2 == 0 else 1 + trial % vocab
+        tree = build_tree(*scores.candidates(width), tree_nodes(1 + trial % 40, depth, width))
+        target_scores = torch.randint(0, 2, (tree.nodes + 1, vocab), generator=g).float()  # ties everywhere
+        for n in range(tree.nodes + 1):  # follow the tree often: a random child's token among the maxima
+            kids = (tree.parents == n).nonzero().flatten()
+            if len(kids) and trial % 3:
+                target_scores[n, tree.tokens[kids[trial % len(kids)]]] = 1.0
+        max_depth = None if trial % 4 else 1 + trial % depth
+        with DispatchedOps() as ops:
+            out = accept_greedy(tree, target_scores, max_depth)
+        rows = target_scores.tolist()
+        target = [row.index(max(row)) for row in rows]  # the first maximum
+        path = _walk(tree, target, depth if max_depth is None else max_depth)
+        assert out.path == path and out.k == len(path) - 1 and out.nodes.tolist() == path
+        assert out.new_ids == [target[n] for n in path] and out.new.tolist() == out.new_ids
+        assert out.on_chain == (path == list(range(len(path))))
+        expected = ["aten.argmax.default", "aten.cat.default"]
+        if not out.on_chain:
+            expected += ["aten._to_copy.default", "aten.sort.stable", "aten.index.Tensor"]
+        assert ops.names == expected, ops.names
+        seen[out.on_chain, out.k > 0] += 1
+    assert len(seen) == 3, seen  # on the chain (empty and not) and off it
 
 
 def test_tree_rows_are_processed_as_each_node_path_would_be():

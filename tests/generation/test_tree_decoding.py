@@ -242,6 +242,22 @@ def test_whisper_trees_stop_at_its_last_position():
     assert max(oracle.anchors) > 448 - BLOCK  # a tree whose deepest nodes would pass the last position
 
 
+@pytest.mark.parametrize("draft_step", ["fixed", "eager"])
+def test_the_fixed_tree_verify_takes_the_tree_in_one_tensor_from_either_draft_step(draft_step):
+    """The fixed-shape verify reads the tree's ids, depths and ancestors from one tensor (`tree.verify_inputs`), made
+    inside the fixed-shape draft step or, after the eager draft, by the cycle: lossless for a padded prompt, with
+    trees leaving their chain (the oracle ranks the reference's token second at times)."""
+    graph = draft_step == "fixed"
+    model, inputs, ref, start, draft = _text_case("left")
+    oracle = oracle_draft(draft, ref, start, FrozenTarget(model).vocab_size)
+    out = speculative_generate(
+        oracle, model, NEW, tree_budget=10, verify_cuda_graph=True, draft_cuda_graph=graph, **inputs
+    )
+    assert torch.equal(out.sequences, ref) and out.verify_step == "fixed-shape, no graph"
+    assert out.draft_step == ("fixed-shape, no graph" if graph else "eager")
+    assert max(out.acceptance_lengths) == BLOCK and len(out.acceptance_lengths) < NEW // 2
+
+
 def test_tree_sampling_applies_the_target_processors():
     """At T > 0 a tree decode samples the processed distribution (Whisper's suppressed tokens never come out)."""
     model, processor = tiny_whisper()

@@ -6,28 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     LogitsProcessorList,
     SuppressTokensAtBeginLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
 )
+from utils import DispatchedOps
 
 from dflash_hf.generation.verify_rules import accept_greedy_prefix, processed_scores, with_cached_masks
-
-
-class Ops(TorchDispatchMode):
-    """Non-view operators dispatched, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def random_scores(rows: int, vocab: int, seed: int) -> torch.Tensor:
@@ -87,7 +74,7 @@ def test_cached_suppression_dispatches_one_operator_after_its_first_call():
     processors = with_cached_masks(LogitsProcessorList([SuppressTokensLogitsProcessor([3, 7])]))
     prefix, logits = torch.arange(12)[None], torch.randn(8, 51865)
     processed_scores(processors, prefix, logits)  # builds the mask
-    with Ops() as ops:
+    with DispatchedOps() as ops:
         processed_scores(processors, prefix, logits)
     assert ops.names == ["aten.masked_fill.Scalar"]  # transformers' processor: arange, isin, where (and a scalar)
 
@@ -110,7 +97,7 @@ def test_greedy_acceptance_equals_the_prefix_match_and_dispatches_two_operators(
         k, new, new_ids = accept_greedy_prefix(draft, scores)
         ref_k, ref_new, ref_ids = reference_accept(draft, scores)
         assert (k, new_ids) == (ref_k, ref_ids) and torch.equal(new, ref_new), trial
-    with Ops() as ops:
+    with DispatchedOps() as ops:
         accept_greedy_prefix(draft, scores)
     assert ops.names == ["aten.argmax.default", "aten.cat.default"]
 
@@ -134,7 +121,7 @@ def test_block_ids_are_joined_only_for_a_processor_that_reads_them():
                 )
             )
             expected = processed_scores(processors, joined, logits)
-            with Ops() as ops:
+            with DispatchedOps() as ops:
                 got = processed_scores(processors, seq, logits, block)
             assert torch.equal(got, expected), (begin_index, extra)
             id_cats = ops.names.count("aten.cat.default") - (begin_index - 9 in range(4)) - bool(extra)
@@ -157,7 +144,7 @@ def test_rope_keeps_its_float32_inverse_frequencies():
         cos, sin = rope(positions, dtype)
         assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
     assert rope.inv_freq(positions.device).dtype == torch.float32
-    with Ops() as ops:
+    with DispatchedOps() as ops:
         rope(positions, torch.float32)
     assert "aten.arange.start_step" not in ops.names and "aten.pow.Scalar" not in ops.names
 
