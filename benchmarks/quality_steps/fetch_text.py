@@ -25,6 +25,39 @@ def align_special_tokens(tokenizer, config) -> None:
         setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
 
 
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # llama.cpp's token types (gguf's TokenType)
+
+
+def gguf_vocabulary(gguf: Path) -> tuple[list[str], list[int]]:
+    """The GGUF's tokens and their llama.cpp types, read from its header (the weights stay on disk)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    return [bytes(tokens.parts[i]).decode() for i in tokens.data], [int(types.parts[i][0]) for i in types.data]
+
+
+def register_added_tokens(tokenizer, tokens: list[str], types: list[int]) -> list[str]:
+    """Every control token of the GGUF vocabulary as a special added token and every user-defined one as a plain
+    added token, at its own id: transformers 5.24 loads a Qwen2.5 GGUF tokenizer with all 22 of them, 5.17 with
+    three, so text holding ``<|vision_pad|>`` (a speech LLM's audio marker) was split into pieces. Returns the tokens
+    added."""
+    from tokenizers import AddedToken
+
+    have = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    wanted = [(i, t, k) for i, (t, k) in enumerate(zip(tokens, types)) if k in (GGUF_CONTROL, GGUF_USER_DEFINED)]
+    missing = [(i, t, k) for i, t, k in wanted if t not in have]
+    for special in (True, False):
+        kind = [t for _, t, k in missing if (k == GGUF_CONTROL) == special]
+        new = [AddedToken(t, special=special, normalized=False) for t in kind]
+        if new:
+            tokenizer.add_tokens(new, special_tokens=special)
+    moved = {t: tokenizer.convert_tokens_to_ids(t) for i, t, _ in missing if tokenizer.convert_tokens_to_ids(t) != i}
+    if moved:
+        raise RuntimeError(f"GGUF added tokens landed at other ids than the GGUF's: {moved}")
+    return [t for _, t, _ in missing]
+
+
 def dequantize_kwargs() -> dict:
     """Ask for dense weights: transformers (5.17 and 5.23) keeps GGUF blocks packed in ``GgufLinear`` modules when
     the ``kernels`` package is installed, and those would not fit the rebuilt plain model."""
@@ -38,7 +71,7 @@ def dequantize_kwargs() -> dict:
 
 def convert_gguf(gguf: Path, dtype: str) -> tuple:
     """GGUF (dequantized by transformers) -> ``(model, tokenizer)``: a plain model in ``dtype`` and the tokenizer
-    with its chat template and the GGUF's end/padding ids.
+    with its chat template, the GGUF's control and user-defined tokens as added tokens and its end/padding ids.
 
     transformers refuses to ``save_pretrained`` a GGUF-loaded model: the model is rebuilt from its config without
     the quantization entry and the weights copied over."""
@@ -67,6 +100,7 @@ def convert_gguf(gguf: Path, dtype: str) -> tuple:
     model.tie_weights()
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf} carries no chat template")
+    register_added_tokens(tokenizer, *gguf_vocabulary(gguf))
     align_special_tokens(tokenizer, config)
     return model, tokenizer
 

