@@ -51,7 +51,8 @@ def map_encoder(whisper_encoder: torch.nn.Module, tower: torch.nn.Module) -> dic
 
 
 def special_token_ids(tokenizer, names: dict[str, str]) -> dict[str, int]:
-    """Ids of existing tokens (``{flag: token}``); refuses unknown tokens and the DFlash mask id."""
+    """Ids of existing tokens (``{flag: token}``) that text encodes to themselves; refuses unknown tokens, tokens the
+    tokenizer splits into pieces and repeated ones."""
     vocab = tokenizer.get_vocab()
     out = {}
     for flag, token in names.items():
@@ -61,6 +62,13 @@ def special_token_ids(tokenizer, names: dict[str, str]) -> dict[str, int]:
                 f"tokens (e.g. {tokenizer.all_special_tokens[:8]})"
             )
         out[flag] = vocab[token]
+        pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if pieces != [out[flag]]:
+            raise ValueError(
+                f"--{flag} {token!r} is token {out[flag]}, but the LLM's tokenizer encodes the text {token!r} as "
+                f"{pieces}: it is not an added token there, so the processor's audio markers would never match; "
+                "register it as an added token (`speech_llm.py fetch-llm` does for GGUF conversions) or pick another"
+            )
     if len(set(out.values())) != len(out):
         raise ValueError(f"--audio_bos_token, --audio_token and --audio_eos_token must differ: {names}")
     return out

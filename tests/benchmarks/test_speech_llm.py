@@ -233,6 +233,24 @@ def test_bad_inputs_name_the_flag(parts, tmp_path):
         training.train(root / "llm", manifest, tmp_path / "t", batch_size=4, device="cpu")
 
 
+def test_an_audio_marker_the_tokenizer_splits_is_refused_before_assembly():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<|a|>": 1, "<|b|>": 2, "<|c|>": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.add_tokens(["<|a|>", "<|c|>"], special_tokens=True)
+    names = {"audio_bos_token": "<|a|>", "audio_token": "<|b|>", "audio_eos_token": "<|c|>"}
+    with pytest.raises(
+        ValueError, match=r"--audio_token '<\|b\|>' is token 2, but .* encodes the text .* as \[0, 0, 0\]"
+    ):
+        assembly.special_token_ids(tok, names)
+    tok.add_tokens(["<|b|>"], special_tokens=True)
+    assert assembly.special_token_ids(tok, names) == {"audio_bos_token": 1, "audio_token": 2, "audio_eos_token": 3}
+
+
 def test_labels_cover_the_transcript_and_end_of_turn_only(trained):
     assembled, _, manifest, _ = trained
     processor = tf.AutoProcessor.from_pretrained(assembled)
