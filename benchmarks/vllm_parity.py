@@ -11,7 +11,9 @@ Then, per request, it checks that vLLM's output with the draft equals vLLM's own
 acceptance lengths vLLM measured (its per-request speculative-decoding metrics, and its counters) with those of
 `dflash_hf.generation.speculative_generate` (what `dflash-eval` runs) on the same prompts, and measures output
 tokens/s with and without the draft at each `--concurrency` (vLLM's `max_num_seqs`). Each vLLM configuration runs in
-its own process (one engine per process). Writes a JSON of results (commit, command, devices, versions).
+its own process (one engine per process). Writes a JSON of results (commit, command, devices, versions), also
+after the target check and after each concurrency's engines (marked `incomplete`: what is left), so a run cut short
+keeps what it measured.
 
 Prompts: JSON lines, one request each: `{"messages": [...]}` (chat messages, rendered with the target's chat
 template), `{"prompt": "..."}` (one user turn, rendered the same way) or `{"text": "..."}` (used verbatim); an audio
@@ -51,16 +53,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.worker:
         run_worker(args.worker)
         return None
-    results = run(args, command_line(SCRIPT_PATH, argv))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    check = results["target_check"]
-    if check is not None:
-        print(
-            f"target alone: {check['identical']}/{check['requests']} outputs identical to transformers' greedy; "
-            f"divergences not explained by numerics: {check['divergences_not_numerics'] or 'none'}"
-        )
+
+    def write(record: dict) -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+
+    results = run(args, command_line(SCRIPT_PATH, argv), save=write)
+    write(results)
     if "stopped" in results:
         raise SystemExit(f"stopped: {results['stopped']} (--stop_if_target_differs); results written to {out}")
     p = results["parity"]

@@ -66,6 +66,14 @@ def eos_ids(target: str) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
+def target_summary(check: dict) -> str:
+    """One line on the target-alone check."""
+    return (
+        f"target alone: {check['identical']}/{check['requests']} outputs identical to transformers' greedy; "
+        f"divergences not explained by numerics: {check['divergences_not_numerics'] or 'none'}"
+    )
+
+
 def check_target(args: ParityArguments, greedy: list[dict], workdir: Path, eos: set[int]) -> dict:
     """The target alone in vLLM (its top log-probabilities kept) against transformers' greedy `generate`."""
     served = run_vllm(args, None, args.concurrency[0], 0, workdir, logprobs=TOP_LOGPROBS)

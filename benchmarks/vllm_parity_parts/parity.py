@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,7 +15,7 @@ from serving_checks import versions
 from dflash_hf.errors import DFlashUserError
 
 from .arguments import ParityArguments
-from .comparison import check_target, compare, eos_ids
+from .comparison import check_target, compare, eos_ids, target_summary
 from .engine import run_vllm
 from .reference import reference_greedy, run_dflash_hf
 from .request_rows import read_requests
@@ -26,7 +27,9 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 
 
-def run(args: ParityArguments, command: str) -> dict:
+def run(args: ParityArguments, command: str, save: Callable[[dict], None] = lambda record: None) -> dict:
+    """The whole comparison; `save` gets the record so far after the target check and after each concurrency's
+    engines (marked ``incomplete`` with what is left), so a run cut short leaves what it measured."""
     draft_config = json.loads((Path(args.draft) / "config.json").read_text())
     block = int(draft_config.get("block_size", draft_config.get("dflash_config", {}).get("block_size", 0)))
     if block < 2:
@@ -47,12 +50,29 @@ def run(args: ParityArguments, command: str) -> dict:
     greedy = reference_greedy(args, eos) if args.target_check else None
     with tempfile.TemporaryDirectory() as tmp:
         target_check = check_target(args, greedy, Path(tmp), eos) if greedy is not None else None
-        if target_check is not None and not target_check["passed"] and args.stop_if_target_differs:
-            return {**header, "target_check": target_check, "stopped": "the target alone differs from transformers"}
-        runs = {
-            c: (run_vllm(args, None, c, 0, Path(tmp)), run_vllm(args, args.draft, c, block - 1, Path(tmp)))
-            for c in args.concurrency
+        if target_check is not None:
+            print(target_summary(target_check), flush=True)
+            if not target_check["passed"] and args.stop_if_target_differs:
+                return {**header, "target_check": target_check, "stopped": "the target alone differs from transformers"}
+        runs = {}
+        for c in args.concurrency:
+            save(
+                {
+                    **header,
+                    "target_check": target_check,
+                    "runs": runs_record(runs),
+                    "incomplete": f"the vLLM runs from concurrency {c} on",
+                }
+            )
+            runs[c] = (run_vllm(args, None, c, 0, Path(tmp)), run_vllm(args, args.draft, c, block - 1, Path(tmp)))
+    save(
+        {
+            **header,
+            "target_check": target_check,
+            "runs": runs_record(runs),
+            "incomplete": "dflash_hf's decode and the comparison",
         }
+    )
     ours = None if args.skip_dflash_hf else run_dflash_hf(args)
     alone, drafted = runs[args.concurrency[0]]
     throughput = [
@@ -70,6 +90,11 @@ def run(args: ParityArguments, command: str) -> dict:
         "serving_class": alone["serving_class"],
         "parity": compare(alone, drafted, ours, eos),
         "throughput": throughput,
-        "runs": {str(c): {"target_alone": a, "with_draft": d} for c, (a, d) in runs.items()},
+        "runs": runs_record(runs),
         "dflash_hf": ours,
     }
+
+
+def runs_record(runs: dict) -> dict:
+    """The vLLM runs by concurrency, as the results JSON holds them."""
+    return {str(c): {"target_alone": a, "with_draft": d} for c, (a, d) in runs.items()}

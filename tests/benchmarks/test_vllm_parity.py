@@ -230,3 +230,28 @@ def test_a_target_that_differs_stops_the_run_before_any_draft(setup, tmp_path, m
     assert len(configs) == 1 and configs[0]["logprobs"] and configs[0]["draft"] is None  # no draft run started
     written = json.loads(out.read_text())
     assert written["target_check"]["divergences_not_numerics"] == [0, 1, 2] and "parity" not in written
+
+
+def test_a_run_cut_short_leaves_what_it_measured(setup, tmp_path, monkeypatch, capsys):
+    args = arguments.make_parser().parse_args_into_dataclasses(_argv(setup, "--max_new_tokens", "3"))[0]
+    greedy = reference.reference_greedy(args, comparison.eos_ids(args.target))
+    configs = []
+
+    def target_then_crash(cmd):
+        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
+        configs.append(config)
+        if config["draft"]:
+            return 1  # the engine with the draft dies
+        requests = [{"token_ids": g["token_ids"], "top_logprobs": None, "acceptance_lengths": None} for g in greedy]
+        Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
+        return 0
+
+    monkeypatch.setattr(engine, "launch", target_then_crash)
+    out = tmp_path / "parity.json"
+    with pytest.raises(RuntimeError, match="failed \\(exit 1\\)"):
+        vllm_parity.main(_argv(setup, "--out", str(out), "--precision", "fp32", "--max_new_tokens", "3"))
+    assert "target alone: 3/3 outputs identical to transformers' greedy" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["target_check"]["passed"] and written["incomplete"] == "the vLLM runs from concurrency 1 on"
+    assert written["runs"] == {} and "parity" not in written
+    assert [c["draft"] is not None for c in configs] == [False, False, True]
