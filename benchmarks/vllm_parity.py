@@ -10,10 +10,15 @@ class vLLM's `ModelRegistry` resolved for the target (the plugin's variant for t
 Then, per request, it checks that vLLM's output with the draft equals vLLM's own greedy output without it, compares the
 acceptance lengths vLLM measured (its per-request speculative-decoding metrics, and its counters) with those of
 `dflash_hf.generation.speculative_generate` (what `dflash-eval` runs) on the same prompts, and measures output
-tokens/s with and without the draft at each `--concurrency` (vLLM's `max_num_seqs`). Each vLLM configuration runs in
-its own process (one engine per process). Writes a JSON of results (commit, command, devices, versions), also
-after the target check and after each concurrency's engines (marked `incomplete`: what is left), so a run cut short
-keeps what it measured.
+tokens/s with and without the draft at each `--concurrency` (requests in flight). Each vLLM engine runs in its own
+process, and a row starts two for the default concurrencies: the target alone (the target check, then one timed pass
+per concurrency) and the target with the draft (one timed pass per concurrency), each with `max_num_seqs` =
+max(`--concurrency`); a pass at that concurrency submits every request in one `generate` call, a pass at 1 one
+request at a time, and each pass starts on emptied caches with one warm-up request. Any other concurrency (the 4 of
+`--concurrency 1 4 8`) cannot be reproduced on a larger engine, so it gets an engine pair of its own with
+`max_num_seqs` = 4. Writes a JSON of results (commit, command, devices, versions; per run the engine that served it),
+also after each engine (marked `incomplete`: what is left), so a run cut short keeps what it measured; a target check
+that fails stops the run after the target's engine, before any engine with the draft starts.
 
 Prompts: JSON lines, one request each: `{"messages": [...]}` (chat messages, rendered with the target's chat
 template), `{"prompt": "..."}` (one user turn, rendered the same way) or `{"text": "..."}` (used verbatim); an audio
@@ -27,8 +32,8 @@ Needs the serving environment (README, "Serve the draft": `requirements-serving.
 argument checks need neither.
 
 The parts live in `benchmarks/vllm_parity_parts/` (arguments, requests, the vLLM engines, the transformers and
-dflash_hf side, the comparisons, one run); this script parses the command line, runs it (or one vLLM worker) and
-writes the results.
+dflash_hf side, the comparisons, one run); this script parses the command line, runs it (or one vLLM engine's
+worker) and writes the results.
 """
 
 from __future__ import annotations

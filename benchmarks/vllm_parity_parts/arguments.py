@@ -22,7 +22,7 @@ class ParityArguments:
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens decoded per request (every decoder)."})
     concurrency: list[int] = field(
         default_factory=lambda: [1, 8],
-        metadata={"help": "Requests in flight for the throughput rows (vLLM's max_num_seqs); parity uses the first."},
+        metadata={"help": "Requests in flight for the throughput rows; parity and the target check use the first."},
     )
     precision: str = field(default="bf16", metadata={"help": "bf16 or fp32, for vLLM and dflash_hf alike."})
     enforce_eager: bool = field(default=True, metadata={"help": "vLLM without CUDA graphs or torch.compile."})
@@ -40,7 +40,7 @@ class ParityArguments:
         default=None,
         metadata={"help": f"transformers' logit margin of a near tie (numerics); default by precision {TIE_MARGIN}."},
     )
-    worker: str | None = field(default=None, metadata={"help": "Internal: run one vLLM configuration (a JSON file)."})
+    worker: str | None = field(default=None, metadata={"help": "Internal: run one vLLM engine's passes (a JSON file)."})
 
     def __post_init__(self):
         if self.precision not in DTYPES:

@@ -3,12 +3,8 @@ against vLLM alone and against dflash_hf."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from serving_checks import compare_target
 
-from serving_checks import TOP_LOGPROBS, compare_target
-
-from .arguments import ParityArguments
-from .engine import run_vllm
 from .request_rows import load_processor
 
 
@@ -74,11 +70,12 @@ def target_summary(check: dict) -> str:
     )
 
 
-def check_target(args: ParityArguments, greedy: list[dict], workdir: Path, eos: set[int]) -> dict:
-    """The target alone in vLLM (its top log-probabilities kept) against transformers' greedy `generate`."""
-    served = run_vllm(args, None, args.concurrency[0], 0, workdir, logprobs=TOP_LOGPROBS)
-    check = compare_target(served["requests"], greedy, args.tie_margin, lambda t: strip_eos(t, eos))
+def check_target(served: dict, greedy: list[dict], tie_margin: float, eos: set[int]) -> dict:
+    """The target alone in vLLM (`served`: its pass with top log-probabilities) against transformers' greedy
+    `generate`."""
+    check = compare_target(served["requests"], greedy, tie_margin, lambda t: strip_eos(t, eos))
     check["serving_class"] = served["serving_class"]
+    check["engine"] = served.get("engine")
     check["transformers_token_ids"] = [g["token_ids"] for g in greedy]
     check["vllm_token_ids"] = [r["token_ids"] for r in served["requests"]]
     return check

@@ -122,19 +122,55 @@ def _recorded(requests: list[dict], seconds: float, drafts: int = 0, accepted: i
     }
 
 
+def _worker(configs: list, result_for):
+    """A stand-in for `engine.launch`: per pass of the engine's config, the result a worker would write
+    (`result_for(config, one_pass)`), the config kept in `configs`; exit 0."""
+
+    def launch(cmd):
+        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
+        configs.append(config)
+        for one_pass in config["passes"]:
+            result = result_for(config, one_pass)
+            result["engine"] = {
+                "max_num_seqs": config["max_num_seqs"],
+                "one_request_at_a_time": one_pass["one_at_a_time"],
+            }
+            Path(one_pass["result"]).write_text(json.dumps(result))
+        return 0
+
+    return launch
+
+
+def _launched(configs: list) -> list:
+    """Each engine launched: with the draft or not, its max_num_seqs, and its passes (concurrency, top
+    log-probabilities, one request at a time)."""
+    return [
+        (
+            c["draft"] is not None,
+            c["max_num_seqs"],
+            [(p["concurrency"], p["logprobs"], p["one_at_a_time"]) for p in c["passes"]],
+        )
+        for c in configs
+    ]
+
+
+def test_engine_pairs_serve_1_and_the_largest_concurrency_on_one_engine():
+    assert engine.engine_pairs([1, 8]) == {8: [1, 8]}
+    assert engine.engine_pairs([8, 1]) == {8: [8, 1]}
+    assert engine.engine_pairs([1]) == {1: [1]}
+    assert engine.engine_pairs([4, 1, 8, 2, 4]) == {4: [4], 8: [1, 8], 2: [2]}  # the first concurrency's pair first
+
+
 @pytest.mark.slow  # decodes three requests with the tiny target on the CPU
 def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_path, monkeypatch):
     ours = reference.run_dflash_hf(arguments.make_parser().parse_args_into_dataclasses(_argv(setup))[0])
     assert len(ours) == 3 and all(1 <= n <= 4 for r in ours for n in r["acceptance_lengths"])
     configs = []
 
-    def recorded_worker(cmd):  # what the worker process would write, from the dflash_hf decode
-        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
-        configs.append(config)
-        if config["logprobs"]:  # the target check: vLLM alone writes transformers' greedy output (lossless decode)
+    def recorded(config, one_pass):  # what the worker would write, from the dflash_hf decode
+        if one_pass["logprobs"]:  # the target check: vLLM alone writes transformers' greedy output (lossless decode)
             requests = [{"token_ids": r["token_ids"], "top_logprobs": None, "acceptance_lengths": None} for r in ours]
-            Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
-            return 0
+            return _recorded(requests, 1.0)
         requests = [
             {"token_ids": r["token_ids"], "acceptance_lengths": r["acceptance_lengths"] if config["draft"] else None}
             for r in ours
@@ -143,20 +179,16 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
             requests[1] = {"token_ids": [*requests[1]["token_ids"], 7], "acceptance_lengths": [1]}
         cycles = sum(len(r["acceptance_lengths"] or []) for r in requests)
         accepted = sum(n - 1 for r in requests for n in r["acceptance_lengths"] or [])
-        result = _recorded(requests, 1.0 if config["draft"] else 2.0, cycles, accepted)
-        Path(config["result"]).write_text(json.dumps(result))
-        return 0
+        seconds = (1.0 if config["draft"] else 2.0) * (1 if one_pass["one_at_a_time"] else 0.5)
+        return _recorded(requests, seconds, cycles, accepted)
 
-    monkeypatch.setattr(engine, "launch", recorded_worker)
+    monkeypatch.setattr(engine, "launch", _worker(configs, recorded))
     out = tmp_path / "parity.json"
     results = vllm_parity.main(_argv(setup, "--concurrency", "1", "8", "--out", str(out), "--precision", "fp32"))
     assert json.loads(out.read_text())["parity"] == results["parity"]
-    assert [(c["draft"] is not None, c["concurrency"], c["logprobs"]) for c in configs] == [
-        (False, 1, serving_checks.TOP_LOGPROBS),  # the target alone, checked first
-        (False, 1, 0),
-        (True, 1, 0),
-        (False, 8, 0),
-        (True, 8, 0),
+    assert _launched(configs) == [  # two engines of max_num_seqs 8: concurrency 1 one request at a time
+        (False, 8, [(1, serving_checks.TOP_LOGPROBS, True), (1, 0, True), (8, 0, False)]),  # target check first
+        (True, 8, [(1, 0, True), (8, 0, False)]),
     ]
     check = results["target_check"]
     assert check["passed"] and check["identical"] == check["requests"] == 3 and check["tie_margin"] == 1e-3
@@ -172,6 +204,13 @@ def test_run_configures_each_vllm_engine_and_compares_with_dflash_hf(setup, tmp_
     lengths = [n for i, r in enumerate(ours) for n in r["acceptance_lengths"] if i != 1] + [1]
     assert parity["tau_vllm"] == pytest.approx(sum(lengths) / len(lengths)) == parity["tau_vllm_counters"]
     assert [row["speedup"] for row in results["throughput"]] == pytest.approx([2.0, 2.0], rel=0.1)
+    tokens = sum(len(r["token_ids"]) for r in ours)
+    assert [row["tokens_per_s_target_alone"] for row in results["throughput"]] == pytest.approx([tokens / 2, tokens])
+    runs = results["runs"]
+    assert set(runs) == {"1", "8"} and all(set(r) == {"target_alone", "with_draft"} for r in runs.values())
+    assert runs["1"]["with_draft"]["engine"] == {"max_num_seqs": 8, "one_request_at_a_time": True}
+    assert runs["8"]["target_alone"]["engine"] == {"max_num_seqs": 8, "one_request_at_a_time": False}
+    assert check["engine"] == {"max_num_seqs": 8, "one_request_at_a_time": True}
     assert results["num_speculative_tokens"] == 3 and results["architecture"] == "DFlashDraftModel"
 
 
@@ -216,42 +255,72 @@ def test_target_check_tells_a_near_tie_from_another_function():
 def test_a_target_that_differs_stops_the_run_before_any_draft(setup, tmp_path, monkeypatch):
     configs = []
 
-    def differing_target(cmd):
-        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
-        configs.append(config)
+    def differing_target(config, one_pass):
         requests = [{"token_ids": [7, 7, 7], "top_logprobs": None, "acceptance_lengths": None}] * 3
-        Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
-        return 0
+        return _recorded(requests, 1.0)
 
-    monkeypatch.setattr(engine, "launch", differing_target)
+    monkeypatch.setattr(engine, "launch", _worker(configs, differing_target))
     out = tmp_path / "parity.json"
     with pytest.raises(SystemExit, match="stopped: the target alone differs from transformers"):
         vllm_parity.main(_argv(setup, "--out", str(out), "--precision", "fp32", "--max_new_tokens", "3"))
-    assert len(configs) == 1 and configs[0]["logprobs"] and configs[0]["draft"] is None  # no draft run started
+    # the target's engine only (its timed passes ran after the check, in the same engine): no draft engine started
+    assert _launched(configs) == [(False, 8, [(1, serving_checks.TOP_LOGPROBS, True), (1, 0, True), (8, 0, False)])]
     written = json.loads(out.read_text())
     assert written["target_check"]["divergences_not_numerics"] == [0, 1, 2] and "parity" not in written
+    assert set(written["runs"]) == {"1", "8"} and all(set(r) == {"target_alone"} for r in written["runs"].values())
+
+
+def _greedy_worker(configs: list, greedy: list[dict], crash_with_draft: bool = False):
+    """A worker whose target alone writes transformers' greedy output (the draft's engine the same, or it dies)."""
+    recorded = _worker(
+        configs,
+        lambda config, one_pass: _recorded(
+            [{"token_ids": g["token_ids"], "top_logprobs": None, "acceptance_lengths": None} for g in greedy], 1.0
+        ),
+    )
+
+    def launch(cmd):
+        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
+        if crash_with_draft and config["draft"]:
+            configs.append(config)
+            return 1  # the engine with the draft dies
+        return recorded(cmd)
+
+    return launch
+
+
+def _short_greedy(setup) -> list[dict]:
+    args = arguments.make_parser().parse_args_into_dataclasses(_argv(setup, "--max_new_tokens", "3"))[0]
+    return reference.reference_greedy(args, comparison.eos_ids(args.target))
 
 
 def test_a_run_cut_short_leaves_what_it_measured(setup, tmp_path, monkeypatch, capsys):
-    args = arguments.make_parser().parse_args_into_dataclasses(_argv(setup, "--max_new_tokens", "3"))[0]
-    greedy = reference.reference_greedy(args, comparison.eos_ids(args.target))
     configs = []
-
-    def target_then_crash(cmd):
-        config = json.loads(Path(cmd[cmd.index("--worker") + 1]).read_text())
-        configs.append(config)
-        if config["draft"]:
-            return 1  # the engine with the draft dies
-        requests = [{"token_ids": g["token_ids"], "top_logprobs": None, "acceptance_lengths": None} for g in greedy]
-        Path(config["result"]).write_text(json.dumps(_recorded(requests, 1.0)))
-        return 0
-
-    monkeypatch.setattr(engine, "launch", target_then_crash)
+    monkeypatch.setattr(engine, "launch", _greedy_worker(configs, _short_greedy(setup), crash_with_draft=True))
     out = tmp_path / "parity.json"
     with pytest.raises(RuntimeError, match="failed \\(exit 1\\)"):
         vllm_parity.main(_argv(setup, "--out", str(out), "--precision", "fp32", "--max_new_tokens", "3"))
     assert "target alone: 3/3 outputs identical to transformers' greedy" in capsys.readouterr().out
     written = json.loads(out.read_text())
-    assert written["target_check"]["passed"] and written["incomplete"] == "the vLLM runs from concurrency 1 on"
-    assert written["runs"] == {} and "parity" not in written
-    assert [c["draft"] is not None for c in configs] == [False, False, True]
+    assert written["target_check"]["passed"] and "parity" not in written
+    assert written["incomplete"] == "the vLLM runs of the target with the draft at concurrency 1, 8"
+    assert set(written["runs"]) == {"1", "8"} and all(set(r) == {"target_alone"} for r in written["runs"].values())
+    assert written["runs"]["8"]["target_alone"]["engine"] == {"max_num_seqs": 8, "one_request_at_a_time": False}
+    assert [(c["draft"] is not None, c["max_num_seqs"]) for c in configs] == [(False, 8), (True, 8)]
+
+
+def test_a_concurrency_between_1_and_the_largest_gets_its_own_engine_pair(setup, tmp_path, monkeypatch):
+    configs = []
+    monkeypatch.setattr(engine, "launch", _greedy_worker(configs, _short_greedy(setup)))
+    out = tmp_path / "parity.json"
+    argv = ["--out", str(out), "--precision", "fp32", "--max_new_tokens", "3", "--skip_dflash_hf", "true"]
+    results = vllm_parity.main(_argv(setup, *argv, "--concurrency", "1", "4", "8"))
+    assert _launched(configs) == [
+        (False, 8, [(1, serving_checks.TOP_LOGPROBS, True), (1, 0, True), (8, 0, False)]),
+        (True, 8, [(1, 0, True), (8, 0, False)]),
+        (False, 4, [(4, 0, False)]),  # 4 in flight cannot be had from an engine of 8: an engine pair of 4
+        (True, 4, [(4, 0, False)]),
+    ]
+    assert [row["concurrency"] for row in results["throughput"]] == [1, 4, 8]
+    assert results["runs"]["4"]["with_draft"]["engine"] == {"max_num_seqs": 4, "one_request_at_a_time": False}
+    assert results["target_check"]["passed"] and results["parity"]["outputs_equal_to_vllm_greedy"] == 3
