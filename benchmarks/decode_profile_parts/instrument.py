@@ -78,7 +78,7 @@ def instrumented(draft, clock: PhaseClock):
     fixed_propose = fixed_draft.FixedDraftStep.propose  # the fixed-shape draft step (a CUDA graph on a GPU)
     fixed_verify_call = fixed_verify.FixedVerifyStep.verify  # the fixed-shape verify (a CUDA graph on a GPU)
     tree_step = tree_verify.FixedTreeVerifyStep  # the same, over a token tree
-    fixed_tree_calls = {name: getattr(tree_step, name) for name in ("verify_tree", "verify_tree_inputs")}
+    fixed_tree_verify = tree_step.verify_tree_inputs
     inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
     hosts = HOST_FUNCTIONS
     originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
@@ -132,9 +132,8 @@ def instrumented(draft, clock: PhaseClock):
             setattr(tree_decode, name, timed(clock, part, tree_originals[name]))
         stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
         fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
-        for name, call in fixed_tree_calls.items():
-            stack.callback(setattr, tree_step, name, call)
-            setattr(tree_step, name, timed(clock, "verify", call))
+        stack.callback(setattr, tree_step, "verify_tree_inputs", fixed_tree_verify)
+        tree_step.verify_tree_inputs = timed(clock, "verify", fixed_tree_verify)
         stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)
         fixed_draft.FixedDraftStep.propose = fixed_propose_timed
         stack.callback(draft.register_forward_pre_hook(draft_start).remove)

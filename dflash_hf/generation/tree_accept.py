@@ -43,11 +43,6 @@ class Accepted:
         """Whether the path is nodes `0..k` (the chain's first `k` nodes)."""
         return self.off_chain is None
 
-    @property
-    def nodes(self) -> torch.Tensor:
-        """`[k+1]` the path's nodes on the device."""
-        return torch.arange(self.k + 1, device=self.new.device) if self.off_chain is None else self.off_chain
-
 
 def _on_chain(path: list[int]) -> bool:
     return path == list(range(len(path)))
@@ -87,21 +82,19 @@ def node_ids(prefix: torch.Tensor, tree: DraftTree) -> list[torch.Tensor]:
     return [torch.cat([prefix, prefix.new_tensor([path])], dim=1) for path in paths]
 
 
-def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int | None) -> Accepted:
+def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Accepted:
     """The longest root path whose every node is the target's argmax after its parent, nodes deeper than
-    `max_depth` excluded (past the decoder's positions; None: no node is). Two operators on the device (the argmax
-    and one concatenation) and one read, as the chain's acceptance: the walk runs on the host over the tree read back
-    with the argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, three
-    more: the path's nodes (its deepest node's ancestors, in node order: parents come before children) and their
-    argmax."""
+    `max_depth` excluded (past the decoder's positions). Two operators on the device (the argmax and one
+    concatenation) and one read, as the chain's acceptance: the walk runs on the host over the tree read back with the
+    argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, three more: the
+    path's nodes (its deepest node's ancestors, in node order: parents come before children) and their argmax."""
     target = scores.argmax(-1)  # [N+1]
     n = tree.nodes
     host = torch.cat([target, tree.tokens.to(target.dtype), tree.parents.to(target.dtype)]).tolist()
     argmax, tokens, parents = host[: n + 1], host[n + 1 : 2 * n + 1], host[2 * n + 1 :]
-    limit = n if max_depth is None else max_depth
     path = [0]
     for node in range(1, n + 1):  # parents come before their children: one pass finds the path's next node
-        if len(path) > limit:
+        if len(path) > max_depth:
             break
         if parents[node - 1] == path[-1] and tokens[node - 1] == argmax[path[-1]]:
             path.append(node)

@@ -95,7 +95,7 @@ class TreeDecode:
         if self.sample:
             accepted = accept_sampled(tree, q, scores, max_depth, generator)
         else:
-            accepted = accept_greedy(tree, scores, None if max_depth >= self.depth else max_depth)
+            accepted = accept_greedy(tree, scores, max_depth)
         k = accepted.k
         if not accepted.on_chain:  # gather the path's rows
             keep_path(cache_tensors(verifier.cache) if fixed is None else fixed.key_values(), a, accepted.off_chain)

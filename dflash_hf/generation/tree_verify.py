@@ -130,14 +130,6 @@ class FixedTreeVerifyStep(FixedVerifyStep):
         self.root.fill_(a)
         return self._run(ft)
 
-    def verify_tree(self, ft, ids: torch.Tensor, depth: torch.Tensor, ancestors: torch.Tensor, a: int):
-        """:meth:`verify_tree_inputs` of the tree's `ids` `[1, N+1]`, `depth` `[N+1]` and `ancestors` `[N+1, N+1]`."""
-        self.inputs[:, 0].copy_(ids[0])
-        self.inputs[:, 1].copy_(depth)
-        self.inputs[:, 2:].copy_(ancestors)
-        self.root.fill_(a)
-        return self._run(ft)
-
     def key_values(self) -> list[torch.Tensor]:
         """The fixed buffers: one tensor `[2, layers, 1, heads, rows, head_dim]` (a path's rows move in one copy)."""
         return [self.self_cache.storage]

@@ -48,13 +48,13 @@ def run_training(args: DFlashTrainingArguments, data_args: DFlashDataArguments) 
     check_best_model_args(args, eval_prefixes(eval_sets))
     check_resume_path(args.resume_from_checkpoint)
     check_run_inputs(args, data_args)
+    if args.validate_only:  # a trained draft to evaluate (the trainer only evaluates it: `validate_only.validate`)
+        check_validation(args, eval_sets)
     if args.process_index == 0:  # the other ranks load their target meanwhile, then reuse rank 0's checks
         check_data_rows(data_args)
     target = load_frozen_target(args.target_name_or_path, args)  # its draft is built with the trainer
     processor = load_processor(args.target_name_or_path, args.trust_remote_code)
     share_data_rows(args.world_size, args.process_index)  # rank 0's row checks, for every rank's loaders
-    if args.validate_only:  # (the trainer only evaluates the export: `validate_only.validate`)
-        check_validation(args, eval_sets)
     args.push_to_hub = False  # `--push_to_hub` publishes the exported draft (`publish_draft`), not the checkpoints
     trainer = DFlashTrainer(
         args=args,

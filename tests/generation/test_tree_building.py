@@ -118,6 +118,11 @@ def _walk(tree, target: list[int], max_depth: int) -> list[int]:
         path.append(nxt[0])
 
 
+def _device_nodes(out) -> list[int]:
+    """The accepted path's nodes as the cycle gathers them: nodes `0..k` on the chain, else `off_chain`."""
+    return list(range(out.k + 1)) if out.off_chain is None else out.off_chain.tolist()
+
+
 def test_greedy_acceptance_walks_the_argmax_and_never_accepts_less_than_the_chain():
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -133,7 +138,7 @@ def test_greedy_acceptance_walks_the_argmax_and_never_accepts_less_than_the_chai
         out = accept_greedy(tree, target_scores, max_depth)
         target = target_scores.argmax(-1).tolist()
         path = _walk(tree, target, max_depth)
-        assert out.path == path and out.k == len(path) - 1 and out.nodes.tolist() == path
+        assert out.path == path and out.k == len(path) - 1 and _device_nodes(out) == path
         assert out.new_ids == [target[n] for n in path] and out.new.tolist() == out.new_ids
         chain_k = next((d for d in range(min(4, max_depth)) if int(tree.tokens[d]) != target[d]), min(4, max_depth))
         assert out.k >= chain_k
@@ -156,13 +161,13 @@ def test_greedy_acceptance_runs_the_chains_operators_on_any_tree_with_ties():
             kids = (tree.parents == n).nonzero().flatten()
             if len(kids) and trial % 3:
                 target_scores[n, tree.tokens[kids[trial % len(kids)]]] = 1.0
-        max_depth = None if trial % 4 else 1 + trial % depth
+        max_depth = depth if trial % 4 else 1 + trial % depth
         with DispatchedOps() as ops:
             out = accept_greedy(tree, target_scores, max_depth)
         rows = target_scores.tolist()
         target = [row.index(max(row)) for row in rows]  # the first maximum
-        path = _walk(tree, target, depth if max_depth is None else max_depth)
-        assert out.path == path and out.k == len(path) - 1 and out.nodes.tolist() == path
+        path = _walk(tree, target, max_depth)
+        assert out.path == path and out.k == len(path) - 1 and _device_nodes(out) == path
         assert out.new_ids == [target[n] for n in path] and out.new.tolist() == out.new_ids
         assert out.on_chain == (path == list(range(len(path))))
         expected = ["aten.argmax.default", "aten.cat.default"]

@@ -16,7 +16,7 @@ from dflash_hf.generation.decode_state import TargetVerifier, crop_cache
 from dflash_hf.generation.fixed_verify import clear_fixed_verify_steps, verify_step_for
 from dflash_hf.generation.prompt_padding import generate_positions, prompt_padding
 from dflash_hf.generation.target_cache import cache_keyword
-from dflash_hf.generation.tree import SlotScores, build_tree, tree_nodes
+from dflash_hf.generation.tree import SlotScores, build_tree, tree_nodes, verify_inputs
 from dflash_hf.generation.tree_verify import FixedTreeVerifyStep, cache_tensors, keep_path, verify_tree
 from dflash_hf.targets.frozen import FrozenTarget
 
@@ -124,7 +124,7 @@ def test_each_node_sees_its_path_and_the_kept_cache_is_the_committed_sequence(ca
                 c.ft, TAPS, tree.nodes + 1, 64, c.verifier.cache, c.step_kwargs, False, padding=c.padding,
                 kind=FixedTreeVerifyStep,
             )  # fmt: skip
-            logits, feats = step.verify_tree(c.ft, ids, tree.depth, tree.ancestors, a)
+            logits, feats = step.verify_tree_inputs(c.ft, verify_inputs(torch.tensor(anchor), tree), a)
         else:
             logits, feats = verify_tree(c.verifier, ids, tree.depth, tree.ancestors, a)
         tokens = [anchor, *tree.tokens.tolist()]
@@ -217,7 +217,7 @@ def test_the_capture_of_a_tree_verify_stays_within_whispers_positions(monkeypatc
             c.ft, TAPS, tree.nodes + 1, rows, c.verifier.cache, c.step_kwargs, True, kind=FixedTreeVerifyStep
         )
         ids = torch.cat([torch.tensor([[11]]), tree.tokens[None]], dim=1)
-        fixed, _ = step.verify_tree(c.ft, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
+        fixed, _ = step.verify_tree_inputs(c.ft, verify_inputs(ids[0, 0], tree), c.prompt.shape[1])
         eager, _ = verify_tree(c.verifier, ids, tree.depth, tree.ancestors, c.prompt.shape[1])
     torch.testing.assert_close(fixed, eager, atol=2e-5, rtol=1e-4)
     clear_fixed_verify_steps(c.model)

@@ -97,6 +97,27 @@ def test_validate_refuses_missing_draft_and_sets(target, tmp_path):
         validate(_args(tmp_path, tok), {}, target=model)
 
 
+def test_a_validate_only_run_without_a_draft_stops_before_the_row_checks_and_the_target(tmp_path, monkeypatch):
+    """`run_training` with `validate_only` and no `init_from_pretrained`: the error comes before the data rows are
+    read and the target loads."""
+    from dflash_hf.targets import builder
+    from dflash_hf.training import row_preflight
+    from dflash_hf.training.run import run_training
+    from dflash_hf.training.training_args import DFlashDataArguments
+
+    def expensive(*args, **kwargs):
+        raise AssertionError("reached before the missing draft was named")
+
+    monkeypatch.setattr(row_preflight, "check_data_rows", expensive)
+    monkeypatch.setattr(builder, "load_frozen_target", expensive)
+    (tmp_path / "target").mkdir()
+    manifest = tmp_path / "dev.jsonl"
+    manifest.write_text(json.dumps({"audio_filepath": "a.wav", "text": "a", "duration": 1.0}) + "\n")
+    args = make_args(tmp_path, validate_only=True, target_name_or_path=str(tmp_path / "target"))
+    with pytest.raises(ValueError, match="validate_only evaluates a trained draft: set init_from_pretrained"):
+        run_training(args, DFlashDataArguments(eval_data=[f"dev={manifest}"]))
+
+
 @pytest.mark.slow  # 9 s on 2 busy cores
 def test_training_logs_tensorboard_real_tau_and_plots(target, tmp_path):
     """One short run: real tau every 2 steps, report_to=tensorboard; then plot_training on both sources."""
