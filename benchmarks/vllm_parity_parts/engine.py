@@ -40,6 +40,26 @@ def run_worker(config_file: str) -> None:
 
     config = json.loads(Path(config_file).read_text())
     rows = read_requests(config["prompts"], config["num_prompts"])
+    llm = LLM(**engine_arguments(config))
+    prompts = vllm_prompts(rows, config["target"])
+    for served in config["passes"]:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=config["max_new_tokens"], logprobs=served["logprobs"] or None
+        )
+        result, completions = timed_pass(llm, prompts, params, served["one_at_a_time"])
+        if served["logprobs"]:
+            for request, completion in zip(result["requests"], completions):
+                request["top_logprobs"] = top_logprobs(completion)
+        result.update(
+            serving_class=serving_class(llm),
+            environment=environment,
+            engine={"max_num_seqs": config["max_num_seqs"], "one_request_at_a_time": served["one_at_a_time"]},
+        )
+        Path(served["result"]).write_text(json.dumps(result))
+
+
+def engine_arguments(config: dict) -> dict:
+    """`vllm.LLM`'s keyword arguments for one worker's configuration (its `EngineArgs` fields)."""
     engine = dict(
         model=config["target"],
         dtype=config["dtype"],
@@ -57,22 +77,7 @@ def run_worker(config_file: str) -> None:
             "num_speculative_tokens": config["num_speculative_tokens"],
         }
         engine["per_request_spec_decode_metrics"] = "detailed"
-    llm = LLM(**engine)
-    prompts = vllm_prompts(rows, config["target"])
-    for served in config["passes"]:
-        params = SamplingParams(
-            temperature=0.0, max_tokens=config["max_new_tokens"], logprobs=served["logprobs"] or None
-        )
-        result, completions = timed_pass(llm, prompts, params, served["one_at_a_time"])
-        if served["logprobs"]:
-            for request, completion in zip(result["requests"], completions):
-                request["top_logprobs"] = top_logprobs(completion)
-        result.update(
-            serving_class=serving_class(llm),
-            environment=environment,
-            engine={"max_num_seqs": config["max_num_seqs"], "one_request_at_a_time": served["one_at_a_time"]},
-        )
-        Path(served["result"]).write_text(json.dumps(result))
+    return engine
 
 
 def timed_pass(llm, prompts: list, params, one_at_a_time: bool) -> tuple[dict, list]:

@@ -324,3 +324,43 @@ def test_a_concurrency_between_1_and_the_largest_gets_its_own_engine_pair(setup,
     assert [row["concurrency"] for row in results["throughput"]] == [1, 4, 8]
     assert results["runs"]["4"]["with_draft"]["engine"] == {"max_num_seqs": 4, "one_request_at_a_time": False}
     assert results["target_check"]["passed"] and results["parity"]["outputs_equal_to_vllm_greedy"] == 3
+
+
+def _literal_values(annotation) -> set:
+    """Every value of a (nested) `Literal` annotation."""
+    import typing
+
+    args = typing.get_args(annotation)
+    return {v for a in args for v in (_literal_values(a) if typing.get_args(a) else [a])}
+
+
+def test_the_worker_calls_only_what_the_installed_vllm_has():
+    """The worker's engine arguments, calls and reads against the vLLM installed (the CI serving stage's 0.34)."""
+    import dataclasses
+    import inspect
+
+    from utils import require_vllm
+
+    require_vllm()
+    from vllm import LLM, SamplingParams
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    config = dict(
+        target="t", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.5, max_model_len=512,
+        max_num_seqs=8, draft="d", num_speculative_tokens=7,
+    )  # fmt: skip
+    arguments = engine.engine_arguments(config)
+    assert set(arguments) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert "dflash" in _literal_values(SpeculativeConfig.__dataclass_fields__["method"].type)
+    assert set(arguments["speculative_config"]) <= {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(engine.engine_arguments(config | {"draft": None})) < set(arguments)
+    for name in ("generate", "get_metrics", "reset_prefix_cache", "reset_mm_cache"):
+        assert callable(getattr(LLM, name)), name
+    assert inspect.signature(LLM.reset_prefix_cache).return_annotation in (bool, "bool")
+    assert callable(LLMEngine.reset_encoder_cache)
+    top = serving_checks.TOP_LOGPROBS
+    assert SamplingParams(temperature=0.0, max_tokens=3, logprobs=top).logprobs == top
+    assert {"token_ids", "logprobs", "spec_decode_metrics"} <= {f.name for f in dataclasses.fields(CompletionOutput)}
