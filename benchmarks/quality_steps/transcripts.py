@@ -86,12 +86,11 @@ def generated_wer(manifest: Path) -> dict:
         raise SystemExit(f"{manifest}: rows {missing[:3]} have no reference_text; give a dflash-generate-labels output")
     groups: dict[str, list[int]] = {}
     for r in rows:
-        errors = word_errors(normalize(r["reference_text"]), normalize(r["text"]))
+        reference = normalize(r["reference_text"])
+        errors = word_errors(reference, normalize(r["text"]))
         for group in ("all", *([r["kind"]] if "kind" in r else [])):
             counts = groups.setdefault(group, [0, 0, 0])
-            counts[0], counts[1], counts[2] = (
-                counts[0] + errors,
-                counts[1] + len(normalize(r["reference_text"])),
-                counts[2] + 1,
-            )
+            counts[0] += errors
+            counts[1] += len(reference)
+            counts[2] += 1
     return {group: {"clips": n, "words": w, "wer": round(e / max(w, 1), 4)} for group, (e, w, n) in groups.items()}

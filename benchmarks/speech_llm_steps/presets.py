@@ -1,11 +1,9 @@
 """The LLM presets of the speech LLM (audio marker tokens, system turn, mask token), its chat template and
-small helpers."""
+the device choice."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -78,19 +76,6 @@ def chat_template(audio_bos: str, audio_token: str, audio_eos: str, system: str 
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-
-
-def tqdm(*args, **kw):
-    from tqdm.auto import tqdm as _tqdm
-
-    return _tqdm(*args, **kw)
-
-
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def resolve_device(device: str) -> str:

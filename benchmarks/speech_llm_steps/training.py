@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from quality_steps.common import SAMPLING_RATE, write_json
+from quality_steps.common import SAMPLING_RATE, tqdm, write_json
 
 from .data import encode_row, encode_training_batch, load_audio, pad_batch, pad_id_of, read_manifest, render
 from .modeling import add_lora, encode_audio, forward_with_audio, merge_lora, supervised_loss
-from .presets import INSTRUCTION, resolve_device, tqdm
+from .presets import INSTRUCTION, resolve_device
 
 PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
 REPLAN_EVERY = 50  # then the horizon is re-planned every this many steps from the rate since the probe
