@@ -49,9 +49,9 @@ def results_path(args: EvalSettings) -> Path:
     return Path(args.draft) / f"eval_{name or 'data'}.json"
 
 
-def check_results_path(args: EvalSettings) -> None:
-    """The results file is not a directory, is not written over unless `--overwrite_output_json true`, and its
-    folder is writable: refused before anything loads, not after the decoding."""
+def check_results_path(args: EvalSettings) -> Path:
+    """The results file (`results_path`), checked: not a directory, not written over unless
+    `--overwrite_output_json true`, in a writable folder; refused before anything loads, not after the decoding."""
     out = results_path(args)
     if out.is_dir():
         raise IsADirectoryError(f"--output_json {out} is a directory; give a file name (e.g. {out}/eval.json)")
@@ -63,6 +63,7 @@ def check_results_path(args: EvalSettings) -> None:
     folder = next((p for p in out.absolute().parents if p.exists()), None)
     if folder is not None and not os.access(folder, os.W_OK):
         raise PermissionError(f"--output_json {out}: {folder} is not writable; give --output_json in a folder you own")
+    return out
 
 
 def make_parser() -> HfArgumentParser:
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = parse_with_config(make_parser(), argv)
     configure_cpu_threads()
     check_evaluation_inputs(args)
-    check_results_path(args)
-    out = results_path(args)
+    out = check_results_path(args)
     args.output_json = str(out)  # the results record where they were written
     results = evaluate(args)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,8 @@ from dflash_hf.settings.checks import Settings, setting
 GRAPH_MODES = {"auto": None, "on": True, "off": False}
 
 
-def graph_mode(value: str, field: str = "draft_cuda_graph") -> bool | None:
-    """A command line's `auto | on | off` as `speculative_generate`'s `draft_cuda_graph` (None, True, False)."""
+def graph_mode(value: str, field: str) -> bool | None:
+    """Option `field`'s `auto | on | off` as `speculative_generate`'s tri-state (None, True, False)."""
     if value not in GRAPH_MODES:
         raise ValueError(f"--{field} must be one of {sorted(GRAPH_MODES)}, got {value!r}")
     return GRAPH_MODES[value]

@@ -6,7 +6,9 @@ Light: no torch, no transformers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from dflash_hf.settings.checks import Range, count
 from dflash_hf.settings.data import DataSettings
 from dflash_hf.settings.decode import DecodeSettings
 from dflash_hf.settings.draft import ModelSettings, check_precision
@@ -15,6 +17,8 @@ from dflash_hf.settings.draft import ModelSettings, check_precision
 @dataclass
 class EvalSettings(DecodeSettings):
     """The options of `dflash-eval` (the decoding switches are `DecodeSettings`')."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"max_new_tokens": count(1), "num_samples": count(0, " (0 = all)")}
 
     draft: str = field(metadata={"help": "Draft export directory (dflash-train's export or save_pretrained)."})
     target: str = field(
@@ -90,10 +94,6 @@ class EvalSettings(DecodeSettings):
     )
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0 (0 = all), got {self.num_samples}")
         bad_budgets = [b for b in self.tree_budget if b < 1]
         if bad_budgets or len(set(self.tree_budget)) != len(self.tree_budget):
             raise ValueError(

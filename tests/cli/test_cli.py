@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -109,6 +110,12 @@ def test_decoding_switches_are_one_options_object_shared_by_eval(tmp_path):
     args = EvalSettings(draft=str(tmp_path / "draft"), target="openai/whisper-base", data=str(tmp_path / "data.jsonl"))
     assert DecodeOptions.from_settings(args, tree_budget=8) == DecodeOptions(None, None, 8)
     check_evaluation_inputs(args)  # a Hub id is left to transformers
+    for bad, message in (
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"num_samples": -1}, "num_samples must be >= 0 (0 = all), got -1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            dataclasses.replace(args, **bad)
     missing = EvalSettings(draft=str(tmp_path / "draft"), target=str(tmp_path / "nope"), data=args.data)
     with pytest.raises(FileNotFoundError, match=r"--target=.*nope: the directory does not exist"):
         check_evaluation_inputs(missing)
