@@ -24,7 +24,7 @@ from dflash_hf.data.loader import build_train_dataloader
 from dflash_hf.data.sample_checks import ValidatedCuts
 from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import DataSource, open_source
-from dflash_hf.data.text_prompts import first_record, text_prompts
+from dflash_hf.data.text_prompts import is_text_prompts, text_prompts
 from dflash_hf.settings import DataSettings
 from dflash_hf.targets.families.base import get_tokenizer
 from dflash_hf.targets.families.registry import resolve_family
@@ -129,8 +129,7 @@ def evaluation_prompts(
     (`dflash_hf.data.text_prompts`; a text target only), or a NeMo manifest / lhotse cuts file whose rows, rendered
     in `conversation`, are cut before their response (`prompt_source`: no characters-per-second check). `family`: the
     family row name (None: from `config`)."""
-    record = first_record(path)
-    if "prompt" in record or "messages" in record:
+    if is_text_prompts(path):
         fam = resolve_family(config, family)
         if fam.has_audio:
             raise ValueError(

@@ -11,7 +11,7 @@
   trained without the end of its turn: the rendered conversation stops after the response, so neither the end token
   nor its supervision is there (the draft is not taught to stop where the target went on). Its text is what the
   target wrote until the limit (often a repetition loop), not a transcript of its audio: training's
-  characters-per-second check (``json_rows.text_rate_problem``) does not apply to it (:func:`rate_checked`).
+  characters-per-second check (``json_rows.text_rate_problem``) does not apply to it (:func:`rate_problem`).
 """
 
 from __future__ import annotations
@@ -33,16 +33,11 @@ def generated_fields(cut) -> tuple[list[int] | None, bool]:
     return custom.get(LABEL_IDS_KEY), custom.get(TRUNCATED_KEY) is True
 
 
-def rate_checked(fields: Mapping) -> bool:
-    """Whether a row (a manifest line, or a cut's custom fields) takes the characters-per-second check: not where it
-    is marked ``truncated`` (the target's own output cut by a token limit, not a transcript of a wrong duration)."""
-    return fields.get(TRUNCATED_KEY) is not True
-
-
 def rate_problem(fields: Mapping, text, duration, max_chars_per_second: float | None) -> tuple[str, str, str] | None:
     """``("text", problem, fix)`` where a row's `text` is implausibly long for `duration` seconds of audio
-    (`json_rows.text_rate_problem`), else None; never for a row marked ``truncated`` (:func:`rate_checked`)."""
-    if not rate_checked(fields):
+    (`json_rows.text_rate_problem`), else None; never for a row (`fields`: a manifest line, or a cut's custom fields)
+    marked ``truncated`` (the target's own output cut by a token limit, not a transcript of a wrong duration)."""
+    if fields.get(TRUNCATED_KEY) is True:
         return None
     problem = text_rate_problem(text, duration, max_chars_per_second)
     return ("text", problem, RATE_FIX) if problem else None
@@ -184,7 +179,6 @@ __all__ = [
     "generated_field_problem",
     "generated_fields",
     "generated_problem",
-    "rate_checked",
     "rate_problem",
     "row_problem",
     "splice_response",

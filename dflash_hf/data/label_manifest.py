@@ -129,9 +129,9 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     manifest, output = Path(job.manifest), Path(job.output)
     check_output(job.manifest, job.output)
     text_check = UserTextCheck(renderer.tokenizer)
-    records = []
-    for index, origin, record in json_rows(manifest, bad, id_prefix=manifest_stem(manifest)):
-        cut_id = str(record.get("id", f"{manifest_stem(manifest)}-{index:08d}"))
+    records, stem = [], manifest_stem(manifest)
+    for index, origin, record in json_rows(manifest, bad, id_prefix=stem):
+        cut_id = str(record.get("id", f"{stem}-{index:08d}"))
         problem = record_problem(record, renderer, text_check)
         if problem:
             bad.report(cut_id, *problem, origin=origin)

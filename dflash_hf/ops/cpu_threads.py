@@ -20,7 +20,7 @@ def env_int(name: str, default: int) -> int:
         return default
 
 
-def cpu_threads(local_world_size: int | None = None, max_threads: int | None = None) -> int:
+def cpu_threads(max_threads: int | None = None) -> int:
     """Intra-op threads for one process: `OMP_NUM_THREADS` when set; else the cores this process may run on,
     shared by the processes of this machine (`LOCAL_WORLD_SIZE`), less the cores other work keeps busy (the
     1-minute load average), at most `max_threads`, at least 1."""
@@ -28,8 +28,7 @@ def cpu_threads(local_world_size: int | None = None, max_threads: int | None = N
     if explicit > 0:
         return explicit
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = local_world_size or env_int("LOCAL_WORLD_SIZE", 1)
-    per_process = max(1, cores // max(local, 1))
+    per_process = max(1, cores // max(env_int("LOCAL_WORLD_SIZE", 1), 1))
     try:
         busy = os.getloadavg()[0]
     except OSError:
