@@ -13,7 +13,6 @@ non-finite weights is never exported, and loading one is an error naming the ten
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -229,9 +228,9 @@ def recorded_settings(path: str | Path) -> dict[str, int]:
     export's training record). An unreadable export gives {}: `check_draft_export` (run first) names the problem."""
     try:
         directory = resolve_draft_dir(path)
-        raw = json.loads((directory / "config.json").read_text())
+        raw = read_json_object(directory / "config.json")
         num_anchors = read_training_record(directory).num_anchors
-    except (OSError, ValueError):  # (json.JSONDecodeError is a ValueError)
+    except (OSError, ValueError):
         return {}
     dflash_config = raw.get("dflash_config") or {}
     found = {"block_size": raw.get("block_size", dflash_config.get("block_size")), "num_anchors": num_anchors}
