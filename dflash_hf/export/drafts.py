@@ -13,7 +13,6 @@ non-finite weights is never exported, and loading one is an error naming the ten
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from torch import nn
 
 from dflash_hf.errors import DFlashUserError
 from dflash_hf.export.atomic_write import staging_siblings, write_atomically
+from dflash_hf.export.run_record import RUN_RECORD
 from dflash_hf.export.training_record import (
     LEGACY_KEYS,
     TRAINING_RECORD_FILE,
@@ -40,8 +40,8 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Files a draft export may hold besides its weights; anything else is noted and ignored on load.
 REMOTE_CODE_FILES = ("configuration_dflash.py", "draft_fields.py", "modeling_dflash.py", "modeling_dflash_encoder.py")
-RUN_RECORD_FILE = "dflash_run.json"  # the training run an export is of (written by the trainer)
-EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json", RUN_RECORD_FILE)
+# (RUN_RECORD: the training run an export is of, written by the trainer)
+EXPORT_FILES = ("config.json", *REMOTE_CODE_FILES, "README.md", "generation_config.json", RUN_RECORD)
 EXPORT_FILES += (TRAINING_RECORD_FILE,)  # what the training run used that evaluation repeats
 # safetensors dtype codes of full-precision exports; anything else (U8, I8, F8_*, I32 ...) is quantized/packed.
 FLOAT_DTYPES = ("F32", "BF16", "F16")
@@ -228,9 +228,9 @@ def recorded_settings(path: str | Path) -> dict[str, int]:
     export's training record). An unreadable export gives {}: `check_draft_export` (run first) names the problem."""
     try:
         directory = resolve_draft_dir(path)
-        raw = json.loads((directory / "config.json").read_text())
+        raw = read_json_object(directory / "config.json")
         num_anchors = read_training_record(directory).num_anchors
-    except (OSError, ValueError):  # (json.JSONDecodeError is a ValueError)
+    except (OSError, ValueError):
         return {}
     dflash_config = raw.get("dflash_config") or {}
     found = {"block_size": raw.get("block_size", dflash_config.get("block_size")), "num_anchors": num_anchors}

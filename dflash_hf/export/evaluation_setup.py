@@ -20,7 +20,7 @@ from dflash_hf.data.eval_rows import evaluation_prompts, recorded_conversation
 from dflash_hf.data.text_prompts import count_records, is_text_prompts
 from dflash_hf.export.draft_target import draft_on_target
 from dflash_hf.export.drafts import load_draft_strict, resolve_draft_dir
-from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record, recorded_or_given
+from dflash_hf.export.training_record import TRAINING_RECORD_FILE, read_training_record
 from dflash_hf.settings.checks import check_paths_exist
 from dflash_hf.settings.evaluation import EvalSettings
 from dflash_hf.targets.frozen import FrozenTarget, load_target, resolve_dtype
@@ -69,15 +69,11 @@ def apply_recorded_conversation(settings: EvalSettings, recorded: dict | None) -
                 recorded["system_prompt"],
                 where,
             )
-    resolved = recorded_or_given(
-        recorded, prompt=settings.prompt, system_prompt=settings.system_prompt, family=settings.family
-    )
     for name, what in (("prompt", "user prompt"), ("system_prompt", "system prompt"), ("family", "family row")):
         given, trained = getattr(settings, name), recorded[name]
-        setattr(settings, name, resolved[name])
         if given is None:
-            continue
-        if (given if name == "family" else no_text(given)) != (trained if name == "family" else no_text(trained)):
+            setattr(settings, name, trained)
+        elif (given if name == "family" else no_text(given)) != (trained if name == "family" else no_text(trained)):
             logger.warning(
                 "--%s %r differs from the %s the draft was trained with (%r, recorded in %s): tau then measures "
                 "prompts the draft was not trained on; leave --%s out to decode with the recorded one",

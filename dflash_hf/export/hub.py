@@ -141,9 +141,10 @@ def serving_commands(
     """The engine commands that serve `target` with the draft `draft` (a Hub id or a local directory), by engine
     (`"vllm"`), for target kinds with a measured row only (`serving_status`); none for a draft outside the published
     contract (no engine serves it) or an unmeasured pair."""
-    command = _vllm_command(config, draft, target, revision)
     info = info or DraftCardInfo(target_id=target, target_revision=revision)
-    return {} if serving_status(config, info)[0] is None else {"vllm": command}
+    if serving_status(config, info)[0] is None:
+        return {}
+    return {"vllm": _vllm_command(config, draft, target, revision)}
 
 
 def _vllm_command(config: DFlashConfig, draft: str, target: str, revision: str | None) -> str:

@@ -66,12 +66,6 @@ def checked_conversation(record) -> dict | None:
     return dict(record)
 
 
-def recorded_or_given(recorded: Mapping | None, **given: str | None) -> dict[str, str | None]:
-    """The conversation settings `given` (`prompt`, `system_prompt`, `family`), each one left out (None) taken from the
-    conversation a draft was trained with (`recorded`: its training record's; None: all as given)."""
-    return {name: recorded[name] if value is None and recorded else value for name, value in given.items()}
-
-
 def read_json_object(file: Path) -> dict:
     """A JSON object from `file`; invalid JSON is an error naming the file and line."""
     try:
@@ -116,5 +110,4 @@ __all__ = [
     "conversation_record",
     "read_json_object",
     "read_training_record",
-    "recorded_or_given",
 ]
