@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 from dflash_hf.generation.decode_options import DecodeOptions
 from dflash_hf.generation.speculative import speculative_generate
 from dflash_hf.generation.target_generate import generate_inputs, target_generate, target_generate_new_tokens
-from dflash_hf.generation.tree_decode import check_tree_budget
 from dflash_hf.generation.tree_verify import check_tree_target
 from dflash_hf.targets.frozen import FrozenTarget, TargetModel
 
@@ -119,16 +118,15 @@ def decode_benchmark(
             f"pass the budget as tree_budgets=[{options.tree_budget}] (a tree pass beside the chain's)"
         )
     ft = FrozenTarget.of(target)
-    for budget in tree_budgets:
-        check_tree_budget(budget)
-    if tree_budgets:
+    tree_options = [(budget, options.with_tree(budget)) for budget in tree_budgets]  # each budget checked there
+    if tree_options:
         check_tree_target(ft)
     device = ft.device
     stats = DecodeStats(compared=compare_greedy)
     kept: list[tuple[dict, int, list[int] | None, float]] = []  # the tree passes' prompts (host) and greedy decodes
 
-    def decode(inputs, budget=None):
-        return speculative_generate(draft, ft, max_new_tokens, options=options.with_tree(budget), **inputs)
+    def decode(inputs, run_options=options):
+        return speculative_generate(draft, ft, max_new_tokens, options=run_options, **inputs)
 
     for i, prompt in enumerate(tqdm(prompts, total=total, disable=not progress, desc="dflash-eval")):
         n_prompt = prompt["input_ids"].shape[1]
@@ -145,15 +143,15 @@ def decode_benchmark(
             seconds = synced_clock(device) - start
             greedy_new = greedy[0].tolist()
             _compared(stats, i, spec_new, greedy_new, seconds)
-        if tree_budgets:  # on the host: the device holds one prompt's tensors at a time, however many prompts
+        if tree_options:  # on the host: the device holds one prompt's tensors at a time, however many prompts
             kept.append((_on_host(prompt), n_prompt, greedy_new, seconds))
-    for budget in tree_budgets:
+    for budget, tree in tree_options:
         run = stats.trees[budget] = DecodeStats(compared=compare_greedy)
         for i, (prompt, n_prompt, greedy_new, seconds) in enumerate(kept):
             inputs = generate_inputs(ft, prompt)
             if warmup and i == 0:
-                decode(inputs, budget)
-            spec_new = _timed_decode(run, partial(decode, inputs, budget), n_prompt, device)
+                decode(inputs, tree)
+            spec_new = _timed_decode(run, partial(decode, inputs, tree), n_prompt, device)
             if greedy_new is not None:
                 _compared(run, i, spec_new, greedy_new, seconds)
     return stats

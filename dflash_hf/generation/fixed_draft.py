@@ -243,19 +243,19 @@ def fixed_draft_step(
     the eager forward with a warning, for this draft from then on until `clear_fixed_draft_steps`; out of memory: for
     this decode only), False = never. `device`: the decode's. `head`: what the step returns from the draft's block
     (None: the greedy proposal; `tree.TreeHead`: a token tree), hashable."""
-    dev = device  # `setting`: True, None or False (`DecodeOptions` checked it)
-    if setting is False or (setting is None and (dev.type != "cuda" or sample or draft in _FAILED)):
+    # `setting`: True, None or False (`DecodeOptions` checked it)
+    if setting is False or (setting is None and (device.type != "cuda" or sample or draft in _FAILED)):
         return None
     limit = max_positions if max_positions is not None else None if max_length is None else max_length + expansion
     capacity = None if limit is None else fixed_capacity(limit, block)
     # a graph is captured on one device: the draft, the target's embedding and its lm_head must all be there
-    spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {dev}
+    spread = {p.device for m in (draft, ft.embed_tokens, ft.lm_head) for p in m.parameters()} - {device}
     if setting and (sample or capacity is None or spread):  # asked for explicitly: say why it cannot run
         why = (
             "sampling (temperature > 0)"
             if sample
             else (
-                f"weights on {sorted(map(str, spread))} besides {dev}"
+                f"weights on {sorted(map(str, spread))} besides {device}"
                 if spread
                 else "a decode without a length bound"
                 if limit is None
@@ -273,7 +273,7 @@ def fixed_draft_step(
         _FAILED,
         draft,
         clear_fixed_draft_steps,
-        lambda: draft_step_for(draft, ft, capacity, encoder_frames, graph=dev.type == "cuda", head=head),
+        lambda: draft_step_for(draft, ft, capacity, encoder_frames, graph=device.type == "cuda", head=head),
         "the draft's fixed-shape step",
         "the eager draft forward",
         "draft_cuda_graph=False, dflash-eval --draft_cuda_graph off, skips the attempt",
