@@ -41,7 +41,6 @@ the commit and the command) go to `docs/results/decode_ops_<name>_cpu.json` and 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -71,11 +70,11 @@ from decode_profile_parts.inputs import TINY_WHISPER_MASK, speech_prompts, text_
 from decode_profile_parts.instrument import instrumented, timed  # noqa: E402
 from decode_profile_parts.op_count import OpCounter, counting, graph_regions  # noqa: E402
 from decode_profile_parts.record import command_line, device_name, git_commit, write_results  # noqa: E402
+from quality_steps.configs import WHISPER_MASK_ID as WHISPER_MASK  # noqa: E402  real_targets.py's Whisper drafts
 
 RESULTS_DIR = REPO / "docs" / "results"
 SCRIPT_PATH = Path(__file__).resolve()
 TINY_KINDS = ("text", "whisper")
-WHISPER_MASK = importlib.import_module("quality_steps.configs").WHISPER_MASK_ID  # real_targets.py's Whisper drafts
 SPEC_PHASES = ("draft", "proposal", "verify", "scores", "accept", "stop", "crop", "other")
 GREEDY_PHASES = ("forward", "scores", "stop", "other")
 

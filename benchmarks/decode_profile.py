@@ -9,9 +9,8 @@
 Batch 1, greedy. Two passes over the same prompts:
 
 1. Un-instrumented: `dflash_hf.generation.evaluation.decode_benchmark`, the wall-clock tokens/s of speculative
-decoding and of
-   the target's own greedy `generate` (same dtype and device, first prompt decoded once untimed), outputs checked
-   token-identical.
+   decoding and of the target's own greedy `generate` (same dtype and device, first prompt decoded once untimed),
+   outputs checked token-identical.
 2. Instrumented: the same speculative decoding with the package's functions wrapped by this benchmark (nothing in
    the package changes): every phase is timed on its own, with a device synchronize at its end (CUDA events on
    `--device cuda`, `time.perf_counter` on the CPU), so the phases add up to the decode's wall time. Its outputs

@@ -10,8 +10,7 @@ accelerators, so on the CPU it is the static cache alone). This script times, on
 builds them from `--data`), in one process:
 
 - `speculative`: `dflash_hf.generation.evaluation.decode_benchmark` with the package's defaults (draft step and
-target verify as
-  CUDA graphs on a GPU), against plain greedy, outputs compared;
+  target verify as CUDA graphs on a GPU), against plain greedy, outputs compared;
 - `static_greedy`: the target's greedy `generate` with a static cache, its new tokens compared with plain greedy's.
   Its warm-up decodes the longest prompt first: the static cache is then sized for it (transformers keeps the
   largest size it has used), so the timed prompts reuse one compiled step instead of recompiling per prompt

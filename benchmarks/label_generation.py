@@ -20,18 +20,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_hf.data.label_manifest import LabelJob, check_label_inputs, write_generated_labels  # noqa: E402
-from dflash_hf.generation.target_generate import generated_labels  # noqa: E402
+from dflash_hf.cli.generate_labels import generate_labels  # noqa: E402
+from dflash_hf.data.label_manifest import check_label_inputs  # noqa: E402
 from dflash_hf.settings.labels import LabelSettings  # noqa: E402
-from dflash_hf.targets.frozen import FrozenTarget  # noqa: E402
-from dflash_hf.targets.processor import load_label_target  # noqa: E402
 from dflash_hf.testing import tiny  # noqa: E402
 
 
@@ -69,10 +66,7 @@ def _run(model: str, manifest: Path, output: Path, prefetch: bool, args) -> floa
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    target_model, processor, family = load_label_target(model, settings.family, settings.dtype, settings.device)
-    target = FrozenTarget(target_model, family.name)
-    decode = partial(generated_labels, target, max_new_tokens=settings.max_new_tokens, device=settings.device)
-    write_generated_labels(LabelJob.of(settings), target, processor, decode)
+    generate_labels(settings)
     return time.perf_counter() - start
 
 

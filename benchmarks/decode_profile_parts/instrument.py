@@ -80,15 +80,10 @@ def instrumented(draft, clock: PhaseClock):
     tree_step = tree_verify.FixedTreeVerifyStep  # the same, over a token tree
     fixed_tree_verify = tree_step.verify_tree_inputs
     inside_fixed_step: list[bool] = []  # the draft forward hooks stay quiet inside it (warm-up and capture)
-    hosts = HOST_FUNCTIONS
-    originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *hosts)}
+    originals = {name: getattr(sp, name) for name in ("propose_block", "decode_loop", *HOST_FUNCTIONS)}
     tree_originals = {name: getattr(tree_decode, name) for name in TREE_FUNCTIONS}
     verifier_call = sp.TargetVerifier.__call__
     decode = originals["decode_loop"]
-
-    def fixed_verify_timed(self, *args, **kwargs):
-        with clock.measure("verify"):
-            return fixed_verify_call(self, *args, **kwargs)
 
     def verifier_timed(self, **kwargs):
         with clock.measure("prefill" if self.forwards == 0 else "verify"):
@@ -125,13 +120,13 @@ def instrumented(draft, clock: PhaseClock):
         sp.TargetVerifier.__call__ = verifier_timed
         sp.decode_loop = decode_timed
         sp.propose_block = timed(clock, "proposal", originals["propose_block"])
-        for name, part in hosts.items():
+        for name, part in HOST_FUNCTIONS.items():
             setattr(sp, name, timed(clock, part, originals[name]))
         for name, part in TREE_FUNCTIONS.items():
             stack.callback(setattr, tree_decode, name, tree_originals[name])
             setattr(tree_decode, name, timed(clock, part, tree_originals[name]))
         stack.callback(setattr, fixed_verify.FixedVerifyStep, "verify", fixed_verify_call)
-        fixed_verify.FixedVerifyStep.verify = fixed_verify_timed
+        fixed_verify.FixedVerifyStep.verify = timed(clock, "verify", fixed_verify_call)
         stack.callback(setattr, tree_step, "verify_tree_inputs", fixed_tree_verify)
         tree_step.verify_tree_inputs = timed(clock, "verify", fixed_tree_verify)
         stack.callback(setattr, fixed_draft.FixedDraftStep, "propose", fixed_propose)

@@ -352,11 +352,11 @@ def test_the_worker_calls_only_what_the_installed_vllm_has():
         target="t", dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=0.5, max_model_len=512,
         max_num_seqs=8, draft="d", num_speculative_tokens=7,
     )  # fmt: skip
-    arguments = engine.engine_arguments(config)
-    assert set(arguments) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    engine_kwargs = engine.engine_arguments(config)
+    assert set(engine_kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
     assert "dflash" in _literal_values(SpeculativeConfig.__dataclass_fields__["method"].type)
-    assert set(arguments["speculative_config"]) <= {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    assert set(engine.engine_arguments(config | {"draft": None})) < set(arguments)
+    assert set(engine_kwargs["speculative_config"]) <= {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert set(engine.engine_arguments(config | {"draft": None})) < set(engine_kwargs)
     for name in ("generate", "get_metrics", "reset_prefix_cache", "reset_mm_cache"):
         assert callable(getattr(LLM, name)), name
     assert inspect.signature(LLM.reset_prefix_cache).return_annotation in (bool, "bool")
