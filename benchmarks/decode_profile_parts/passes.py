@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash_hf.export.evaluation_setup import evaluation_device
 from dflash_hf.generation import evaluation, speculative
 from dflash_hf.generation.decode_options import DecodeOptions
 from dflash_hf.targets.families.registry import generate_kwargs
@@ -73,7 +74,7 @@ def profile_pass(
 
 def run_profile(args: ProfileArguments, command: str) -> dict:
     commit = git_commit()  # before the run: the code that was imported
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    device = evaluation_device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         if args.tiny:
             ft, draft, prompts = tiny_setup(args.tiny, args.num_prompts, Path(tmp))
