@@ -72,14 +72,25 @@ def load_target(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model, info = cls.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
-    missing = list(info.get("missing_keys", []))
-    if missing and strict:
-        raise ValueError(
-            f"target checkpoint {name_or_path!r} lacks {len(missing)} parameters, e.g. {missing[:8]}. "
-            "Point --target_name_or_path at a complete checkpoint, or set --target_strict_load false "
-            "for an intentional partial initialization."
+    if strict:
+        check_complete(
+            name_or_path,
+            info,
+            "--target_name_or_path",
+            ", or set --target_strict_load false for an intentional partial initialization",
         )
     return model
+
+
+def check_complete(name_or_path: str, loading_info: dict, option: str, alternative: str = "") -> None:
+    """Refuse a checkpoint that left parameters of its model at their random initialization (`from_pretrained`'s
+    `output_loading_info`), naming the `option` that points at it."""
+    missing = list(loading_info.get("missing_keys", []))
+    if missing:
+        raise ValueError(
+            f"target checkpoint {name_or_path!r} lacks {len(missing)} parameters, e.g. {missing[:8]}. "
+            f"Point {option} at a complete checkpoint{alternative}."
+        )
 
 
 FINAL_NORM_NAMES = ("norm", "layer_norm")  # decoder-only LMs; Whisper-style encoder-decoder decoders

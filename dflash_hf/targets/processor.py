@@ -73,13 +73,14 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
     """`(model, processor, family)` of the target at `path` for greedy decoding (`dflash-generate-labels`): the model
     class its config names (a causal LM for a text target) in `dtype` (a torch dtype name) on `device`, in eval mode;
     an audio target's processor with the exact, faster Whisper log-mel (`with_fast_features`), a text target's
-    tokenizer. `family`: the family row name (None: from the config)."""
+    tokenizer. `family`: the family row name (None: from the config). A checkpoint missing parameters is refused."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
     from dflash_hf.targets.families.registry import resolve_family
     from dflash_hf.targets.families.whisper_features import with_fast_features
+    from dflash_hf.targets.frozen import check_complete
 
     config = AutoConfig.from_pretrained(path)
     fam = resolve_family(config, family)
@@ -89,10 +90,12 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
         arch = (config.architectures or [None])[0]
         if arch is None or not hasattr(transformers, arch):
             raise ValueError(f"{path}: config.architectures={config.architectures} names no transformers class")
-        model = getattr(transformers, arch).from_pretrained(path, dtype=torch_dtype)
+        model_class = getattr(transformers, arch)
     else:
         processor = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model_class = AutoModelForCausalLM
+    model, info = model_class.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
+    check_complete(path, info, "--model")
     return model.to(device).eval(), processor, fam
 
 
