@@ -37,7 +37,7 @@ from dflash_hf.data.label_rows import (
     start_partial,
 )
 from dflash_hf.data.samples import SamplePipeline
-from dflash_hf.data.sources import make_cut, nemo_line_to_cut
+from dflash_hf.data.sources import make_cut, nemo_cut_id, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings.labels import LabelSettings
 from dflash_hf.targets.families.registry import encode_batch
@@ -131,7 +131,7 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     text_check = UserTextCheck(renderer.tokenizer)
     records, stem = [], manifest_stem(manifest)
     for index, origin, record in json_rows(manifest, bad, id_prefix=stem):
-        cut_id = str(record.get("id", f"{stem}-{index:08d}"))
+        cut_id = nemo_cut_id(record, f"{stem}-{index:08d}")  # the id training gives the line
         problem = record_problem(record, renderer, text_check)
         if problem:
             bad.report(cut_id, *problem, origin=origin)

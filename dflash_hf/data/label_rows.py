@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_hf.data.conversation import ConversationRenderer
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
-from dflash_hf.data.json_rows import detect_kind
+from dflash_hf.data.json_rows import detect_kind, first_record
 from dflash_hf.data.user_text import UserTextCheck
 
 logger = logging.getLogger("dflash_hf.generate_labels")
@@ -43,7 +43,11 @@ def check_output(manifest: str, output: str) -> None:
 
 
 def check_manifest(manifest: str) -> None:
-    """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line)."""
+    """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line): audio rows,
+    or a text target's rows (a ``text``, a ``context``, no audio; `quality_steps.prompts` writes them)."""
+    record = first_record(manifest)
+    if record is not None and isinstance(record.get("text"), str) and not {"audio_filepath", "type"} & set(record):
+        return
     try:
         kind = detect_kind(manifest)
     except ValueError as e:

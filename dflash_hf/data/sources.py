@@ -70,7 +70,8 @@ class DataSource:
     max_chars_per_second: float | None = DataSettings.max_chars_per_second
 
 
-def _nemo_cut_id(record: dict, default_id: str) -> str:
+def nemo_cut_id(record: dict, default_id: str) -> str:
+    """A manifest line's cut id: its `id` when that is a string or an integer, else `default_id`."""
     cut_id = record.get("id")
     return str(cut_id) if isinstance(cut_id, (str, int)) and not isinstance(cut_id, bool) else default_id
 
@@ -110,7 +111,7 @@ def check_nemo_record(
                 )
     if record.get("lang") is not None and not isinstance(record["lang"], str):
         return fail("lang", f"is {describe_value(record['lang'])}, not a string", 'write a language code such as "en"')
-    if "id" in record and _nemo_cut_id(record, "") == "":
+    if "id" in record and nemo_cut_id(record, "") == "":
         return fail("id", f"is {describe_value(record['id'])}, not a string or integer", "write a unique string id")
     problem = row_problem(record, record["text"], record.get("duration"), max_chars_per_second)
     return fail(*problem) if problem else True
@@ -243,7 +244,7 @@ class NemoManifest:
         """``(cut id, origin, record)`` of the lines whose keys and types are right."""
         prefix = manifest_stem(self.path)
         for index, origin, record in json_rows(self.path, self.bad, id_prefix=prefix, span=self.span):
-            cut_id = _nemo_cut_id(record, f"{prefix}-{index:08d}")
+            cut_id = nemo_cut_id(record, f"{prefix}-{index:08d}")
             if check_nemo_record(record, cut_id, self.bad, origin, self.max_chars_per_second):
                 yield cut_id, origin, record
 

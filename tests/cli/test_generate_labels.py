@@ -424,3 +424,17 @@ def test_whisper_ids_whose_text_renders_to_them_are_not_kept():
         "label_ids": unspaced,
     }
     assert (counts.label_ids, counts.ids_not_kept) == (1, 0)
+
+
+def test_a_row_id_that_is_not_a_string_or_integer_takes_the_id_training_gives_the_line(tmp_path):
+    """A text target's rows (text, no audio) are labelled; they skip the audio rows' checks, so an `id` of null or true
+    is replaced by the line's own id (the one training gives it): two such rows never share an id, which resuming
+    matches rows by."""
+    model_dir = tiny.save_tiny_target(tmp_path / "target", kind="text", hidden_size=32, num_layers=2, num_heads=2)
+    data = tmp_path / "m.json"
+    data.write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for t, i in [("yes", None), ("no", None), ("up", True)])
+    )
+    out = tmp_path / "out.json"
+    assert _gen(model_dir, data, out) == 0
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["m-00000000", "m-00000001", "m-00000002"]
