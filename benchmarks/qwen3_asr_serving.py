@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from train_step_parts.shapes import QWEN3_1_7B_TEXT, QWEN3_ASR_1_7B
@@ -166,12 +167,12 @@ def train(out: Path, steps: int, precision: str) -> None:
 def prompt_rows(manifest: Path, base: Path, limit: int) -> list[dict]:
     """One `vllm_parity.py` request per clip: the conversation dflash-train renders for it with `--prompt` (the user
     turn: the instruction, then the audio), without the answer; the clip's path relative to `base` (the prompts
-    file's folder, against which `vllm_parity.py` resolves it)."""
+    file's folder, against which `vllm_parity.py` resolves it; a clip outside it gets a path through `..`)."""
     rows = []
     for line in manifest.read_text().splitlines()[:limit]:
         clip = (manifest.parent / json.loads(line)["audio_filepath"]).resolve()
         user = [{"type": "text", "text": INSTRUCTION}, {"type": "audio"}]
-        rows.append({"messages": [{"role": "user", "content": user}], "audio": str(clip.relative_to(base.resolve()))})
+        rows.append({"messages": [{"role": "user", "content": user}], "audio": os.path.relpath(clip, base.resolve())})
     return rows
 
 
