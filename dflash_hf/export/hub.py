@@ -81,10 +81,12 @@ _CONTRACT_SERVING = (
     "`1 + num_speculative_tokens` slots)."
 )
 # Target kinds with a measured serving row (docs/SERVING.md): the card prints their command. Others say what is known.
-MEASURED_SERVING = {"text": "vLLM 0.34"}
+MEASURED_SERVING = {"text": "vLLM 0.34", "qwen3_asr": "vLLM 0.34"}
 # the text-target architectures with a measured vLLM row (docs/SERVING.md: a Qwen3 text target, DFlash and DFlash2)
 MEASURED_TEXT_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QWEN3_ASR = "Qwen3ASRForConditionalGeneration"
+# the variants measured in vLLM with a Qwen3-ASR target (docs/SERVING.md: the demo's tiny one and a 1.7B-shaped one)
+MEASURED_QWEN3_ASR_VARIANTS = ("dflash",)
 
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
@@ -118,10 +120,20 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
         where = "a measured pair: dflash_hf's docs/SERVING.md"
         return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({where})."
     if arch == QWEN3_ASR:
+        fields = (
+            "vLLM builds the target only when its `audio_config` carries the fields\n"
+            "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes (dflash-train warns when they are\n"
+            "missing)."
+        )
+        if config.variant in MEASURED_QWEN3_ASR_VARIANTS:
+            where = "a measured pair: dflash_hf's docs/SERVING.md"
+            return (
+                "qwen3_asr",
+                f"{MEASURED_SERVING['qwen3_asr']} serves this draft with its Qwen3-ASR target ({where}).\n{fields}",
+            )
         return None, (
-            "vLLM 0.34 has a Qwen3-ASR model class (its config needs the fields\n"
-            "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes); serving this pair has not been\n"
-            "measured yet, so no command is given here."
+            "vLLM 0.34 serves DFlash drafts of Qwen3-ASR targets, but a DFlash2 draft with one has not been measured\n"
+            f"yet, so no command is given here. {fields}"
         )
     if arch in HIDDEN_STATE_VARIANTS:
         reason = refusal(arch, SimpleNamespace(text_config=SimpleNamespace(model_type=info.target_text_model_type)))

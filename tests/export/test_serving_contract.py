@@ -201,7 +201,6 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "text_type", "says"),
     [
-        ("Qwen3ASRForConditionalGeneration", "qwen3", "has a Qwen3-ASR model class"),
         ("Qwen2AudioForConditionalGeneration", "qwen2", "The dflash_hf plugin registers a hidden-state variant"),
         ("LlamaForCausalLM", None, "No serving engine has been measured with LlamaForCausalLM"),
         ("Qwen2AudioForConditionalGeneration", "llama", "vLLM cannot serve this target: vLLM's Qwen2Audio"),
@@ -219,6 +218,23 @@ def test_model_card_prints_no_command_for_a_pair_without_a_measured_row(architec
     card = build_model_card(config, "me/draft", info)
     assert says in card and "vllm serve" not in card and "sglang" not in card.lower()
     assert serving_commands(config, "me/draft", "org/t", info=info) == {}
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_model_card_prints_the_measured_qwen3_asr_pair_only(variant):
+    config = _context_config(variant)
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"]
+    info = DraftCardInfo(target_id="org/asr", target_architecture="Qwen3ASRForConditionalGeneration")
+    card = build_model_card(config, "me/draft", info)
+    commands = serving_commands(config, "me/draft", "org/asr", info=info)
+    assert "add_vllm_serving_fields" in card and "sglang" not in card.lower()
+    if variant == "dflash":  # measured: the demo's tiny Qwen3-ASR and a 1.7B-shaped one, DFlash drafts
+        assert list(commands) == ["vllm"] and commands["vllm"] in card
+        assert "vLLM 0.34 serves this draft with its Qwen3-ASR target" in card
+    else:
+        assert commands == {} and "vllm serve" not in card and "DFlash2 draft with one has not been measured" in card
 
 
 def test_target_serving_facts_read_the_targets_config():
