@@ -177,6 +177,12 @@ def train(
                 cache.of(chunk),
                 batch["labels"],
             )
+        if not torch.isfinite(loss):  # nothing diverged is saved: the weights would be NaN from here on
+            raise RuntimeError(
+                f"the loss is {loss.item()} at step {step + 1} (clips {', '.join(r['id'] for r in chunk[:4])}, ...): "
+                f"training diverged, nothing was saved. Lower --lr (now {lr}) and --lora_lr, or train in fp32 "
+                "(--precision fp32)"
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
         opt.step()

@@ -310,6 +310,21 @@ def test_max_minutes_stops_training_and_records_it(trained, tmp_path):
     assert recipe["steps"] == 1 and recipe["steps_planned"] == 50 and recipe["lora_rank"] == 0
 
 
+def test_a_diverged_training_saves_nothing(trained, tmp_path, monkeypatch):
+    assembled, _, manifest, _ = trained
+    real, calls = training.supervised_loss, []
+
+    def diverging(*args):
+        calls.append(1)
+        loss = real(*args)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    monkeypatch.setattr(training, "supervised_loss", diverging)
+    with pytest.raises(RuntimeError, match=r"the loss is nan at step 2 .*nothing was saved. Lower --lr"):
+        training.train(assembled, manifest, tmp_path / "t", steps=4, batch_size=2, lora_rank=0, device="cpu")
+    assert not (tmp_path / "t").exists()
+
+
 def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
     from dflash_hf.targets.families.registry import resolve_family
 
