@@ -22,12 +22,18 @@ TOP_LOGPROBS = 2  # log-probabilities vLLM returns per position in the target ch
 
 
 def versions() -> dict[str, str]:
+    """The installed versions of vLLM, torch, transformers and dflash_hf. A dflash_hf imported without being installed
+    (a checkout on the path) reads `<version> (not installed)`: its vLLM plugin's entry point is then absent."""
     out = {}
     for name in ("vllm", "torch", "transformers", "dflash_hf"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = "not installed"
+    if out["dflash_hf"] == "not installed":
+        import dflash_hf
+
+        out["dflash_hf"] = f"{dflash_hf.__version__} (not installed)"
     return out
 
 

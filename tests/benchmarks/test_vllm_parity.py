@@ -49,6 +49,18 @@ def _argv(setup, *extra: str) -> list[str]:
     return ["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
 
 
+def test_versions_say_when_dflash_hf_runs_uninstalled(monkeypatch):
+    import dflash_hf
+
+    real = serving_checks.version
+    monkeypatch.setattr(
+        serving_checks, "version", lambda name: real(name) if name != "dflash_hf" else real("no-such-dist-x")
+    )
+    assert serving_checks.versions()["dflash_hf"] == f"{dflash_hf.__version__} (not installed)"
+    monkeypatch.setattr(serving_checks, "version", lambda name: "9.9" if name == "dflash_hf" else real(name))
+    assert serving_checks.versions()["dflash_hf"] == "9.9"
+
+
 def test_help_needs_no_vllm(capsys, monkeypatch):
     for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:  # imported by earlier tests
         monkeypatch.delitem(sys.modules, name)
