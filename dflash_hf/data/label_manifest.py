@@ -28,6 +28,7 @@ from dflash_hf.data.label_rows import (
     LabelCounts,
     check_manifest,
     check_output,
+    check_rows_fit,
     earlier_lines,
     generated_line,
     partial_path,
@@ -42,7 +43,7 @@ from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.settings.labels import LabelSettings
 from dflash_hf.targets.families.registry import encode_batch
 from dflash_hf.targets.frozen import FrozenTarget
-from dflash_hf.targets.processor import check_model_dir
+from dflash_hf.targets.processor import check_model_dir, label_target_family
 
 logger = logging.getLogger("dflash_hf.generate_labels")
 T = TypeVar("T")
@@ -79,7 +80,8 @@ class LabelJob:
 def check_label_inputs(settings: LabelSettings) -> None:
     """The files `settings` name, before the target loads: the model is an existing directory or a Hub id, the
     manifest a NeMo manifest with a row, the output a new file in an existing directory (`label_rows.check_output`);
-    then the shard numbers one of the parts."""
+    then the shard numbers one of the parts, and the rows are what the target reads (audio rows for an audio target,
+    from its config alone: `label_rows.check_rows_fit`)."""
     check_model_dir(settings.model, "model", "the target")
     if not Path(settings.manifest).is_file():
         raise FileNotFoundError(
@@ -88,6 +90,7 @@ def check_label_inputs(settings: LabelSettings) -> None:
     check_output(settings.manifest, settings.output)
     check_manifest(settings.manifest)
     settings.check_shard()
+    check_rows_fit(settings.manifest, label_target_family(settings.model, settings.family)[1])
 
 
 def encode_prompts(family, processor, config, texts: list[str], audios: list) -> list[dict]:

@@ -42,11 +42,35 @@ def check_output(manifest: str, output: str) -> None:
         raise FileNotFoundError(f"field 'output': the directory of {output!r} does not exist; create it first")
 
 
+def is_text_row(record: dict | None) -> bool:
+    """A text target's row: a ``text`` and no audio (no ``audio_filepath``, not a lhotse cut)."""
+    return record is not None and isinstance(record.get("text"), str) and not {"audio_filepath", "type"} & set(record)
+
+
+def check_rows_fit(manifest: str, family) -> None:
+    """The manifest's rows are what the target reads (from its first row): audio rows for an audio target, rows
+    without audio for a text target (its prompt is the line's ``context``). Checked before the target loads."""
+    record = first_record(manifest)
+    if record is None:
+        return
+    if family.has_audio and is_text_row(record):
+        raise ValueError(
+            f"field 'manifest': the rows of {manifest!r} have no audio (a text target's rows: text, context), but "
+            f"the target is an audio target (family {family.name}): give a NeMo manifest of audio rows "
+            "(audio_filepath, duration, text)"
+        )
+    if not family.has_audio and "audio_filepath" in record:
+        raise ValueError(
+            f"field 'manifest': the rows of {manifest!r} have audio (audio_filepath), but the target is a text target "
+            "(it would label every row from --prompt alone, the audio unread): give rows of text and context, or an "
+            "audio target"
+        )
+
+
 def check_manifest(manifest: str) -> None:
     """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line): audio rows,
     or a text target's rows (a ``text``, a ``context``, no audio; `quality_steps.prompts` writes them)."""
-    record = first_record(manifest)
-    if record is not None and isinstance(record.get("text"), str) and not {"audio_filepath", "type"} & set(record):
+    if is_text_row(first_record(manifest)):
         return
     try:
         kind = detect_kind(manifest)

@@ -10,6 +10,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".builder": ["TargetAndDraft", "build_target_and_draft", "load_frozen_target"],
         ".draft_checks": ["check_draft"],
         ".frozen": ["FrozenTarget", "TargetFeatures", "TargetModel", "load_target"],
-        ".processor": ["check_model_dir", "load_label_target", "load_processor"],
+        ".processor": ["check_model_dir", "label_target_family", "load_label_target", "load_processor"],
     },
 )

@@ -69,6 +69,22 @@ def load_processor(path: str, trust_remote_code: bool = ModelSettings.trust_remo
         return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
+def label_target_family(path: str, family: str | None):
+    """`(config, family row)` of the target at `path` from its config alone (no weights load): the family named by
+    `family`, or the config's own (None)."""
+    from transformers import AutoConfig
+
+    from dflash_hf.targets.families.registry import resolve_family
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"field 'model': {path!r} has no config transformers can read ({e}); give a saved model"
+        ) from None
+    return config, resolve_family(config, family)
+
+
 def load_label_target(path: str, family: str | None, dtype: str, device: str):
     """`(model, processor, family)` of the target at `path` for greedy decoding (`dflash-generate-labels`): the model
     class its config names (a causal LM for a text target) in `dtype` (a torch dtype name) on `device`, in eval mode;
@@ -76,14 +92,12 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
     tokenizer. `family`: the family row name (None: from the config). A checkpoint missing parameters is refused."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
-    from dflash_hf.targets.families.registry import resolve_family
     from dflash_hf.targets.families.whisper_features import with_fast_features
     from dflash_hf.targets.frozen import check_complete
 
-    config = AutoConfig.from_pretrained(path)
-    fam = resolve_family(config, family)
+    config, fam = label_target_family(path, family)
     torch_dtype = getattr(torch, dtype)
     if fam.has_audio:
         processor = with_fast_features(AutoProcessor.from_pretrained(path))  # exact, faster Whisper log-mel
@@ -99,4 +113,11 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
     return model.to(device).eval(), processor, fam
 
 
-__all__ = ["REMOTE_CODE_CONFIGS", "check_model_dir", "check_remote_code", "load_label_target", "load_processor"]
+__all__ = [
+    "REMOTE_CODE_CONFIGS",
+    "check_model_dir",
+    "check_remote_code",
+    "label_target_family",
+    "load_label_target",
+    "load_processor",
+]

@@ -82,6 +82,13 @@ def test_generated_labels_equal_target_greedy_and_resume(tmp_path):
 
 def test_parser_fields(tmp_path):
     (tmp_path / "a.json").write_text('{"audio_filepath": "x.wav", "text": ""}\n')
+    with pytest.raises(ValueError, match="field 'model': .* has no config transformers can read"):
+        make_parser().parse_args_into_dataclasses(
+            ["--model", str(tmp_path), "--manifest", str(tmp_path / "a.json"), "--output", "b"]
+        )
+    tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)[0].config.save_pretrained(
+        tmp_path
+    )
     argv = ["--model", str(tmp_path), "--manifest", str(tmp_path / "a.json"), "--output", "b"]
     (args,) = make_parser().parse_args_into_dataclasses(argv)
     assert args.reference_key == "reference_text" and args.batch_size == 8 and args.dtype == "float32"
@@ -347,6 +354,22 @@ def test_an_empty_manifest_or_a_cuts_file_is_refused_before_the_target_loads(sma
         ValueError, match="field 'manifest': .* is a lhotse cuts file; dflash-generate-labels reads NeMo"
     ):
         _gen(model_dir, cuts, tmp_path / "out.json")
+
+
+def test_rows_the_target_cannot_read_are_refused_before_it_loads(small, tmp_path, monkeypatch):
+    model_dir, manifest = small
+    text_target = tiny.save_tiny_target(tmp_path / "text", kind="text", hidden_size=32, num_layers=2, num_heads=2)
+    text_rows = tmp_path / "prompts.json"
+    text_rows.write_text(json.dumps({"text": "yes", "context": "Say yes."}) + "\n")
+
+    def loaded(*args):
+        raise AssertionError("the target loaded before the rows were checked")
+
+    monkeypatch.setattr("dflash_hf.cli.generate_labels.load_label_target", loaded)
+    with pytest.raises(ValueError, match="field 'manifest': the rows of .* have no audio .* an audio target"):
+        _gen(model_dir, text_rows, tmp_path / "out.json")
+    with pytest.raises(ValueError, match="field 'manifest': the rows of .* have audio .* is a text target"):
+        _gen(text_target, manifest, tmp_path / "out.json")
 
 
 def test_truncated_outputs_are_marked_and_the_summary_counts_them(small, tmp_path, capsys):
