@@ -10,7 +10,7 @@ import torch
 from quality_steps.common import SAMPLING_RATE, write_json
 
 from .data import load_audio
-from .modeling import encode_audio
+from .modeling import encode_audio, save_target
 from .presets import DEFAULT_LLM, LLM_PRESETS, QWEN2_TEXT_MODEL, LlmPreset, chat_template
 
 
@@ -174,9 +174,7 @@ def assemble(
         )
     if check_audio is not None:
         report["tower_vs_whisper_cosine"] = tower_whisper_cosine(model, whisper, processor, check_audio)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    save_target(model, processor, out)
     text_type = config.text_config.model_type
     report.update(
         whisper=str(whisper_dir),

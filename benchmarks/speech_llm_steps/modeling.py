@@ -1,6 +1,8 @@
-"""The speech LLM's forward on cached audio features, its loss, and LoRA on the LLM."""
+"""The speech LLM's forward on cached audio features, its loss, LoRA on the LLM, and its save."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -74,3 +76,16 @@ def merge_lora(model):
     if isinstance(lm, PeftModel):
         model.model.language_model = lm.merge_and_unload()
     return model
+
+
+def save_target(model, processor, out: Path) -> None:
+    """`save_pretrained` the speech LLM and its processor into `out`, with the weight names vLLM's Qwen2-Audio reads
+    whatever transformers wrote (`dflash_hf.serving.checkpoint_layout.rewrite_for_vllm`)."""
+    from dflash_hf.serving.checkpoint_layout import rewrite_for_vllm
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    renamed = rewrite_for_vllm(out)
+    if renamed:
+        print(f"{out}: {renamed} weight names rewritten to the layout vLLM reads")
+    processor.save_pretrained(out)

@@ -13,7 +13,7 @@ import torch
 from quality_steps.common import SAMPLING_RATE, tqdm, write_json
 
 from .data import encode_row, encode_training_batch, load_audio, pad_batch, pad_id_of, read_manifest, render
-from .modeling import add_lora, encode_audio, forward_with_audio, merge_lora, supervised_loss
+from .modeling import add_lora, encode_audio, forward_with_audio, merge_lora, save_target, supervised_loss
 from .presets import INSTRUCTION, resolve_device
 
 PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
@@ -195,9 +195,7 @@ def train(
     train_seconds = time.time() - t0
     merge_lora(model)
     model.requires_grad_(False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").save_pretrained(out)
-    processor.save_pretrained(out)
+    save_target(model.to("cpu"), processor, out)
     recipe = {
         "model": str(model_dir),
         "train_manifest": str(manifest),

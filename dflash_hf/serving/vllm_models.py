@@ -3,9 +3,11 @@
 Each variant is vLLM's own class (its weights, processor and forward unchanged) with `SupportsEagle3` added, as
 vLLM's Qwen3-ASR has it: vLLM then asks the language model for the hidden states at the draft's taps
 (`set_aux_hidden_state_layers`), and the language model's forward returns them beside its last hidden state. Its
-constructor first refuses a target that vLLM's class would build wrongly (`vllm_plugin.check_servable`). A
-variant is built the first time its name is looked up in this module (`vllm_plugin.HIDDEN_STATE_VARIANTS`), so a
-vLLM without one of the base architectures still imports this module.
+constructor first refuses a target that vLLM's class would build wrongly (`vllm_plugin.check_servable`); its
+`load_weights` renames the weights of the layout transformers 5.17 to 5.22 save to the names vLLM's class reads
+(`checkpoint_layout.renamed_weights`) as they stream into vLLM's own `load_weights`. A variant is built the first
+time its name is looked up in this module (`vllm_plugin.HIDDEN_STATE_VARIANTS`), so a vLLM without one of the base
+architectures still imports this module.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib
 
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 
+from dflash_hf.serving.checkpoint_layout import renamed_weights
 from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, check_servable
 
 
@@ -55,8 +58,11 @@ def _variant(name: str) -> type:
                 check_servable(_arch, vllm_config.model_config.hf_config)
                 _base.__init__(self, vllm_config=vllm_config, prefix=prefix)
 
+            def load_weights(self, weights, _arch=arch, _base=base):
+                return _base.load_weights(self, renamed_weights(_arch, weights))
+
             doc = f"vLLM's `{arch}` with `SupportsEagle3`, so DFlash drafts serve with it (dflash_hf)."
-            attrs = {"__module__": __name__, "__doc__": doc, "__init__": __init__}
+            attrs = {"__module__": __name__, "__doc__": doc, "__init__": __init__, "load_weights": load_weights}
             return type(name, (base, HiddenStatesForDFlash), attrs)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

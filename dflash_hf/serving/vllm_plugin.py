@@ -12,7 +12,8 @@ vLLM's class of each family builds one fixed text model whatever the target's co
 checkpoint layout (`refusal` says what each needs). A target it would build wrongly is refused by name with a
 one-line reason, never served silently: `register` also adds a check of the target's config to vLLM's per-architecture
 config hooks (run when vLLM reads the config, before any weight loads), and the variants check it again when vLLM
-builds them.
+builds them. The variants also rename, as the weights load, the language model's names in the layout transformers
+5.17 to 5.22 save (`checkpoint_layout`), which vLLM's classes do not read.
 
 Importing this module does not import vLLM; `register` does (vLLM calls it in each of its processes), and the
 variants are imported only when vLLM builds one.

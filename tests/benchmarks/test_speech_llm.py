@@ -103,6 +103,23 @@ def test_assembled_tower_is_the_whisper_encoder(parts, trained):
             assert torch.equal(tower[name], tensor), name
 
 
+def test_the_saved_targets_hold_the_weight_names_vllm_reads(parts, trained):
+    """Whatever layout the installed transformers saves (5.17 to 5.22 double the language model's prefix), assembly
+    and training leave the names vLLM's Qwen2-Audio reads: the text model's own under `language_model.`."""
+    from safetensors import safe_open
+
+    from dflash_hf.serving.checkpoint_layout import rewrite_for_vllm
+
+    llm = tf.AutoModelForCausalLM.from_pretrained(parts[0] / "llm")
+    want = {f"language_model.{name}" for name in llm.state_dict()}
+    for path in trained[:2]:
+        with safe_open(path / "model.safetensors", "pt") as f:
+            names = set(f.keys())
+        assert {name for name in names if name.startswith("language_model.")} <= want
+        assert {name for name in want if name.startswith("language_model.model.")} <= names
+        assert rewrite_for_vllm(path) == 0  # nothing left to rename
+
+
 def test_the_llm_decides_whether_vllm_can_serve_the_assembled_target(parts, trained, tmp_path):
     root, _, tok, _ = parts
     llama = json.loads((trained[0] / "assembled.json").read_text())

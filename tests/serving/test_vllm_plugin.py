@@ -205,6 +205,10 @@ class _Qwen2Audio(nn.Module):
     def get_language_model(self):
         return self.language_model
 
+    def load_weights(self, weights):  # vLLM's: the names as they stream in, loaded by module name
+        self.loaded = [name for name, _ in weights]
+        return set(self.loaded)
+
 
 def _vllm_config(decoder: nn.Module, text_type: str = "qwen2"):
     model_config = types.SimpleNamespace(hf_config=_qwen2_audio_config(text_type))
@@ -244,6 +248,20 @@ def test_variant_is_vllms_class_with_the_hidden_state_interface(stand_in_vllm):
         stand_in_vllm.NoSuchWithHiddenStates  # noqa: B018
     with pytest.raises(ValueError, match="dflash_hf: .* this target's text model is 'llama'"):
         cls(vllm_config=_vllm_config(_Decoder(num_layers=4), text_type="llama"))
+
+
+def test_variant_loads_the_layout_transformers_5_17_to_5_22_save_under_vllms_names(stand_in_vllm):
+    model = stand_in_vllm.Qwen2AudioForConditionalGenerationWithHiddenStates(vllm_config=_vllm_config(_Decoder(2)))
+    saved = ["language_model.model.model.layers.0.mlp.up_proj.weight", "language_model.lm_head.weight"]
+    saved += ["language_model.model.model.embed_tokens.weight", "audio_tower.conv1.weight"]
+    loaded = model.load_weights((name, torch.zeros(1)) for name in saved)
+    assert model.loaded == [
+        "language_model.model.layers.0.mlp.up_proj.weight",
+        "language_model.lm_head.weight",
+        "language_model.model.embed_tokens.weight",
+        "audio_tower.conv1.weight",
+    ]
+    assert loaded == set(model.loaded)
 
 
 def test_variant_refuses_a_decoder_that_does_not_collect_hidden_states(stand_in_vllm):
