@@ -156,10 +156,11 @@ def _fsync(path: Path) -> None:
 def rewrite_for_vllm(folder: str | os.PathLike) -> int:
     """Rename, in place, the weights of the checkpoint `save_pretrained` wrote in `folder` (`model.safetensors`, or
     the shards of `model.safetensors.index.json` and the index) to the names vLLM's class for its architecture reads
-    (`SAVED_TO_VLLM`). Every changed file is written beside the old one first, then each replaces it in one step, so a
-    failure while writing leaves the checkpoint as it was. Returns how many names were renamed (0: the folder already
-    has vLLM's layout and is left untouched). Raises when the folder holds no safetensors checkpoint, when its
-    architecture has no renaming, or when a new name would collide with a name already there."""
+    (`SAVED_TO_VLLM`). Every changed file is written beside the old one first, then each replaces it in one step (the
+    index last), so a failure while writing leaves the checkpoint as it was; the replacements are atomic per file
+    only, so a kill between those of two shards leaves shards of both layouts. Returns how many names were renamed
+    (0: the folder already has vLLM's layout and is left untouched). Raises when the folder holds no safetensors
+    checkpoint, when its architecture has no renaming, or when a new name would collide with a name already there."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
