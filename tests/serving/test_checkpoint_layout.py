@@ -163,11 +163,11 @@ def test_the_rewrite_gives_vllms_names_and_transformers_the_same_weights(shard, 
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
-def _saved_tiny(folder, doubled: bool = True):
+def _saved_tiny(folder):
+    """A tiny Qwen2-Audio saved into `folder` in the layout transformers 5.17 to 5.22 save."""
     model = _tiny(QWEN2_AUDIO)
     model.save_pretrained(folder)
-    if doubled:
-        _double_on_disk(folder)
+    _double_on_disk(folder)
     return model
 
 
