@@ -87,6 +87,7 @@ MEASURED_TEXT_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QWEN3_ASR = "Qwen3ASRForConditionalGeneration"
 # the variants measured in vLLM with a Qwen3-ASR target (docs/SERVING.md: the demo's tiny one and a 1.7B-shaped one)
 MEASURED_QWEN3_ASR_VARIANTS = ("dflash",)
+_MEASURED_WHERE = "a measured pair: dflash_hf's docs/SERVING.md"  # where the card says a measured pair is
 
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
@@ -117,8 +118,7 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
     if arch is None:
         return None, "The target's architecture was not given, so this card names no engine that serves the draft."
     if arch in MEASURED_TEXT_ARCHITECTURES:
-        where = "a measured pair: dflash_hf's docs/SERVING.md"
-        return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({where})."
+        return "text", f"{MEASURED_SERVING['text']} serves this draft with its text target ({_MEASURED_WHERE})."
     if arch == QWEN3_ASR:
         fields = (
             "vLLM builds the target only when its `audio_config` carries the fields\n"
@@ -126,11 +126,8 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
             "missing)."
         )
         if config.variant in MEASURED_QWEN3_ASR_VARIANTS:
-            where = "a measured pair: dflash_hf's docs/SERVING.md"
-            return (
-                "qwen3_asr",
-                f"{MEASURED_SERVING['qwen3_asr']} serves this draft with its Qwen3-ASR target ({where}).\n{fields}",
-            )
+            served = f"{MEASURED_SERVING['qwen3_asr']} serves this draft with its Qwen3-ASR target ({_MEASURED_WHERE})."
+            return "qwen3_asr", f"{served}\n{fields}"
         return None, (
             "vLLM 0.34 serves DFlash drafts of Qwen3-ASR targets, but a DFlash2 draft with one has not been measured\n"
             f"yet, so no command is given here. {fields}"
