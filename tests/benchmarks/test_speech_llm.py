@@ -120,6 +120,38 @@ def test_the_saved_targets_hold_the_weight_names_vllm_reads(parts, trained):
         assert rewrite_for_vllm(path) == 0  # nothing left to rename
 
 
+def test_save_target_rewrites_the_doubled_layout(trained, tmp_path, monkeypatch, capsys):
+    """The layout transformers 5.17 to 5.22 save (the language model's prefix doubled), made here whatever the installed
+    transformers saves: `save_target` leaves the names vLLM's Qwen2-Audio reads, those of the fixture's targets."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from dflash_hf.serving.checkpoint_layout import DOUBLED_PREFIX, VLLM_PREFIX
+
+    assembled = trained[0]
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled)
+    processor = tf.AutoProcessor.from_pretrained(assembled)
+    real_save = type(model).save_pretrained
+
+    def doubled(name: str) -> str:
+        plain = name.startswith(VLLM_PREFIX) and not name.startswith(DOUBLED_PREFIX)
+        return DOUBLED_PREFIX + name[len(VLLM_PREFIX) :] if plain else name
+
+    def doubled_save(self, out, **kwargs):
+        real_save(self, out, **kwargs)
+        file = out / "model.safetensors"
+        save_file({doubled(k): v for k, v in load_file(file).items()}, file, {"format": "pt"})
+
+    monkeypatch.setattr(type(model), "save_pretrained", doubled_save)
+    modeling.save_target(model, processor, tmp_path / "t")
+    assert "weight names rewritten to the layout vLLM reads" in capsys.readouterr().out
+    with safe_open(assembled / "model.safetensors", "pt") as f:
+        want = set(f.keys())
+    with safe_open(tmp_path / "t" / "model.safetensors", "pt") as f:
+        assert set(f.keys()) == want
+    assert not any(name.startswith(DOUBLED_PREFIX) for name in want)
+
+
 def test_the_llm_decides_whether_vllm_can_serve_the_assembled_target(parts, trained, tmp_path):
     root, _, tok, _ = parts
     llama = json.loads((trained[0] / "assembled.json").read_text())
