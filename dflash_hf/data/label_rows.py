@@ -215,6 +215,7 @@ __all__ = [
     "LabelCounts",
     "check_manifest",
     "check_output",
+    "check_rows_fit",
     "earlier_lines",
     "generated_line",
     "partial_path",
