@@ -34,18 +34,22 @@ class ConfigFileError(DFlashUserError):
 
 class EnvironmentFault(Exception):
     """The run's environment stopped it: not a setting to change, not a bug. `what` says what happened and what to
-    do about it; `checkpoint` is the last complete checkpoint (`saved`: written just now, at the step where the run
-    stopped; None: none yet); `resume_command` is the command that resumes (set by the console script, which knows
-    its command line)."""
+    do about it; `checkpoint` is the last complete checkpoint (`saved`: of the step where the run stopped; `ended`:
+    of the step at which training ended, so a resume from it trains no step and goes to the final evaluation and
+    the export; None: none yet); `resume_command` is the command that resumes (set by the console script, which
+    knows its command line)."""
 
-    def __init__(self, what: str, *, checkpoint: str | None = None, saved: bool = False):
+    def __init__(self, what: str, *, checkpoint: str | None = None, saved: bool = False, ended: bool = False):
         super().__init__(what)
-        self.what, self.checkpoint, self.saved = what, checkpoint, saved
+        self.what, self.checkpoint, self.saved, self.ended = what, checkpoint, saved, ended
         self.resume_command: str | None = None
 
     def __str__(self) -> str:
         if self.checkpoint is None:
             where, how = "No complete checkpoint was saved yet", "start the run again"
+        elif self.ended:
+            where = f"Training had ended and its last step is the complete checkpoint {self.checkpoint}"
+            how = "resume from it (no step is trained again: the final evaluation and the export run)"
         elif self.saved:
             where = f"A complete checkpoint was saved where the run stopped: {self.checkpoint}"
             how = "resume from it"

@@ -419,6 +419,19 @@ def assert_replays_match_eager(
             assert torch.equal(got.encoder_hidden, ref.encoder_hidden)
 
 
+def dflash_train_in_process(argv: list[str]) -> dict:
+    """`dflash-train ARGV` in the test process (one process start less than a subprocess), on one thread as the
+    subprocesses of the fault tests run; its final metrics."""
+    from dflash_hf.cli.train import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_bitwise_equal(a: dict, b: dict) -> None:
     """Two name -> tensor dicts (draft weights) with the same names and bit-identical tensors."""
     assert a.keys() == b.keys()

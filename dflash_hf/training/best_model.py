@@ -86,13 +86,13 @@ class ResumableEarlyStopping(EarlyStoppingCallback):
     """transformers' `EarlyStoppingCallback` whose count of evaluations without improvement resumes from the
     checkpoint (transformers restores callback states only with `restore_callback_states_from_checkpoint`), so a
     resumed run stops at the step the uninterrupted one would. Resumed from the checkpoint at which it stopped, a
-    run takes one more optimizer step (transformers checks the stop after a step) and stops."""
+    run trains no step (`training_end.training_ended`)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        saved = state.stateful_callbacks.get(type(self).__name__) if state.global_step > 0 else None
-        if isinstance(saved, dict):  # the checkpoint's trainer_state.json
-            self.early_stopping_patience_counter = saved["attributes"]["early_stopping_patience_counter"]
+        counter = early_stopping_counter(state) if state.global_step > 0 else None
+        if counter is not None:  # the checkpoint's trainer_state.json
+            self.early_stopping_patience_counter = counter
             if self.early_stopping_patience_counter >= self.early_stopping_patience:
                 control.should_training_stop = True
 
@@ -102,6 +102,13 @@ class ResumableEarlyStopping(EarlyStoppingCallback):
         name = args.metric_for_best_model
         if (name if name.startswith("eval_") else f"eval_{name}") in metrics:
             super().on_evaluate(args, state, control, metrics, **kwargs)
+
+
+def early_stopping_counter(state) -> int | None:
+    """The evaluations without improvement that the early stopping of `state` (a checkpoint's `TrainerState`) had
+    counted when it was saved; None without early stopping."""
+    saved = state.stateful_callbacks.get(ResumableEarlyStopping.__name__)
+    return saved["attributes"]["early_stopping_patience_counter"] if isinstance(saved, dict) else None
 
 
 def add_early_stopping(trainer, args) -> None:
@@ -116,6 +123,7 @@ __all__ = [
     "ResumableEarlyStopping",
     "add_early_stopping",
     "check_best_model_args",
+    "early_stopping_counter",
     "eval_prefixes",
     "selectable_metrics",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from dflash_hf.errors import EnvironmentFault
-from dflash_hf.export.run_record import RUN_RECORD
+from dflash_hf.export.run_record import RUN_RECORD, write_record
 
 logger = logging.getLogger("dflash_hf")
 
@@ -245,6 +245,21 @@ def save_data_state(checkpoint: str | Path, rank: int, state: dict) -> None:
     (path / DATA_STATE.format(rank=rank)).write_text(json.dumps(state))
 
 
+def complete_checkpoint(trainer, folder: Path) -> None:
+    """Complete `trainer`'s save of `folder`: each rank's data position, then, once every rank is done, the run record
+    and the completeness marker (rank 0); `trainer.finite_guard.last_checkpoint` names it from then on."""
+    args = trainer.args
+    if trainer.train_position is not None:
+        state = trainer.train_position.state_dict() | {"world_size": args.world_size}
+        save_data_state(folder, args.process_index, state)
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        if trainer.run_record is not None:
+            write_record(folder, trainer.run_record, global_step=trainer.state.global_step)
+        mark_complete(folder, trainer.state.global_step)
+    trainer.finite_guard.last_checkpoint = str(folder)
+
+
 def load_data_state(checkpoint: str | Path, rank: int, world_size: int) -> dict:
     """This rank's data position from `checkpoint`; refused when it was written with another number of ranks
     (each rank's stream is a different shard, so positions do not carry over)."""
@@ -278,7 +293,7 @@ class DiskFullError(OSError, EnvironmentFault):
 
     def __init__(self, what: str, checkpoint: str | None = None):
         OSError.__init__(self, errno.ENOSPC, what)
-        self.what, self.checkpoint, self.saved, self.resume_command = what, checkpoint, False, None
+        self.what, self.checkpoint, self.saved, self.ended, self.resume_command = what, checkpoint, False, False, None
 
     __str__ = EnvironmentFault.__str__
 

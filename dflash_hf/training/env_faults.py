@@ -6,7 +6,9 @@ and the command that resumes. Where the run's state allows it (one process; the 
 before the optimizer update or after the step ended), a complete checkpoint is saved first at the step boundary, as a
 stop signal does, so nothing is lost beyond the current step. After the loop (the best checkpoint loaded by
 `load_best_model_at_end`, the final evaluation, the export) the weights need not be the last step's: a fault there
-only names the last complete checkpoint. :class:`StepFaults` knows where in the step the run is:
+only names the last complete checkpoint, which is the last step's (`training_end.save_last_step`) unless
+`save_strategy` is no; a resume from it trains no step where training had ended (`EnvironmentFault.ended`).
+:class:`StepFaults` knows where in the step the run is:
 
 - *step*: from the fetch of the step's micro-batches to the optimizer update. Weights and optimizer are those of the
   step boundary; the data position is restored to the one taken when the step began, the gradients are dropped.
@@ -31,6 +33,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -45,6 +48,7 @@ from dflash_hf.training.checkpoints import (
     is_full_disk,
     last_complete_checkpoint,
 )
+from dflash_hf.training.training_end import resume_trains_no_step
 
 logger = logging.getLogger("dflash_hf")
 
@@ -189,7 +193,7 @@ class StepFaults:
         except EnvironmentFault as err:
             self._release_worker_signals(replay=False)
             if err.checkpoint is None:
-                err.checkpoint = self.last_checkpoint()
+                self._name_checkpoint(err)
             raise
         except Exception as err:  # noqa: BLE001 - what is not an environment fault is raised as it is
             self._release_worker_signals(replay=False)
@@ -230,7 +234,7 @@ class StepFaults:
         inside the training loop (`in_loop`): after it the weights may be the best checkpoint's, not the step's."""
         trainer = self.trainer
         if not self.in_loop or isinstance(fault, DiskFullError) or self.phase == UPDATE or trainer.args.world_size > 1:
-            fault.checkpoint = self.last_checkpoint()
+            self._name_checkpoint(fault)
             return
         step = trainer.state.global_step
         folder = checkpoint_dir(trainer._get_output_dir(trial=None), step)
@@ -247,6 +251,17 @@ class StepFaults:
             fault.checkpoint = self.last_checkpoint()
             return
         fault.checkpoint, fault.saved = str(folder), True
+
+    def _name_checkpoint(self, fault: EnvironmentFault) -> None:
+        """The last complete checkpoint; outside the training loop, one of the run's present step is `saved` where
+        the run stopped, and `ended` when a resume from it trains no step (training ended at it)."""
+        fault.checkpoint = self.last_checkpoint()
+        state = self.trainer.state
+        present = checkpoint_dir(".", state.global_step).name
+        if self.in_loop or fault.checkpoint is None or Path(fault.checkpoint).name != present:
+            return
+        patience = self.trainer.args.early_stopping_patience
+        fault.saved, fault.ended = True, resume_trains_no_step(fault.checkpoint, state.max_steps, patience)
 
     def last_checkpoint(self) -> str | None:
         """The run's last complete checkpoint (None: none yet)."""

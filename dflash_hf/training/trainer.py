@@ -17,7 +17,7 @@ from transformers import Trainer
 from transformers.trainer_utils import has_length
 
 from dflash_hf.data.epochs import EpochStream, ReplayedEpochs, ResumableEpochs, trainer_skips_nothing
-from dflash_hf.export.run_record import target_identity, write_record
+from dflash_hf.export.run_record import target_identity
 from dflash_hf.models.configuration_dflash import DFlashConfig
 from dflash_hf.objective.dflash_objective import BlockPlan, DFlashObjective, stable_seed, summed_denominator
 from dflash_hf.objective.losses import MetricSums
@@ -31,22 +31,17 @@ from dflash_hf.training.assembly import (
     target_and_draft,
 )
 from dflash_hf.training.callbacks import add_dflash_callbacks
-from dflash_hf.training.checkpoints import (
-    checkpoint_dir,
-    complete_only_save,
-    load_data_state,
-    mark_complete,
-    save_data_state,
-)
+from dflash_hf.training.checkpoints import checkpoint_dir, complete_checkpoint, complete_only_save, load_data_state
 from dflash_hf.training.distributed import accelerator_uses_fsdp2, shard_frozen_target_layers
 from dflash_hf.training.draft_export import export_trained_draft
 from dflash_hf.training.env_faults import StepFaults
 from dflash_hf.training.estimates import with_real_tau
 from dflash_hf.training.launch import no_hf_progress_bars
-from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, logged_eval_metrics, train_log_entries
+from dflash_hf.training.reporting import HostTimes, TrainClock, eval_set_metrics, train_log_entries
 from dflash_hf.training.run_start import start_run
 from dflash_hf.training.step_guards import FiniteStepGuard, StopSignals
 from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
+from dflash_hf.training.training_end import final_eval_metrics, resumed_ended, save_last_step, untrained_summary
 
 
 class DFlashTrainer(Trainer):
@@ -163,6 +158,17 @@ class DFlashTrainer(Trainer):
             raise self.stop_signals.after_training(self.args.output_dir, self.state.global_step, save, self.step_faults)
         return result
 
+    def _init_training_state(self, max_steps, per_epoch, num_epochs, resume_from_checkpoint, *args):
+        """A resumed checkpoint at which training ended (`training_end.training_ended`) runs no epoch: no step."""
+        trained = super()._init_training_state(max_steps, per_epoch, num_epochs, resume_from_checkpoint, *args)
+        self.trains_no_step = resumed_ended(self, max_steps, resume_from_checkpoint)
+        return (num_epochs, 0) if self.trains_no_step else trained
+
+    def _finalize_training(self, trial, *args, **kwargs):
+        """The last step's checkpoint (`training_end.save_last_step`), before a best checkpoint may be loaded."""
+        save_last_step(self, trial)
+        return super()._finalize_training(trial, *args, **kwargs)
+
     def _load_best_model(self) -> None:
         """`load_best_model_at_end`: from here the weights are the best checkpoint's, not the last step's; a fault
         or stop signal no longer saves a checkpoint at the last step (`StepFaults.in_loop`)."""
@@ -191,19 +197,10 @@ class DFlashTrainer(Trainer):
             self._complete_checkpoint(folder)
 
     def _complete_checkpoint(self, folder: Path) -> None:
-        """Each rank's data position, then, once every rank is done, the completeness marker (once per save)."""
-        if self._checkpoint_completed:
-            return
-        self._checkpoint_completed = True
-        if self.train_position is not None:
-            state = self.train_position.state_dict() | {"world_size": self.args.world_size}
-            save_data_state(folder, self.args.process_index, state)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            if self.run_record is not None:
-                write_record(folder, self.run_record, global_step=self.state.global_step)
-            mark_complete(folder, self.state.global_step)
-        self.finite_guard.last_checkpoint = str(folder)
+        """Each rank's data position, then the completeness marker (`checkpoints.complete_checkpoint`), once a save."""
+        if not self._checkpoint_completed:
+            self._checkpoint_completed = True
+            complete_checkpoint(self, folder)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """`hub_strategy` checkpoint pushes happen inside the save: complete the checkpoint first, so that the
@@ -217,14 +214,8 @@ class DFlashTrainer(Trainer):
             return export_trained_draft(self, export_dir or self.args.resolved_export_dir)
 
     def final_eval_metrics(self) -> dict[str, float]:
-        """Validation metrics of the trained draft: those of the evaluation the Trainer already ran at the last
-        step (when `eval_steps` divides `max_steps`), else a new evaluation. A best checkpoint loaded at the end
-        (`load_best_model_at_end`) is another draft, so it is evaluated anew."""
-        step = self.state.global_step
-        best_loaded = self.args.load_best_model_at_end and self.state.best_global_step not in (None, step)
-        done = logged_eval_metrics(self.state.log_history, step)
-        with self.step_faults.handled():  # a fault in this evaluation ends as one in training does
-            return done if done and not best_loaded else self.evaluate()
+        """Validation metrics of the trained draft (`training_end.final_eval_metrics`)."""
+        return final_eval_metrics(self)
 
     # --- The objective: plans before the step, the loss of each micro-batch with its plan
     @property
@@ -315,6 +306,7 @@ class DFlashTrainer(Trainer):
             logs.update(self.host_times.entries())
             self.train_sums = MetricSums()
         logs.update(self.train_clock.entries())
+        untrained_summary(self, logs)
         super().log(logs, start_time)
 
     @torch.no_grad()

@@ -205,8 +205,12 @@ def test_full_disk_while_exporting_names_the_export_directory_and_the_last_check
     monkeypatch.setattr(draft_export, "export_draft", full)
     with pytest.raises(DiskFullError, match=r"while writing .*draft .*set export_dir on a larger disk") as e:
         trainer.export_draft()
-    assert e.value.errno == errno.ENOSPC and e.value.checkpoint == str(tmp_path / "out" / "checkpoint-2")
-    assert "The unfinished export is never used. The last complete checkpoint is" in str(e.value)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert e.value.errno == errno.ENOSPC and e.value.checkpoint == str(checkpoint) and e.value.ended
+    assert (
+        f"The unfinished export is never used. Training had ended and its last step is the complete checkpoint "
+        f"{checkpoint}; resume from it (no step is trained again: the final evaluation and the export run)"
+    ) in str(e.value)
 
 
 def test_a_fault_is_one_line_and_status_75_and_its_traceback_only_with_dflash_debug(monkeypatch, capsys):
@@ -272,12 +276,15 @@ def _best_loaded_trainer(tmp_path) -> DFlashTrainer:
     return DFlashTrainer(args=args, target=model, train_dataset=data, eval_dataset=data, data_collator=collate)
 
 
-def test_a_fault_after_the_best_checkpoint_was_loaded_saves_nothing_and_names_the_last_checkpoint(tmp_path):
-    """Out of memory in the final evaluation, the best step's weights loaded: a checkpoint at the last step would hold
-    them with that step's optimizer and step count. Nothing is saved; the last complete checkpoint is named."""
+def test_a_fault_after_the_best_checkpoint_was_loaded_names_the_last_steps_checkpoint(tmp_path):
+    """Out of memory in the final evaluation, the best step's weights loaded: nothing is saved then (a checkpoint now
+    would hold them with the last step's optimizer and step count). The last step was saved before the best
+    checkpoint was loaded; a resume from it trains no step and loads the best checkpoint again."""
     trainer = _best_loaded_trainer(tmp_path)
     trainer.train()
     assert (trainer.state.best_global_step, trainer.state.global_step) == (1, 4)
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-4"]
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
@@ -285,14 +292,18 @@ def test_a_fault_after_the_best_checkpoint_was_loaded_saves_nothing_and_names_th
     trainer.evaluate = out_of_memory
     with pytest.raises(EnvironmentFault) as info:
         trainer.final_eval_metrics()
-    out = tmp_path / "out"
-    assert not info.value.saved and info.value.checkpoint == str(out / "checkpoint-1")
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert info.value.ended and info.value.checkpoint == str(out / "checkpoint-4")
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-4"]
+
+    resumed = _best_loaded_trainer(tmp_path)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.trains_no_step and resumed.state.global_step == 4
+    assert_bitwise_equal(trainer_weights(trainer), trainer_weights(resumed))  # the best checkpoint's draft
 
 
-def test_a_stop_signal_after_the_best_checkpoint_was_loaded_names_the_last_checkpoint(tmp_path):
-    """SIGTERM during the end of training, after `load_best_model_at_end` loaded step 1: no checkpoint-4 of step 1's
-    weights is written; the message names checkpoint-1."""
+def test_a_stop_signal_after_the_best_checkpoint_was_loaded_names_the_last_steps_checkpoint(tmp_path):
+    """SIGTERM during the end of training, after `load_best_model_at_end` loaded step 1: no checkpoint of step 1's
+    weights is written at step 4; the message names checkpoint-4, saved before the best checkpoint was loaded."""
     from transformers import TrainerCallback
 
     from dflash_hf.training.step_guards import TrainingInterrupted
@@ -304,8 +315,6 @@ def test_a_stop_signal_after_the_best_checkpoint_was_loaded_names_the_last_check
             trainer.stop_signals.signum = signal.SIGTERM  # as its handler records it
 
     trainer.add_callback(SignalAtEnd())
-    with pytest.raises(
-        TrainingInterrupted, match=r"none saved at this step .* the last complete one is .*checkpoint-1"
-    ):
+    with pytest.raises(TrainingInterrupted, match=r"stopped at optimizer step 4, saved .*checkpoint-4;"):
         trainer.train()
-    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-4"]

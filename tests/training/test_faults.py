@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when this file runs as a script
-from utils import assert_bitwise_equal  # noqa: E402
+from utils import assert_bitwise_equal, dflash_train_in_process  # noqa: E402
 
 HERE = Path(__file__).resolve()
 KILL_ENV = "DFLASH_TEST_KILL"
@@ -119,16 +119,8 @@ def _link_assets(assets: Path, root: Path) -> Path:
 
 
 def uninterrupted_dflash_train(root: Path, *extra: str) -> None:
-    """The reference run: the same `dflash-train` in this process (one process start less), one thread as in
-    the subprocesses."""
-    from dflash_hf.cli.train import run
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run(cli_args(root) + list(extra))
-    finally:
-        torch.set_num_threads(threads)
+    """The reference run: the same `dflash-train` in this process, one thread as in the subprocesses."""
+    dflash_train_in_process(cli_args(root) + list(extra))
 
 
 @pytest.mark.slow  # five dflash-train runs: 30-60 s on 2 cores

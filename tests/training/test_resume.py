@@ -252,16 +252,16 @@ def _text_trainer(tmp_path, **kw) -> DFlashTrainer:
 
 def test_interrupted_save_keeps_the_previous_checkpoint_despite_rotation(tmp_path, monkeypatch):
     """A save that dies before its marker leaves the older checkpoint in place (rotation waits for the marker)."""
-    import dflash_hf.training.trainer as trainer_module
+    import dflash_hf.training.checkpoints as checkpoints
 
-    real = trainer_module.mark_complete
+    real = checkpoints.mark_complete
 
     def dies_at_step_2(folder, step):
         if step == 2:
             raise KeyboardInterrupt("killed before the marker")
         real(folder, step)
 
-    monkeypatch.setattr(trainer_module, "mark_complete", dies_at_step_2)
+    monkeypatch.setattr(checkpoints, "mark_complete", dies_at_step_2)
     trainer = _text_trainer(tmp_path, max_steps=2, save_total_limit=1)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
