@@ -109,8 +109,9 @@ def _architecture(folder: Path) -> str:
     return archs[0]
 
 
-def _checkpoint_names(folder: Path) -> tuple[dict[str, list[str]], dict | None]:
-    """File name -> the weight names it holds, and the index (None for a single file)."""
+def _checkpoint_names(folder: Path, arch: str) -> tuple[dict[str, list[str]], dict | None]:
+    """File name -> the weight names it holds, and the index (None for a single file). A shard may hold the index's
+    names already renamed for vLLM (a rewrite stopped between two shards' replacements: the next one finishes it)."""
     single, index = folder / SINGLE_FILE, folder / INDEX_FILE
     if single.is_file() and index.is_file():
         raise ValueError(
@@ -133,8 +134,10 @@ def _checkpoint_names(folder: Path) -> tuple[dict[str, list[str]], dict | None]:
         if not (folder / file).is_file():
             raise FileNotFoundError(f"dflash_hf: {index} names {file}, which {folder} lacks")
         with safe_open(folder / file, "pt") as f:
-            if set(f.keys()) != set(names):
-                raise ValueError(f"dflash_hf: {file} does not hold the weights {index} maps to it")
+            held = list(f.keys())
+        if set(held) not in (set(names), {vllm_name(arch, name) for name in names}):
+            raise ValueError(f"dflash_hf: {file} does not hold the weights {index} maps to it")
+        files[file] = held
     return files, index_data
 
 
@@ -158,16 +161,18 @@ def rewrite_for_vllm(folder: str | os.PathLike) -> int:
     the shards of `model.safetensors.index.json` and the index) to the names vLLM's class for its architecture reads
     (`SAVED_TO_VLLM`). Every changed file is written beside the old one first, then each replaces it in one step (the
     index last), so a failure while writing leaves the checkpoint as it was; the replacements are atomic per file
-    only, so a kill between those of two shards leaves shards of both layouts. Returns how many names were renamed
-    (0: the folder already has vLLM's layout and is left untouched). Raises when the folder holds no safetensors
+    only: a kill between those of two shards leaves shards of both layouts under the old index, and the next call
+    finishes the rewrite. Returns how many names were renamed (0: the folder already has vLLM's layout and is left
+    untouched). Raises when the folder holds no safetensors
     checkpoint, when its architecture has no renaming, or when a new name would collide with a name already there."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     arch = _architecture(folder)
-    files, index = _checkpoint_names(folder)
+    files, index = _checkpoint_names(folder, arch)
     renames = rename_map(arch, [name for names in files.values() for name in names])
-    if not renames:
+    index_map = None if index is None else {vllm_name(arch, k): v for k, v in index["weight_map"].items()}
+    if not renames and (index is None or index_map == index["weight_map"]):
         return 0
     staged: list[tuple[Path, Path]] = []  # (written, the file it replaces)
     try:
@@ -180,7 +185,7 @@ def rewrite_for_vllm(folder: str | os.PathLike) -> int:
                 save_file(tensors, staged[-1][0], metadata=f.metadata())
             _fsync(staged[-1][0])
         if index is not None:
-            index = {**index, "weight_map": {renames.get(k, k): v for k, v in index["weight_map"].items()}}
+            index = {**index, "weight_map": index_map}
             staged.append((_temporary(folder, INDEX_FILE), folder / INDEX_FILE))
             staged[-1][0].write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             _fsync(staged[-1][0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import sys
 
 import pytest
@@ -217,6 +218,32 @@ def test_a_failed_write_leaves_the_checkpoint_as_it_was(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         checkpoint_layout.rewrite_for_vllm(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # and no temporary file left
+
+
+@pytest.mark.parametrize("stop_after", [1, 2, 3])  # replacements done before the kill (the index is the last)
+def test_a_rewrite_killed_between_replacements_is_finished_by_the_next(stop_after, tmp_path, monkeypatch):
+    model = _tiny(QWEN2_AUDIO)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    _double_on_disk(tmp_path)
+    doubled = _names(tmp_path)
+    real, done = os.replace, []
+
+    def killed(src, dst):
+        if len(done) == stop_after:
+            raise KeyboardInterrupt("killed")
+        done.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_layout.rewrite_for_vllm(tmp_path)
+    monkeypatch.setattr(os, "replace", real)
+    assert checkpoint_layout.rewrite_for_vllm(tmp_path) > 0
+    names = _names(tmp_path)
+    assert names == {checkpoint_layout.vllm_name(QWEN2_AUDIO, n) for n in doubled}
+    assert set(json.loads((tmp_path / checkpoint_layout.INDEX_FILE).read_text())["weight_map"]) == names
+    _assert_same_weights(model, tmp_path)
+    assert checkpoint_layout.rewrite_for_vllm(tmp_path) == 0
 
 
 # --- Against the real vLLM, where it is importable ------------------------------------------------------------------
