@@ -23,6 +23,7 @@ from dflash_hf.export.drafts import WEIGHTS_INDEX_NAME, load_draft_strict, weigh
 from dflash_hf.export.training_record import TRAINING_RECORD_FILE
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
 from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, refusal
+from dflash_hf.targets.families.qwen3_asr import missing_vllm_serving_fields
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class DraftCardInfo:
             (`serving_status`); None: the card names no engine.
         target_text_model_type: the `model_type` of the target's text model (`text_config`), for the audio LLMs
             whose vLLM class builds one fixed text model.
+        target_vllm_fields_missing: the audio-config fields vLLM's Qwen3-ASR reads that the target's config lacks
+            (`qwen3_asr.missing_vllm_serving_fields`): vLLM cannot build such a target, so the card gives no command.
     """
 
     target_id: str
@@ -57,6 +60,7 @@ class DraftCardInfo:
     license: str | None = None
     target_architecture: str | None = None
     target_text_model_type: str | None = None
+    target_vllm_fields_missing: tuple[str, ...] = ()
 
     def validate(self, block_size: int) -> None:
         if not self.target_id:
@@ -106,6 +110,7 @@ def target_serving_facts(target_config) -> dict[str, str | None]:
     return {
         "target_architecture": (field(target_config, "architectures") or [None])[0],
         "target_text_model_type": field(field(target_config, "text_config") or {}, "model_type"),
+        "target_vllm_fields_missing": tuple(missing_vllm_serving_fields(target_config)),
     }
 
 
@@ -125,6 +130,12 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
             "`dflash_hf.targets.families.qwen3_asr.add_vllm_serving_fields` writes (dflash-train warns when they are\n"
             "missing)."
         )
+        if info.target_vllm_fields_missing:
+            return None, (
+                "vLLM 0.34 cannot build this target: its `audio_config` lacks "
+                f"{', '.join(info.target_vllm_fields_missing)}\n(`dflash_hf.targets.families.qwen3_asr."
+                "add_vllm_serving_fields` writes them; save the target again), so no command is given here."
+            )
         if config.variant in MEASURED_QWEN3_ASR_VARIANTS:
             served = f"{MEASURED_SERVING['qwen3_asr']} serves this draft with its Qwen3-ASR target ({_MEASURED_WHERE})."
             return "qwen3_asr", f"{served}\n{fields}"

@@ -240,18 +240,42 @@ def test_model_card_prints_the_measured_qwen3_asr_pair_only(variant):
 def test_target_serving_facts_read_the_targets_config():
     model, _ = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     facts = target_serving_facts(model.config)
-    assert facts == {"target_architecture": None, "target_text_model_type": "qwen3"}  # not saved: no architectures
+    assert facts == {
+        "target_architecture": None,  # not saved: no architectures
+        "target_text_model_type": "qwen3",
+        "target_vllm_fields_missing": (),  # the tiny target carries vLLM's serving fields
+    }
     model.config.architectures = ["Qwen3ASRForConditionalGeneration"]
     assert target_serving_facts(model.config)["target_architecture"] == "Qwen3ASRForConditionalGeneration"
     assert target_serving_facts(tiny.build_text_target(hidden_size=32, num_layers=2, num_heads=2).config) == {
         "target_architecture": None,
         "target_text_model_type": None,
+        "target_vllm_fields_missing": (),
     }
     raw = {"architectures": ["Qwen2AudioForConditionalGeneration"], "text_config": {"model_type": "llama"}}
     assert target_serving_facts(raw) == {
         "target_architecture": "Qwen2AudioForConditionalGeneration",
         "target_text_model_type": "llama",
+        "target_vllm_fields_missing": (),
     }  # a config.json as it is (what dflash-train's --push_to_hub reads)
+    asr = model.config.to_dict()
+    del asr["audio_config"]["conv_chunksize"]
+    assert target_serving_facts(asr)["target_vllm_fields_missing"] == ("conv_chunksize",)
+
+
+def test_model_card_gives_no_command_for_a_qwen3_asr_target_vllm_cannot_build():
+    config = _context_config("dflash")
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlashDraftModel"]
+    info = DraftCardInfo(
+        target_id="org/asr",
+        target_architecture="Qwen3ASRForConditionalGeneration",
+        target_vllm_fields_missing=("conv_chunksize", "max_source_positions"),
+    )
+    card = build_model_card(config, "me/draft", info)
+    assert "vllm serve" not in card and serving_commands(config, "me/draft", "org/asr", info=info) == {}
+    assert "cannot build this target: its `audio_config` lacks conv_chunksize, max_source_positions" in card
 
 
 def test_check_draft_export_accepts_both_architecture_names(tmp_path):

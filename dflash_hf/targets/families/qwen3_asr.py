@@ -36,26 +36,31 @@ WINDOWS_KEY = "audio_cu_seqlens"  # the encoder's windows, `[num_windows + 1]` i
 #   only on the position, and a chunk uses its first `time_steps` rows (13 for 100 frames). Written: transformers' own
 #   table length, `max_position_embeddings`.
 VLLM_CONV_CHUNKSIZE = 500
+VLLM_SERVING_FIELD_NAMES = ("conv_chunksize", "max_source_positions")
 
 
 def vllm_serving_fields(audio_config) -> dict[str, int]:
     """The audio-config fields vLLM's Qwen3-ASR reads that transformers' config lacks, with the values to write."""
-    return {
-        "conv_chunksize": VLLM_CONV_CHUNKSIZE,
-        "max_source_positions": int(audio_config.max_position_embeddings),
-    }
+    values = (VLLM_CONV_CHUNKSIZE, int(audio_config.max_position_embeddings))
+    return dict(zip(VLLM_SERVING_FIELD_NAMES, values))
+
+
+def _field(obj, name: str):
+    """`obj.name`, or `obj[name]` for a config read as a dict (`config.json`); None when absent."""
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
 def _audio_config(config):
-    return getattr(config, "audio_config", None) if getattr(config, "model_type", None) == "qwen3_asr" else None
+    return _field(config, "audio_config") if _field(config, "model_type") == "qwen3_asr" else None
 
 
 def missing_vllm_serving_fields(config) -> list[str]:
-    """The `audio_config` fields vLLM needs that a Qwen3-ASR `config` lacks ([] for other targets)."""
+    """The `audio_config` fields vLLM needs that a Qwen3-ASR `config` (a transformers config, or its `config.json`
+    as a dict) lacks ([] for other targets)."""
     audio = _audio_config(config)
     if audio is None:
         return []
-    return [name for name in vllm_serving_fields(audio) if getattr(audio, name, None) is None]
+    return [name for name in VLLM_SERVING_FIELD_NAMES if _field(audio, name) is None]
 
 
 def add_vllm_serving_fields(config) -> list[str]:
