@@ -23,6 +23,7 @@ from dflash_hf.export.drafts import WEIGHTS_INDEX_NAME, load_draft_strict, weigh
 from dflash_hf.export.training_record import TRAINING_RECORD_FILE
 from dflash_hf.models.configuration_dflash import ARCHITECTURES, DFlashConfig
 from dflash_hf.serving.vllm_plugin import HIDDEN_STATE_VARIANTS, refusal
+from dflash_hf.targets.families.base import config_field
 from dflash_hf.targets.families.qwen3_asr import missing_vllm_serving_fields
 
 logger = logging.getLogger(__name__)
@@ -103,13 +104,9 @@ _ENCODER_CONTEXT_SERVING = (
 
 def target_serving_facts(target_config) -> dict[str, str | None]:
     """`DraftCardInfo`'s target fields from the target's config: a transformers config or its `config.json` dict."""
-
-    def field(obj, name):
-        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
     return {
-        "target_architecture": (field(target_config, "architectures") or [None])[0],
-        "target_text_model_type": field(field(target_config, "text_config") or {}, "model_type"),
+        "target_architecture": (config_field(target_config, "architectures") or [None])[0],
+        "target_text_model_type": config_field(config_field(target_config, "text_config") or {}, "model_type"),
         "target_vllm_fields_missing": tuple(missing_vllm_serving_fields(target_config)),
     }
 

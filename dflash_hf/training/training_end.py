@@ -68,7 +68,7 @@ def save_last_step(trainer, trial=None) -> None:
     `save_total_limit`), unless `save_strategy` is no, no step was taken, or this step's checkpoint was saved or
     resumed from by this process."""
     args, step = trainer.args, trainer.state.global_step
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "no" or step == 0:
+    if args.save_strategy == "no" or step == 0:
         return
     folder = checkpoint_dir(trainer._get_output_dir(trial=trial), step)
     last = trainer.finite_guard.last_checkpoint  # the last checkpoint saved or resumed from

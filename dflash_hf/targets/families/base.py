@@ -231,6 +231,11 @@ def audio_token_id(family: TargetFamily, config) -> int | None:
     return int(value)
 
 
+def config_field(config, name: str):
+    """`config.name`, or `config[name]` for a config read as a dict (`config.json`); None when absent."""
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
 def get_tokenizer(processor):
     """The tokenizer inside a processor (or the tokenizer itself for text targets)."""
     return getattr(processor, "tokenizer", processor)

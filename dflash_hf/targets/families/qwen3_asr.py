@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from dflash_hf.targets.families.base import config_field
+
 logger = logging.getLogger(__name__)
 
 WINDOWS_KEY = "audio_cu_seqlens"  # the encoder's windows, `[num_windows + 1]` int32 on the host
@@ -45,13 +47,8 @@ def vllm_serving_fields(audio_config) -> dict[str, int]:
     return dict(zip(VLLM_SERVING_FIELD_NAMES, values))
 
 
-def _field(obj, name: str):
-    """`obj.name`, or `obj[name]` for a config read as a dict (`config.json`); None when absent."""
-    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
-
 def _audio_config(config):
-    return _field(config, "audio_config") if _field(config, "model_type") == "qwen3_asr" else None
+    return config_field(config, "audio_config") if config_field(config, "model_type") == "qwen3_asr" else None
 
 
 def missing_vllm_serving_fields(config) -> list[str]:
@@ -60,7 +57,7 @@ def missing_vllm_serving_fields(config) -> list[str]:
     audio = _audio_config(config)
     if audio is None:
         return []
-    return [name for name in VLLM_SERVING_FIELD_NAMES if _field(audio, name) is None]
+    return [name for name in VLLM_SERVING_FIELD_NAMES if config_field(audio, name) is None]
 
 
 def add_vllm_serving_fields(config) -> list[str]:
