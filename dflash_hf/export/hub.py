@@ -86,12 +86,15 @@ _CONTRACT_SERVING = (
     "`1 + num_speculative_tokens` slots)."
 )
 # Target kinds with a measured serving row (docs/SERVING.md): the card prints their command. Others say what is known.
-MEASURED_SERVING = {"text": "vLLM 0.34", "qwen3_asr": "vLLM 0.34"}
+MEASURED_SERVING = {"text": "vLLM 0.34", "qwen3_asr": "vLLM 0.34", "plugin": "vLLM 0.34 with the dflash_hf plugin"}
 # the text-target architectures with a measured vLLM row (docs/SERVING.md: a Qwen3 text target, DFlash and DFlash2)
 MEASURED_TEXT_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QWEN3_ASR = "Qwen3ASRForConditionalGeneration"
 # the variants measured in vLLM with a Qwen3-ASR target (docs/SERVING.md: the demo's tiny one and a 1.7B-shaped one)
 MEASURED_QWEN3_ASR_VARIANTS = ("dflash",)
+# the plugin's (architecture, variant) pairs measured in vLLM (docs/SERVING.md: a Qwen2-Audio speech LLM whose text
+# model is a Qwen2, its DFlash2 draft); the plugin refuses the text models vLLM's class would build differently
+MEASURED_PLUGIN_PAIRS = (("Qwen2AudioForConditionalGeneration", "dflash2"),)
 _MEASURED_WHERE = "a measured pair: dflash_hf's docs/SERVING.md"  # where the card says a measured pair is
 
 _ENCODER_CONTEXT_SERVING = (
@@ -144,11 +147,14 @@ def serving_status(config: DFlashConfig, info: DraftCardInfo) -> tuple[str | Non
         reason = refusal(arch, SimpleNamespace(text_config=SimpleNamespace(model_type=info.target_text_model_type)))
         if reason is not None:
             return None, f"vLLM cannot serve this target: {reason}."
-        return None, (
-            f"The dflash_hf plugin registers a hidden-state variant of vLLM 0.34's {arch} class (the\n"
-            "serving environment of dflash_hf's README); serving this pair has not been measured yet, so no command\n"
-            "is given here."
+        plugin = (
+            f"The dflash_hf plugin registers a hidden-state variant of vLLM 0.34's {arch} class: install\n"
+            "dflash_hf in vLLM's environment (the serving environment of dflash_hf's README)"
         )
+        if (arch, config.variant) in MEASURED_PLUGIN_PAIRS:
+            served = f"{MEASURED_SERVING['plugin']} serves this draft with its target ({_MEASURED_WHERE})."
+            return "plugin", f"{served}\n{plugin}."
+        return None, f"{plugin}; serving this pair has not been measured yet, so no command is given here."
     return None, f"No serving engine has been measured with {arch} targets: decode with dflash_hf."
 
 

@@ -237,6 +237,31 @@ def test_model_card_prints_the_measured_qwen3_asr_pair_only(variant):
         assert commands == {} and "vllm serve" not in card and "DFlash2 draft with one has not been measured" in card
 
 
+@pytest.mark.parametrize(
+    ("architecture", "text_type", "variant", "measured"),
+    [
+        ("Qwen2AudioForConditionalGeneration", "qwen2", "dflash2", True),  # the plugin row of docs/SERVING.md
+        ("Qwen2AudioForConditionalGeneration", "qwen2", "dflash", False),
+        ("AudioFlamingo3ForConditionalGeneration", "qwen2", "dflash2", False),
+        ("Qwen2AudioForConditionalGeneration", "llama", "dflash2", False),  # refused by the plugin
+    ],
+)
+def test_model_card_prints_the_measured_plugin_pair_only(architecture, text_type, variant, measured):
+    config = _context_config(variant)
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"]
+    info = DraftCardInfo(target_id="org/slm", target_architecture=architecture, target_text_model_type=text_type)
+    card = build_model_card(config, "me/draft", info)
+    commands = serving_commands(config, "me/draft", "org/slm", info=info)
+    assert "sglang" not in card.lower()
+    if measured:
+        assert list(commands) == ["vllm"] and commands["vllm"] in card
+        assert "vLLM 0.34 with the dflash_hf plugin serves this draft" in card and "install\ndflash_hf" in card
+    else:
+        assert commands == {} and "vllm serve" not in card
+
+
 def test_target_serving_facts_read_the_targets_config():
     model, _ = tiny.build_qwen3_asr_target(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     facts = target_serving_facts(model.config)
