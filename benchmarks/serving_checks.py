@@ -5,9 +5,12 @@ same prompts.
 Target check, per request: whether the new tokens are identical; if not, the first position where they differ, and at
 that position the two logits margins: transformers' logit of its own token minus its logit of vLLM's token (from
 `generate`'s logits), and vLLM's log-probability of its token minus that of transformers' (from vLLM's top
-log-probabilities, where transformers' token is among them). A divergence whose transformers margin is at most
-`tie_margin` (a near tie, which rounding decides) counts as numerics; any other divergence means vLLM computes another
-function than transformers does (a wrongly built or loaded target), and the check fails.
+log-probabilities, where transformers' token is among them). Where one side stopped there (its output without end
+token ends at that position), its token is the end token it chose (`ended` names that side), compared like any other
+token; an output that ran out at `max_new_tokens` has no token there, and no margin. A divergence whose transformers
+margin is at most `tie_margin` (a near tie, which rounding decides) counts as numerics; any other divergence (no
+margin: a token outside transformers' top 8, an output cut by `max_new_tokens`) means vLLM computes another function
+than transformers does (a wrongly built or loaded target), and the check fails.
 """
 
 from __future__ import annotations
@@ -77,9 +80,18 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
     return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
+def token_at(raw: list[int], stripped: list[int], at: int) -> tuple[int | None, bool]:
+    """A side's token at a first divergence and whether it is the end token that `strip` removed (the side stopped
+    there); None where the output ran out before `at` (cut by `max_new_tokens`)."""
+    if at < len(stripped):
+        return stripped[at], False
+    return (raw[at], True) if at < len(raw) else (None, False)
+
+
 def compare_target(vllm_requests: list[dict], hf_requests: list[dict], tie_margin: float, strip) -> dict:
     """The target-alone check (module docstring): vLLM's requests (`token_ids`, `top_logprobs`) against transformers'
-    (`token_ids`, `logits_at` {position: {token_id: logit}})."""
+    (`token_ids`, `logits_at` {position: {token_id: logit}}). `strip` removes a final end token from an output; the
+    first divergence is that of the stripped outputs."""
     rows = []
     for i, (v, h) in enumerate(zip(vllm_requests, hf_requests, strict=True)):
         vt, ht = strip(v["token_ids"]), strip(h["token_ids"])
@@ -87,15 +99,20 @@ def compare_target(vllm_requests: list[dict], hf_requests: list[dict], tie_margi
         row = {"request": i, "identical": at is None}
         if at is not None:
             row["first_divergence"] = at
-            hf_tok, vllm_tok = (ht[at] if at < len(ht) else None), (vt[at] if at < len(vt) else None)
+            hf_tok, hf_ended = token_at(h["token_ids"], ht, at)
+            vllm_tok, vllm_ended = token_at(v["token_ids"], vt, at)
             row.update(transformers_token=hf_tok, vllm_token=vllm_tok)
+            if hf_ended or vllm_ended:
+                row["ended"] = "transformers" if hf_ended else "vllm"
+            # no margin between a token and itself (one side went on past the end token the other stopped at)
+            pair = hf_tok is not None and vllm_tok is not None and hf_tok != vllm_tok
             logits = h.get("logits_at", {}).get(str(at)) or h.get("logits_at", {}).get(at)
-            if logits is not None and hf_tok is not None and vllm_tok is not None:  # None: vLLM's token is not
-                theirs = logits.get(str(vllm_tok))  # among transformers' top 8 there
+            if logits is not None and pair:  # None: vLLM's token is not among transformers' top 8 there
+                theirs = logits.get(str(vllm_tok))
                 row["transformers_margin"] = None if theirs is None else logits[str(hf_tok)] - theirs
-            lps = (v.get("top_logprobs") or [None] * (at + 1))[at] if vllm_tok is not None else None
-            if lps:
-                found = dict((int(t), lp) for t, lp in lps)
+            lps = v.get("top_logprobs") or []
+            if pair and at < len(lps) and lps[at]:
+                found = dict((int(t), lp) for t, lp in lps[at])
                 if hf_tok in found:
                     row["vllm_margin"] = found[vllm_tok] - found[hf_tok]
             margin = row.get("transformers_margin")

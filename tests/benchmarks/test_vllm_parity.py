@@ -264,6 +264,49 @@ def test_target_check_tells_a_near_tie_from_another_function():
     assert check["divergences_not_numerics"] == [2, 3] and not check["passed"]
 
 
+def test_target_check_weighs_the_end_token_of_the_side_that_stopped():
+    """At a divergence where one side stopped, its token is the end token it chose (2 here), margins as for any token;
+    an output cut by `max_new_tokens` (no end token) has no token there and stays unexplained."""
+    vllm_side = [
+        {"token_ids": [5, 6, 2], "top_logprobs": [[[5, -0.1]], [[6, -0.1]], [[2, -0.69], [0, -0.70]]]},
+        {"token_ids": [5, 6, 2], "top_logprobs": None},
+        {"token_ids": [5, 7, 2], "top_logprobs": [[[5, -0.1]], [[7, -0.70], [2, -0.71]], [[2, -0.1]]]},
+        {"token_ids": [5, 2], "top_logprobs": None},
+        {"token_ids": [5, 6, 7, 2], "top_logprobs": None},
+        {"token_ids": [5, 6], "top_logprobs": None},
+        {"token_ids": [5, 2, 7], "top_logprobs": None},
+    ]
+    hf_side = [
+        _greedy([5, 6, 0, 2], {2: {0: 3.0, 2: 2.9995}}),  # vLLM stopped within a near tie: numerics
+        _greedy([5, 6, 0, 2], {2: {0: 3.0, 2: 1.0}}),  # vLLM stopped two logits below: another function
+        _greedy([5, 2], {1: {2: 3.0, 7: 2.9995}}),  # transformers stopped within a near tie: numerics
+        _greedy([5, 0, 2], {1: {0: 3.0, 9: 2.0}}),  # the end token outside transformers' top 8: unexplained
+        _greedy([5, 6], {1: {6: 3.0}}),  # transformers cut by max_new_tokens: no token, unexplained
+        _greedy([5, 6, 7, 2], {2: {7: 3.0, 2: 2.9995}}),  # vLLM cut by max_new_tokens: no token, unexplained
+        _greedy([5, 2], {1: {2: 3.0, 7: 2.9995}}),  # vLLM went on past the end token: no margin to itself
+    ]
+    check = serving_checks.compare_target(vllm_side, hf_side, 1e-3, lambda t: t[:-1] if t[-1:] == [2] else t)
+    rows = check["per_request"]
+    assert [r["first_divergence"] for r in rows] == [2, 2, 1, 1, 2, 2, 1]
+    assert [(r["transformers_token"], r["vllm_token"], r.get("ended")) for r in rows] == [
+        (0, 2, "vllm"),
+        (0, 2, "vllm"),
+        (2, 7, "transformers"),
+        (0, 2, "vllm"),
+        (None, 7, None),
+        (7, None, None),
+        (2, 2, "transformers"),
+    ]
+    assert rows[0]["numerics"] and rows[0]["transformers_margin"] == pytest.approx(5e-4)
+    assert rows[0]["vllm_margin"] == pytest.approx(0.01)
+    assert rows[1]["transformers_margin"] == 2.0 and not rows[1]["numerics"]
+    assert rows[2]["numerics"] and rows[2]["transformers_margin"] == pytest.approx(5e-4)
+    assert rows[2]["vllm_margin"] == pytest.approx(0.01)
+    assert rows[3]["transformers_margin"] is None and not rows[3]["numerics"]
+    assert all("transformers_margin" not in r and "vllm_margin" not in r for r in rows[4:])
+    assert check["divergences_not_numerics"] == [1, 3, 4, 5, 6] and not check["passed"]
+
+
 def test_a_target_that_differs_stops_the_run_before_any_draft(setup, tmp_path, monkeypatch):
     configs = []
 
