@@ -16,7 +16,7 @@ from dflash_hf.cli.config import parse_with_config
 from dflash_hf.cli.generate_labels import make_parser as labels_parser
 
 CONFIGS = REPO_ROOT / "examples" / "configs"
-RECIPES = ("whisper_base_dflash2.yaml", "speech_llm_dflash2.yaml")
+RECIPES = ("whisper_base_dflash2.yaml", "speech_llm_dflash2.yaml", "speech_llm_qwen2_dflash2.yaml")
 
 
 def _commands(config: Path) -> list[list[str]]:
