@@ -184,7 +184,13 @@ def train(
                 "(--precision fp32)"
             )
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
+        norm = torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
+        if not torch.isfinite(norm):  # caught before the update: the batch that broke it, not the one after
+            raise RuntimeError(
+                f"the gradient norm is {norm.item()} at step {step + 1} (loss {loss.item():.4f}; clips "
+                f"{', '.join(r['id'] for r in chunk[:4])}, ...): training diverged, nothing was saved. Lower --lr "
+                f"(now {lr}) and --lora_lr, or train in fp32 (--precision fp32)"
+            )
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

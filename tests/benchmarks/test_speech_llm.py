@@ -374,6 +374,21 @@ def test_a_diverged_training_saves_nothing(trained, tmp_path, monkeypatch):
     assert not (tmp_path / "t").exists()
 
 
+def test_a_non_finite_gradient_stops_before_the_update(trained, tmp_path, monkeypatch):
+    assembled, _, manifest, _ = trained
+    real, calls = training.supervised_loss, []
+
+    def infinite_gradient(*args):  # the loss stays finite; d sqrt(u)/du at u = 0 is infinite
+        calls.append(1)
+        loss = real(*args)
+        return loss + torch.sqrt(loss - loss.detach()) if len(calls) == 3 else loss
+
+    monkeypatch.setattr(training, "supervised_loss", infinite_gradient)
+    with pytest.raises(RuntimeError, match=r"the gradient norm is (inf|nan) at step 3 \(loss \d+\.\d+; clips .*saved"):
+        training.train(assembled, manifest, tmp_path / "t", steps=4, batch_size=2, lora_rank=0, device="cpu")
+    assert not (tmp_path / "t").exists()
+
+
 def test_training_path_check_catches_a_wrong_tower_path(trained, monkeypatch):
     from dflash_hf.targets.families.registry import resolve_family
 
