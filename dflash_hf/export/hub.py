@@ -96,6 +96,8 @@ MEASURED_QWEN3_ASR_VARIANTS = ("dflash",)
 # model is a Qwen2, its DFlash2 draft); the plugin refuses the text models vLLM's class would build differently
 MEASURED_PLUGIN_PAIRS = (("Qwen2AudioForConditionalGeneration", "dflash2"),)
 _MEASURED_WHERE = "a measured pair: dflash_hf's docs/SERVING.md"  # where the card says a measured pair is
+# how the card names each engine of `serving_commands`
+ENGINE_NAMES = {"vllm": "vLLM"}
 
 _ENCODER_CONTEXT_SERVING = (
     "**Outside the published DFlash contract**: this draft also cross-attends to the target's encoder frames\n"
@@ -209,12 +211,11 @@ def build_model_card(config: DFlashConfig, repo_id: str, info: DraftCardInfo) ->
     draft_table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     measured_on = f" ({info.eval_name})" if info.eval_name else ""
     spec_tokens = config.block_size - 1
-    command = _vllm_command(config, repo_id, info.target_id, info.target_revision)
-    served_kind, serving_sentence = serving_status(config, info)  # (outside the contract: no kind, no command)
     serving = _CONTRACT_SERVING if config.in_published_contract else _ENCODER_CONTEXT_SERVING
     if config.in_published_contract:
-        serving += "\n\n" + serving_sentence
-    engines = f"\n\nvLLM:\n\n```bash\n{command}\n```" if served_kind is not None else ""
+        serving += "\n\n" + serving_status(config, info)[1]
+    commands = serving_commands(config, repo_id, info.target_id, info.target_revision, info)
+    engines = "".join(f"\n\n{ENGINE_NAMES[engine]}:\n\n```bash\n{command}\n```" for engine, command in commands.items())
     return f"""{header}
 
 # {repo_id.split("/")[-1]}
