@@ -86,8 +86,8 @@ def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Acce
     """The longest root path whose every node is the target's argmax after its parent, nodes deeper than
     `max_depth` excluded (past the decoder's positions). Two operators on the device (the argmax and one
     concatenation) and one read, as the chain's acceptance: the walk runs on the host over the tree read back with the
-    argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, three more: the
-    path's nodes (its deepest node's ancestors, in node order: parents come before children) and their argmax."""
+    argmax (siblings hold distinct tokens: at most one child of a node is its argmax). Off the chain, one more: the
+    argmax at the path's nodes (the walk's `path`, copied to the device)."""
     target = scores.argmax(-1)  # [N+1]
     n = tree.nodes
     host = torch.cat([target, tree.tokens.to(target.dtype), tree.parents.to(target.dtype)]).tolist()
@@ -102,9 +102,7 @@ def accept_greedy(tree: DraftTree, scores: torch.Tensor, max_depth: int) -> Acce
     new_ids = [argmax[node] for node in path]
     if _on_chain(path):
         return Accepted(k=k, path=path, new=target[: k + 1], new_ids=new_ids)
-    # the deepest node's ancestors in node order, then the other nodes (a long key: not every torch release sorts
-    # bool tensors on CUDA)
-    nodes = tree.ancestors[path[-1]].long().sort(descending=True, stable=True).indices[: k + 1]
+    nodes = torch.tensor(path, device=target.device)  # int64, as an index
     return Accepted(k=k, path=path, new=target[nodes], new_ids=new_ids, off_chain=nodes)
 
 

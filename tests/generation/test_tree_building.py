@@ -147,8 +147,8 @@ def test_greedy_acceptance_walks_the_argmax_and_never_accepts_less_than_the_chai
 def test_greedy_acceptance_runs_the_chains_operators_on_any_tree_with_ties():
     """Random trees of every budget, target scores full of ties (the argmax is the first maximum, as `generate`'s):
     the path is the reference walk's, the new tokens the first maxima along it, and the device runs the chain's two
-    operators (argmax, one concatenation read back once) on the chain, three more off it (the path's nodes, their
-    argmax)."""
+    operators (argmax, one concatenation read back once) on the chain, one more off it (the argmax at the path's
+    nodes)."""
     g = torch.Generator().manual_seed(7)
     seen = Counter()
     for trial in range(60):
@@ -172,7 +172,7 @@ def test_greedy_acceptance_runs_the_chains_operators_on_any_tree_with_ties():
         assert out.on_chain == (path == list(range(len(path))))
         expected = ["aten.argmax.default", "aten.cat.default"]
         if not out.on_chain:
-            expected += ["aten._to_copy.default", "aten.sort.stable", "aten.index.Tensor"]
+            expected += ["aten.index.Tensor"]
         assert ops.names == expected, ops.names
         seen[out.on_chain, out.k > 0] += 1
     assert len(seen) == 3, seen  # on the chain (empty and not) and off it
