@@ -41,6 +41,10 @@ class EnvironmentFault(Exception):
 
     def __init__(self, what: str, *, checkpoint: str | None = None, saved: bool = False, ended: bool = False):
         super().__init__(what)
+        self._set_fault(what, checkpoint, saved, ended)
+
+    def _set_fault(self, what: str, checkpoint: str | None, saved: bool = False, ended: bool = False) -> None:
+        """The fields `__str__` reads (also for a subclass whose other base sets the exception's args)."""
         self.what, self.checkpoint, self.saved, self.ended = what, checkpoint, saved, ended
         self.resume_command: str | None = None
 

@@ -293,7 +293,7 @@ class DiskFullError(OSError, EnvironmentFault):
 
     def __init__(self, what: str, checkpoint: str | None = None):
         OSError.__init__(self, errno.ENOSPC, what)
-        self.what, self.checkpoint, self.saved, self.ended, self.resume_command = what, checkpoint, False, False, None
+        self._set_fault(what, checkpoint)
 
     __str__ = EnvironmentFault.__str__
 
