@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from dflash_hf.errors import DFlashUserError
 
 if TYPE_CHECKING:
+    from dflash_hf.data import DataSource
     from dflash_hf.training.training_args import DFlashDataArguments, DFlashTrainingArguments
 
 logger = logging.getLogger("dflash_hf")
@@ -79,20 +80,20 @@ def run_training(args: DFlashTrainingArguments, data_args: DFlashDataArguments) 
         metrics["skipped_samples"] = loader.bad_samples.num_skipped
         if loader.bad_samples.num_skipped:
             logger.warning(loader.bad_samples.summary())
-    command = eval_command(args, data_args, export_dir)
+    command = eval_command(args, data_args, export_dir, eval_sets)
     return TrainingOutcome(metrics, export_dir, trainer.is_world_process_zero(), command)
 
 
-def eval_command(args, data_args: DFlashDataArguments, export_dir: str) -> str:
-    """The `dflash-eval` command of an export: its target, precision and first validation set (a placeholder to
-    replace when the run had none); the conversation settings come from the export's record."""
-    sources = data_args.eval_sources()
-    data = next(iter(sources.values())).path if sources else "HELD_OUT_MANIFEST.jsonl"
+def eval_command(args, data_args: DFlashDataArguments, export_dir: str, eval_sets: dict[str, DataSource] | None) -> str:
+    """The `dflash-eval` command of an export: its target, precision and first validation set of `eval_sets` (the
+    run's `data_args.eval_sources()`; a placeholder to replace when the run had none); the conversation settings come
+    from the export's record."""
+    data = next(iter(eval_sets.values())).path if eval_sets else "HELD_OUT_MANIFEST.jsonl"
     words = ["dflash-eval", "--draft", export_dir, "--target", args.target_name_or_path, "--data", str(data)]
     words += ["--precision", args.precision]
     if data_args.allow_command_audio_sources:
         words += ["--allow_command_audio_sources", "true"]
-    return shlex.join(words) + ("" if sources else "  # a held-out manifest: the run had no --eval_data")
+    return shlex.join(words) + ("" if eval_sets else "  # a held-out manifest: the run had no --eval_data")
 
 
 def _is_hub_id(name: str) -> bool:

@@ -324,6 +324,7 @@ def test_a_training_run_ends_with_the_eval_command_of_its_export(tmp_path, monke
         args=SimpleNamespace(target_name_or_path="t", precision="bf16"),
         data_args=DFlashDataArguments(train_data=["a.jsonl"]),
         export_dir="runs/x/draft",
+        eval_sets=None,
     )
     assert no_dev == (
         "dflash-eval --draft runs/x/draft --target t --data HELD_OUT_MANIFEST.jsonl --precision bf16"
