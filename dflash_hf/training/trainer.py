@@ -86,6 +86,7 @@ class DFlashTrainer(Trainer):
         self.step_faults = StepFaults(self)  # full disk, killed loader worker, GPU out of memory (env_faults)
         self.add_callback(self.step_faults.callback)
         self._resume_checkpoint: str | None = None  # set by train()
+        self.trains_no_step = False  # a resume from a checkpoint at which training ended (`_init_training_state`)
         self._checkpoint_completed = False  # within a save: its marker is written
         self.train_position: ResumableEpochs | None = None  # data position of a loader without a length
         self._user_ignores_data_skip = args.ignore_data_skip

@@ -81,7 +81,7 @@ def save_last_step(trainer, trial=None) -> None:
 def untrained_summary(trainer, logs: dict) -> None:
     """The end-of-training log (and metrics) of a resume that trained no step: no `train_loss` (transformers reports
     0.0)."""
-    if getattr(trainer, "trains_no_step", False) and "train_runtime" in logs:
+    if trainer.trains_no_step and "train_runtime" in logs:
         logs.pop("train_loss", None)
 
 
