@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_hf.data.conversation import ConversationRenderer
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
-from dflash_hf.data.json_rows import detect_kind, first_record
+from dflash_hf.data.json_rows import detect_kind, first_valid_record
 from dflash_hf.data.user_text import UserTextCheck
 
 logger = logging.getLogger("dflash_hf.generate_labels")
@@ -50,7 +50,7 @@ def is_text_row(record: dict | None) -> bool:
 def check_rows_fit(manifest: str, family) -> None:
     """The manifest's rows are what the target reads (from its first row): audio rows for an audio target, rows
     without audio for a text target (its prompt is the line's ``context``). Checked before the target loads."""
-    record = first_record(manifest)
+    record = first_valid_record(manifest)
     if record is None:
         return
     if family.has_audio and is_text_row(record):
@@ -70,7 +70,7 @@ def check_rows_fit(manifest: str, family) -> None:
 def check_manifest(manifest: str) -> None:
     """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line): audio rows,
     or a text target's rows (a ``text``, a ``context``, no audio; `quality_steps.prompts` writes them)."""
-    if is_text_row(first_record(manifest)):
+    if is_text_row(first_valid_record(manifest)):
         return
     try:
         kind = detect_kind(manifest)
