@@ -166,7 +166,12 @@ def first_valid_record(path: str | Path) -> dict | None:
 def detect_kind(path: str | Path) -> str:
     """``"nemo"`` if the first JSON object line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
     (other lines are skipped here and reported by the reader)."""
-    record = first_valid_record(path)
+    return record_kind(first_valid_record(path), path)
+
+
+def record_kind(record: dict | None, path: str | Path) -> str:
+    """`detect_kind` of the data source `path` whose first JSON object line, `record`, is read already (None: it has
+    none)."""
     if record is None:
         raise ValueError(f"data source {str(path)!r} has no JSON object line; expected JSON lines")
     if "audio_filepath" in record:
