@@ -13,7 +13,7 @@ docs/GENERATED_LABELS.md.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from transformers import HfArgumentParser
@@ -29,20 +29,24 @@ from dflash_hf.targets.processor import load_label_target
 
 @dataclass
 class GenerateLabelsArguments(LabelSettings):
-    """The options (`LabelSettings`), the files they name checked when parsed (`check_label_inputs`)."""
+    """The options (`LabelSettings`), the files they name checked when parsed (`check_label_inputs`, whose reading of
+    the target's config is kept in `label_target`)."""
+
+    label_target: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         super().__post_init__()
-        check_label_inputs(self)
+        self.label_target = check_label_inputs(self)
 
 
 def make_parser() -> HfArgumentParser:
     return HfArgumentParser(GenerateLabelsArguments)
 
 
-def generate_labels(args: LabelSettings) -> LabelCounts:
-    """Write the generated-label manifest; returns what the new lines hold."""
-    model, processor, family = load_label_target(args.model, args.family, args.dtype, args.device)
+def generate_labels(args: LabelSettings, label_target: tuple | None = None) -> LabelCounts:
+    """Write the generated-label manifest; returns what the new lines hold. `label_target`: the target's `(config,
+    family row)` when `check_label_inputs` has read it (None: read here)."""
+    model, processor, family = load_label_target(args.model, args.family, args.dtype, args.device, label_target)
     target = FrozenTarget(model, family.name)
     decode = partial(generated_labels, target, max_new_tokens=args.max_new_tokens, device=args.device)
     return write_generated_labels(LabelJob.of(args), target, processor, decode)
@@ -51,7 +55,7 @@ def generate_labels(args: LabelSettings) -> LabelCounts:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     (args,) = parse_with_config(make_parser(), argv)
-    print(generate_labels(args).summary(args.output))
+    print(generate_labels(args, args.label_target).summary(args.output))
     return 0
 
 

@@ -157,16 +157,21 @@ class _IgnoredRows(BadSamples):
         pass
 
 
-def first_record(path: str | Path) -> dict | None:
-    """The first JSON object line of a JSON-lines file, or None (other lines are skipped here, reported by the
-    reader)."""
+def first_valid_record(path: str | Path) -> dict | None:
+    """The first JSON object line of a JSON-lines file, or None when it has none (lines that are not JSON objects
+    are skipped here, reported by the reader)."""
     return next((r for _, _, r in json_rows(path, _IgnoredRows())), None)
 
 
 def detect_kind(path: str | Path) -> str:
     """``"nemo"`` if the first JSON object line has ``audio_filepath``, ``"lhotse"`` if it is a serialized cut
     (other lines are skipped here and reported by the reader)."""
-    record = first_record(path)
+    return record_kind(first_valid_record(path), path)
+
+
+def record_kind(record: dict | None, path: str | Path) -> str:
+    """`detect_kind` of the data source `path` whose first JSON object line, `record`, is read already (None: it has
+    none)."""
     if record is None:
         raise ValueError(f"data source {str(path)!r} has no JSON object line; expected JSON lines")
     if "audio_filepath" in record:

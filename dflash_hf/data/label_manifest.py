@@ -23,7 +23,7 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY
-from dflash_hf.data.json_rows import json_rows, manifest_stem
+from dflash_hf.data.json_rows import first_valid_record, json_rows, manifest_stem
 from dflash_hf.data.label_rows import (
     LabelCounts,
     check_manifest,
@@ -77,20 +77,24 @@ class LabelJob:
         return cls(conversation=conversation, **{name: getattr(values, name) for name in names})
 
 
-def check_label_inputs(settings: LabelSettings) -> None:
+def check_label_inputs(settings: LabelSettings) -> tuple:
     """The files `settings` name, before the target loads: the model is an existing directory or a Hub id, the
     manifest a NeMo manifest with a row, the output a new file in an existing directory (`label_rows.check_output`);
     then the shard numbers one of the parts, and the rows are what the target reads (audio rows for an audio target,
-    from its config alone: `label_rows.check_rows_fit`)."""
+    from its config alone: `label_rows.check_rows_fit`). Returns the target's `(config, family row)` that this read
+    (`label_target_family`; `load_label_target` takes it)."""
     check_model_dir(settings.model, "model", "the target")
     if not Path(settings.manifest).is_file():
         raise FileNotFoundError(
             f"field 'manifest': {settings.manifest!r} is not a file; give a NeMo manifest (JSON lines)"
         )
     check_output(settings.manifest, settings.output)
-    check_manifest(settings.manifest)
+    record = first_valid_record(settings.manifest)  # the first row, read once for both checks
+    check_manifest(settings.manifest, record)
     settings.check_shard()
-    check_rows_fit(settings.manifest, label_target_family(settings.model, settings.family)[1])
+    target = label_target_family(settings.model, settings.family)
+    check_rows_fit(settings.manifest, target[1], record)
+    return target
 
 
 def encode_prompts(family, processor, config, texts: list[str], audios: list) -> list[dict]:

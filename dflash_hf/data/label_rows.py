@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_hf.data.conversation import ConversationRenderer
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
-from dflash_hf.data.json_rows import detect_kind, first_record
+from dflash_hf.data.json_rows import record_kind
 from dflash_hf.data.user_text import UserTextCheck
 
 logger = logging.getLogger("dflash_hf.generate_labels")
@@ -47,10 +47,10 @@ def is_text_row(record: dict | None) -> bool:
     return record is not None and isinstance(record.get("text"), str) and not {"audio_filepath", "type"} & set(record)
 
 
-def check_rows_fit(manifest: str, family) -> None:
-    """The manifest's rows are what the target reads (from its first row): audio rows for an audio target, rows
-    without audio for a text target (its prompt is the line's ``context``). Checked before the target loads."""
-    record = first_record(manifest)
+def check_rows_fit(manifest: str, family, record: dict | None) -> None:
+    """The manifest's rows are what the target reads (from its first row, `record`: `json_rows.first_valid_record`):
+    audio rows for an audio target, rows without audio for a text target (its prompt is the line's ``context``).
+    Checked before the target loads."""
     if record is None:
         return
     if family.has_audio and is_text_row(record):
@@ -67,13 +67,14 @@ def check_rows_fit(manifest: str, family) -> None:
         )
 
 
-def check_manifest(manifest: str) -> None:
-    """``--manifest`` is a NeMo manifest with at least one row (read up to its first JSON object line): audio rows,
-    or a text target's rows (a ``text``, a ``context``, no audio; `quality_steps.prompts` writes them)."""
-    if is_text_row(first_record(manifest)):
+def check_manifest(manifest: str, record: dict | None) -> None:
+    """``--manifest`` is a NeMo manifest with at least one row (from its first JSON object line, `record`:
+    `json_rows.first_valid_record`): audio rows, or a text target's rows (a ``text``, a ``context``, no audio;
+    `quality_steps.prompts` writes them)."""
+    if is_text_row(record):
         return
     try:
-        kind = detect_kind(manifest)
+        kind = record_kind(record, manifest)
     except ValueError as e:
         raise ValueError(f"field 'manifest': {e}") from None
     if kind != "nemo":

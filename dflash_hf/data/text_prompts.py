@@ -18,7 +18,8 @@ def json_records(path: str) -> Iterator[tuple[str, dict]]:
 
 
 def first_record(path: str) -> dict:
-    """The first JSON object line of `path` (`--data`); an empty file is an error."""
+    """The first JSON object line of `path` (`--data`); an empty file, or a line before it that is not a JSON object,
+    is an error (`json_rows.first_valid_record` skips such lines)."""
     for _, record in json_records(path):
         return record
     raise ValueError(f"--data {path!r} is empty")

@@ -84,11 +84,18 @@ def resolve_draft_dir(path: str | Path) -> Path:
         ) from err
 
 
-def _read_draft_config(directory: Path, block_size: int | None) -> DFlashConfig:
+def _read_config_json(directory: Path) -> dict:
+    """The export's config.json, read."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; it is not a DFlash draft export")
-    raw = read_json_object(config_file)
+    return read_json_object(config_file)
+
+
+def _draft_config(directory: Path, raw: dict, block_size: int | None) -> DFlashConfig:
+    """The DFlash config of the export in `directory` from its config.json `raw` (`_read_config_json`), checked;
+    `block_size`, when given, replaces the saved one."""
+    config_file = directory / "config.json"
     for key in QUANT_CONFIG_KEYS:
         if raw.get(key):
             method = raw[key].get("quant_method", "?") if isinstance(raw[key], dict) else "?"
@@ -218,18 +225,25 @@ def check_draft_export(path: str | Path, block_size: int | None = None) -> DFlas
     """Cheap checks of a warm-start export before anything expensive runs: the directory, `config.json`
     (valid JSON, a DFlash config) and the weight files' headers (readable, not quantized). Its config."""
     directory = resolve_draft_dir(path)
-    config = _read_draft_config(directory, block_size)
+    return _checked_export(directory, _read_config_json(directory), block_size)
+
+
+def _checked_export(directory: Path, raw: dict, block_size: int | None) -> DFlashConfig:
+    """`check_draft_export` of the export in `directory` whose config.json `raw` is already read."""
+    config = _draft_config(directory, raw, block_size)
     _weight_dtypes(directory, weight_file_paths(directory))
     return config
 
 
-def recorded_settings(path: str | Path) -> dict[str, int]:
-    """`block_size` of a draft export's config.json and, when the training run recorded it, its `num_anchors` (the
-    export's training record). An unreadable export gives {}: `check_draft_export` (run first) names the problem."""
+def check_warm_start_export(path: str | Path) -> dict[str, int]:
+    """`check_draft_export` of a warm-start export, then what it records of its training run: the `block_size` of its
+    config.json and, when the run recorded it, its `num_anchors` (the export's training record); each file is read
+    once. A training record that cannot be read gives {}."""
+    directory = resolve_draft_dir(path)
+    raw = _read_config_json(directory)
+    _checked_export(directory, raw, None)
     try:
-        directory = resolve_draft_dir(path)
-        raw = read_json_object(directory / "config.json")
-        num_anchors = read_training_record(directory).num_anchors
+        num_anchors = read_training_record(directory, raw).num_anchors
     except (OSError, ValueError):
         return {}
     dflash_config = raw.get("dflash_config") or {}
@@ -246,7 +260,7 @@ def load_draft_strict(path: str | Path, block_size: int | None = None) -> DFlash
     Returns the draft in float32 (or the saved float dtype's values cast to float32), in train mode.
     """
     directory = resolve_draft_dir(path)
-    config = _read_draft_config(directory, block_size)
+    config = _draft_config(directory, _read_config_json(directory), block_size)
     weight_files = weight_file_paths(directory)
     _note_extra_files(directory, weight_files)
     state = _read_state_dict(directory, weight_files)
@@ -345,10 +359,10 @@ def export_draft(
 __all__ = [
     "load_draft_strict",
     "check_draft_export",
+    "check_warm_start_export",
     "export_draft",
     "check_exportable",
     "non_finite_tensors",
-    "recorded_settings",
     "resolve_draft_dir",
     "weight_file_paths",
 ]

@@ -81,10 +81,10 @@ def read_json_object(file: Path) -> dict:
     return raw
 
 
-def read_training_record(directory: str | Path) -> TrainingRecord:
+def read_training_record(directory: str | Path, config_json: dict | None = None) -> TrainingRecord:
     """The training record of the export in `directory`: its `dflash_training.json`, else (an older export) the
     entries its config.json kept in `dflash_config`; an empty record when it has neither. The conversation is checked
-    (`checked_conversation`)."""
+    (`checked_conversation`). `config_json`: the export's config.json when the caller has read it already."""
     directory = Path(directory)
     path = directory / TRAINING_RECORD_FILE
     if path.is_file():
@@ -93,8 +93,10 @@ def read_training_record(directory: str | Path) -> TrainingRecord:
         if unknown:
             raise ValueError(f"{path} has unknown entries {unknown}; it holds only {list(LEGACY_KEYS)}")
     else:
-        config = directory / "config.json"
-        raw = (read_json_object(config).get("dflash_config") or {}) if config.is_file() else {}
+        if config_json is None:
+            config = directory / "config.json"
+            config_json = read_json_object(config) if config.is_file() else {}
+        raw = config_json.get("dflash_config") or {}
     num_anchors = raw.get("num_anchors")
     if num_anchors is not None and (isinstance(num_anchors, bool) or not isinstance(num_anchors, int)):
         raise ValueError(f"the training record of {directory} has num_anchors {num_anchors!r}: it must be an integer")

@@ -85,11 +85,12 @@ def label_target_family(path: str, family: str | None):
     return config, resolve_family(config, family)
 
 
-def load_label_target(path: str, family: str | None, dtype: str, device: str):
+def load_label_target(path: str, family: str | None, dtype: str, device: str, resolved: tuple | None = None):
     """`(model, processor, family)` of the target at `path` for greedy decoding (`dflash-generate-labels`): the model
     class its config names (a causal LM for a text target) in `dtype` (a torch dtype name) on `device`, in eval mode;
     an audio target's processor with the exact, faster Whisper log-mel (`with_fast_features`), a text target's
-    tokenizer. `family`: the family row name (None: from the config). A checkpoint missing parameters is refused."""
+    tokenizer. `family`: the family row name (None: from the config); `resolved`: `label_target_family(path, family)`
+    when the caller has it already (`check_label_inputs` returns it). A checkpoint missing parameters is refused."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
@@ -97,7 +98,7 @@ def load_label_target(path: str, family: str | None, dtype: str, device: str):
     from dflash_hf.targets.families.whisper_features import with_fast_features
     from dflash_hf.targets.frozen import check_complete
 
-    config, fam = label_target_family(path, family)
+    config, fam = resolved if resolved is not None else label_target_family(path, family)
     torch_dtype = getattr(torch, dtype)
     if fam.has_audio:
         processor = with_fast_features(AutoProcessor.from_pretrained(path))  # exact, faster Whisper log-mel

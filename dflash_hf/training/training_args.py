@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from transformers import TrainingArguments
 
-from dflash_hf.export.drafts import check_draft_export, recorded_settings
+from dflash_hf.export.drafts import check_warm_start_export
 from dflash_hf.models.draft_fields import check_block_size
 from dflash_hf.settings import (
     DEFAULT_BLOCK_SIZE,
@@ -130,9 +130,8 @@ class DFlashTrainingArguments(
         evaluation). Idempotent."""
         if resume_path(self.resume_from_checkpoint) is not None:
             check_checkpoint_dir(self.resume_from_checkpoint)
-        if self.init_from_pretrained:  # a missing or broken draft export fails before the target loads
-            check_draft_export(self.init_from_pretrained)
-        recorded = recorded_settings(self.init_from_pretrained) if self.init_from_pretrained else {}
+        # a missing or broken draft export fails before the target loads
+        recorded = check_warm_start_export(self.init_from_pretrained) if self.init_from_pretrained else {}
         if self.block_size is None:
             self.block_size = recorded.get("block_size", DEFAULT_BLOCK_SIZE)
             check_block_size(self.block_size)

@@ -285,6 +285,30 @@ def test_an_existing_output_is_never_modified_in_place(small, tmp_path):
     assert not partial_path(out).exists()
 
 
+def test_a_run_reads_the_target_config_and_the_first_row_once(small, tmp_path, monkeypatch):
+    """The checks before the target loads read its config and the manifest's first row; the run reuses the config."""
+    from dflash_hf.data import json_rows, label_manifest
+    from dflash_hf.targets import processor
+
+    model_dir, manifest = small
+    calls = {"config": 0, "first row": 0}
+    read_config, read_rows = processor.label_target_family, json_rows.json_rows
+
+    def config_read(*args):
+        calls["config"] += 1
+        return read_config(*args)
+
+    def rows_read(*args, **kwargs):  # what the first-row readers scan (the labelling itself imports its own name)
+        calls["first row"] += 1
+        return read_rows(*args, **kwargs)
+
+    for module in (processor, label_manifest):
+        monkeypatch.setattr(module, "label_target_family", config_read)
+    monkeypatch.setattr(json_rows, "json_rows", rows_read)
+    assert _gen(model_dir, manifest, tmp_path / "out.json") == 0
+    assert calls == {"config": 1, "first row": 1}
+
+
 def test_an_interrupted_run_resumes_from_its_partial_file(small, tmp_path):
     model_dir, manifest = small
     out = tmp_path / "out.json"

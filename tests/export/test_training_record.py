@@ -99,3 +99,29 @@ def test_the_record_is_published_and_an_export_without_the_draft_fields_file_sti
     config_code.write_text(config_code.read_text().replace("from .draft_fields", "from dflash_hf.models.draft_fields"))
     folder = Path(push_draft_to_hub(old, "someone/tiny", card_info=card, dry_run_dir=tmp_path / "up_old"))
     assert "draft_fields.py" not in os.listdir(folder) and "configuration_dflash.py" in os.listdir(folder)
+
+
+def test_the_warm_start_pre_flight_reads_each_file_of_the_export_once(tmp_path, monkeypatch):
+    """`check_files` takes the block size and the recorded anchors from one read of config.json (of an older export,
+    the record inside it too) and of the record file."""
+    from dflash_hf.export import drafts, training_record
+
+    reads, read = [], training_record.read_json_object
+
+    def counted(file):
+        reads.append(file.name)
+        return read(file)
+
+    monkeypatch.setattr(drafts, "read_json_object", counted)
+    monkeypatch.setattr(training_record, "read_json_object", counted)
+    new = _export(tmp_path / "new")
+    TrainingRecord(num_anchors=48).write(new)
+    old = _export(tmp_path / "old", num_anchors=96)
+    for export, files, anchors in ((new, ["config.json", TRAINING_RECORD_FILE], 48), (old, ["config.json"], 96)):
+        reads.clear()
+        args = make_args(
+            tmp_path, init_from_pretrained=str(export), validate_only=True, block_size=None, num_anchors=None
+        )
+        args.check_files()
+        assert (args.num_anchors, args.block_size) == (anchors, 8)
+        assert reads == files
