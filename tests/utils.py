@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from dflash_hf import DFlashConfig, DFlashDraftModel, DFlashTrainer, DFlashTrainingArguments, speculative_generate
 from dflash_hf.objective.blocks import doc_ids_from, leading_padding, move_leading_padding
+from dflash_hf.serving.checkpoint_layout import DOUBLED_PREFIX, VLLM_PREFIX
 from dflash_hf.targets.frozen import FrozenTarget
 from dflash_hf.testing import tiny
 
@@ -67,6 +68,14 @@ def script_fixture(path: Path):
             yield module
 
     return fixture
+
+
+def doubled_name(name: str) -> str:
+    """`name` (a weight name in the layout vLLM reads) in the layout transformers 5.17 to 5.22 save: the language
+    model's prefix doubled."""
+    if name.startswith(VLLM_PREFIX) and not name.startswith(DOUBLED_PREFIX):
+        return DOUBLED_PREFIX + name[len(VLLM_PREFIX) :]
+    return name
 
 
 def raising(calls: list, error: BaseException):
@@ -244,15 +253,21 @@ def make_args(tmp_path, **kw) -> DFlashTrainingArguments:
     return DFlashTrainingArguments(**base)
 
 
-def make_trainer(tmp_path, model, tok=None, rows=None, *, draft=None, repeat: int = 1, **kw) -> DFlashTrainer:
-    """A trainer on hand-built text rows (right padding), or without training data when `rows` is None; `kw` are
-    `make_args` fields (`mask_token_id` defaults to `tok`'s mask token)."""
+def make_trainer(
+    tmp_path, model, tok=None, rows=None, *, draft=None, repeat: int = 1, eval_rows=None, **kw
+) -> DFlashTrainer:
+    """A trainer on hand-built text rows (right padding), or without training data when `rows` is None, with one
+    unnamed validation set of `eval_rows` when given; `kw` are `make_args` fields (`mask_token_id` defaults to `tok`'s
+    mask token)."""
     if "mask_token_id" not in kw:
         kw["mask_token_id"] = tok.convert_tokens_to_ids(tiny.MASK_TOKEN)
     data = {}
+    if rows is not None or eval_rows is not None:
+        data["data_collator"] = lambda items: text_batch(items, tok.pad_token_id)
     if rows is not None:
-        collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
-        data = dict(train_dataset=ListDataset(rows, repeat), data_collator=collate)
+        data["train_dataset"] = ListDataset(rows, repeat)
+    if eval_rows is not None:
+        data["eval_dataset"] = ListDataset(eval_rows)
     torch.manual_seed(0)
     return DFlashTrainer(model=draft, args=make_args(tmp_path, **kw), target=model, **data)
 
@@ -344,6 +359,14 @@ def end_ranks() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def link_assets(assets: Path, root: Path) -> Path:
+    """`root` made, with links to the `target` and `speech` folders of `assets` (a run's inputs, shared by runs)."""
+    root.mkdir()
+    for name in ("target", "speech"):
+        (root / name).symlink_to(assets / name)
+    return root
 
 
 def run_torchrun(cmd: list[str], timeout_s: float) -> None:

@@ -12,7 +12,7 @@ from quality_steps.common import RESULTS_DIR, tqdm, write_json
 from dflash_hf.data.wer import corpus_wer, normalize, word_errors
 
 from .data import load_audio, messages_for, read_manifest
-from .presets import INSTRUCTION, resolve_device
+from .presets import INSTRUCTION
 
 
 @torch.no_grad()
@@ -62,10 +62,12 @@ def wer(
     """Greedy transcription WER on the first ``num_samples`` manifest rows; JSON with per-sample hypotheses."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
+    from dflash_hf.export.evaluation_setup import evaluation_device
+
     if num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {num_samples}")
     rows = read_manifest(manifest)[:num_samples]
-    device = resolve_device(device)
+    device = str(evaluation_device(device))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     processor = AutoProcessor.from_pretrained(model_dir)

@@ -1,11 +1,8 @@
-"""The LLM presets of the speech LLM (audio marker tokens, system turn, mask token), its chat template and
-the device choice."""
+"""The LLM presets of the speech LLM (audio marker tokens, system turn, mask token) and its chat template."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 INSTRUCTION = "Transcribe the audio."
 DFLASH_MASK_ID = 8  # SmolLM2's `<issue_start>`: kept free for the DFlash mask token
@@ -76,9 +73,3 @@ def chat_template(audio_bos: str, audio_token: str, audio_eos: str, system: str 
         "{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

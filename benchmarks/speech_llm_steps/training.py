@@ -14,7 +14,7 @@ from quality_steps.common import SAMPLING_RATE, tqdm, write_json
 
 from .data import encode_row, encode_training_batch, load_audio, pad_batch, pad_id_of, read_manifest, render
 from .modeling import add_lora, encode_audio, forward_with_audio, merge_lora, save_target, supervised_loss
-from .presets import INSTRUCTION, resolve_device
+from .presets import INSTRUCTION
 
 PROBE_STEPS = 20  # steps timed before --max_minutes shortens the schedule
 REPLAN_EVERY = 50  # then the horizon is re-planned every this many steps from the rate since the probe
@@ -93,6 +93,7 @@ def train(
     ``max_minutes`` stops the optimisation early (recorded) to keep a time budget."""
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
+    from dflash_hf.export.evaluation_setup import evaluation_device
     from dflash_hf.targets.families.registry import resolve_family
 
     if (out / "recipe.json").is_file() and (out / "config.json").is_file():
@@ -108,7 +109,7 @@ def train(
     rows = read_manifest(manifest)
     if batch_size > len(rows):
         raise ValueError(f"--batch_size {batch_size} exceeds the {len(rows)} clips of --train {manifest}; lower it")
-    device = resolve_device(device)
+    device = str(evaluation_device(device))
     torch.manual_seed(seed)
     random.seed(seed)
     model = Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).to(device)
@@ -178,19 +179,11 @@ def train(
                 batch["labels"],
             )
         if not torch.isfinite(loss):  # nothing diverged is saved: the weights would be NaN from here on
-            raise RuntimeError(
-                f"the loss is {loss.item()} at step {step + 1} (clips {', '.join(r['id'] for r in chunk[:4])}, ...): "
-                f"training diverged, nothing was saved. Lower --lr (now {lr}) and --lora_lr, or train in fp32 "
-                "(--precision fp32)"
-            )
+            raise RuntimeError(diverged("loss", loss.item(), step + 1, chunk, lr))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_([p for g in params for p in g["params"]], 1.0)
         if not torch.isfinite(norm):  # caught before the update: the batch that broke it, not the one after
-            raise RuntimeError(
-                f"the gradient norm is {norm.item()} at step {step + 1} (loss {loss.item():.4f}; clips "
-                f"{', '.join(r['id'] for r in chunk[:4])}, ...): training diverged, nothing was saved. Lower --lr "
-                f"(now {lr}) and --lora_lr, or train in fp32 (--precision fp32)"
-            )
+            raise RuntimeError(diverged("gradient norm", norm.item(), step + 1, chunk, lr, loss=loss.item()))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -231,6 +224,17 @@ def train(
 
 
 @torch.no_grad()
+def diverged(what: str, value: float, step: int, chunk: list[dict], lr: float, loss: float | None = None) -> str:
+    """The message of a non-finite `what` (the loss, the gradient norm) at `step` (1-based): that step's loss when
+    given, its batch's first clips, and the fix."""
+    finite_loss = "" if loss is None else f"loss {loss:.4f}; "
+    return (
+        f"the {what} is {value} at step {step} ({finite_loss}clips {', '.join(r['id'] for r in chunk[:4])}, ...): "
+        f"training diverged, nothing was saved. Lower --lr (now {lr}) and --lora_lr, or train in fp32 "
+        "(--precision fp32)"
+    )
+
+
 def check_cached_forward(model, processor, family, rows, cache, instruction) -> None:
     """The training path (own placeholder expansion, tower outputs from :func:`encode_audio`, projector scattered
     into the embeddings) must give the ids of dflash_hf's processor call and the model's own logits, in fp32 on

@@ -51,6 +51,7 @@ class ParityArguments:
             raise DFlashUserError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise DFlashUserError(f"--concurrency takes positive request counts, got {self.concurrency}")
+        self.concurrency = list(dict.fromkeys(self.concurrency))  # each once, in the order given
         if not 0 < self.gpu_memory_utilization <= 1:
             raise DFlashUserError(f"--gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tie_margin is not None and self.tie_margin < 0:

@@ -27,7 +27,7 @@ def engine_pairs(concurrency: list[int]) -> dict[int, list[int]]:
     concurrency (the parity runs and the target check) comes first."""
     largest = max(concurrency)
     pairs: dict[int, list[int]] = {}
-    for c in dict.fromkeys(concurrency):
+    for c in concurrency:
         pairs.setdefault(largest if c in (1, largest) else c, []).append(c)
     return pairs
 
@@ -41,6 +41,7 @@ def run_worker(config_file: str) -> None:
     config = json.loads(Path(config_file).read_text())
     rows = read_requests(config["prompts"], config["num_prompts"])
     llm = LLM(**engine_arguments(config))
+    served_by = serving_class(llm)  # the engine's, the same for each of its passes
     prompts = vllm_prompts(rows, config["target"])
     for served in config["passes"]:
         params = SamplingParams(
@@ -51,7 +52,7 @@ def run_worker(config_file: str) -> None:
             for request, completion in zip(result["requests"], completions):
                 request["top_logprobs"] = top_logprobs(completion)
         result.update(
-            serving_class=serving_class(llm),
+            serving_class=served_by,
             environment=environment,
             engine={"max_num_seqs": config["max_num_seqs"], "one_request_at_a_time": served["one_at_a_time"]},
         )

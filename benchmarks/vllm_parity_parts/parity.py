@@ -27,7 +27,7 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
 
 
-def run(args: ParityArguments, command: str, save: Callable[[dict], None] = lambda record: None) -> dict:
+def run(args: ParityArguments, command: str, save: Callable[[dict], None]) -> dict:
     """The whole comparison. Per engine pair (`engine.engine_pairs`: one for the default concurrencies), the target
     alone first (the first pair's engine runs the target check before its timed passes; a failed check stops the run
     there, before any engine with the draft, when `--stop_if_target_differs`), then the target with the draft. `save`
@@ -60,12 +60,12 @@ def run(args: ParityArguments, command: str, save: Callable[[dict], None] = lamb
         for n, (max_num_seqs, served) in enumerate(engine_pairs(args.concurrency).items()):
             check = TOP_LOGPROBS if n == 0 and greedy is not None else 0
             passes = run_engine(args, None, 0, max_num_seqs, served, Path(tmp), check_logprobs=check)
+            alone.update({key: result for key, result in passes.items() if key != "target_check"})
             if check:
-                target_check = check_target(passes.pop("target_check"), greedy, args.tie_margin, eos)
+                target_check = check_target(passes["target_check"], greedy, args.tie_margin, eos)
                 print(target_summary(target_check), flush=True)
-            alone.update(passes)
-            if target_check is not None and not target_check["passed"] and args.stop_if_target_differs:
-                return {**so_far(), "stopped": "the target alone differs from transformers"}
+                if not target_check["passed"] and args.stop_if_target_differs:
+                    return {**so_far(), "stopped": "the target alone differs from transformers"}
             save({**so_far(), "incomplete": left(alone, drafted, args.concurrency)})
             drafted.update(run_engine(args, args.draft, block - 1, max_num_seqs, served, Path(tmp)))
             save(
@@ -75,7 +75,7 @@ def run(args: ParityArguments, command: str, save: Callable[[dict], None] = lamb
                 }
             )
     ours = None if args.skip_dflash_hf else run_dflash_hf(args)
-    runs = {c: (alone[c], drafted[c]) for c in dict.fromkeys(args.concurrency)}
+    runs = {c: (alone[c], drafted[c]) for c in args.concurrency}
     throughput = [
         {
             "concurrency": c,
@@ -99,7 +99,7 @@ def run(args: ParityArguments, command: str, save: Callable[[dict], None] = lamb
 def runs_record(alone: dict, drafted: dict, concurrency: list[int]) -> dict:
     """The vLLM runs by concurrency, as the results JSON holds them (a run not measured yet left out)."""
     out = {}
-    for c in dict.fromkeys(concurrency):
+    for c in concurrency:
         row = {name: runs[c] for name, runs in (("target_alone", alone), ("with_draft", drafted)) if c in runs}
         if row:
             out[str(c)] = row
@@ -109,7 +109,7 @@ def runs_record(alone: dict, drafted: dict, concurrency: list[int]) -> dict:
 def left(alone: dict, drafted: dict, concurrency: list[int]) -> str:
     """The vLLM runs not measured yet, in words ("" when none is left)."""
     parts = [
-        f"{name} at concurrency {', '.join(str(c) for c in dict.fromkeys(concurrency) if c not in runs)}"
+        f"{name} at concurrency {', '.join(str(c) for c in concurrency if c not in runs)}"
         for name, runs in (("the target alone", alone), ("the target with the draft", drafted))
         if any(c not in runs for c in concurrency)
     ]

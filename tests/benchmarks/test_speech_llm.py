@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 from speech_llm_steps import assembly, data, evaluation, modeling, presets, training
-from utils import REPO_ROOT, loaded_script
+from utils import REPO_ROOT, doubled_name, loaded_script
 
 from dflash_hf.targets.frozen import FrozenTarget, load_target
 from dflash_hf.testing import tiny
@@ -103,44 +103,23 @@ def test_assembled_tower_is_the_whisper_encoder(parts, trained):
             assert torch.equal(tower[name], tensor), name
 
 
-def test_the_saved_targets_hold_the_weight_names_vllm_reads(parts, trained):
-    """Whatever layout the installed transformers saves (5.17 to 5.22 double the language model's prefix), assembly
-    and training leave the names vLLM's Qwen2-Audio reads: the text model's own under `language_model.`."""
-    from safetensors import safe_open
-
-    from dflash_hf.serving.checkpoint_layout import rewrite_for_vllm
-
-    llm = tf.AutoModelForCausalLM.from_pretrained(parts[0] / "llm")
-    want = {f"language_model.{name}" for name in llm.state_dict()}
-    for path in trained[:2]:
-        with safe_open(path / "model.safetensors", "pt") as f:
-            names = set(f.keys())
-        assert {name for name in names if name.startswith("language_model.")} <= want
-        assert {name for name in want if name.startswith("language_model.model.")} <= names
-        assert rewrite_for_vllm(path) == 0  # nothing left to rename
-
-
 def test_save_target_rewrites_the_doubled_layout(trained, tmp_path, monkeypatch, capsys):
     """The layout transformers 5.17 to 5.22 save (the language model's prefix doubled), made here whatever the installed
     transformers saves: `save_target` leaves the names vLLM's Qwen2-Audio reads, those of the fixture's targets."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from dflash_hf.serving.checkpoint_layout import DOUBLED_PREFIX, VLLM_PREFIX
+    from dflash_hf.serving.checkpoint_layout import DOUBLED_PREFIX
 
     assembled = trained[0]
     model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(assembled)
     processor = tf.AutoProcessor.from_pretrained(assembled)
     real_save = type(model).save_pretrained
 
-    def doubled(name: str) -> str:
-        plain = name.startswith(VLLM_PREFIX) and not name.startswith(DOUBLED_PREFIX)
-        return DOUBLED_PREFIX + name[len(VLLM_PREFIX) :] if plain else name
-
     def doubled_save(self, out, **kwargs):
         real_save(self, out, **kwargs)
         file = out / "model.safetensors"
-        save_file({doubled(k): v for k, v in load_file(file).items()}, file, {"format": "pt"})
+        save_file({doubled_name(k): v for k, v in load_file(file).items()}, file, {"format": "pt"})
 
     monkeypatch.setattr(type(model), "save_pretrained", doubled_save)
     modeling.save_target(model, processor, tmp_path / "t")

@@ -166,11 +166,14 @@ def _launched(configs: list) -> list:
     ]
 
 
-def test_engine_pairs_serve_1_and_the_largest_concurrency_on_one_engine():
+def test_engine_pairs_serve_1_and_the_largest_concurrency_on_one_engine(setup):
     assert engine.engine_pairs([1, 8]) == {8: [1, 8]}
     assert engine.engine_pairs([8, 1]) == {8: [8, 1]}
     assert engine.engine_pairs([1]) == {1: [1]}
-    assert engine.engine_pairs([4, 1, 8, 2, 4]) == {4: [4], 8: [1, 8], 2: [2]}  # the first concurrency's pair first
+    argv = _argv(setup, "--concurrency", "4", "1", "8", "2", "4")
+    (args,) = arguments.make_parser().parse_args_into_dataclasses(argv)
+    assert args.concurrency == [4, 1, 8, 2]  # each once, in the order given
+    assert engine.engine_pairs(args.concurrency) == {4: [4], 8: [1, 8], 2: [2]}  # the first concurrency's pair first
 
 
 @pytest.mark.slow  # decodes three requests with the tiny target on the CPU

@@ -111,6 +111,15 @@ def _context_config(variant: str) -> DFlashConfig:
     )
 
 
+def _published_config(variant: str) -> DFlashConfig:
+    """`_context_config(variant)` without its encoder context: a draft inside the published contract."""
+    config = _context_config(variant)
+    config.dflash_config.pop("encoder_hidden_size")
+    config.dflash_config.pop("outside_published_contract")
+    config.architectures = ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"]
+    return config
+
+
 @pytest.mark.parametrize(
     ("variant", "name"), [("dflash", "DFlashEncoderContextDraftModel"), ("dflash2", "DFlash2EncoderContextDraftModel")]
 )
@@ -179,9 +188,7 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
     assert "vllm serve" not in outside and "sglang" not in outside and "Outside the published DFlash" in outside
     assert serving_commands(config, "me/ctx", "t") == {}
 
-    config.dflash_config.pop("encoder_hidden_size")
-    config.dflash_config.pop("outside_published_contract")
-    config.architectures = ["DFlash2DraftModel"]
+    config = _published_config("dflash2")
     config.set_block_size(8)
     unmeasured = DraftCardInfo(target_id="HuggingFaceTB/SmolLM2-135M-Instruct", target_architecture="LlamaForCausalLM")
     assert serving_commands(config, "me/draft", unmeasured.target_id, info=unmeasured) == {}  # no measured row
@@ -210,10 +217,7 @@ def test_model_card_serving_commands_follow_the_export(tmp_path):
     ],
 )
 def test_model_card_prints_no_command_for_a_pair_without_a_measured_row(architecture, text_type, says):
-    config = _context_config("dflash")
-    config.dflash_config.pop("encoder_hidden_size")
-    config.dflash_config.pop("outside_published_contract")
-    config.architectures = ["DFlashDraftModel"]
+    config = _published_config("dflash")
     info = DraftCardInfo(target_id="org/t", target_architecture=architecture, target_text_model_type=text_type)
     card = build_model_card(config, "me/draft", info)
     assert says in card and "vllm serve" not in card and "sglang" not in card.lower()
@@ -222,10 +226,7 @@ def test_model_card_prints_no_command_for_a_pair_without_a_measured_row(architec
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_model_card_prints_the_measured_qwen3_asr_pair_only(variant):
-    config = _context_config(variant)
-    config.dflash_config.pop("encoder_hidden_size")
-    config.dflash_config.pop("outside_published_contract")
-    config.architectures = ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"]
+    config = _published_config(variant)
     info = DraftCardInfo(target_id="org/asr", target_architecture="Qwen3ASRForConditionalGeneration")
     card = build_model_card(config, "me/draft", info)
     commands = serving_commands(config, "me/draft", "org/asr", info=info)
@@ -247,10 +248,7 @@ def test_model_card_prints_the_measured_qwen3_asr_pair_only(variant):
     ],
 )
 def test_model_card_prints_the_measured_plugin_pair_only(architecture, text_type, variant, measured):
-    config = _context_config(variant)
-    config.dflash_config.pop("encoder_hidden_size")
-    config.dflash_config.pop("outside_published_contract")
-    config.architectures = ["DFlash2DraftModel" if variant == "dflash2" else "DFlashDraftModel"]
+    config = _published_config(variant)
     info = DraftCardInfo(target_id="org/slm", target_architecture=architecture, target_text_model_type=text_type)
     card = build_model_card(config, "me/draft", info)
     commands = serving_commands(config, "me/draft", "org/slm", info=info)
@@ -289,10 +287,7 @@ def test_target_serving_facts_read_the_targets_config():
 
 
 def test_model_card_gives_no_command_for_a_qwen3_asr_target_vllm_cannot_build():
-    config = _context_config("dflash")
-    config.dflash_config.pop("encoder_hidden_size")
-    config.dflash_config.pop("outside_published_contract")
-    config.architectures = ["DFlashDraftModel"]
+    config = _published_config("dflash")
     info = DraftCardInfo(
         target_id="org/asr",
         target_architecture="Qwen3ASRForConditionalGeneration",

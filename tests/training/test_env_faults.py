@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from utils import (
-    ListDataset,
     assert_bitwise_equal,
     make_args,
     make_trainer,
     random_rows,
-    text_batch,
     tiny_text_target,
     trainer_weights,
 )
@@ -265,15 +263,11 @@ def _best_loaded_trainer(tmp_path) -> DFlashTrainer:
     """4 steps evaluated each step, only the best (highest loss: step 1) saved and loaded at the end."""
     model, tok = tiny_text_target()
     rows = random_rows(4, 250, seed=1)
-    args = make_args(
-        tmp_path, mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2,
-        learning_rate=1e-3, max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="best",
-        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+    return make_trainer(
+        tmp_path, model, tok, rows, eval_rows=rows, per_device_train_batch_size=2, learning_rate=1e-3, max_steps=4,
+        eval_strategy="steps", eval_steps=1, save_strategy="best", load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=True,
     )  # fmt: skip
-    torch.manual_seed(0)
-    data = ListDataset(rows)
-    collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
-    return DFlashTrainer(args=args, target=model, train_dataset=data, eval_dataset=data, data_collator=collate)
 
 
 def test_a_fault_after_the_best_checkpoint_was_loaded_names_the_last_steps_checkpoint(tmp_path):

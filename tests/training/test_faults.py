@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (utils) when this file runs as a script
-from utils import assert_bitwise_equal, dflash_train_in_process  # noqa: E402
+from utils import assert_bitwise_equal, dflash_train_in_process, link_assets  # noqa: E402
 
 HERE = Path(__file__).resolve()
 KILL_ENV = "DFLASH_TEST_KILL"
@@ -111,13 +111,6 @@ def assets(tmp_path_factory):
     return root
 
 
-def _link_assets(assets: Path, root: Path) -> Path:
-    root.mkdir()
-    for name in ("target", "speech"):
-        (root / name).symlink_to(assets / name)
-    return root
-
-
 def uninterrupted_dflash_train(root: Path, *extra: str) -> None:
     """The reference run: the same `dflash-train` in this process, one thread as in the subprocesses."""
     dflash_train_in_process(cli_args(root) + list(extra))
@@ -125,7 +118,7 @@ def uninterrupted_dflash_train(root: Path, *extra: str) -> None:
 
 @pytest.mark.slow  # five dflash-train runs: 30-60 s on 2 cores
 def test_sigkill_at_four_points_then_resume_gives_the_uninterrupted_draft_bit_for_bit(assets, tmp_path):
-    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    ref_root, run_root = link_assets(assets, tmp_path / "ref"), link_assets(assets, tmp_path / "run")
     uninterrupted_dflash_train(ref_root)
     out = run_root / "out"
 
@@ -159,7 +152,7 @@ def test_a_stop_signal_saves_a_checkpoint_at_the_step_boundary_and_the_resumed_r
     assets, tmp_path, name
 ):
     """Before: SIGTERM killed the run with no checkpoint and no message (SIGINT: a KeyboardInterrupt traceback)."""
-    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    ref_root, run_root = link_assets(assets, tmp_path / "ref"), link_assets(assets, tmp_path / "run")
     uninterrupted_dflash_train(ref_root)
     out = run_root / "out"
 
@@ -184,7 +177,7 @@ def test_a_killed_loader_worker_saves_a_checkpoint_at_the_step_boundary_and_the_
 ):
     """Before: PyTorch's `RuntimeError: DataLoader worker (pid N) is killed by signal: Killed` traceback, exit 1, and
     every step since the last checkpoint lost. Checkpoints only every 100 steps: the one saved is the fault's."""
-    ref_root, run_root = _link_assets(assets, tmp_path / "ref"), _link_assets(assets, tmp_path / "run")
+    ref_root, run_root = link_assets(assets, tmp_path / "ref"), link_assets(assets, tmp_path / "run")
     extra = ("--dataloader_num_workers", "1", "--save_steps", "100")
     uninterrupted_dflash_train(ref_root, *extra)
     out = run_root / "out"

@@ -13,12 +13,11 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_callback import TrainerState
 from utils import (
-    ListDataset,
     assert_bitwise_equal,
     dflash_train_in_process,
-    make_args,
+    link_assets,
+    make_trainer,
     random_rows,
-    text_batch,
     tiny_text_target,
     trainer_weights,
 )
@@ -45,12 +44,9 @@ def counted(monkeypatch, name: str) -> list[int]:
 def text_trainer(root: Path, **kw) -> DFlashTrainer:
     """4 rows, 2 a step: 2 optimizer steps per epoch; one unnamed validation set (the training rows)."""
     model, tok = tiny_text_target()
-    data = ListDataset(random_rows(4, 250, seed=1))
-    base = dict(mask_token_id=tok.convert_tokens_to_ids(tiny.MASK_TOKEN), per_device_train_batch_size=2)
-    args = make_args(root, learning_rate=1e-3, **(base | kw))
-    torch.manual_seed(0)
-    collate = lambda items: text_batch(items, tok.pad_token_id)  # noqa: E731
-    return DFlashTrainer(args=args, target=model, train_dataset=data, eval_dataset=data, data_collator=collate)
+    rows = random_rows(4, 250, seed=1)
+    base = dict(per_device_train_batch_size=2, learning_rate=1e-3)
+    return make_trainer(root, model, tok, rows, eval_rows=rows, **(base | kw))
 
 
 BEST = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="loss", greater_is_better=True)
@@ -142,11 +138,8 @@ def test_faults_in_the_final_evaluation_and_the_export_resume_without_training_t
     assets = tmp_path_factory.mktemp("assets")
     tiny.save_tiny_target(assets / "target", hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1)
     tiny.synthesize_speech(assets / "speech", 4, seed=0)
-    roots = {}
-    for name in ("straight", "faulted"):
-        roots[name] = tmp_path_factory.mktemp(name)
-        for part in ("target", "speech"):
-            (roots[name] / part).symlink_to(assets / part)
+    runs = tmp_path_factory.mktemp("runs")
+    roots = {name: link_assets(assets, runs / name) for name in ("straight", "faulted")}
     reference = dflash_train(roots["straight"])
 
     root, out = roots["faulted"], roots["faulted"] / "out"
