@@ -62,11 +62,11 @@ def _run(model: str, manifest: Path, output: Path, prefetch: bool, args) -> floa
         dtype=args.dtype,
         prefetch=prefetch,
     )
-    check_label_inputs(settings)
+    label_target = check_label_inputs(settings)  # the target's config, read once
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     start = time.perf_counter()
-    generate_labels(settings)
+    generate_labels(settings, label_target)
     return time.perf_counter() - start
 
 
