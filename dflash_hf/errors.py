@@ -4,7 +4,8 @@ A *user error* is a setting, file or sample the user has to change; its message 
 The console scripts (`dflash-train`, `dflash-eval`, `dflash-generate-labels`, `dflash-demo`) print such an
 error as one line and exit with status 2, as argparse does. An *environment fault* (:class:`EnvironmentFault`: a
 full disk, a data-loader worker killed, GPU out of memory) stopped a run that was right: one line saying what
-happened, the last complete checkpoint and the command that resumes, and exit status 75
+happened, the last complete checkpoint (for `dflash-generate-labels`, :class:`OutputKeptFault`: the rows written so
+far) and the command that resumes, and exit status 75
 (`ENVIRONMENT_FAULT_EXIT_CODE`, sysexits' EX_TEMPFAIL: try again). Anything else is a bug and keeps its traceback.
 `DFLASH_DEBUG=1` shows the traceback of user errors and faults too (`--debug` is taken: it is a `TrainingArguments`
 field).
@@ -66,6 +67,22 @@ class EnvironmentFault(Exception):
             else "the same command"
         )
         return f"{self.what}. {where}; {how}: {command}"
+
+
+class OutputKeptFault(EnvironmentFault):
+    """An environment fault of a command that writes its output as it goes and resumes from what it wrote
+    (`dflash-generate-labels`' ``<output>.partial``), not from checkpoints: `what` says what happened, the fix, what
+    of the output is kept and how to resume."""
+
+    def __str__(self) -> str:
+        return self.what
+
+
+def oom_reason(error: BaseException | str) -> str:
+    """torch's short reason for a GPU out-of-memory error: its first two sentences (``CUDA out of memory. Tried to
+    allocate 2.00 GiB``), without the allocator's statistics and advice that follow."""
+    text = str(error).strip()
+    return ". ".join(text.splitlines()[0].split(". ")[:2]) if text else "torch.OutOfMemoryError"
 
 
 # Every exception family the console scripts report as a user error. ValueError covers DFlashUserError,
@@ -134,8 +151,10 @@ __all__ = [
     "ConfigFileError",
     "DFlashUserError",
     "EnvironmentFault",
+    "OutputKeptFault",
     "USER_ERRORS",
     "cli_message",
     "debug_enabled",
+    "oom_reason",
     "run_console",
 ]

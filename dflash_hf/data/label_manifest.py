@@ -2,7 +2,9 @@
 and writes a new manifest whose ``text`` is the target's own response (the original kept under the job's
 ``reference_key``), resumable (`dflash_hf.data.label_rows`). The decoding is handed in (`decode`: the target's greedy
 new tokens of encoded prompts, `dflash_hf.generation.target_generate.generated_labels`), so that the rows, their
-rendering and the files stay data's."""
+rendering and the files stay data's. A batch whose decoding runs out of GPU memory stops the run with one
+`OutputKeptFault` (`out_of_memory`: the batch, the fix, the rows kept; exit status 75 from the console script); nothing
+is retried with a smaller batch."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from dflash_hf.data.label_rows import (
 from dflash_hf.data.samples import SamplePipeline
 from dflash_hf.data.sources import make_cut, nemo_cut_id, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
+from dflash_hf.errors import OutputKeptFault, oom_reason
 from dflash_hf.settings.labels import LabelSettings
 from dflash_hf.targets.families.registry import encode_batch
 from dflash_hf.targets.frozen import FrozenTarget
@@ -97,11 +100,17 @@ def check_label_inputs(settings: LabelSettings) -> tuple:
     return target
 
 
+def one_prompt_at_a_time(family) -> bool:
+    """Whether a batch of the family's prompts is decoded one prompt at a time (`encode_prompts`): a model-side
+    single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends on the batch's
+    padding (`prepare_forward`: Moonshine)."""
+    return family.expansion == "model" or family.overrides("prepare_forward")
+
+
 def encode_prompts(family, processor, config, texts: list[str], audios: list) -> list[dict]:
     """The prompts' `generate` inputs on the CPU: one left-padded batch, except where a batch would change the
-    outputs: a model-side single-placeholder row (its greedy is not `generate`) and a row whose encoder output depends
-    on the batch's padding (`prepare_forward`: Moonshine) go one at a time."""
-    if family.expansion == "model" or family.overrides("prepare_forward"):
+    outputs: the rows of `one_prompt_at_a_time` go one at a time."""
+    if one_prompt_at_a_time(family):
         return [
             encode_batch(family, processor, config, [t], audios[i : i + 1], padding_side="left")
             for i, t in enumerate(texts)
@@ -121,6 +130,51 @@ def prefetched(items: Iterator[T]) -> Iterator[T]:
         while (item := future.result()) is not _END:
             future = pool.submit(next, it, _END)
             yield item
+
+
+def out_of_memory(
+    error: BaseException,
+    job: LabelJob,
+    target: FrozenTarget,
+    encoded: list[dict],
+    prompts: int,
+    kept: int,
+    written: int,
+) -> OutputKeptFault:
+    """The fault that stops `write_generated_labels` where decoding a batch of `prompts` prompts (`encoded`) ran out
+    of GPU memory: the batch, torch's reason, the options that lower the memory (with their values) and where the
+    `kept` rows labelled so far (`written` of them by this run) are, which the same command resumes from."""
+    one_by_one = one_prompt_at_a_time(target.family)
+    widths = [e["input_ids"].shape[-1] for e in encoded if torch.is_tensor(e.get("input_ids"))]
+    longest = max(widths) if widths and not one_by_one and not target.is_encoder_decoder else None
+    what = f"GPU out of memory generating labels for a batch of {prompts} prompt{'s' * (prompts != 1)}"
+    what += (f", the longest {longest} tokens" if longest else "") + f" ({oom_reason(error)})"
+    dtype = str(target.dtype).removeprefix("torch.")
+    if longest and not target.keeps_last_logits_only:
+        vocab = target.lm_head.weight.shape[0]
+        size = prompts * longest * vocab * target.lm_head.weight.element_size() / 2**30
+        what += (
+            ". The target's forward takes no logits_to_keep, so its prefill holds the logits of every prompt position "
+            f"({prompts} x {longest} x vocabulary {vocab} in {dtype}: {size:.1f} GiB)"
+        )
+    fixes = []
+    if one_by_one:
+        what += f". This target decodes one prompt at a time: --batch_size (now {job.batch_size}) does not change it"
+    elif job.batch_size > 1:
+        fixes.append(f"lower --batch_size (now {job.batch_size}; e.g. {job.batch_size // 2})")
+    if target.dtype == torch.float32:
+        fixes.append(f"load the target with --dtype bfloat16 (rows labelled before the switch stay {dtype}'s)")
+    fixes.append("label on a GPU with more memory")
+    partial = str(partial_path(Path(job.output)))
+    kept_text = (
+        f"{partial!r} holds the {kept} row{'s' * (kept != 1)} labelled so far ({written} written by this run)"
+        if kept
+        else f"No row is labelled yet ({partial!r} is empty)"
+    )
+    return OutputKeptFault(
+        f"{what}. Fix: {', or '.join(fixes)}. {kept_text}; the same command with the same --output resumes from there "
+        "(its rows are not labelled again), and --output is written once every row is labelled"
+    )
 
 
 def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decode: Decode) -> LabelCounts:
@@ -187,7 +241,12 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     with open(partial, "a", encoding="utf-8") as out, tqdm(total=len(todo), desc="generate-labels", unit="utt") as bar:
         for size, cuts, encoded in prefetched(batches()) if job.prefetch else batches():
             if cuts:
-                for (cut, record), ids in zip(cuts, decode(encoded)):
+                try:
+                    labels = decode(encoded)
+                except torch.OutOfMemoryError as err:  # the batches before this one are in the partial file
+                    kept = len(done) + counts.written
+                    raise out_of_memory(err, job, target, encoded, len(cuts), kept, counts.written) from err
+                for (cut, record), ids in zip(cuts, labels):
                     line = {k: v for k, v in record.items() if k not in (LABEL_IDS_KEY, TRUNCATED_KEY)}
                     line[job.reference_key] = record.get("text")
                     line.update(generated_line(cut, ids.tolist(), ends, check_renderer, counts, validator.audio_id))
@@ -205,4 +264,13 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     return counts
 
 
-__all__ = ["Decode", "LabelJob", "check_label_inputs", "encode_prompts", "prefetched", "write_generated_labels"]
+__all__ = [
+    "Decode",
+    "LabelJob",
+    "check_label_inputs",
+    "encode_prompts",
+    "one_prompt_at_a_time",
+    "out_of_memory",
+    "prefetched",
+    "write_generated_labels",
+]

@@ -39,7 +39,7 @@ import torch
 from transformers import TrainerCallback
 
 from dflash_hf.data.epochs import ResumableEpochs
-from dflash_hf.errors import EnvironmentFault, debug_enabled
+from dflash_hf.errors import EnvironmentFault, debug_enabled, oom_reason
 from dflash_hf.training.assembly import is_speech_source
 from dflash_hf.training.checkpoints import (
     DiskFullError,
@@ -360,8 +360,6 @@ def oom_message(faults: StepFaults, error: str) -> str:
     """What ran out of GPU memory (the micro-batch's shape), the options that lower it, and `--skip_oom_batches`."""
     trainer = faults.trainer
     step = trainer.state.global_step + (faults.phase != BOUNDARY)
-    # torch's first two sentences: "CUDA out of memory. Tried to allocate 2.00 GiB"
-    first = ". ".join(error.strip().splitlines()[0].split(". ")[:2]) if error.strip() else "torch.OutOfMemoryError"
     if faults.phase == STEP and faults.oom_shape:
         where = f"in optimizer step {step}, {faults.oom_shape}"
     elif faults.phase == UPDATE:
@@ -374,7 +372,7 @@ def oom_message(faults: StepFaults, error: str) -> str:
         if faults.limit
         else "or let --skip_oom_batches N skip up to N such steps (each logged and counted)"
     )
-    return f"GPU out of memory {where} ({first}). Lower the memory a step needs: {lower}; {skip}"
+    return f"GPU out of memory {where} ({oom_reason(error)}). Lower the memory a step needs: {lower}; {skip}"
 
 
 __all__ = ["SKIPPED_KEY", "StepFaults", "memory_options", "micro_batch_shape", "oom_message"]

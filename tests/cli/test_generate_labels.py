@@ -485,3 +485,86 @@ def test_a_row_id_that_is_not_a_string_or_integer_takes_the_id_training_gives_th
     out = tmp_path / "out.json"
     assert _gen(model_dir, data, out) == 0
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["m-00000000", "m-00000001", "m-00000002"]
+
+
+TORCH_OOM = (
+    "CUDA out of memory. Tried to allocate 73.30 GiB. GPU 0 has a total capacity of 79.19 GiB of which 5.12 GiB is "
+    "free. Of the allocated memory 70.01 GiB is allocated by PyTorch. If reserved but unallocated memory is large try "
+    "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+)
+
+
+def test_gpu_out_of_memory_in_a_batch_stops_with_exit_75_and_the_rerun_resumes(small, tmp_path, monkeypatch, capsys):
+    """The second batch's generate runs out of GPU memory: one line naming the batch, torch's reason, --batch_size with
+    its value and the rows already written, exit status 75; the partial file holds exactly the first batch's rows, and
+    the same command labels only the rest."""
+    from dflash_hf.cli import console
+    from dflash_hf.errors import ENVIRONMENT_FAULT_EXIT_CODE
+    from dflash_hf.generation import target_generate
+
+    model_dir, manifest = small
+    out = tmp_path / "out.json"
+    argv = ["--model", str(model_dir), "--manifest", str(manifest), "--output", str(out), "--max_new_tokens", "3"]
+    argv += ["--batch_size", "2"]
+    generate, prompts = target_generate.target_generate_new_tokens, []
+
+    def second_batch_fails(ft, inputs, *args, **kwargs):
+        prompts.append(len(inputs["input_ids"]))
+        if len(prompts) == 2:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        return generate(ft, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(target_generate, "target_generate_new_tokens", second_batch_fails)
+    assert console.run_command("dflash-generate-labels", argv) == ENVIRONMENT_FAULT_EXIT_CODE == 75
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "stopped:" in x]  # one line (the progress bars write to stderr too)
+    assert line.startswith(
+        "dflash-generate-labels: stopped: GPU out of memory generating labels for a batch of 1 prompt,"
+    )
+    assert "(CUDA out of memory. Tried to allocate 73.30 GiB)" in line and "GPU 0 has" not in line
+    assert "lower --batch_size (now 2; e.g. 1)" in line and "--dtype bfloat16" in line
+    assert f"{str(partial_path(out))!r} holds the 2 rows labelled so far (2 written by this run)" in line
+    assert "the same command with the same --output resumes from there" in line and "Traceback" not in err
+    assert not out.exists()
+    kept = partial_path(out).read_text()
+    assert [json.loads(x)["id"] for x in kept.splitlines()] == ["manifest-00000000", "manifest-00000001"]
+
+    prompts.clear()
+    assert console.run_command("dflash-generate-labels", argv) == 0
+    assert prompts == [1]  # only the row the stopped run had not written
+    assert out.read_text().startswith(kept) and len(out.read_text().splitlines()) == 3
+    assert not partial_path(out).exists()
+
+
+def test_the_out_of_memory_message_fits_the_target(tmp_path):
+    """A target whose forward takes no `logits_to_keep` (Qwen2-Audio) holds every prompt position's logits at prefill:
+    the message gives their size; a target that decodes one prompt at a time does not offer --batch_size; one loaded
+    in bfloat16 is not offered --dtype bfloat16."""
+    from targets.test_families import build_qwen2_audio
+
+    from dflash_hf.data.conversation import ConversationConfig
+    from dflash_hf.data.label_manifest import LabelJob, out_of_memory
+    from dflash_hf.targets.frozen import FrozenTarget
+
+    model, _ = build_qwen2_audio(tiny.build_tokenizer())
+    names = dict(manifest=str(tmp_path / "m.json"), output=str(tmp_path / "o.json"), reference_key="reference_text")
+    flags = dict(skip_bad_samples=False, allow_command_audio_sources=False, prefetch=True)
+    job = LabelJob(**names, **flags, batch_size=250, conversation=ConversationConfig(), num_shards=1, shard_index=0)
+    encoded = [{"input_ids": torch.zeros(3, 40, dtype=torch.long), "attention_mask": torch.ones(3, 40)}]
+    error = torch.OutOfMemoryError(TORCH_OOM)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    text = str(out_of_memory(error, job, FrozenTarget(model), encoded, 3, 0, 0))
+    assert text.startswith("GPU out of memory generating labels for a batch of 3 prompts, the longest 40 tokens")
+    logits = f"3 x 40 x vocabulary {vocab} in float32: {3 * 40 * vocab * 4 / 2**30:.1f} GiB"
+    assert f"takes no logits_to_keep, so its prefill holds the logits of every prompt position ({logits})" in text
+    assert "lower --batch_size (now 250; e.g. 125), or load the target with --dtype bfloat16" in text
+    assert f"No row is labelled yet ({str(tmp_path / 'o.json.partial')!r} is empty)" in text
+
+    single = FrozenTarget(model, "qwen2_audio_single_placeholder")
+    one = [{"input_ids": torch.zeros(1, 9, dtype=torch.long)} for _ in range(3)]
+    text = str(out_of_memory(error, job, single, one, 3, 5, 1))
+    assert "decodes one prompt at a time: --batch_size (now 250) does not change it" in text
+    assert "lower --batch_size" not in text and "the longest" not in text and "(1 written by this run)" in text
+
+    text = str(out_of_memory(error, job, FrozenTarget(model.to(torch.bfloat16)), encoded, 3, 0, 0))
+    assert "in bfloat16:" in text and "--dtype bfloat16" not in text
