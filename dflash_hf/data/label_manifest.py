@@ -163,7 +163,9 @@ def out_of_memory(
     elif job.batch_size > 1:
         fixes.append(f"lower --batch_size (now {job.batch_size}; e.g. {job.batch_size // 2})")
     if target.dtype == torch.float32:
-        fixes.append(f"load the target with --dtype bfloat16 (rows labelled before the switch stay {dtype}'s)")
+        fixes.append(
+            "load the target with --dtype bfloat16 and give a new --output (labels of one dtype in a manifest)"
+        )
     fixes.append("label on a GPU with more memory")
     partial = str(partial_path(Path(job.output)))
     kept_text = (
