@@ -2,9 +2,10 @@
 whose ``text`` is the target's own response (the original kept under ``reference_key``).
 
 Same audio path / offset / duration / context and every other key; each output line also carries the cut
-``id`` so the run is resumable: rows already in the output are not labelled again. A row whose text does not
-re-encode to the tokens the target wrote keeps them as ``label_ids``, and an output cut by ``--max_new_tokens``
-before the target's end is marked ``truncated`` (``dflash_hf.data.generated``; training takes both into account).
+``id`` so the run is resumable: rows already in the output are not labelled again (an output holding rows of
+another manifest or shard is refused). A row whose text does not re-encode to the tokens the target wrote keeps
+them as ``label_ids``, and an output cut by ``--max_new_tokens`` before the target's end is marked ``truncated``
+(``dflash_hf.data.generated``; training takes both into account).
 The output is never written in place: the lines go to ``<output>.partial`` (kept by an interrupted run, and resumed
 from), renamed over ``--output`` once complete; an output that is the input manifest is refused. See
 docs/GENERATED_LABELS.md.

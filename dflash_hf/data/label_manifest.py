@@ -25,14 +25,17 @@ from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.collator import load_audios
 from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer, cut_to_messages
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY
-from dflash_hf.data.json_rows import first_valid_record, json_rows, manifest_stem
+from dflash_hf.data.json_rows import first_valid_record
 from dflash_hf.data.label_rows import (
     LabelCounts,
+    check_earlier_rows,
     check_manifest,
     check_output,
+    check_resumable,
     check_rows_fit,
     earlier_lines,
     generated_line,
+    manifest_rows,
     partial_path,
     record_problem,
     relocate,
@@ -40,7 +43,7 @@ from dflash_hf.data.label_rows import (
     start_partial,
 )
 from dflash_hf.data.samples import SamplePipeline
-from dflash_hf.data.sources import make_cut, nemo_cut_id, nemo_line_to_cut
+from dflash_hf.data.sources import make_cut, nemo_line_to_cut
 from dflash_hf.data.user_text import UserTextCheck
 from dflash_hf.errors import OutputKeptFault, oom_reason
 from dflash_hf.settings.labels import LabelSettings
@@ -83,8 +86,9 @@ class LabelJob:
 def check_label_inputs(settings: LabelSettings) -> tuple:
     """The files `settings` name, before the target loads: the model is an existing directory or a Hub id, the
     manifest a NeMo manifest with a row, the output a new file in an existing directory (`label_rows.check_output`);
-    then the shard numbers one of the parts, and the rows are what the target reads (audio rows for an audio target,
-    from its config alone: `label_rows.check_rows_fit`). Returns the target's `(config, family row)` that this read
+    then the shard numbers one of the parts, the rows are what the target reads (audio rows for an audio target,
+    from its config alone: `label_rows.check_rows_fit`), and an earlier run's lines are rows of the manifest (and
+    shard: `label_rows.check_resumable`). Returns the target's `(config, family row)` that this read
     (`label_target_family`; `load_label_target` takes it)."""
     check_model_dir(settings.model, "model", "the target")
     if not Path(settings.manifest).is_file():
@@ -97,6 +101,9 @@ def check_label_inputs(settings: LabelSettings) -> tuple:
     settings.check_shard()
     target = label_target_family(settings.model, settings.family)
     check_rows_fit(settings.manifest, target[1], record)
+    check_resumable(
+        settings.manifest, settings.output, settings.num_shards, settings.shard_index, settings.skip_bad_samples
+    )
     return target
 
 
@@ -192,9 +199,8 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     manifest, output = Path(job.manifest), Path(job.output)
     check_output(job.manifest, job.output)
     text_check = UserTextCheck(renderer.tokenizer)
-    records, stem = [], manifest_stem(manifest)
-    for index, origin, record in json_rows(manifest, bad, id_prefix=stem):
-        cut_id = nemo_cut_id(record, f"{stem}-{index:08d}")  # the id training gives the line
+    records = []
+    for cut_id, origin, record in manifest_rows(manifest, bad):
         problem = record_problem(record, renderer, text_check)
         if problem:
             bad.report(cut_id, *problem, origin=origin)
@@ -204,6 +210,8 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
         total, records = len(records), shard_of(records, job.num_shards, job.shard_index)
         logger.info("shard %d of %d: %d of the %d lines", job.shard_index, job.num_shards, len(records), total)
     earlier, done = earlier_lines(output)
+    run_ids = [i for i, _, _ in records]  # an earlier run's rows are rows of this run, else refused here
+    check_earlier_rows(output, done, run_ids, job.manifest, job.num_shards, job.shard_index, bad.num_skipped)
     todo = [(i, o, r) for i, o, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
 

@@ -10,12 +10,15 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_hf.data.bad_samples import BadSamples
 from dflash_hf.data.conversation import ConversationRenderer
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
-from dflash_hf.data.json_rows import record_kind
+from dflash_hf.data.json_rows import json_rows, manifest_stem, record_kind
+from dflash_hf.data.sources import nemo_cut_id
 from dflash_hf.data.user_text import UserTextCheck
 
 logger = logging.getLogger("dflash_hf.generate_labels")
@@ -25,6 +28,14 @@ def shard_of(records: list, num_shards: int, shard_index: int) -> list:
     """Part `shard_index` of `num_shards` contiguous, near-equal parts of `records` (the last ones may be empty)."""
     size = -(-len(records) // num_shards)
     return records[shard_index * size : (shard_index + 1) * size]
+
+
+def manifest_rows(manifest: Path, bad: BadSamples) -> Iterator[tuple[str, str, dict]]:
+    """``(cut id, origin, record)`` of every row of `manifest` (`json_rows`; a line that is not a row goes to `bad`),
+    the cut id the one training gives the line."""
+    stem = manifest_stem(manifest)
+    for index, origin, record in json_rows(manifest, bad, id_prefix=stem):
+        yield nemo_cut_id(record, f"{stem}-{index:08d}"), origin, record
 
 
 def check_output(manifest: str, output: str) -> None:
@@ -89,16 +100,22 @@ def partial_path(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def earlier_lines(output: Path) -> tuple[list[str], set[str]]:
-    """The complete lines an earlier run wrote, and the ids of their rows: of ``<output>.partial`` when an interrupted
-    run left one, else of the output. A last line without its newline (an interrupted write) is left out, its row
-    labelled again; a line that is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
-    source = partial_path(output) if partial_path(output).exists() else output
+def earlier_file(output: Path) -> Path:
+    """The file an earlier run left: ``<output>.partial`` when an interrupted run left one, else the output."""
+    return partial_path(output) if partial_path(output).exists() else output
+
+
+def earlier_lines(output: Path, warn: bool = True) -> tuple[list[str], set[str]]:
+    """The complete lines an earlier run wrote, and the ids of their rows: of `earlier_file`. A last line without its
+    newline (an interrupted write) is left out, its row labelled again (with a warning unless `warn` is False); a line
+    that is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
+    source = earlier_file(output)
     if not source.exists():
         return [], set()
     lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
-        logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
+        if warn:
+            logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
         lines.pop()
     ids = set()
     for number, line in enumerate(lines, 1):
@@ -115,6 +132,43 @@ def earlier_lines(output: Path) -> tuple[list[str], set[str]]:
             )
         ids.add(record["id"])
     return lines, ids
+
+
+def check_earlier_rows(
+    output: Path, done: set[str], rows: list[str], manifest: str, num_shards: int, shard_index: int, skipped: int = 0
+) -> None:
+    """The rows an earlier run wrote (`done`, the ids `earlier_lines` read) are all rows of this run (`rows`: the ids
+    of the rows of `manifest`, of shard `shard_index` of `num_shards`, less `skipped` bad ones): resuming keeps the
+    earlier lines, so lines of another manifest or shard would end up in the output. Refused, the file left as it
+    is."""
+    foreign = done.difference(rows)
+    if not foreign:
+        return
+    shard = f" (--num_shards {num_shards} --shard_index {shard_index})" if num_shards > 1 else ""
+    less = f", less the {skipped} skipped as bad" if skipped else ""
+    examples = ", ".join(repr(cut_id) for cut_id in sorted(foreign)[:3])
+    raise ValueError(
+        f"field 'output': {str(earlier_file(output))!r} holds {len(foreign)} labelled "
+        f"{'row that is not a row' if len(foreign) == 1 else 'rows that are not rows'} of --manifest {manifest!r}"
+        f"{shard}{less} (e.g. {examples}): it was written from another manifest or shard, and "
+        "resuming would keep them in the output; give a new --output, or the --manifest (and --num_shards / "
+        "--shard_index) that wrote it (the file is left as it is)"
+    )
+
+
+def check_resumable(manifest: str, output: str, num_shards: int, shard_index: int, skip_bad_samples: bool) -> None:
+    """Before the target loads, where an earlier run left lines for `output` (`earlier_file`): they are rows of
+    `manifest` (`check_earlier_rows`), of its shard `shard_index` of `num_shards` unless `skip_bad_samples` (rows
+    skipped for a problem only the target's tokenizer finds, `record_problem`, move the shards' bounds: the run checks
+    its shard once its rows are read). A line that is not a row stops here, as in the run (or, skipped, is warned
+    about here and by the run)."""
+    _, done = earlier_lines(Path(output), warn=False)
+    if not done:
+        return
+    rows = [cut_id for cut_id, _, _ in manifest_rows(Path(manifest), BadSamples(skip=skip_bad_samples))]
+    if skip_bad_samples:
+        num_shards, shard_index = 1, 0
+    check_earlier_rows(Path(output), done, shard_of(rows, num_shards, shard_index), manifest, num_shards, shard_index)
 
 
 def start_partial(output: Path, lines: list[str]) -> Path:
@@ -214,11 +268,15 @@ def generated_line(
 
 __all__ = [
     "LabelCounts",
+    "check_earlier_rows",
     "check_manifest",
     "check_output",
+    "check_resumable",
     "check_rows_fit",
+    "earlier_file",
     "earlier_lines",
     "generated_line",
+    "manifest_rows",
     "partial_path",
     "record_problem",
     "relocate",

@@ -268,7 +268,7 @@ def test_an_existing_output_is_never_modified_in_place(small, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps({**rows[0], "audio_filepath": "nope.wav"}))
     out = tmp_path / "out.json"
-    torn = json.dumps({**rows[0], "id": "manifest-00000000"}) + "\n" + '{"audio_filepath": "tor'
+    torn = json.dumps({**rows[0], "id": "bad-00000000"}) + "\n" + '{"audio_filepath": "tor'
     out.write_text(torn)
     with pytest.raises(BadSampleError, match="nope.wav"):
         _gen(model_dir, bad, out)
@@ -279,9 +279,10 @@ def test_an_existing_output_is_never_modified_in_place(small, tmp_path):
         _gen(model_dir, manifest, foreign)
     assert foreign.read_text() == manifest.read_text()
     assert partial_path(out).exists()  # the rows labelled before the bad one, resumed from by the next run
-    assert _gen(model_dir, manifest, out) == 0
+    bad.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the bad row removed
+    assert _gen(model_dir, bad, out) == 0
     got = [json.loads(x)["id"] for x in out.read_text().splitlines()]
-    assert got == ["manifest-00000000", "bad-00000000", "bad-00000001", "manifest-00000001", "manifest-00000002"]
+    assert got == ["bad-00000000", "bad-00000001", "bad-00000002"]
     assert not partial_path(out).exists()
 
 
@@ -319,7 +320,86 @@ def test_an_interrupted_run_resumes_from_its_partial_file(small, tmp_path):
     assert _gen(model_dir, manifest, out) == 0
     resumed = out.read_text().splitlines(True)
     assert resumed[0].count("KEPT") == 1 and resumed[1:] == complete[1:]
+    assert [json.loads(x)["id"] for x in resumed] == [f"manifest-{i:08d}" for i in range(3)]  # the manifest's rows
     assert not partial_path(out).exists()
+
+
+def _labelled(rows: list[dict], path: Path) -> Path:
+    """`rows` written as the lines of a labels file (`path`), as an earlier run leaves them."""
+    path.write_text("".join(json.dumps({**r, "reference_text": r["text"], "text": "earlier"}) + "\n" for r in rows))
+    return path
+
+
+def _never_loaded(monkeypatch):
+    def loaded(*args):
+        raise AssertionError("the target loaded before the earlier lines were checked")
+
+    monkeypatch.setattr("dflash_hf.cli.generate_labels.load_label_target", loaded)
+
+
+def test_a_partial_file_of_a_longer_manifest_is_refused_before_the_target_loads(small, tmp_path, monkeypatch, capsys):
+    """An interrupted run over a longer manifest, resumed with a manifest of its first rows (the same ids): the rows
+    of the partial file that are not the manifest's would be kept in the output. One error, exit 2, nothing loaded or
+    written."""
+    from dflash_hf.cli import console
+
+    model_dir, manifest = small
+    rows = [{**r, "id": f"utt{i}"} for i, r in enumerate(_rows(manifest) * 2)]  # 6 rows
+    prefix = tmp_path / "prefix.json"
+    prefix.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    out = tmp_path / "out.json"
+    partial = _labelled(rows[:5], partial_path(out))  # 5 of the longer manifest's 6 rows labelled
+    before = partial.read_bytes()
+    _never_loaded(monkeypatch)
+    argv = ["--model", str(model_dir), "--manifest", str(prefix), "--output", str(out)]
+    assert console.run_command("dflash-generate-labels", argv) == 2
+    err = capsys.readouterr().err
+    assert f"field 'output': {str(partial)!r} holds 3 labelled rows that are not rows of --manifest" in err
+    assert "prefix.json' (e.g. 'utt2', 'utt3', 'utt4')" in err and "give a new --output" in err
+    assert partial.read_bytes() == before and not out.exists()
+
+
+def test_a_complete_output_of_another_manifest_is_refused_not_reported_complete(small, tmp_path, monkeypatch):
+    """Every row of the manifest is in the output, and rows of another manifest too: refused, not 'complete'."""
+    model_dir, manifest = small
+    rows = [{**r, "id": f"utt{i}"} for i, r in enumerate(_rows(manifest))]
+    longer, prefix = tmp_path / "longer.json", tmp_path / "prefix.json"
+    longer.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prefix.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    out = tmp_path / "out.json"
+    assert _gen(model_dir, longer, out) == 0
+    before = out.read_bytes()
+    _never_loaded(monkeypatch)
+    with pytest.raises(ValueError, match=r"out.json' holds 1 labelled row that is not a row of .* \(e.g. 'utt2'\)"):
+        _gen(model_dir, prefix, out)
+    assert out.read_bytes() == before and not partial_path(out).exists()
+
+
+def test_a_shard_resumes_its_own_output_and_refuses_another_shards(small, tmp_path, monkeypatch):
+    """Shard 0 of 2 (rows 0, 1) resumes from its own partial file; given shard 1's output, or the whole manifest's,
+    it refuses: before the target loads, or, with --skip_bad_samples (rows it skips move the shards' bounds), once the
+    run has read its rows (the whole output then covers all of shard 0: refused, not reported complete)."""
+    model_dir, manifest = small
+    shard = ["--num_shards", "2", "--shard_index"]
+    part0, part1 = tmp_path / "part0.json", tmp_path / "part1.json"
+    _labelled([{**r, "id": "manifest-00000000"} for r in _rows(manifest)[:1]], partial_path(part0))
+    assert _gen(model_dir, manifest, part0, *shard, "0") == 0
+    assert [json.loads(x)["id"] for x in part0.read_text().splitlines()] == ["manifest-00000000", "manifest-00000001"]
+    assert json.loads(part0.read_text().splitlines()[0])["text"] == "earlier"  # resumed, not labelled again
+    assert _gen(model_dir, manifest, part1, *shard, "1") == 0
+    whole = tmp_path / "whole.json"
+    whole.write_text(part0.read_text() + part1.read_text())
+    message = r"holds 1 labelled row that is not a row of --manifest .* \(--num_shards 2 --shard_index 0\) \(e.g. "
+    with monkeypatch.context() as m:
+        _never_loaded(m)
+        for out in (part1, whole):
+            with pytest.raises(ValueError, match=f"{out.name}' {message}'manifest-00000002'"):
+                _gen(model_dir, manifest, out, *shard, "0")
+    for out in (part1, whole):
+        before = out.read_bytes()
+        with pytest.raises(ValueError, match=f"{out.name}' {message}'manifest-00000002'"):
+            _gen(model_dir, manifest, out, *shard, "0", "--skip_bad_samples", "true")
+        assert out.read_bytes() == before and not partial_path(out).exists()
 
 
 def test_bad_audio_and_hostile_names_in_generate_labels(small, tmp_path):
@@ -364,6 +444,11 @@ def test_control_tokens_and_lone_surrogates_in_a_row(small, tmp_path):
     out = tmp_path / "out.json"
     assert _gen(model_dir, data, out, "--skip_bad_samples", "true") == 0
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["m-00000002"]
+    # a labelled line of a row this run skips is not one of its rows: refused, not kept
+    _labelled([{**rows[1], "id": "m-00000001"}], out.with_name("more.json"))
+    out.write_text(out.read_text() + out.with_name("more.json").read_text())
+    with pytest.raises(ValueError, match=r"--manifest .*m.json', less the 2 skipped as bad \(e.g. 'm-00000001'\)"):
+        _gen(model_dir, data, out, "--skip_bad_samples", "true")
 
 
 def test_an_empty_manifest_or_a_cuts_file_is_refused_before_the_target_loads(small, tmp_path):
