@@ -88,8 +88,8 @@ def check_label_inputs(settings: LabelSettings) -> tuple:
     manifest a NeMo manifest with a row, the output a new file in an existing directory (`label_rows.check_output`);
     then the shard numbers one of the parts, the rows are what the target reads (audio rows for an audio target,
     from its config alone: `label_rows.check_rows_fit`), and an earlier run's lines are rows of the manifest (and
-    shard: `label_rows.check_resumable`). Returns the target's `(config, family row)` that this read
-    (`label_target_family`; `load_label_target` takes it)."""
+    shard), each the row its id names (`label_rows.check_resumable`). Returns the target's `(config, family row)`
+    that this read (`label_target_family`; `load_label_target` takes it)."""
     check_model_dir(settings.model, "model", "the target")
     if not Path(settings.manifest).is_file():
         raise FileNotFoundError(
@@ -102,7 +102,12 @@ def check_label_inputs(settings: LabelSettings) -> tuple:
     target = label_target_family(settings.model, settings.family)
     check_rows_fit(settings.manifest, target[1], record)
     check_resumable(
-        settings.manifest, settings.output, settings.num_shards, settings.shard_index, settings.skip_bad_samples
+        settings.manifest,
+        settings.output,
+        settings.reference_key,
+        settings.num_shards,
+        settings.shard_index,
+        settings.skip_bad_samples,
     )
     return target
 
@@ -209,9 +214,12 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
     if job.num_shards > 1:
         total, records = len(records), shard_of(records, job.num_shards, job.shard_index)
         logger.info("shard %d of %d: %d of the %d lines", job.shard_index, job.num_shards, len(records), total)
-    earlier, done = earlier_lines(output)
-    run_ids = [i for i, _, _ in records]  # an earlier run's rows are rows of this run, else refused here
-    check_earlier_rows(output, done, run_ids, job.manifest, job.num_shards, job.shard_index, bad.num_skipped)
+    earlier, done = earlier_lines(output, job.reference_key)
+    run_rows = [(i, r) for i, _, r in records]  # an earlier run's rows are rows of this run, else refused here
+    check_earlier_rows(
+        output, done, run_rows, job.manifest, job.reference_key, job.num_shards, job.shard_index, bad.num_skipped
+    )
+    earlier_rows = sum(len(lines) for lines in done.values())  # the labelled lines copied to the partial file
     todo = [(i, o, r) for i, o, r in records if i not in done]
     logger.info("%d lines in %s, %d already labelled, %d to go", len(records), manifest, len(done), len(todo))
 
@@ -254,7 +262,7 @@ def write_generated_labels(job: LabelJob, target: FrozenTarget, processor, decod
                 try:
                     labels = decode(encoded)
                 except torch.OutOfMemoryError as err:  # the batches before this one are in the partial file
-                    kept = len(done) + counts.written
+                    kept = earlier_rows + counts.written
                     raise out_of_memory(err, job, target, encoded, len(cuts), kept, counts.written) from err
                 for (cut, record), ids in zip(cuts, labels):
                     line = {k: v for k, v in record.items() if k not in (LABEL_IDS_KEY, TRUNCATED_KEY)}

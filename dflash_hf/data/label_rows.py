@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_hf.data.bad_samples import BadSamples
-from dflash_hf.data.conversation import ConversationRenderer
+from dflash_hf.data.conversation import ConversationConfig, ConversationRenderer
 from dflash_hf.data.generated import LABEL_IDS_KEY, TRUNCATED_KEY, decoded_response, generated_problem
 from dflash_hf.data.json_rows import json_rows, manifest_stem, record_kind
 from dflash_hf.data.sources import nemo_cut_id
@@ -105,19 +105,56 @@ def earlier_file(output: Path) -> Path:
     return partial_path(output) if partial_path(output).exists() else output
 
 
-def earlier_lines(output: Path, warn: bool = True) -> tuple[list[str], set[str]]:
-    """The complete lines an earlier run wrote, and the ids of their rows: of `earlier_file`. A last line without its
-    newline (an interrupted write) is left out, its row labelled again (with a warning unless `warn` is False); a line
-    that is not a labelled row (no ``id``) is an error: the file is not this tool's output."""
+# what a labelled line keeps of its row beside the reference text, as the target read it (a line's `context` and
+# `system_prompt`: the conversation's keys, `LabelJob`)
+ROW_KEYS = (
+    "audio_filepath",
+    "offset",
+    "duration",
+    ConversationConfig.context_key,
+    ConversationConfig.system_prompt_key,
+)
+# the line's own fields, written over the row's (`write_generated_labels`): a reference key among them is not kept
+LINE_KEYS = ("text", "id", "audio_filepath", LABEL_IDS_KEY, TRUNCATED_KEY)
+
+# the rows of an earlier run's lines: id -> ``(line number, row_fields)`` of each line of that id
+EarlierRows = dict[str, list[tuple[int, dict]]]
+
+
+def row_fields(record: dict, audio_dir: str, reference_key: str, labelled: bool) -> dict:
+    """What says which row `record` is (a manifest row, or a `labelled` line): its reference text (a row's ``text``, a
+    line's `reference_key`, unless that is a key the line writes over; a line without that key, written with another
+    --reference_key, is matched by the rest), its audio as an absolute path (a relative path is relative to
+    `audio_dir`, resolved: the manifest's directory, or the output's, where `relocate` re-expressed a line's path) and
+    the other `ROW_KEYS` it has."""
+    fields = {key: record[key] for key in ROW_KEYS if key in record and key != reference_key}
+    if reference_key not in LINE_KEYS and (not labelled or reference_key in record):
+        fields["text"] = record[reference_key] if labelled else record.get("text")
+    if isinstance(fields.get("audio_filepath"), str):
+        fields["audio_filepath"] = os.path.normpath(os.path.join(audio_dir, fields["audio_filepath"]))
+    return fields
+
+
+def same_row(line: dict, row: dict) -> bool:
+    """Whether a labelled line's `row_fields` are the manifest row's (its reference text where the line has it)."""
+    return line == (row if "text" in line else {k: v for k, v in row.items() if k != "text"})
+
+
+def earlier_lines(output: Path, reference_key: str, warn: bool = True) -> tuple[list[str], EarlierRows]:
+    """The complete lines an earlier run wrote (of `earlier_file`), and their rows: each id with its lines' numbers
+    and `row_fields` (the original text under `reference_key`). A last line without its newline (an interrupted write)
+    is left out, its row labelled again (with a warning unless `warn` is False); a line that is not a labelled row (no
+    ``id``) is an error: the file is not this tool's output."""
     source = earlier_file(output)
     if not source.exists():
-        return [], set()
+        return [], {}
     lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         if warn:
             logger.warning("%s: the last line is incomplete (an interrupted write); its row is labelled again", source)
         lines.pop()
-    ids = set()
+    rows: EarlierRows = {}
+    output_dir = str(output.parent.resolve())
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -130,45 +167,87 @@ def earlier_lines(output: Path, warn: bool = True) -> tuple[list[str], set[str]]
                 f"field 'output': {str(source)!r} line {number} is not a row dflash-generate-labels wrote (a JSON "
                 "object with a string 'id'); give a new --output (the file is left as it is)"
             )
-        ids.add(record["id"])
-    return lines, ids
+        fields = row_fields(record, output_dir, reference_key, labelled=True)
+        rows.setdefault(record["id"], []).append((number, fields))
+    return lines, rows
 
 
 def check_earlier_rows(
-    output: Path, done: set[str], rows: list[str], manifest: str, num_shards: int, shard_index: int, skipped: int = 0
+    output: Path,
+    done: EarlierRows,
+    rows: list[tuple[str, dict | None]],
+    manifest: str,
+    reference_key: str,
+    num_shards: int,
+    shard_index: int,
+    skipped: int = 0,
 ) -> None:
-    """The rows an earlier run wrote (`done`, the ids `earlier_lines` read) are all rows of this run (`rows`: the ids
-    of the rows of `manifest`, of shard `shard_index` of `num_shards`, less `skipped` bad ones): resuming keeps the
-    earlier lines, so lines of another manifest or shard would end up in the output. Refused, the file left as it
-    is."""
-    foreign = done.difference(rows)
-    if not foreign:
+    """The rows an earlier run wrote (`done`, read by `earlier_lines`) are all rows of this run (`rows`: the
+    ``(id, record)`` of the rows of `manifest`, of shard `shard_index` of `num_shards`, less `skipped` bad ones; the
+    record may be None where its id is not in `done`), each line the row its id names (`row_fields`: a manifest
+    edited since, or ids by position shifted by a deleted or inserted line, name other rows): resuming keeps the
+    earlier lines, so lines of another manifest, shard or row would end up in the output. Refused, the file left as
+    it is."""
+    source = str(earlier_file(output))
+    foreign = done.keys() - {cut_id for cut_id, _ in rows}
+    if foreign:
+        shard = f" (--num_shards {num_shards} --shard_index {shard_index})" if num_shards > 1 else ""
+        less = f", less the {skipped} skipped as bad" if skipped else ""
+        examples = ", ".join(repr(cut_id) for cut_id in sorted(foreign)[:3])
+        raise ValueError(
+            f"field 'output': {source!r} holds {len(foreign)} labelled "
+            f"{'row that is not a row' if len(foreign) == 1 else 'rows that are not rows'} of --manifest {manifest!r}"
+            f"{shard}{less} (e.g. {examples}): it was written from another manifest or shard, and "
+            "resuming would keep them in the output; give a new --output, or the --manifest (and --num_shards / "
+            "--shard_index) that wrote it (the file is left as it is)"
+        )
+    manifest_dir = str(Path(manifest).parent.resolve())
+    wanted: dict[str, list[dict]] = {}
+    for cut_id, record in rows:
+        if cut_id in done and record is not None:
+            wanted.setdefault(cut_id, []).append(row_fields(record, manifest_dir, reference_key, labelled=False))
+    differ = sorted(
+        (number, cut_id, fields)
+        for cut_id, lines in done.items()
+        for number, fields in lines
+        if not any(same_row(fields, row) for row in wanted[cut_id])
+    )
+    if not differ:
         return
-    shard = f" (--num_shards {num_shards} --shard_index {shard_index})" if num_shards > 1 else ""
-    less = f", less the {skipped} skipped as bad" if skipped else ""
-    examples = ", ".join(repr(cut_id) for cut_id in sorted(foreign)[:3])
+    number, cut_id, fields = differ[0]
+    row = wanted[cut_id][0]
+    missing = object()
+    keys = sorted(k for k in fields.keys() | row.keys() if fields.get(k, missing) != row.get(k, missing))
+    keys = [k for k in keys if k != "text" or k in fields]  # a line without its reference text is matched by the rest
+    named = ", ".join(repr(reference_key if k == "text" else k) for k in keys)
+    one = len(differ) == 1
     raise ValueError(
-        f"field 'output': {str(earlier_file(output))!r} holds {len(foreign)} labelled "
-        f"{'row that is not a row' if len(foreign) == 1 else 'rows that are not rows'} of --manifest {manifest!r}"
-        f"{shard}{less} (e.g. {examples}): it was written from another manifest or shard, and "
-        "resuming would keep them in the output; give a new --output, or the --manifest (and --num_shards / "
-        "--shard_index) that wrote it (the file is left as it is)"
+        f"field 'output': {source!r} holds {len(differ)} labelled row{'s' * (not one)} that "
+        f"{'is not the row its id names' if one else 'are not the rows their ids name'} in --manifest {manifest!r} "
+        f"(e.g. line {number}, id {cut_id!r}: its {named} {'differs' if len(keys) == 1 else 'differ'} from the "
+        "manifest row's): the manifest changed since, or its ids by position (lines without an 'id') shifted with a "
+        "line deleted or inserted, and resuming would keep labels of other rows; give a new --output, or the "
+        "--manifest that wrote it (the file is left as it is)"
     )
 
 
-def check_resumable(manifest: str, output: str, num_shards: int, shard_index: int, skip_bad_samples: bool) -> None:
-    """Before the target loads, where an earlier run left lines for `output` (`earlier_file`): they are rows of
-    `manifest` (`check_earlier_rows`), of its shard `shard_index` of `num_shards` unless `skip_bad_samples` (rows
-    skipped for a problem only the target's tokenizer finds, `record_problem`, move the shards' bounds: the run checks
-    its shard once its rows are read). A line that is not a row stops here, as in the run (or, skipped, is warned
-    about here and by the run)."""
-    _, done = earlier_lines(Path(output), warn=False)
+def check_resumable(
+    manifest: str, output: str, reference_key: str, num_shards: int, shard_index: int, skip_bad_samples: bool
+) -> None:
+    """Before the target loads, where an earlier run left lines for `output` (`earlier_file`, its original texts
+    under `reference_key`): they are rows of `manifest`, each the row its id names (`check_earlier_rows`), of its shard
+    `shard_index` of `num_shards` unless `skip_bad_samples` (rows skipped for a problem only the target's tokenizer
+    finds, `record_problem`, move the shards' bounds: the run checks its shard once its rows are read). A line that is
+    not a row stops here, as in the run (or, skipped, is warned about here and by the run)."""
+    _, done = earlier_lines(Path(output), reference_key, warn=False)
     if not done:
         return
-    rows = [cut_id for cut_id, _, _ in manifest_rows(Path(manifest), BadSamples(skip=skip_bad_samples))]
+    bad = BadSamples(skip=skip_bad_samples)
+    rows = [(cut_id, record if cut_id in done else None) for cut_id, _, record in manifest_rows(Path(manifest), bad)]
     if skip_bad_samples:
         num_shards, shard_index = 1, 0
-    check_earlier_rows(Path(output), done, shard_of(rows, num_shards, shard_index), manifest, num_shards, shard_index)
+    part = shard_of(rows, num_shards, shard_index)
+    check_earlier_rows(Path(output), done, part, manifest, reference_key, num_shards, shard_index)
 
 
 def start_partial(output: Path, lines: list[str]) -> Path:
@@ -267,6 +346,8 @@ def generated_line(
 
 
 __all__ = [
+    "ROW_KEYS",
+    "EarlierRows",
     "LabelCounts",
     "check_earlier_rows",
     "check_manifest",
@@ -280,6 +361,8 @@ __all__ = [
     "partial_path",
     "record_problem",
     "relocate",
+    "row_fields",
+    "same_row",
     "shard_of",
     "start_partial",
 ]

@@ -402,6 +402,94 @@ def test_a_shard_resumes_its_own_output_and_refuses_another_shards(small, tmp_pa
         assert out.read_bytes() == before and not partial_path(out).exists()
 
 
+def test_a_partial_file_whose_rows_shifted_with_a_deleted_line_is_refused(small, tmp_path, monkeypatch, capsys):
+    """Rows without an 'id' take one by position: with a line of the manifest deleted since, the earlier lines' ids
+    name other rows (same ids, other audio and text). One error naming a line and its fields, exit 2, before the
+    target loads; nothing written."""
+    from dflash_hf.cli import console
+
+    model_dir, manifest = small
+    rows = _rows(manifest) * 2  # 6 rows, no ids: 'shifted-00000000' ..
+    shifted = tmp_path / "shifted.json"
+    out = tmp_path / "out.json"
+    partial = _labelled([{**r, "id": f"shifted-{i:08d}"} for i, r in enumerate(rows[:3])], partial_path(out))
+    before = partial.read_bytes()
+    shifted.write_text("".join(json.dumps(r) + "\n" for i, r in enumerate(rows) if i != 1))  # line 1 deleted
+    _never_loaded(monkeypatch)
+    argv = ["--model", str(model_dir), "--manifest", str(shifted), "--output", str(out)]
+    assert console.run_command("dflash-generate-labels", argv) == 2
+    err = capsys.readouterr().err
+    assert f"field 'output': {str(partial)!r} holds 2 labelled rows that are not the rows their ids name" in err
+    assert "(e.g. line 2, id 'shifted-00000001': its 'audio_filepath', 'duration', 'reference_text' differ" in err
+    assert "ids by position (lines without an 'id') shifted" in err and "give a new --output" in err
+    assert partial.read_bytes() == before and not out.exists()
+
+
+def test_a_partial_file_of_an_edited_row_is_refused_before_loading_and_by_the_run(small, tmp_path, monkeypatch):
+    """Rows with their own ids, one whose text was edited since it was labelled: refused before the target loads,
+    and by the run itself (its own check, after it has read the rows); the partial file is left as it is."""
+    from dflash_hf.data import label_manifest
+
+    model_dir, manifest = small
+    rows = [{**r, "id": f"utt{i}"} for i, r in enumerate(_rows(manifest))]
+    edited = tmp_path / "edited.json"
+    out = tmp_path / "out.json"
+    partial = _labelled(rows[:2], partial_path(out))
+    before = partial.read_bytes()
+    rows[1]["text"] += " again"
+    edited.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    message = r"holds 1 labelled row that is not the row its id names .* \(e.g. line 2, id 'utt1': its 'reference_text'"
+    with monkeypatch.context() as m:
+        _never_loaded(m)
+        with pytest.raises(ValueError, match=message):
+            _gen(model_dir, edited, out)
+    monkeypatch.setattr(label_manifest, "check_resumable", lambda *args: None)  # the run's own check
+    with pytest.raises(ValueError, match=message):
+        _gen(model_dir, edited, out)
+    assert partial.read_bytes() == before and not out.exists()
+
+
+def test_an_output_elsewhere_named_otherwise_resumes(small, tmp_path, monkeypatch):
+    """The output in another directory than the manifest (its audio paths re-expressed relative to it), resumed with
+    the manifest and output named by other paths (relative from another directory, then absolute): the same rows,
+    resumed and not labelled again."""
+    model_dir, manifest = small
+    moved = tmp_path / "in" / "moved.json"
+    moved.parent.mkdir()
+    rows = _rows(manifest)  # absolute audio paths; all but the last made relative to the manifest's new directory
+    rows[:2] = [{**r, "audio_filepath": os.path.relpath(r["audio_filepath"], moved.parent)} for r in rows[:2]]
+    moved.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "labels" / "deeper" / "out.json"
+    out.parent.mkdir(parents=True)
+    monkeypatch.chdir(out.parent)
+    assert _gen(model_dir, Path("..") / ".." / "in" / "moved.json", "out.json") == 0
+    complete = out.read_text().splitlines(True)
+    assert json.loads(complete[0])["audio_filepath"] == os.path.relpath(moved.parent / rows[0]["audio_filepath"])
+    assert json.loads(complete[0])["audio_filepath"] != rows[0]["audio_filepath"]  # relocated
+    out.unlink()
+    partial_path(out).write_text("".join(x.replace('"text": "', '"text": "KEPT ', 1) for x in complete[:2]))
+    assert _gen(model_dir, moved, out) == 0
+    resumed = out.read_text().splitlines(True)
+    assert [x.count("KEPT") for x in resumed] == [1, 1, 0] and resumed[2] == complete[2]
+
+
+def test_text_rows_are_matched_by_their_context(tmp_path):
+    """A text target's rows (an empty ``text``, a ``context``) without ids, the first line deleted since: the earlier
+    lines are matched by their context too (a text alone would not tell them apart)."""
+    from dflash_hf.data.label_rows import check_resumable
+
+    rows = [{"text": "", "context": f"Say {word}."} for word in ("one", "two", "three")]
+    manifest, out = tmp_path / "prompts.json", tmp_path / "out.json"
+    _labelled([{**r, "id": f"prompts-{i:08d}"} for i, r in enumerate(rows[:2])], partial_path(out))
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check_resumable(str(manifest), str(out), "reference_text", 1, 0, False)  # the rows that wrote it
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))
+    with pytest.raises(
+        ValueError, match=r"holds 2 labelled rows .* \(e.g. line 1, id 'prompts-00000000': its 'context'"
+    ):
+        check_resumable(str(manifest), str(out), "reference_text", 1, 0, False)
+
+
 def test_bad_audio_and_hostile_names_in_generate_labels(small, tmp_path):
     """No program runs for a hostile name; non-finite audio and audio only a program could read are skipped and
     counted with --skip_bad_samples true, or stop the run naming the row."""
@@ -619,6 +707,24 @@ def test_gpu_out_of_memory_in_a_batch_stops_with_exit_75_and_the_rerun_resumes(s
     assert prompts == [1]  # only the row the stopped run had not written
     assert out.read_text().startswith(kept) and len(out.read_text().splitlines()) == 3
     assert not partial_path(out).exists()
+
+
+def test_the_out_of_memory_message_counts_the_lines_of_the_partial_file(small, tmp_path, monkeypatch):
+    """The rows kept are the partial file's lines (two here, of one row: the id twice), not its distinct ids."""
+    from dflash_hf.errors import OutputKeptFault
+    from dflash_hf.generation import target_generate
+
+    model_dir, manifest = small
+    out = tmp_path / "out.json"
+    row = {**_rows(manifest)[0], "id": "manifest-00000000"}
+    _labelled([row, row], partial_path(out))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    monkeypatch.setattr(target_generate, "target_generate_new_tokens", out_of_memory)
+    with pytest.raises(OutputKeptFault, match=r"out.json.partial' holds the 2 rows labelled so far \(0 written by"):
+        _gen(model_dir, manifest, out)
 
 
 def test_the_out_of_memory_message_fits_the_target(tmp_path):
