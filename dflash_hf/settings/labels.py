@@ -9,6 +9,20 @@ from dataclasses import dataclass, field
 from dflash_hf.settings.data import DataSettings
 
 LABEL_DTYPES = ("float32", "bfloat16", "float16")
+# the fields a labelled line holds for training and for resuming (`data.generated`, `data.label_rows`): where the
+# original text is kept must be none of them, or the output would overwrite its own row
+LINE_FIELDS = (
+    "text",
+    "id",
+    "audio_filepath",
+    "offset",
+    "duration",
+    "lang",
+    "context",
+    "system_prompt",
+    "label_ids",
+    "truncated",
+)
 
 
 @dataclass
@@ -61,6 +75,12 @@ class LabelSettings:
                 raise ValueError(f"field '{name}' must be >= 1, got {getattr(self, name)}")
         if self.dtype not in LABEL_DTYPES:
             raise ValueError(f"field 'dtype' must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not self.reference_key or self.reference_key in LINE_FIELDS:
+            raise ValueError(
+                f"field 'reference_key' must name a new field of the output line, got {self.reference_key!r}: "
+                f"the line already holds {', '.join(LINE_FIELDS)}; keep the default 'reference_text' or pick another "
+                "name"
+            )
 
     def check_shard(self) -> None:
         """`shard_index` numbers one of the `num_shards` parts."""
