@@ -114,21 +114,18 @@ ROW_KEYS = (
     ConversationConfig.context_key,
     ConversationConfig.system_prompt_key,
 )
-# the line's own fields, written over the row's (`write_generated_labels`): a reference key among them is not kept
-LINE_KEYS = ("text", "id", "audio_filepath", LABEL_IDS_KEY, TRUNCATED_KEY)
-
 # the rows of an earlier run's lines: id -> ``(line number, row_fields)`` of each line of that id
 EarlierRows = dict[str, list[tuple[int, dict]]]
 
 
 def row_fields(record: dict, audio_dir: str, reference_key: str, labelled: bool) -> dict:
     """What says which row `record` is (a manifest row, or a `labelled` line): its reference text (a row's ``text``, a
-    line's `reference_key`, unless that is a key the line writes over; a line without that key, written with another
-    --reference_key, is matched by the rest), its audio as an absolute path (a relative path is relative to
+    line's `reference_key`, never a field of the line: `LabelSettings` refuses those; a line without that key, written
+    with another --reference_key, is matched by the rest), its audio as an absolute path (a relative path is relative to
     `audio_dir`, resolved: the manifest's directory, or the output's, where `relocate` re-expressed a line's path) and
     the other `ROW_KEYS` it has."""
-    fields = {key: record[key] for key in ROW_KEYS if key in record and key != reference_key}
-    if reference_key not in LINE_KEYS and (not labelled or reference_key in record):
+    fields = {key: record[key] for key in ROW_KEYS if key in record}
+    if not labelled or reference_key in record:
         fields["text"] = record[reference_key] if labelled else record.get("text")
     if isinstance(fields.get("audio_filepath"), str):
         fields["audio_filepath"] = os.path.normpath(os.path.join(audio_dir, fields["audio_filepath"]))
